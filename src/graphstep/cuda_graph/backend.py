@@ -1,0 +1,304 @@
+"""Graph backends: one capture mechanism, two implementations.
+
+Every capture in graphstep goes through a :class:`GraphBackend`::
+
+    backend = get_backend(device)            # one per process and device
+    graph = backend.new_graph("train")
+    with backend.warmup():                   # eager warm-up on the capture stream
+        step(*static_inputs)
+    with backend.capture(graph, generators=tracker.generators()):
+        outputs = step(*static_inputs)       # recorded, not (observably) executed
+    graph.replay()                           # runs the step; outputs are overwritten
+
+:class:`CudaGraphBackend` wraps ``torch.cuda.CUDAGraph``: one graph pool and
+one capture stream per process, ``thread_local`` capture mode, Python GC frozen
+during capture, every RNG-tracker generator registered with the graph where the
+running PyTorch needs it.
+
+:class:`ReplayBackend` gives the same semantics on the CPU (see replay.py): it
+records every aten op of the region and replays them on the same tensors, so a
+forgotten copy into a static input, a stale output or an RNG stream that does
+not advance shows up on the CPU exactly as on a GPU.
+
+.. warning::
+    Inside a capture, nothing may read device data on the host (``.item()``,
+    ``.tolist()``, ``bool(t)``, ``nonzero``, boolean-mask indexing): both
+    backends raise :class:`CaptureError` naming the op and the user's line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+import warnings
+import weakref
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from .errors import CaptureError  # noqa: F401  (re-exported)
+
+log = logging.getLogger("graphstep")
+
+GiB = 1024**3
+
+
+@dataclass
+class CaptureReport:
+    """Time and memory of one capture (bytes; the replay backend counts what the tape keeps alive)."""
+
+    name: str
+    seconds: float
+    allocated_before: int
+    allocated_after: int
+    reserved_before: int
+    reserved_after: int
+
+    @property
+    def allocated_delta(self) -> int:
+        return self.allocated_after - self.allocated_before
+
+    @property
+    def reserved_delta(self) -> int:
+        return self.reserved_after - self.reserved_before
+
+
+class Graph(ABC):
+    """A captured region that can be replayed."""
+
+    name: str
+    report: CaptureReport | None
+
+    @abstractmethod
+    def replay(self) -> None: ...
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Free what the capture holds; the graph can not be replayed again."""
+
+    @property
+    @abstractmethod
+    def captured(self) -> bool: ...
+
+
+class GraphBackend(ABC):
+    """Creates, captures and frees graphs on one device."""
+
+    name: str
+    device: torch.device
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._graphs: list[weakref.ref[Graph]] = []
+        self.reports: list[CaptureReport] = []
+
+    @abstractmethod
+    def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph: ...
+
+    @abstractmethod
+    def capture(self, graph: Graph, generators: Iterable[torch.Generator] = ()) -> contextlib.AbstractContextManager:
+        """Context manager: the work inside is captured into ``graph``."""
+
+    def warmup(self) -> contextlib.AbstractContextManager:
+        """Context manager for eager warm-up work (on the capture stream for CUDA)."""
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def memory(self) -> tuple[int, int]:
+        """(allocated, reserved) bytes on the device now."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def live_graphs(self) -> list[Graph]:
+        return [g for r in self._graphs if (g := r()) is not None and g.captured]
+
+    def _track(self, graph: Graph) -> Graph:
+        self._graphs.append(weakref.ref(graph))
+        return graph
+
+    def close(self) -> None:
+        """Reset every graph made by this backend and free the pool."""
+        for ref in self._graphs:
+            g = ref()
+            if g is not None:
+                g.reset()
+        self._graphs.clear()
+
+
+def _user_frame_blocking_gc() -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def frozen() -> Iterator[None]:
+        # Collecting garbage during capture can free tensors whose memory the
+        # capture is using and costs time per object: freeze what exists and
+        # keep the collector off until the capture ends.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.freeze()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if was_enabled:
+                gc.enable()
+            gc.unfreeze()
+
+    return frozen()
+
+
+class CudaGraphBackend(GraphBackend):
+    """``torch.cuda.CUDAGraph`` with one pool and one capture stream per process."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device, capture_error_mode: str = "thread_local") -> None:
+        super().__init__(device)
+        self.capture_error_mode = capture_error_mode
+        with torch.cuda.device(device):
+            self.stream = torch.cuda.Stream(device)
+            self.pool = torch.cuda.graph_pool_handle()
+
+    def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph:
+        return self._track(_CudaGraph(self, name, self.pool if shared_pool else None))
+
+    @contextlib.contextmanager
+    def warmup(self) -> Iterator[None]:
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            yield
+        current.wait_stream(self.stream)
+
+    @contextlib.contextmanager
+    def capture(self, graph: Graph, generators: Iterable[torch.Generator] = ()) -> Iterator[None]:
+        assert isinstance(graph, _CudaGraph)
+        _register_generators(graph.cuda_graph, generators)
+        torch.cuda.synchronize(self.device)
+        alloc0, res0 = self.memory()
+        t0 = time.perf_counter()
+        with _user_frame_blocking_gc():
+            try:
+                with torch.cuda.graph(
+                    graph.cuda_graph,
+                    pool=graph.pool,
+                    stream=self.stream,
+                    capture_error_mode=self.capture_error_mode,
+                ):
+                    yield
+            except Exception as exc:
+                graph.reset()
+                raise CaptureError.from_cuda(exc, graph.name) from exc
+        torch.cuda.synchronize(self.device)
+        graph.report = CaptureReport(graph.name, time.perf_counter() - t0, alloc0, *self._after(res0))
+        self.reports.append(graph.report)
+        graph._captured = True
+
+    def _after(self, res0: int) -> tuple[int, int, int]:
+        alloc1, res1 = self.memory()
+        return alloc1, res0, res1
+
+    def memory(self) -> tuple[int, int]:
+        return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        super().close()
+        # A new pool handle drops our reference to the old pool's id; the
+        # caching allocator frees its blocks once no graph uses them.
+        with torch.cuda.device(self.device):
+            self.pool = torch.cuda.graph_pool_handle()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+
+class _CudaGraph(Graph):
+    def __init__(self, backend: CudaGraphBackend, name: str, pool) -> None:
+        self.backend = backend
+        self.name = name
+        self.pool = pool
+        self.cuda_graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+        self.report = None
+        self._captured = False
+
+    @property
+    def captured(self) -> bool:
+        return self._captured
+
+    def replay(self) -> None:
+        if not self._captured or self.cuda_graph is None:
+            raise RuntimeError(f"graph {self.name!r} has not been captured (or was reset)")
+        self.cuda_graph.replay()
+
+    def reset(self) -> None:
+        if self.cuda_graph is not None:
+            self.cuda_graph.reset()
+            self.cuda_graph = None
+        self._captured = False
+
+
+def _register_generators(graph: torch.cuda.CUDAGraph, generators: Iterable[torch.Generator]) -> None:
+    """Register graph-safe generators where this PyTorch needs it.
+
+    ``CUDAGraph.register_generator_state`` exists from about 2.4; from about
+    2.14 every generator is tracked automatically and the method is a
+    deprecated no-op. Registering the default generator is always implicit.
+    """
+    register = getattr(graph, "register_generator_state", None)
+    if register is None:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        for gen in generators:
+            if gen.device.type == "cuda":
+                register(gen)
+
+
+# --------------------------------------------------------------------------
+# process-wide backends
+
+_BACKENDS: dict[tuple[str, str], GraphBackend] = {}
+_ANNOUNCED: set[str] = set()
+
+
+def get_backend(device: torch.device | str, kind: str = "auto") -> GraphBackend:
+    """The process's backend for ``device``: CUDA graphs on a GPU, replay elsewhere.
+
+    ``kind`` is ``auto``, ``cuda`` or ``replay`` (a dry run on any device).
+    """
+    from .replay import ReplayBackend
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if kind not in ("auto", "cuda", "replay"):
+        raise ValueError(f"graph backend must be auto, cuda or replay, got {kind!r}")
+    if kind == "auto":
+        kind = "cuda" if device.type == "cuda" else "replay"
+    if kind == "cuda" and device.type != "cuda":
+        raise ValueError(f"the cuda graph backend needs a CUDA device, the model is on {device}")
+    key = (kind, str(device))
+    backend = _BACKENDS.get(key)
+    if backend is None:
+        backend = CudaGraphBackend(device) if kind == "cuda" else ReplayBackend(device)
+        _BACKENDS[key] = backend
+        if kind == "replay" and key[1] not in _ANNOUNCED:
+            _ANNOUNCED.add(key[1])
+            if device.type == "cuda":
+                log.info("graph backend: CPU replay backend on %s (dry run) -- checks capture, gives no speed-up", device)
+            else:
+                log.info("no CUDA device: capturing with the CPU replay backend -- checks capture, gives no speed-up")
+    return backend
+
+
+def close_all_backends() -> None:
+    """Reset every graph of every backend of this process (harmless to repeat)."""
+    for backend in list(_BACKENDS.values()):
+        backend.close()
+    _BACKENDS.clear()

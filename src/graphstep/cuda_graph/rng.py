@@ -1,0 +1,158 @@
+"""A graph-safe RNG tracker in Megatron's shape.
+
+Named generators (``data-parallel-rng``, ``model-parallel-rng``,
+``expert-parallel-rng``) seeded as Megatron seeds them; ``fork(name)`` makes
+the device's default generator draw from the named one for the duration of a
+block, so ``F.dropout`` inside the block uses that stream::
+
+    tracker = get_rng_tracker()
+    with tracker.fork():                       # model-parallel-rng
+        probs = F.dropout(probs, p, training)
+
+Graph safety. On CUDA with ``graph_safe=True`` (``model.use_te_rng_tracker``)
+each named stream is a ``torch.Generator`` whose *state* the default generator
+adopts through ``graphsafe_set_state`` -- no bytes are copied, so the swap is
+legal during capture and each graph that registers the generators (see
+``generators()``) advances their offsets on every replay, as eager does. With
+``graph_safe=False`` the swap copies states with ``get_state``/``set_state``
+(Megatron's classic tracker), which works eagerly but breaks capture.
+
+On the CPU the swap copies states; the replay backend records each swap as a
+host callback (:func:`record_host_op`) so replays draw the same numbers as the
+eager steps would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Iterator
+
+import torch
+
+from .replay import record_host_op
+
+DATA_PARALLEL_RNG = "data-parallel-rng"
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
+
+
+class RNGTracker:
+    """Named generators and a ``fork`` context manager (Megatron's CudaRNGStatesTracker)."""
+
+    def __init__(self, device: torch.device | str = "cpu", *, graph_safe: bool = True) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.graph_safe = graph_safe and self.device.type == "cuda"
+        self.states: dict[str, torch.Generator] = {}
+        self.seeds: dict[str, int] = {}
+
+    def reset(self) -> None:
+        self.states.clear()
+        self.seeds.clear()
+
+    def add(self, name: str, seed: int) -> None:
+        """Add a stream ``name`` seeded with ``seed`` (each name and seed once)."""
+        if name in self.states:
+            raise ValueError(f"RNG stream {name!r} already exists")
+        if seed in self.seeds.values():
+            raise ValueError(f"seed {seed} is already used by another RNG stream")
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        self.states[name] = gen
+        self.seeds[name] = seed
+
+    def generators(self) -> list[torch.Generator]:
+        """Every generator a graph must register to replay these streams correctly."""
+        return list(self.states.values())
+
+    def get_all_states(self) -> dict[str, torch.Tensor]:
+        """Byte states of every stream (for checkpoints)."""
+        return {name: gen.get_state() for name, gen in self.states.items()}
+
+    def set_all_states(self, states: dict[str, torch.Tensor]) -> None:
+        missing = set(self.states) ^ set(states)
+        if missing:
+            raise ValueError(f"RNG states do not match the tracker's streams: {sorted(missing)}")
+        for name, state in states.items():
+            self.states[name].set_state(state)
+
+    def _default(self) -> torch.Generator:
+        if self.device.type == "cuda":
+            return torch.cuda.default_generators[self.device.index]
+        return torch.default_generator
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Draw from stream ``name`` inside the block; the default stream is untouched."""
+        try:
+            gen = self.states[name]
+        except KeyError:
+            raise KeyError(f"RNG stream {name!r} is not tracked (streams: {sorted(self.states)})") from None
+        default = self._default()
+        saved: list = []
+        if self.graph_safe:
+
+            def enter() -> None:
+                saved.append(default.graphsafe_get_state())
+                default.graphsafe_set_state(gen)
+
+            def leave() -> None:
+                default.graphsafe_set_state(saved.pop())
+
+        else:
+
+            def enter() -> None:
+                saved.append(default.get_state())
+                default.set_state(gen.get_state())
+
+            def leave() -> None:
+                gen.set_state(default.get_state())
+                default.set_state(saved.pop())
+
+        record_host_op(enter)
+        try:
+            yield
+        finally:
+            record_host_op(leave)
+
+
+_TRACKER: RNGTracker | None = None
+
+
+def get_rng_tracker() -> RNGTracker:
+    """The process's tracker (a CPU tracker seeded with 1234 until initialised)."""
+    global _TRACKER
+    if _TRACKER is None:
+        _TRACKER = RNGTracker("cpu")
+        _seed_streams(_TRACKER, 1234)
+    return _TRACKER
+
+
+def _seed_streams(tracker: RNGTracker, seed: int, tp_rank: int = 0, ep_rank: int = 0) -> None:
+    tracker.add(DATA_PARALLEL_RNG, seed)
+    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+    tracker.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * ep_rank + tp_rank)
+
+
+def initialize_rng_tracker(
+    seed: int,
+    device: torch.device | str,
+    *,
+    graph_safe: bool = True,
+    pp_rank: int = 0,
+    dp_rank: int = 0,
+    data_parallel_random_init: bool = False,
+) -> RNGTracker:
+    """Seed Python, torch and the tracker as Megatron's ``_set_random_seed`` does."""
+    global _TRACKER
+    seed = seed + 100 * pp_rank
+    if data_parallel_random_init:
+        seed += 10 * dp_rank
+    random.seed(seed)
+    torch.manual_seed(seed)
+    tracker = RNGTracker(device, graph_safe=graph_safe)
+    _seed_streams(tracker, seed)
+    _TRACKER = tracker
+    return tracker

@@ -1,0 +1,282 @@
+"""A Llama/Qwen-style decoder whose layers expose graph scopes.
+
+RMSNorm, rotary position embeddings, grouped-query attention through
+``scaled_dot_product_attention``, SwiGLU MLP, tied or untied embeddings,
+attention and hidden dropout. Projections are fused as in Megatron
+(``linear_qkv``, ``linear_fc1`` = gate and up) to keep the kernel count low.
+
+Scopes (see graphstep.cuda_graph.scopes): ``attn`` is input norm + attention +
+output projection + dropout + residual (:class:`AttentionBlock`); ``mlp`` is
+pre-MLP norm + MLP + dropout + residual (:class:`MLPBlock`). MoE and Mamba
+blocks (models/moe.py, models/mamba.py) plug into :class:`DecoderLayer` in the
+same way.
+
+All dropout draws from the graph-safe RNG tracker: attention dropout from
+``model-parallel-rng``, hidden dropout from ``data-parallel-rng``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..cuda_graph.rng import DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, get_rng_tracker
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The subset of ``ModelConfig`` a model needs (kept free of training fields)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    seq_length: int
+    vocab_size: int
+    tie_embeddings: bool
+    eps: float
+    rotary_base: int
+    qk_layernorm: bool
+    add_qkv_bias: bool
+    attention_dropout: float
+    hidden_dropout: float
+    init_std: float
+    recompute_core_attn: bool = False
+    recompute_mlp: bool = False
+
+    @classmethod
+    def from_config(cls, m) -> "ModelShape":
+        heads = m.num_attention_heads
+        if m.hidden_size % heads and m.kv_channels is None:
+            raise ValueError(f"model.hidden_size={m.hidden_size} is not divisible by num_attention_heads={heads}")
+        groups = m.num_query_groups or heads
+        if heads % groups:
+            raise ValueError(f"model.num_attention_heads={heads} is not divisible by num_query_groups={groups}")
+        selective = m.recompute_granularity == "selective"
+        return cls(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            ffn_hidden_size=m.ffn_hidden_size,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            kv_channels=m.kv_channels or m.hidden_size // heads,
+            seq_length=m.seq_length,
+            vocab_size=m.vocab_size,
+            tie_embeddings=m.share_embeddings_and_output_weights,
+            eps=m.layernorm_epsilon,
+            rotary_base=m.rotary_base,
+            qk_layernorm=m.qk_layernorm,
+            add_qkv_bias=m.add_qkv_bias,
+            attention_dropout=m.attention_dropout,
+            hidden_dropout=m.hidden_dropout,
+            init_std=m.init_method_std,
+            recompute_core_attn=selective and "core_attn" in m.recompute_modules,
+            recompute_mlp=selective and "mlp" in m.recompute_modules,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def hidden_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout on a block output, drawn from the tracker's data-parallel stream."""
+    if p == 0.0 or not training:
+        return x
+    with get_rng_tracker().fork(DATA_PARALLEL_RNG):
+        return F.dropout(x, p, True)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for rotate-half RoPE (Llama / Hugging Face layout)."""
+
+    def __init__(self, head_dim: int, seq_length: int, base: int) -> None:
+        super().__init__()
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        pos = torch.arange(seq_length, dtype=torch.float64)
+        freqs = torch.outer(pos, inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` of shape [batch, heads, seq, head_dim]."""
+        seq = x.shape[-2]
+        if seq > self.cos.shape[0]:
+            raise ValueError(f"sequence length {seq} exceeds model.seq_length={self.cos.shape[0]}")
+        cos = self.cos[:seq].to(x.dtype)
+        sin = self.sin[:seq].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE (no residual, no norm)."""
+
+    def __init__(self, s: ModelShape) -> None:
+        super().__init__()
+        self.s = s
+        self.heads, self.groups, self.head_dim = s.num_attention_heads, s.num_query_groups, s.kv_channels
+        qkv = (self.heads + 2 * self.groups) * self.head_dim
+        self.linear_qkv = nn.Linear(s.hidden_size, qkv, bias=s.add_qkv_bias)
+        self.linear_proj = nn.Linear(self.heads * self.head_dim, s.hidden_size, bias=False)
+        if s.qk_layernorm:
+            self.q_layernorm = RMSNorm(self.head_dim, s.eps)
+            self.k_layernorm = RMSNorm(self.head_dim, s.eps)
+        self.rotary = Rotary(self.head_dim, s.seq_length, s.rotary_base)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.s.attention_dropout if self.training else 0.0
+        gqa = self.groups != self.heads
+        if p == 0.0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        with get_rng_tracker().fork(MODEL_PARALLEL_RNG):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.linear_qkv(x)
+        q, k, v = qkv.split([self.heads * self.head_dim, self.groups * self.head_dim, self.groups * self.head_dim], -1)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.groups, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.groups, self.head_dim).transpose(1, 2)
+        if self.s.qk_layernorm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k = self.rotary(q), self.rotary(k)
+        if self.s.recompute_core_attn and self.training:
+            # Recompute without RNG replay: rule R15 forbids attention dropout here.
+            out = checkpoint(self.core_attention, q, k, v, use_reentrant=False, preserve_rng_state=False)
+        else:
+            out = self.core_attention(q, k, v)
+        return self.linear_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(hidden, 2 * ffn, bias=False)
+        self.linear_fc2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
+        return self.linear_fc2(F.silu(gate) * up)
+
+
+class AttentionBlock(nn.Module):
+    """Scope ``attn``: input norm + attention + dropout + residual."""
+
+    def __init__(self, s: ModelShape) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.eps)
+        self.self_attention = Attention(s)
+        self.dropout = s.hidden_dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + hidden_dropout(self.self_attention(self.input_layernorm(x)), self.dropout, self.training)
+
+
+class MLPBlock(nn.Module):
+    """Scope ``mlp``: pre-MLP norm + SwiGLU + dropout + residual."""
+
+    def __init__(self, s: ModelShape) -> None:
+        super().__init__()
+        self.pre_mlp_layernorm = RMSNorm(s.hidden_size, s.eps)
+        self.mlp = SwiGLU(s.hidden_size, s.ffn_hidden_size)
+        self.dropout = s.hidden_dropout
+        self.recompute = s.recompute_mlp
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.pre_mlp_layernorm(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and self.training:
+            y = checkpoint(self._mlp, x, use_reentrant=False, preserve_rng_state=False)
+        else:
+            y = self._mlp(x)
+        return x + hidden_dropout(y, self.dropout, self.training)
+
+
+class DecoderLayer(nn.Module):
+    """A sequence of blocks (mixer then channel mixer), each a graph scope."""
+
+    def __init__(self, blocks: dict[str, nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict(blocks)
+
+    def graph_scopes(self) -> dict:
+        scopes: dict = {}
+        for block in self.blocks.values():
+            scopes.update(block.graph_scopes() if hasattr(block, "graph_scopes") else {})
+        for name, block in self.blocks.items():
+            scopes.setdefault(name, block)
+        return scopes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
+class GPTModel(nn.Module):
+    """Embedding -> decoder layers -> final norm -> output layer; returns the mean token loss."""
+
+    def __init__(self, s: ModelShape, layers: list[DecoderLayer] | None = None) -> None:
+        super().__init__()
+        self.shape = s
+        self.embedding = nn.Embedding(s.vocab_size, s.hidden_size)
+        if layers is None:
+            layers = [DecoderLayer({"attn": AttentionBlock(s), "mlp": MLPBlock(s)}) for _ in range(s.num_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.final_layernorm = RMSNorm(s.hidden_size, s.eps)
+        self.output_layer = None if s.tie_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.shape.init_std
+        out_std = std / math.sqrt(2.0 * max(1, len(self.layers)))
+        for name, p in self.named_parameters():
+            if p.dim() < 2 or name.endswith("norm.weight"):
+                continue
+            nn.init.normal_(p, 0.0, out_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else std)
+        for name, p in self.named_parameters():
+            if p.dim() == 1 and not name.endswith("weight"):
+                nn.init.zeros_(p)
+
+    def graph_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embedding(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        h = self.final_layernorm(h)
+        weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
+        return F.linear(h, weight)
+
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        logits = self.logits(tokens)
+        if labels is None:
+            return logits
+        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        if loss_mask is None:
+            return losses.mean()
+        mask = loss_mask.flatten().to(losses.dtype)
+        # Divide by the token count on the device: no host sync, static shapes.
+        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
