@@ -21,6 +21,7 @@ every violation at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -109,7 +110,7 @@ class ModelConfig:
         "Legacy coverage: list of full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba; "
         "a comma string; or full. Migrated into cuda_graph_impl/cuda_graph_modules.",
     )
-    cuda_graph_modules: list[str] = opt(
+    cuda_graph_modules: list[str] | str = opt(
         [], "Per-layer coverage: attn, mlp, moe, moe_router, moe_preprocess, mamba; [] or full = whole layer."
     )
     cuda_graph_warmup_steps: int = opt(3, "Eager iterations before capture, counted from the start or resume iteration.")
@@ -186,6 +187,7 @@ class DataConfig:
     tokenizer: str = opt("byte", "byte, or the path of a Hugging Face tokenizer.json.")
     seq_length_buckets: list[int] | None = opt(None, "Pad each batch to the nearest bucket (one graph per bucket).")
     split: str = opt("98,2,0", "Train/validation/test split of the documents.")
+    corpus_max_bytes: int = opt(4_000_000, "Byte cap of the embedded standard-library corpus.")
     packed_sequences: bool = unsupported(False, "Packed sequences with per-document attention masks.")
 
 
@@ -306,10 +308,13 @@ def _matches(value: Any, tp: Any) -> tuple[bool, Any]:
             return True, float(value)
         return False, value
     if tp is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, str(value)  # `data.split=100` parses as a number
         return isinstance(value, str), value
     raise TypeError(f"unsupported annotation {tp!r}")
 
 
+@functools.lru_cache(maxsize=None)
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .hybrid import build_layered_model, is_layered
 from .transformer import GPTModel, ModelShape
 
 
@@ -25,5 +26,8 @@ def build_model(model_cfg, device: torch.device | str = "cpu") -> nn.Module:
     every device starts from the same numbers), then moved and cast.
     """
     device = torch.device(device)
-    model = GPTModel(ModelShape.from_config(model_cfg))
+    if is_layered(model_cfg):  # MoE (Qwen3-MoE style) or hybrid (Nemotron-H pattern)
+        model = build_layered_model(model_cfg)
+    else:
+        model = GPTModel(ModelShape.from_config(model_cfg))
     return model.to(device=device, dtype=resolve_dtype(model_cfg.params_dtype, device))

@@ -1,0 +1,185 @@
+"""Whole-step graphs: warm up, capture once, replay.
+
+:class:`GraphedStep` is the mechanism (and graphstep's public full-step
+wrapper): calls ``0 .. warmup_steps-1`` run the function eagerly on the static
+input buffers (on the capture stream); call ``warmup_steps`` captures it and
+replays it at once; later calls copy their arguments into the static buffers
+and replay. What the function returns is graph-owned: the same tensors every
+replay, overwritten by the next one -- clone what you keep.
+
+:class:`FullIterationGraph` is the training-iteration form of spec section 3:
+each call reads every micro-batch of the step from the data iterator, copies
+them into per-micro-batch static buffers and runs forward and backward of all
+of them (with gradient reduction) as one graph. Training and evaluation use
+separate instances, each with its own buffers and graph.
+
+.. warning::
+    The step must not read device values on the host, allocate inputs anew
+    or replace parameters: it is recorded once and replayed on the same
+    addresses. ``graphstep doctor`` finds what breaks this before a GPU run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from .backend import Graph, GraphBackend
+from .errors import CaptureError
+from .static_io import StaticInputs
+
+log = logging.getLogger("graphstep")
+
+EAGER, CAPTURED, REPLAYED = "eager", "captured", "replayed"
+
+
+class GraphedStep:
+    """A function captured as one graph after ``warmup_steps`` eager calls.
+
+    Args:
+        fn: the step; takes the (static) arguments, returns tensors or a pytree of them.
+        backend: where graphs are captured (see :func:`get_backend`).
+        warmup_steps: eager calls before the capture (counted from creation or ``reset()``).
+        name: for logs and errors.
+        generators: called at capture time; the RNG generators the graph must register.
+        shared_pool: capture into the backend's process-wide pool.
+        on_failure: ``"raise"`` or ``"eager"`` -- after a failed capture, keep running eagerly.
+        input_device: where the static input buffers live (default: where the first call's tensors are);
+            later calls may pass tensors from another device (e.g. pinned CPU batches), copied in.
+
+    .. warning::
+        Outputs are graph-owned: the next call overwrites them.
+    .. warning::
+        Arguments must keep their structure, shapes and dtypes, and non-tensor
+        arguments their values; a different call raises ``ContractError``.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        backend: GraphBackend,
+        *,
+        warmup_steps: int = 3,
+        name: str = "step",
+        generators: Callable[[], Iterable[torch.Generator]] | None = None,
+        shared_pool: bool = True,
+        on_failure: str = "raise",
+        input_device: torch.device | str | None = None,
+    ) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if on_failure not in ("raise", "eager"):
+            raise ValueError(f"on_failure must be 'raise' or 'eager', got {on_failure!r}")
+        self.fn = fn
+        self.backend = backend
+        self.warmup_steps = warmup_steps
+        self.name = name
+        self.generators = generators or (lambda: ())
+        self.shared_pool = shared_pool
+        self.on_failure = on_failure
+        self.input_device = torch.device(input_device) if input_device is not None else None
+        self.graph: Graph | None = None
+        self.static: StaticInputs | None = None
+        self.outputs: Any = None
+        self.calls = 0
+        self.state: str | None = None
+        self.failed: BaseException | None = None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None and self.graph.captured
+
+    def __call__(self, *args: Any) -> Any:
+        if self.static is None:
+            self.static = StaticInputs(args, device=self.input_device, name=self.name)
+        else:
+            self.static.copy_in(args)
+        if self.failed is not None or self.calls < self.warmup_steps:
+            self.outputs = self._eager()
+            self.state = EAGER
+        elif not self.captured:
+            self.outputs = self._capture()
+            self.state = CAPTURED if self.captured else EAGER
+        else:
+            self.graph.replay()
+            self.state = REPLAYED
+        self.calls += 1
+        return self.outputs
+
+    def _eager(self) -> Any:
+        with self.backend.warmup():
+            return self.fn(*self.static.tree)
+
+    def _capture(self) -> Any:
+        self.graph = self.backend.new_graph(self.name, shared_pool=self.shared_pool)
+        try:
+            with self.backend.capture(self.graph, self.generators()):
+                outputs = self.fn(*self.static.tree)
+        except CaptureError as exc:
+            self.graph = None
+            if self.on_failure != "eager":
+                raise
+            self.failed = exc
+            log.warning("capture of %r failed; continuing eagerly (cuda_graph_on_failure=eager): %s", self.name, exc)
+            return self._eager()
+        # Capture executes nothing observable: run the step now.
+        self.graph.replay()
+        return outputs
+
+    def reset(self) -> None:
+        """Drop the graph and the static buffers; the next call starts a new warm-up."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = None
+        self.static = None
+        self.outputs = None
+        self.calls = 0
+        self.state = None
+
+    close = reset
+
+
+class FullIterationGraph:
+    """Forward and backward of all micro-batches of an iteration, as one graph.
+
+    ``forward_backward(batches)`` takes the list of micro-batch pytrees and
+    returns graph-owned outputs (the averaged loss and any metrics).
+    """
+
+    def __init__(
+        self,
+        forward_backward: Callable[[list[Any]], Any],
+        backend: GraphBackend,
+        *,
+        num_micro_batches: int,
+        warmup_steps: int,
+        name: str = "train",
+        generators: Callable[[], Iterable[torch.Generator]] | None = None,
+        shared_pool: bool = True,
+        on_failure: str = "raise",
+        input_device: torch.device | str | None = None,
+    ) -> None:
+        self.num_micro_batches = num_micro_batches
+        self.step = GraphedStep(
+            forward_backward, backend, warmup_steps=warmup_steps, name=name, generators=generators,
+            shared_pool=shared_pool, on_failure=on_failure, input_device=input_device,
+        )
+
+    @property
+    def state(self) -> str | None:
+        return self.step.state
+
+    @property
+    def captured(self) -> bool:
+        return self.step.captured
+
+    def __call__(self, data_iterator: Iterator[Any]) -> Any:
+        batches = [next(data_iterator) for _ in range(self.num_micro_batches)]
+        return self.step(batches)
+
+    def reset(self) -> None:
+        self.step.reset()
+
+    close = reset

@@ -1,0 +1,179 @@
+"""One submodule as a forward graph and a backward graph behind an autograd.Function.
+
+:class:`ModuleGraph` owns, for one module:
+
+* static inputs (a :class:`StaticInputs`), the forward graph and its graph-owned outputs;
+* static output gradients, the backward graph and its graph-owned input gradients;
+* the parameter-gradient targets: the backward graph *adds* each parameter's
+  gradient into ``param.main_grad`` (graphstep's persistent fp32 buffers) or,
+  for a plain module, into a persistent ``param.grad``. Parameters are not
+  inputs of the autograd.Function, so autograd never sees a static gradient
+  buffer -- gradient accumulation over micro-batches is exactly eager's
+  (unlike ``torch.cuda.make_graphed_callables``, pytorch issue 181723).
+
+Copy-free chaining: when the module's input at run time *is* another graph's
+output (or its incoming gradient is another graph's input gradient) the
+static buffer was captured as that very tensor, and replay copies nothing.
+
+One replay holds one micro-batch's activations: backward must run before the
+next forward of the same module (as in any micro-batch loop).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from .backend import Graph, GraphBackend
+from .errors import ContractError
+from .static_io import StaticInputs
+
+
+def _tensors(x: Any) -> tuple[Any, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _differentiable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+class ModuleGraph:
+    """The graphs of one module (see module docstring)."""
+
+    def __init__(self, module: nn.Module, forward: Callable[..., Any], name: str, *, retain_graph: bool = False):
+        self.module = module
+        self.forward_fn = forward
+        self.name = name
+        self.retain_graph = retain_graph
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.sample: tuple[Any, ...] | None = None
+        self.static: StaticInputs | None = None
+        self.outputs: tuple[Any, ...] = ()
+        self.single_output = True
+        self.grad_out: list[torch.Tensor | None] = []
+        self.grad_in: list[torch.Tensor | None] = []
+        self.fwd: Graph | None = None
+        self.bwd: Graph | None = None
+        self.grad_targets: list[torch.Tensor] = []
+        self.pending_backward = False
+
+    # ---- capture ------------------------------------------------------------
+    def capture_forward(self, backend: GraphBackend, generators: Iterable[torch.Generator],
+                        aliases: dict[int, torch.Tensor]) -> None:
+        """Capture the forward on the recorded sample inputs (``aliases`` maps an input index to a graph output)."""
+        if self.sample is None:
+            raise RuntimeError(f"{self.name}: no warm-up call was recorded; run the module once before capturing")
+        self.static = StaticInputs(self.sample, name=self.name)
+        for i, tensor in aliases.items():  # reuse another graph's output as this graph's input buffer
+            self.static.leaves[i] = tensor.detach()
+        for static, sample in zip(self.static.leaves, self.sample):
+            if isinstance(sample, torch.Tensor) and sample.requires_grad:
+                static.requires_grad_(True)
+        self.static.tree = _rebuild(self.static)
+        args = self.static.tree
+        self.fwd = backend.new_graph(f"{self.name}.fwd")
+        with backend.capture(self.fwd, generators), torch.enable_grad():
+            out = self.forward_fn(*args)
+        self.single_output = not isinstance(out, tuple)
+        self.outputs = _tensors(out)
+
+    def capture_backward(self, backend: GraphBackend, generators: Iterable[torch.Generator],
+                         grad_aliases: dict[int, torch.Tensor]) -> None:
+        """Capture the backward; ``grad_aliases`` maps an output index to another graph's input gradient."""
+        diff_out = [i for i, o in enumerate(self.outputs) if _differentiable(o) and o.requires_grad]
+        self.grad_out = [None] * len(self.outputs)
+        for i in diff_out:
+            self.grad_out[i] = grad_aliases.get(i)
+            if self.grad_out[i] is None:
+                gen = torch.Generator(device=self.outputs[i].device).manual_seed(1234 + i)
+                self.grad_out[i] = torch.randn(self.outputs[i].shape, generator=gen, device=self.outputs[i].device,
+                                               dtype=self.outputs[i].dtype)
+        inputs = [t for t in self.static.tree if isinstance(t, torch.Tensor) and t.requires_grad]
+        self.grad_targets = [_grad_target(p) for p in self.params]
+        self.bwd = backend.new_graph(f"{self.name}.bwd")
+        with backend.capture(self.bwd, generators):
+            grads = torch.autograd.grad(
+                [self.outputs[i] for i in diff_out], inputs + self.params,
+                grad_outputs=[self.grad_out[i] for i in diff_out],
+                retain_graph=self.retain_graph, allow_unused=True,
+            )
+            with torch.no_grad():
+                for target, g in zip(self.grad_targets, grads[len(inputs):]):
+                    if g is not None:
+                        target.add_(g)
+        it = iter(grads[: len(inputs)])
+        self.grad_in = [next(it) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in self.static.tree]
+
+    # ---- replay -------------------------------------------------------------
+    def replay_forward(self, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        if self.pending_backward:
+            raise RuntimeError(
+                f"{self.name}: forward replayed again before the backward of the previous call. A graphed module "
+                "holds one micro-batch's activations: run backward before the next forward."
+            )
+        self.static.copy_in(args)
+        self.fwd.replay()
+        self.pending_backward = any(g is not None for g in self.grad_out)
+        return self.outputs
+
+    def replay_backward(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+        for p, target in zip(self.params, self.grad_targets):
+            if getattr(p, "main_grad", None) is not target and p.grad is not target:
+                raise ContractError(
+                    f"{self.name}: the gradient buffer of a parameter was replaced after capture; the backward graph "
+                    "adds into the captured buffer. Zero gradients in place (zero_grad(set_to_none=False))."
+                )
+        for static, g in zip(self.grad_out, grads):
+            if static is None:
+                continue
+            if g is None:
+                static.zero_()
+            elif g.data_ptr() != static.data_ptr():
+                static.copy_(g)
+        self.bwd.replay()
+        self.pending_backward = False
+        return tuple(self.grad_in)
+
+    def reset(self) -> None:
+        for g in (self.fwd, self.bwd):
+            if g is not None:
+                g.reset()
+        self.fwd = self.bwd = None
+        self.static = None
+        self.outputs = ()
+        self.grad_out, self.grad_in, self.grad_targets = [], [], []
+        self.pending_backward = False
+
+
+def _rebuild(static: StaticInputs) -> Any:
+    from torch.utils._pytree import tree_unflatten
+
+    return tree_unflatten(static.leaves, static.spec)
+
+
+def _grad_target(p: torch.Tensor) -> torch.Tensor:
+    """Where the backward graph accumulates ``p``'s gradient: ``main_grad`` or a persistent ``.grad``."""
+    target = getattr(p, "main_grad", None)
+    if target is not None:
+        return target
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+class GraphedFunction(torch.autograd.Function):
+    """Replays a :class:`ModuleGraph`: forward graph in forward, backward graph in backward."""
+
+    @staticmethod
+    def forward(ctx, graph: ModuleGraph, *args: Any) -> Any:
+        outputs = graph.replay_forward(args)
+        ctx.graph = graph
+        result = tuple(o.detach() for o in outputs)
+        ctx.mark_non_differentiable(*[r for r in result if not _differentiable(r)])
+        return result
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> Any:
+        return (None, *ctx.graph.replay_backward(grads))

@@ -1,0 +1,258 @@
+"""Per-layer scoped graphs: ``apply_layer_graphs(model, settings, backend)``.
+
+Each selected submodule of each layer (scopes from cuda_graph/scopes.py; ``[]``
+= the whole layer) gets a forward and a backward graph (graphed_module.py).
+The engine patches the submodule's ``forward`` with a dispatcher:
+
+* evaluation (no grad, or ``module.eval()``): the original forward, eagerly;
+* warm-up (before capture): the original forward, eagerly, while recording
+  the order of forward and backward calls, a sample of each module's inputs,
+  and which module's output feeds which module's input;
+* after capture: ``GraphedFunction`` replays the graphs.
+
+``capture()`` captures every graph into the backend's one pool, in an order
+that depends on the semantics:
+
+* ``local`` (Megatron Core's CudaGraphManager): the order of forward and
+  backward calls recorded during warm-up;
+* ``transformer_engine`` (TE's make_graphed_callables): all forwards in
+  forward order, then all backwards in reverse order.
+
+For a plain forward/backward over a stack of layers the two orders coincide;
+the log says which semantics ran. Capture must not change training state:
+the module buffers, the gradient buffers and the RNG streams are saved before
+and restored after (on a GPU nothing executes during capture anyway; the CPU
+replay backend executes and is restored by the backend, this is a second
+guard for buffers the step may have touched through other paths).
+
+Capture happens when the owner calls ``capture()`` (the trainer does it after
+``cuda_graph_warmup_steps`` iterations), or automatically before the
+``warmup_calls``-th training forward when that is given (the library API).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .backend import GiB, GraphBackend
+from .errors import ContractError
+from .graphed_module import GraphedFunction, ModuleGraph
+from .scopes import scope_modules
+
+log = logging.getLogger("graphstep")
+
+
+class LayerGraphs:
+    """Forward/backward graphs for a list of submodules (see module docstring)."""
+
+    def __init__(
+        self,
+        modules: Sequence[tuple[str, nn.Module]],
+        backend: GraphBackend,
+        *,
+        semantics: str = "local",
+        generators: Callable[[], Iterable[torch.Generator]] | None = None,
+        retain_graph: bool = False,
+        warmup_calls: int | None = None,
+    ) -> None:
+        if semantics not in ("local", "transformer_engine"):
+            raise ValueError(f"semantics must be 'local' or 'transformer_engine', got {semantics!r}")
+        if not modules:
+            raise ValueError("no module to graph: the selected scopes match no submodule of the model")
+        self.backend = backend
+        self.semantics = semantics
+        self.generators = generators or (lambda: ())
+        self.warmup_calls = warmup_calls
+        self.graphs: list[ModuleGraph] = []
+        self._by_module: dict[int, ModuleGraph] = {}
+        self.order: list[tuple[str, int]] = []  # ("fwd"|"bwd", graph index) of the last warm-up micro-batch
+        self._feeds: dict[tuple[int, int], tuple[int, int]] = {}  # (graph, input) -> (producer, output)
+        self._last_out: dict[int, tuple[int, int]] = {}  # id(output tensor) -> (producer, output), this micro-batch
+        self.training_calls = 0
+        self.state = "eager"
+        for name, module in modules:
+            if id(module) in self._by_module:
+                continue
+            g = ModuleGraph(module, module.forward, name, retain_graph=retain_graph)
+            self._by_module[id(module)] = g
+            self.graphs.append(g)
+            module.forward = self._dispatcher(len(self.graphs) - 1)
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs) and self.graphs[0].fwd is not None
+
+    def describe(self) -> str:
+        names = sorted({g.name.split(".")[-1] for g in self.graphs})
+        return f"per-layer graphs ({self.semantics} semantics, {len(self.graphs)} modules: {', '.join(names)})"
+
+    # ---- dispatch -----------------------------------------------------------
+    def _dispatcher(self, index: int) -> Callable[..., Any]:
+        graph = self.graphs[index]
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if kwargs:
+                raise ContractError(f"{graph.name}: a graphed module takes positional arguments only, got {sorted(kwargs)}")
+            if not (torch.is_grad_enabled() and graph.module.training):
+                return graph.forward_fn(*args)
+            if index == 0:
+                self._start_micro_batch()
+            if not self.captured:
+                return self._warmup_call(index, args)
+            self.state = "replayed"
+            out = GraphedFunction.apply(graph, *args)
+            return out[0] if graph.single_output else out
+
+        return forward
+
+    def _start_micro_batch(self) -> None:
+        self.training_calls += 1
+        if not self.captured:
+            self.order.clear()
+            self._last_out.clear()
+            if self.warmup_calls is not None and self.training_calls > self.warmup_calls:
+                self.capture()
+
+    def _warmup_call(self, index: int, args: tuple[Any, ...]) -> Any:
+        graph = self.graphs[index]
+        self.order.append(("fwd", index))
+        for i, a in enumerate(args):
+            producer = self._last_out.get(id(a)) if isinstance(a, torch.Tensor) else None
+            if producer is not None:
+                self._feeds[(index, i)] = producer
+            else:
+                self._feeds.pop((index, i), None)
+        graph.sample = tuple(
+            a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args
+        )
+        out = graph.forward_fn(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        for k, o in enumerate(outs):
+            if isinstance(o, torch.Tensor):
+                self._last_out[id(o)] = (index, k)
+                if o.requires_grad:
+                    o.register_hook(self._bwd_recorder(index))
+        return out
+
+    def _bwd_recorder(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if ("bwd", index) not in self.order:
+                self.order.append(("bwd", index))
+
+        return hook
+
+    # ---- capture ------------------------------------------------------------
+    def capture_order(self) -> list[tuple[str, int]]:
+        n = len(self.graphs)
+        if self.semantics == "transformer_engine" or not self.order:
+            return [("fwd", i) for i in range(n)] + [("bwd", i) for i in reversed(range(n))]
+        order = list(self.order)
+        seen = set(order)
+        # a module whose output needs no gradient never records a backward
+        order += [("bwd", i) for i in reversed(range(n)) if ("bwd", i) not in seen]
+        return order
+
+    def capture(self) -> None:
+        """Capture every forward and backward graph, in the order of the semantics."""
+        missing = [g.name for g in self.graphs if g.sample is None]
+        if missing:
+            raise RuntimeError(f"cannot capture: no warm-up training call reached {', '.join(missing[:4])}")
+        backend, gens = self.backend, list(self.generators())
+        saved = _save_state(self.graphs, gens)
+        alloc0, reserved0 = backend.memory()
+        n_reports = len(backend.reports)
+        try:
+            for kind, i in self.capture_order():
+                if kind == "fwd":
+                    aliases = {k: self.graphs[p].outputs[o] for (g, k), (p, o) in self._feeds.items()
+                               if g == i and self.graphs[p].outputs}
+                    self.graphs[i].capture_forward(backend, gens, aliases)
+                else:
+                    self.graphs[i].capture_backward(backend, gens, self._grad_aliases(i))
+        except BaseException:
+            for g in self.graphs:
+                g.reset()
+            raise
+        finally:
+            _restore_state(saved)
+        reports = backend.reports[n_reports:]
+        alloc1, reserved1 = backend.memory()
+        for r in reports:
+            log.debug("captured %s in %.3f s, +%.3f GiB", r.name, r.seconds, r.allocated_delta / GiB)
+        log.info(
+            "captured %d per-layer graphs (%s semantics) in %.2f s, allocated %.2f GiB, reserved %.2f GiB "
+            "(+%.2f / +%.2f GiB)", len(reports), self.semantics, sum(r.seconds for r in reports),
+            alloc1 / GiB, reserved1 / GiB, (alloc1 - alloc0) / GiB, (reserved1 - reserved0) / GiB,
+        )
+        self.state = "captured"
+
+    def _grad_aliases(self, index: int) -> dict[int, torch.Tensor]:
+        """An output's gradient buffer is its consumer's input gradient when exactly one graph consumes it."""
+        aliases: dict[int, torch.Tensor] = {}
+        for out_idx in range(len(self.graphs[index].outputs)):
+            consumers = [(g, k) for (g, k), src in self._feeds.items() if src == (index, out_idx)]
+            if len(consumers) != 1:
+                continue
+            g, k = consumers[0]
+            consumer = self.graphs[g]
+            if consumer.bwd is not None and k < len(consumer.grad_in) and consumer.grad_in[k] is not None:
+                aliases[out_idx] = consumer.grad_in[k]
+        return aliases
+
+    def close(self) -> None:
+        """Free every graph and restore the modules' own forward (harmless twice)."""
+        for g in self.graphs:
+            g.reset()
+            if "forward" in g.module.__dict__:
+                del g.module.forward
+        self.graphs.clear()
+        self._by_module.clear()
+
+
+def _save_state(graphs: list[ModuleGraph], gens: list[torch.Generator]) -> list[tuple[Any, Any]]:
+    saved: list[tuple[Any, Any]] = []
+    seen: set[int] = set()
+    for g in graphs:
+        tensors = list(g.module.buffers()) + [getattr(p, "main_grad", None) for p in g.params]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                saved.append((t, t.detach().clone()))
+    saved += [(gen, gen.get_state()) for gen in gens]
+    return saved
+
+
+def _restore_state(saved: list[tuple[Any, Any]]) -> None:
+    with torch.no_grad():
+        for obj, value in saved:
+            if isinstance(obj, torch.Generator):
+                obj.set_state(value)
+            else:
+                obj.copy_(value)
+
+
+def select_modules(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """The submodules the scopes pick, layer by layer; ``[]`` = each whole layer."""
+    if not hasattr(model, "graph_layers"):
+        raise TypeError(f"{type(model).__name__} has no graph_layers(): it does not expose per-layer graph scopes")
+    picked: list[tuple[str, nn.Module]] = []
+    for li, layer in enumerate(model.graph_layers()):
+        if not modules:
+            picked.append((f"layer{li}", layer))
+            continue
+        for scope in modules:
+            for k, m in enumerate(scope_modules(layer, scope)):
+                picked.append((f"layer{li}.{scope}{k or ''}", m))
+    return picked
+
+
+def apply_layer_graphs(model: nn.Module, settings: Any, backend: GraphBackend, *,
+                       generators: Callable[[], Iterable[torch.Generator]] | None = None) -> LayerGraphs:
+    """Wrap the scoped submodules of ``model`` for per-layer capture (``settings``: CudaGraphSettings)."""
+    semantics = "transformer_engine" if settings.impl.value == "transformer_engine" else "local"
+    return LayerGraphs(select_modules(model, settings.modules), backend, semantics=semantics,
+                       generators=generators, retain_graph=settings.retain_backward_graph)

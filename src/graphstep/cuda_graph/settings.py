@@ -1,0 +1,830 @@
+"""CUDA-graph settings: normalise the old and new config forms, check every rule, resolve one view.
+
+Three steps, always in this order:
+
+1. :func:`normalize_cuda_graph_config` rewrites the config *in place* into its
+   one canonical form (spec section 1, "Migrations"): the deprecated flags
+   ``enable_cuda_graph`` / ``external_cuda_graph`` become ``cuda_graph_impl``;
+   the legacy ``cuda_graph_scope`` (list, comma string or ``full``) moves into
+   ``cuda_graph_impl`` / ``cuda_graph_modules`` and is set to None (the
+   full-iteration graph is always stored as ``cuda_graph_impl=full_iteration``
+   with ``cuda_graph_modules=[]``); ``none`` clears the coverage; the two RNG
+   tracker flags are made equal; ``local`` captures ``moe_router`` and
+   ``moe_preprocess`` together. It never raises and is idempotent: anything it
+   cannot migrate without losing information (conflicting or malformed values)
+   is left as it is, for validation to report.
+2. :func:`validate_cuda_graph_config` checks rules R1-R18 (spec section 2) on a
+   normalised *copy* and returns every violation at once, each naming the
+   fields, the offending values and the fix. :func:`validate_config` adds the
+   plain value checks (rule ``"V"``). Neither raises, whatever the values: a
+   rule that cannot even be evaluated reports itself as a violation.
+3. :func:`resolve_cuda_graph_settings` normalises, validates, raises
+   :class:`ConfigValidationError` listing all violations, or returns the frozen
+   :class:`CudaGraphSettings` the trainer reads. Strings become enums here, at
+   the config edge, and nowhere else. :func:`apply_perf_flags` maps the
+   perf-harness flags onto the config before any of this.
+
+Every rule is a small function ``_rN(view) -> list[Violation]`` over a
+``_View`` (the normalised copy plus derived facts: valid impl or None, the
+coverage list, the field it came from); ``_RULES`` lists them in order.
+
+docs/rules.md describes every rule with an example override and its fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import enum
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from graphstep.config import Config, ConfigError, iter_fields, set_value
+from graphstep.cuda_graph.scopes import SCOPES
+
+SCOPE_NAMES: tuple[str, ...] = SCOPES
+MOE_SCOPES: tuple[str, ...] = ("moe", "moe_router", "moe_preprocess")
+
+
+class GraphImpl(str, enum.Enum):
+    """Which capture mechanism ``model.cuda_graph_impl`` selects."""
+
+    NONE = "none"
+    LOCAL = "local"
+    TRANSFORMER_ENGINE = "transformer_engine"
+    FULL_ITERATION = "full_iteration"
+
+
+IMPL_VALUES: tuple[str, ...] = tuple(i.value for i in GraphImpl)
+PER_LAYER: tuple[str, ...] = ("local", "transformer_engine")
+
+
+@dataclass(frozen=True)
+class CudaGraphSettings:
+    """The canonical, resolved CUDA-graph view the trainer uses."""
+
+    impl: GraphImpl
+    modules: tuple[str, ...]  # per-layer scopes; () = whole layer; always () for NONE / FULL_ITERATION
+    warmup_steps: int
+    use_single_mempool: bool
+    retain_backward_graph: bool
+    optimizer_graph: bool
+    backend: str
+    on_failure: str
+
+    @property
+    def enabled(self) -> bool:
+        return self.impl is not GraphImpl.NONE
+
+    @property
+    def full_iteration(self) -> bool:
+        return self.impl is GraphImpl.FULL_ITERATION
+
+    @property
+    def per_layer(self) -> bool:
+        return self.impl in (GraphImpl.LOCAL, GraphImpl.TRANSFORMER_ENGINE)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule: which, where, what is wrong, and what to change."""
+
+    rule: str
+    fields: tuple[str, ...]
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.rule} [{', '.join(self.fields)}]: {self.message} Fix: {self.fix}"
+
+
+class ConfigValidationError(ConfigError):
+    """The configuration breaks one or more rules; ``violations`` lists them all."""
+
+    def __init__(self, violations: list[Violation]):
+        self.violations = list(violations)
+        super().__init__(format_violations(self.violations))
+
+
+def format_violations(violations: list[Violation]) -> str:
+    """The report `graphstep config validate` prints: one line per violation."""
+    if not violations:
+        return "configuration OK: no violations"
+    noun = "violation" if len(violations) == 1 else "violations"
+    return "\n".join([f"{len(violations)} configuration {noun}:"] + [f"  {v}" for v in violations])
+
+
+# --------------------------------------------------------------------------
+# small helpers that never raise on garbage values
+
+
+def _fmt(value: Any) -> str:
+    """A value the way an override would spell it (null, true, [a, b], 'odd string')."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        return _fmt(value.value)
+    if isinstance(value, str):
+        return value if re.fullmatch(r"[\w.:/*+\-]+", value) else repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    try:
+        text = repr(value)
+    except Exception:  # a garbage object whose repr fails
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _str(value: Any) -> str | None:
+    """``value`` as a plain string, or None when it is not one."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return value if isinstance(value, str) else None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _names(value: Any) -> list[Any] | None:
+    """A scope/modules value as a list (comma strings split); None when it is neither list nor string."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return None
+
+
+def _only(names: list[Any], name: str) -> bool:
+    return len(names) == 1 and _str(names[0]) == name
+
+
+def _strs(names: list[Any] | None) -> list[str]:
+    return [n for n in (names or []) if isinstance(n, str)]
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, name = dotted.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _copy(cfg: Config) -> Config:
+    """A copy to normalise; falls back to copying each section when a value cannot be deep-copied."""
+    try:
+        return copy.deepcopy(cfg)
+    except Exception:
+        sections = {name: copy.copy(getattr(cfg, name)) for name in cfg.__dataclass_fields__}
+        return type(cfg)(**sections)
+
+
+# --------------------------------------------------------------------------
+# 1. normalisation
+
+
+def _sync_trackers(cfg: Config) -> list[str]:
+    """Either RNG tracker flag on turns both on (Bridge keeps them equal)."""
+    model_on, rng_on = cfg.model.use_te_rng_tracker is True, cfg.rng.te_rng_tracker is True
+    if model_on == rng_on or not (model_on or rng_on):
+        return []
+    cfg.model.use_te_rng_tracker = cfg.rng.te_rng_tracker = True
+    other = "rng.te_rng_tracker" if model_on else "model.use_te_rng_tracker"
+    return [f"{other} set to true to match the other graph-safe RNG tracker flag"]
+
+
+def _migrate_deprecated_flags(model: Any) -> list[str]:
+    """enable_cuda_graph -> local, external_cuda_graph -> transformer_engine (only with impl none; else R3)."""
+    enable, external = model.enable_cuda_graph is True, model.external_cuda_graph is True
+    if enable == external or _str(model.cuda_graph_impl) != "none":
+        return []
+    flag, impl = ("enable_cuda_graph", "local") if enable else ("external_cuda_graph", "transformer_engine")
+    setattr(model, flag, False)
+    model.cuda_graph_impl = impl
+    return [f"model.{flag} is deprecated: use model.cuda_graph_impl={impl}"]
+
+
+def _clear_coverage(model: Any) -> list[str]:
+    """``cuda_graph_impl=none`` clears both coverage fields (a leftover full_iteration is not promoted)."""
+    had = model.cuda_graph_scope is not None or not (isinstance(model.cuda_graph_modules, list)
+                                                     and not model.cuda_graph_modules)
+    model.cuda_graph_scope, model.cuda_graph_modules = None, []
+    return ["model.cuda_graph_scope/cuda_graph_modules ignored: model.cuda_graph_impl=none"] if had else []
+
+
+def _migrate_coverage(model: Any) -> list[str]:
+    """Fold cuda_graph_scope into cuda_graph_impl/cuda_graph_modules; leave conflicts and garbage alone."""
+    impl, scope_raw = _str(model.cuda_graph_impl), model.cuda_graph_scope
+    if isinstance(model.cuda_graph_impl, GraphImpl):
+        model.cuda_graph_impl = impl
+    if impl == "none":
+        return _clear_coverage(model)
+    scope, modules = (None if scope_raw is None else _names(scope_raw)), _names(model.cuda_graph_modules)
+    if (scope_raw is not None and scope is None) or modules is None or (scope is not None and modules):
+        return []  # malformed, or both fields set: R2 reports it
+    names = scope if scope is not None else modules
+    if _only(names, "full"):
+        names = []
+    if _only(names, "full_iteration") and impl in ("local", "full_iteration"):
+        names, model.cuda_graph_impl = [], "full_iteration"
+    model.cuda_graph_scope, model.cuda_graph_modules = None, names
+    if scope is None and model.cuda_graph_impl == impl:
+        return []
+    which, given = ("scope", scope_raw) if scope is not None else ("modules", modules)
+    return [f"model.cuda_graph_{which}={_fmt(given)} with model.cuda_graph_impl={_fmt(impl)} stored as "
+            f"model.cuda_graph_impl={model.cuda_graph_impl}, model.cuda_graph_modules={_fmt(names)}"]
+
+
+def _pair_router_preprocess(model: Any) -> list[str]:
+    """``local`` captures moe_router and moe_preprocess together, as Megatron Core does."""
+    modules = model.cuda_graph_modules
+    if _str(model.cuda_graph_impl) != "local" or model.cuda_graph_scope is not None or not isinstance(modules, list):
+        return []
+    names = _strs(modules)
+    if ("moe_router" in names) == ("moe_preprocess" in names):
+        return []
+    if "moe_router" in names:
+        added, at = "moe_preprocess", names.index("moe_router") + 1
+    else:
+        added, at = "moe_router", names.index("moe_preprocess")
+    model.cuda_graph_modules = modules[:at] + [added] + modules[at:]
+    return [f"model.cuda_graph_modules: {added} added (local captures moe_router and moe_preprocess together)"]
+
+
+def _normalize(cfg: Config, *, warn: bool) -> list[str]:
+    # Order matters: the deprecated flags decide the impl, the impl decides how the scope migrates,
+    # and the router/preprocess pairing needs the migrated modules.
+    notes = _sync_trackers(cfg)
+    deprecated = _migrate_deprecated_flags(cfg.model)
+    notes += deprecated + _migrate_coverage(cfg.model) + _pair_router_preprocess(cfg.model)
+    if warn:
+        for note in deprecated:
+            warnings.warn(note, DeprecationWarning, stacklevel=3)
+    return notes
+
+
+def normalize_cuda_graph_config(cfg: Config) -> list[str]:
+    """Apply the spec's migrations in place; return notes (deprecations warned as DeprecationWarning)."""
+    return _normalize(cfg, warn=True)
+
+
+def _normalized_copy(cfg: Config) -> Config:
+    """A normalised copy; ``cfg`` itself is left as it is (no warnings: the caller's normalise gives them)."""
+    work = _copy(cfg)
+    _normalize(work, warn=False)
+    return work
+
+
+# --------------------------------------------------------------------------
+# 2. the rules, evaluated on a normalised copy
+
+
+@dataclass
+class _View:
+    """What the rules read: the normalised copy plus the facts derived from it."""
+
+    cfg: Config
+    impl: str | None  # one of IMPL_VALUES, or None when model.cuda_graph_impl is not one
+    names: list[Any] | None  # coverage (union of both fields when both are set); None when malformed
+    cov: tuple[str, ...]  # the field(s) the coverage came from
+    scope_set: bool  # cuda_graph_scope still set after normalising: both fields given, or malformed
+    env: Mapping[str, str]
+    capability: tuple[int, int] | None
+    world_size: int
+
+    @property
+    def on(self) -> bool:
+        return self.impl in ("local", "transformer_engine", "full_iteration")
+
+    @property
+    def per_layer(self) -> bool:
+        return self.impl in PER_LAYER
+
+    def has(self, scope: str) -> bool:
+        return self.per_layer and scope in _strs(self.names)
+
+    def covers(self, scope: str) -> bool:
+        """Whether per-layer graphs capture ``scope`` (named, or the whole layer)."""
+        return self.per_layer and (self.names == [] or scope in _strs(self.names))
+
+
+def _view(cfg: Config, original: Config, env: Mapping[str, str], capability: Any, world_size: int) -> _View:
+    m = cfg.model
+    impl = _str(m.cuda_graph_impl)
+    scope_set = m.cuda_graph_scope is not None
+    scope, modules = _names(m.cuda_graph_scope), _names(m.cuda_graph_modules)
+    if scope_set:
+        names = None if scope is None or modules is None else scope + [n for n in modules if n not in scope]
+        cov = ("model.cuda_graph_scope", "model.cuda_graph_modules")
+    else:
+        names = modules
+        src = "scope" if original.model.cuda_graph_scope is not None else "modules"
+        cov = (f"model.cuda_graph_{src}",)
+    return _View(cfg, impl if impl in IMPL_VALUES else None, names, cov, scope_set, env, capability, world_size)
+
+
+def _v(rule: str, fields: tuple[str, ...] | list[str], message: str, fix: str) -> Violation:
+    return Violation(rule, tuple(fields), message, fix)
+
+
+def _impl_f(v: _View) -> str:
+    return f"model.cuda_graph_impl={_fmt(v.cfg.model.cuda_graph_impl)}"
+
+
+def _r1(v: _View) -> list[Violation]:
+    raw = v.cfg.model.cuda_graph_impl
+    if v.impl is not None:
+        return []
+    close = difflib.get_close_matches(_str(raw) or "", IMPL_VALUES, n=1)
+    fix = f"set model.cuda_graph_impl={close[0]}" if close else "set model.cuda_graph_impl to one of them"
+    return [_v("R1", ["model.cuda_graph_impl"], f"model.cuda_graph_impl={_fmt(raw)} is not one of "
+               f"{', '.join(IMPL_VALUES)}.", f"{fix} (local for per-layer graphs, full_iteration for the whole step).")]
+
+
+def _r2(v: _View) -> list[Violation]:
+    m, out = v.cfg.model, []
+    if v.scope_set and _names(m.cuda_graph_scope) is not None and _names(m.cuda_graph_modules):
+        out.append(_v("R2", v.cov, f"model.cuda_graph_scope={_fmt(m.cuda_graph_scope)} and model.cuda_graph_modules="
+                      f"{_fmt(m.cuda_graph_modules)} are both set.", "keep one: set model.cuda_graph_scope=null "
+                      f"and model.cuda_graph_modules={_fmt(_names(m.cuda_graph_scope))} (the current field)."))
+    for name in ("scope", "modules"):
+        raw = getattr(m, f"cuda_graph_{name}")
+        if (raw is not None or name == "modules") and _names(raw) is None:
+            out.append(_v("R2", [f"model.cuda_graph_{name}"], f"model.cuda_graph_{name}={_fmt(raw)} is not a list "
+                          "or comma string of scope names.", f"set model.cuda_graph_{name} to a list such as [attn,mlp]"
+                          ", or [] for the whole layer."))
+    known = SCOPE_NAMES + ("full_iteration", "full")
+    for bad in [n for n in (v.names or []) if _str(n) not in known]:
+        close = difflib.get_close_matches(_str(bad) or "", SCOPE_NAMES, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        out.append(_v("R2", v.cov, f"{_fmt(bad)} in {v.cov[0]} is not a scope name.",
+                      f"use only {', '.join(SCOPE_NAMES)} in {v.cov[-1]}{hint}."))
+    if "full" in _strs(v.names) and len(v.names or []) > 1:
+        out.append(_v("R2", v.cov, f"{v.cov[0]}={_fmt(v.names)} combines full (the whole layer) with other scopes.",
+                      f"set {v.cov[-1]}=[] for the whole layer, or list only the scopes you want."))
+    return out
+
+
+def _r3(v: _View) -> list[Violation]:
+    m = v.cfg.model
+    enable, external = m.enable_cuda_graph is True, m.external_cuda_graph is True
+    fields = ["model.enable_cuda_graph", "model.external_cuda_graph", "model.cuda_graph_impl"]
+    if enable and external:
+        return [_v("R3", fields, "the deprecated model.enable_cuda_graph=true and model.external_cuda_graph=true "
+                   "are both set.", "set both to false and choose model.cuda_graph_impl=local or "
+                   "model.cuda_graph_impl=transformer_engine.")]
+    if not (enable or external) or _str(m.cuda_graph_impl) == "none":
+        return []
+    flag = "enable_cuda_graph" if enable else "external_cuda_graph"
+    return [_v("R3", [f"model.{flag}", "model.cuda_graph_impl"], f"the deprecated model.{flag}=true is combined "
+               f"with {_impl_f(v)}.", f"set model.{flag}=false and keep {_impl_f(v)}.")]
+
+
+def _r4(v: _View) -> list[Violation]:
+    names, out = _strs(v.names), []
+    if "full_iteration" in names and len(v.names or []) > 1:
+        out.append(_v("R4", ("model.cuda_graph_impl",) + v.cov, f"{v.cov[0]}={_fmt(v.names)} combines full_iteration "
+                      "with other scopes.", "use model.cuda_graph_impl=full_iteration with model.cuda_graph_modules=[] "
+                      "for the whole iteration, or list only per-layer scopes with model.cuda_graph_impl=local."))
+    if "full_iteration" in names and v.impl == "transformer_engine":
+        out.append(_v("R4", ("model.cuda_graph_impl",) + v.cov, "transformer_engine graphs are per layer; "
+                      f"{v.cov[0]} asks for full_iteration.", "use model.cuda_graph_impl=full_iteration with "
+                      "model.cuda_graph_modules=[], or keep transformer_engine with per-layer scopes such as [attn]."))
+    if v.impl == "full_iteration" and v.names and "full_iteration" not in names:
+        out.append(_v("R4", ("model.cuda_graph_impl",) + v.cov, f"model.cuda_graph_impl=full_iteration captures the "
+                      f"whole iteration, but {v.cov[0]}={_fmt(v.names)} asks for per-layer scopes.",
+                      f"set {v.cov[-1]}=[], or model.cuda_graph_impl=local for per-layer graphs."))
+    return out
+
+
+def _r5(v: _View) -> list[Violation]:
+    if not v.on or v.cfg.model.use_te_rng_tracker is True:
+        return []
+    return [_v("R5", ["model.use_te_rng_tracker", "rng.te_rng_tracker", "model.cuda_graph_impl"],
+               f"CUDA graphs are on ({_impl_f(v)}) but the graph-safe RNG tracker is off (model.use_te_rng_tracker="
+               f"{_fmt(v.cfg.model.use_te_rng_tracker)}): a replayed graph would reuse the captured random numbers.",
+               "set model.use_te_rng_tracker=true (rng.te_rng_tracker follows).")]
+
+
+def _r6(v: _View) -> list[Violation]:
+    checks = ["rerun_state_machine.check_for_nan_in_loss", "ddp.check_for_nan_in_grad"]
+    on = [f for f in checks if _get(v.cfg, f) is True]
+    if v.impl != "full_iteration" or not on:
+        return []
+    offending, turn_off = ", ".join(f + "=true" for f in on), " and ".join(f + "=false" for f in on)
+    return [_v("R6", on + ["model.cuda_graph_impl"], f"the full-iteration graph cannot run host-side NaN checks "
+               f"({offending}): they sync the host inside the captured step.", f"set {turn_off}; "
+               "graphstep's graph-safe train.check_for_nan_on_device=true replaces them (add "
+               "train.skip_step_on_nan=true to skip the update on NaN/Inf).")]
+
+
+def _r7(v: _View) -> list[Violation]:
+    if not (v.has("moe") and v.has("moe_router")):
+        return []
+    return [_v("R7", v.cov, f"{v.cov[0]}={_fmt(v.names)} has moe (the whole MoE block, router included) and "
+               "moe_router: the router would be captured twice.",
+               f"keep one in {v.cov[-1]}: moe, or moe_router with moe_preprocess.")]
+
+
+def _r8(v: _View) -> list[Violation]:
+    if v.impl != "transformer_engine" or not v.has("moe_preprocess") or v.has("moe_router"):
+        return []
+    return [_v("R8", v.cov, f"{v.cov[0]}={_fmt(v.names)} has moe_preprocess without moe_router.",
+               f"add moe_router to {v.cov[-1]} (or remove moe_preprocess).")]
+
+
+def _experts(v: _View) -> bool:
+    m = v.cfg.model
+    pattern = _str(m.hybrid_override_pattern)
+    return m.num_moe_experts is not None and (m.hybrid_override_pattern is None or "E" in (pattern or ""))
+
+
+def _r9(v: _View) -> list[Violation]:
+    asked = [s for s in MOE_SCOPES if v.has(s)]
+    if not asked or _experts(v):
+        return []
+    m = v.cfg.model
+    why = (f"model.num_moe_experts={_fmt(m.num_moe_experts)}" if m.num_moe_experts is None
+           else f"model.hybrid_override_pattern={_fmt(m.hybrid_override_pattern)} has no E layer")
+    return [_v("R9", v.cov + ("model.num_moe_experts", "model.hybrid_override_pattern"), f"{v.cov[0]} asks for "
+               f"{', '.join(asked)} but the model has no experts ({why}).", f"remove {', '.join(asked)} from "
+               f"{v.cov[-1]}, or give the model experts (model.num_moe_experts).")]
+
+
+def _r10(v: _View) -> list[Violation]:
+    m = v.cfg.model
+    pattern = _str(m.hybrid_override_pattern)
+    if not v.has("mlp"):
+        return []
+    if pattern is not None and "-" not in pattern:
+        why = f"model.hybrid_override_pattern={_fmt(pattern)} has no - (dense MLP) layer"
+    elif m.hybrid_override_pattern is None and m.num_moe_experts is not None and m.moe_layer_freq == 1:
+        why = f"every layer is MoE (model.num_moe_experts={_fmt(m.num_moe_experts)}, model.moe_layer_freq=1)"
+    else:
+        return []
+    return [_v("R10", v.cov + ("model.num_moe_experts", "model.moe_layer_freq", "model.hybrid_override_pattern"),
+               f"{v.cov[0]} asks for mlp but no layer has a dense MLP: {why}.",
+               f"remove mlp from {v.cov[-1]} (use moe or moe_router for the MoE layers).")]
+
+
+_MOE_FIELDS = ("model.moe_expert_capacity_factor", "model.moe_pad_expert_input_to_capacity", "model.moe_sync_free")
+
+
+def _routing_syncs(v: _View) -> str | None:
+    """Why MoE token dispatch would copy to the host (None when it is capturable)."""
+    m = v.cfg.model
+    if m.moe_expert_capacity_factor is None:
+        return None if m.moe_sync_free is True else "dropless routing with model.moe_sync_free=false"
+    if m.moe_pad_expert_input_to_capacity is not True:
+        return (f"model.moe_expert_capacity_factor={_fmt(m.moe_expert_capacity_factor)} without "
+                "model.moe_pad_expert_input_to_capacity=true")
+    return None
+
+
+def _r11(v: _View) -> list[Violation]:
+    whole_layer = v.per_layer and v.names == []
+    if not (v.has("moe") or whole_layer) or not _experts(v) or (why := _routing_syncs(v)) is None:
+        return []
+    what = f"{v.cov[0]}=[] (the whole layer) includes the MoE block" if whole_layer else f"{v.cov[0]} has moe"
+    return [_v("R11", v.cov + _MOE_FIELDS, f"{what}, but {why} gives data-dependent expert shapes.",
+               "set model.moe_sync_free=true with model.moe_expert_capacity_factor=null (sync-free dropless), or "
+               "drop-and-pad: model.moe_expert_capacity_factor=1.0 with model.moe_pad_expert_input_to_capacity=true.")]
+
+
+def _r12(v: _View) -> list[Violation]:
+    if not v.has("moe_preprocess") or not _experts(v) or (why := _routing_syncs(v)) is None:
+        return []
+    paired = " (local captures it with moe_router)" if v.impl == "local" else ""
+    return [_v("R12", v.cov + _MOE_FIELDS, f"{v.cov[0]} has moe_preprocess{paired}, but {why} copies token counts "
+               "to the host during preprocessing.", "set model.moe_sync_free=true (dropless) or "
+               "model.moe_pad_expert_input_to_capacity=true (with a capacity factor), or remove moe_preprocess"
+               f"{' and moe_router' if paired else ''} from {v.cov[-1]}.")]
+
+
+def _r13(v: _View) -> list[Violation]:
+    pattern = _str(v.cfg.model.hybrid_override_pattern)
+    if not v.has("mamba") or (pattern is not None and "M" in pattern):
+        return []
+    return [_v("R13", v.cov + ("model.hybrid_override_pattern",), f"{v.cov[0]} has mamba but the model has no Mamba "
+               f"layer (model.hybrid_override_pattern={_fmt(v.cfg.model.hybrid_override_pattern)}).",
+               f"remove mamba from {v.cov[-1]}, or set a hybrid_override_pattern with M layers.")]
+
+
+def _r14(v: _View) -> list[Violation]:
+    if not v.per_layer or v.cfg.model.cpu_offloading is not True:
+        return []
+    return [_v("R14", ["model.cpu_offloading", "model.cuda_graph_impl"], f"model.cpu_offloading=true moves tensors "
+               f"to the host while {_impl_f(v)} graphs are replayed.",
+               "set model.cpu_offloading=false, or use model.cuda_graph_impl=full_iteration.")]
+
+
+def _r15(v: _View) -> list[Violation]:
+    m = v.cfg.model
+    if not v.per_layer:
+        return []
+    if m.recompute_granularity == "full":
+        return [_v("R15", ["model.recompute_granularity", "model.cuda_graph_impl"], "model.recompute_granularity=full "
+                   f"re-runs whole layers in backward, which per-layer graphs ({_impl_f(v)}) cannot capture.",
+                   "use model.cuda_graph_impl=full_iteration, or model.recompute_granularity=selective (or null).")]
+    if m.recompute_granularity != "selective":
+        return []
+    recomputed = _strs(_names(m.recompute_modules))
+    out = []
+    for module, scope, dropout in (("core_attn", "attn", "attention_dropout"), ("mlp", "mlp", "hidden_dropout"),
+                                   ("moe", "moe", "hidden_dropout")):
+        p = _num(getattr(m, dropout))
+        if module in recomputed and v.covers(scope) and p is not None and p > 0:
+            ungraph = (f"{scope} (remove it from {v.cov[-1]})" if v.names
+                       else f"the whole layer (list the other scopes in {v.cov[-1]})")
+            out.append(_v("R15", ["model.recompute_modules", f"model.{dropout}"] + list(v.cov), f"selective recompute "
+                          f"of {module} inside the graphed {scope} scope would redraw dropout (model.{dropout}={p}).",
+                          f"set model.{dropout}=0.0, or remove {module} from model.recompute_modules, or stop graphing "
+                          f"{ungraph}."))
+    return out
+
+
+def _alloc_conf(v: _View) -> str | None:
+    """The env var whose allocator settings turn on expandable_segments, if any."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for item in str(v.env.get(var, "")).split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                return var
+    return None
+
+
+def _capability(v: _View) -> tuple[int, int] | None:
+    if v.capability is not None:
+        return v.capability
+    try:
+        return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def _r16(v: _View) -> list[Violation]:
+    if not v.on or v.world_size <= 1 or str(v.env.get("NCCL_GRAPH_REGISTER", "")) == "0":
+        return []
+    if v.cfg.train.device == "cpu" or (var := _alloc_conf(v)) is None:
+        return []  # on the CPU there is neither NCCL nor the CUDA allocator
+    if v.impl != "transformer_engine":
+        cap = _capability(v)
+        if (cap is None and v.cfg.train.device != "cuda") or (cap is not None and tuple(cap) >= (10, 0)):
+            return []
+    return [_v("R16", ["model.cuda_graph_impl", f"env.{var}", "env.NCCL_GRAPH_REGISTER"], f"{var} has "
+               f"expandable_segments:True while {_impl_f(v)} graphs capture NCCL collectives ({v.world_size} ranks): "
+               "NCCL's graph buffer registration then hits illegal memory accesses.",
+               f"export NCCL_GRAPH_REGISTER=0 (or remove expandable_segments:True from {var}).")]
+
+
+def _r17(v: _View) -> list[Violation]:
+    if not v.on or v.cfg.model.variable_seq_lengths is not True or v.cfg.data.seq_length_buckets:
+        return []
+    return [_v("R17", ["model.variable_seq_lengths", "data.seq_length_buckets"], f"model.variable_seq_lengths=true "
+               f"with {_impl_f(v)} graphs and no data.seq_length_buckets: captured graphs need static shapes.",
+               "set data.seq_length_buckets (e.g. [64,128]; one graph per bucket), "
+               "or model.variable_seq_lengths=false.")]
+
+
+def _differs(value: Any, default: Any) -> bool:
+    try:
+        return bool(value != default)
+    except Exception:
+        return True
+
+
+def _r18(v: _View) -> list[Violation]:
+    return [_v("R18", [f"{section}.{name}"], f"graphstep does not implement {section}.{name} (set to {_fmt(value)}).",
+               f"set {section}.{name}={_fmt(default)} (its default).")
+            for section, name, value, default, _help, unsupported in iter_fields(v.cfg)
+            if unsupported and _differs(value, default)]
+
+
+_RULES: tuple[tuple[str, Callable[[_View], list[Violation]]], ...] = (
+    ("R1", _r1), ("R2", _r2), ("R3", _r3), ("R4", _r4), ("R5", _r5), ("R6", _r6), ("R7", _r7), ("R8", _r8),
+    ("R9", _r9), ("R10", _r10), ("R11", _r11), ("R12", _r12), ("R13", _r13), ("R14", _r14), ("R15", _r15),
+    ("R16", _r16), ("R17", _r17), ("R18", _r18),
+)
+
+
+def _checked(rule: str, check: Callable[[_View], list[Violation]], view: _View) -> list[Violation]:
+    """Run one rule; a value so malformed that the rule cannot run is itself reported, never raised."""
+    try:
+        return check(view)
+    except Exception as exc:
+        return [_v(rule, [], f"could not check this rule ({type(exc).__name__}: {exc}).",
+                   "correct the types of the fields this rule reads (see the V violations).")]
+
+
+def _world_size(env: Mapping[str, str]) -> int:
+    try:
+        return int(env.get("WORLD_SIZE", "1"))
+    except (TypeError, ValueError):
+        return 1
+
+
+def validate_cuda_graph_config(cfg: Config, *, env: Mapping[str, str] | None = None,
+                               device_capability: tuple[int, int] | None = None,
+                               world_size: int | None = None) -> list[Violation]:
+    """Every CUDA-graph rule R1-R18 on a normalised copy of ``cfg``; all violations, never an exception."""
+    env = os.environ if env is None else env
+    world = world_size if world_size is not None else _world_size(env)
+    view = _view(_normalized_copy(cfg), cfg, env, device_capability, world)
+    return [violation for rule, check in _RULES for violation in _checked(rule, check, view)]
+
+
+# --------------------------------------------------------------------------
+# plain value checks (rule "V")
+
+# Fields whose type the R rules already judge (a wrong type there is R1/R2, not V); fields with a
+# fixed set of values are judged by _choice_violations alone (any other value, of any type, is wrong).
+_GRAPH_TYPED = {"model.cuda_graph_impl", "model.cuda_graph_scope", "model.cuda_graph_modules"}
+
+_CHOICES: dict[str, tuple[str | None, ...]] = {
+    "model.cuda_graph_backend": ("auto", "cuda", "replay"),
+    "model.cuda_graph_on_failure": ("raise", "eager"),
+    "model.params_dtype": ("auto", "bf16", "fp32"),
+    "model.recompute_granularity": (None, "full", "selective"),
+    "model.moe_router_score_function": ("softmax", "sigmoid"),
+    "model.moe_router_load_balancing_type": ("aux_loss", "none"),
+    "model.normalization": ("RMSNorm",),
+    "model.position_embedding_type": ("rope",),
+    "scheduler.lr_decay_style": ("cosine", "linear", "constant"),
+    "optimizer.optimizer": ("adam",),
+    "data.dataset": ("corpus", "mock", "indexed"),
+    "train.device": ("auto", "cuda", "cpu"),
+}
+
+_MINIMUM: dict[str, int] = {
+    "model.cuda_graph_warmup_steps": 0, "model.num_layers": 1, "model.hidden_size": 1, "model.seq_length": 1,
+    "model.vocab_size": 1, "model.num_attention_heads": 1, "model.num_query_groups": 1, "model.num_moe_experts": 1,
+    "model.moe_router_topk": 1, "model.moe_layer_freq": 1, "train.micro_batch_size": 1, "train.global_batch_size": 1,
+    "train.train_iters": 0, "logger.log_interval": 1,
+}
+
+
+def _type_violations(cfg: Config) -> list[Violation]:
+    """Values of the wrong type (set by attribute assignment), judged by the same check as overrides."""
+    scratch, out = Config(), []
+    for section, name, value, default, _help, _unsupported in iter_fields(cfg):
+        key = f"{section}.{name}"
+        if key in _GRAPH_TYPED or key in _CHOICES or (type(value) is type(default) and not isinstance(value, list)):
+            continue  # same plain type as the default: nothing to check (set_value is slow, ~0.2 ms a field)
+        try:
+            set_value(scratch, key, value)
+        except ConfigError as exc:
+            out.append(_v("V", [key], f"{exc}.", f"set {key} to a value of that type."))
+        except Exception as exc:  # an annotation the type check does not know
+            out.append(_v("V", [key], f"{key}={_fmt(value)} cannot be checked ({exc}).", f"set {key} to its default."))
+    return out
+
+
+def _choice_violations(cfg: Config) -> list[Violation]:
+    out, defaults = [], Config()
+    for key, allowed in _CHOICES.items():
+        value, listed = _get(cfg, key), ", ".join(map(_fmt, allowed))
+        if not any(value is a or (isinstance(value, str) and value == a) for a in allowed):
+            out.append(_v("V", [key], f"{key}={_fmt(value)} is not one of {listed}.",
+                          f"set {key}={_fmt(_get(defaults, key))} (the default; allowed: {listed})."))
+    for module in _names(cfg.model.recompute_modules) or []:
+        if _str(module) not in ("core_attn", "mlp", "moe"):
+            out.append(_v("V", ["model.recompute_modules"], f"{_fmt(module)} in model.recompute_modules is not "
+                          "one of core_attn, mlp, moe.", f"remove {_fmt(module)} from model.recompute_modules."))
+    return out
+
+
+def _range_violations(cfg: Config) -> list[Violation]:
+    out = []
+    for key, low in _MINIMUM.items():
+        value = _int(_get(cfg, key))
+        if value is not None and value < low:
+            out.append(_v("V", [key], f"{key}={value} is below {low}.", f"set {key} to {low} or more."))
+    return out
+
+
+def _divisible(out: list[Violation], fields: list[str], a: Any, b: Any, what: str, fix: str) -> None:
+    a, b = _int(a), _int(b)
+    if a is not None and b is not None and b > 0 and a % b:
+        out.append(_v("V", fields, f"{what} ({a} is not a multiple of {b}).", fix))
+
+
+def _shape_violations(cfg: Config, world_size: int) -> list[Violation]:
+    m, t, out = cfg.model, cfg.train, []
+    mbs = _int(t.micro_batch_size)
+    ranks = max(world_size, 1)
+    _divisible(out, ["train.global_batch_size", "train.micro_batch_size"], t.global_batch_size,
+               mbs * ranks if mbs is not None else None,
+               f"train.global_batch_size must be a multiple of micro_batch_size x {ranks} rank(s)",
+               f"set train.global_batch_size={mbs * ranks if mbs else 1} or another multiple of it.")
+    if m.kv_channels is None:
+        _divisible(out, ["model.hidden_size", "model.num_attention_heads"], m.hidden_size, m.num_attention_heads,
+                   "model.hidden_size must split evenly over model.num_attention_heads",
+                   "change model.num_attention_heads to a divisor of model.hidden_size, or set model.kv_channels.")
+    if m.num_query_groups is not None:
+        _divisible(out, ["model.num_attention_heads", "model.num_query_groups"], m.num_attention_heads,
+                   m.num_query_groups, "model.num_attention_heads must be a multiple of model.num_query_groups",
+                   "set model.num_query_groups to a divisor of model.num_attention_heads.")
+    experts, topk = _int(m.num_moe_experts), _int(m.moe_router_topk)
+    if experts is not None and topk is not None and topk > experts:
+        out.append(_v("V", ["model.moe_router_topk", "model.num_moe_experts"], f"model.moe_router_topk={topk} "
+                      f"is more than model.num_moe_experts={experts}.",
+                      f"set model.moe_router_topk={experts} or less."))
+    return out + _pattern_violations(cfg)
+
+
+def _pattern_violations(cfg: Config) -> list[Violation]:
+    m, out = cfg.model, []
+    pattern, layers, key = _str(m.hybrid_override_pattern), _int(m.num_layers), "model.hybrid_override_pattern"
+    if m.hybrid_override_pattern is not None and pattern is None:
+        return [_v("V", [key], f"{key}={_fmt(m.hybrid_override_pattern)} is not a string.",
+                   f"write {key} as a string such as M*-E, one character per layer.")]
+    if pattern is None:
+        return out
+    bad = sorted(set(pattern) - set("M*-E"))
+    if bad:
+        out.append(_v("V", [key], f"{key}={_fmt(pattern)} has characters {''.join(bad)!r} outside M * - E.",
+                      f"write {key} with M (Mamba), * (attention), - (MLP) and E (MoE) only."))
+    if layers is not None and len(pattern) != layers:
+        out.append(_v("V", [key, "model.num_layers"], f"{key}={_fmt(pattern)} describes {len(pattern)} layers but "
+                      f"model.num_layers={layers}.",
+                      f"set model.num_layers={len(pattern)}, or write one character per layer."))
+    if "E" in pattern and m.num_moe_experts is None:
+        out.append(_v("V", [key, "model.num_moe_experts"], f"{key}={_fmt(pattern)} has E (MoE) layers but "
+                      "model.num_moe_experts=null.",
+                      "set model.num_moe_experts (e.g. 8), or remove E from the pattern."))
+    return out
+
+
+def _value_violations(cfg: Config, world_size: int) -> list[Violation]:
+    out = []
+    for check in (_type_violations, _choice_violations, _range_violations):
+        out += _checked("V", check, cfg)
+    return out + _checked("V", lambda c: _shape_violations(c, world_size), cfg)
+
+
+def validate_config(cfg: Config, *, env: Mapping[str, str] | None = None,
+                    device_capability: tuple[int, int] | None = None,
+                    world_size: int | None = None) -> list[Violation]:
+    """The CUDA-graph rules plus the plain value checks (rule "V"); all violations, never an exception."""
+    env = os.environ if env is None else env
+    world = world_size if world_size is not None else _world_size(env)
+    violations = validate_cuda_graph_config(cfg, env=env, device_capability=device_capability, world_size=world)
+    return violations + _value_violations(_normalized_copy(cfg), world)
+
+
+# --------------------------------------------------------------------------
+# 3. resolution, and the perf-harness flags
+
+
+def _settings_from(cfg: Config) -> CudaGraphSettings:
+    m = cfg.model
+    impl = GraphImpl(m.cuda_graph_impl)
+    per_layer = impl in (GraphImpl.LOCAL, GraphImpl.TRANSFORMER_ENGINE)
+    return CudaGraphSettings(
+        impl=impl,
+        modules=tuple(m.cuda_graph_modules) if per_layer else (),
+        warmup_steps=m.cuda_graph_warmup_steps,
+        use_single_mempool=m.cuda_graph_use_single_mempool,
+        retain_backward_graph=m.cuda_graph_retain_backward_graph,
+        optimizer_graph=cfg.optimizer.optimizer_cuda_graph,
+        backend=m.cuda_graph_backend,
+        on_failure=m.cuda_graph_on_failure,
+    )
+
+
+def resolve_cuda_graph_settings(cfg: Config, *, env: Mapping[str, str] | None = None,
+                                device_capability: tuple[int, int] | None = None,
+                                world_size: int | None = None) -> CudaGraphSettings:
+    """Normalise ``cfg`` in place, validate it, and return its settings (ConfigValidationError lists every problem)."""
+    # Validate before normalising in place so that messages name the field the user wrote
+    # (cuda_graph_scope or cuda_graph_modules); the checks themselves run on a normalised copy.
+    violations = validate_config(cfg, env=env, device_capability=device_capability, world_size=world_size)
+    normalize_cuda_graph_config(cfg)
+    if violations:
+        raise ConfigValidationError(violations)
+    return _settings_from(cfg)
+
+
+def apply_perf_flags(cfg: Config, impl: str | None, scope: str | None) -> None:
+    """The perf-harness flags ``--cuda_graph_impl X --cuda_graph_scope a,b``, applied as Bridge's harness does.
+
+    The scope flag replaces the coverage (``cuda_graph_modules`` is reset so a recipe's modules cannot
+    conflict with it). Whenever graphs end up on, both RNG tracker flags are turned on.
+    """
+    if impl is not None:
+        cfg.model.cuda_graph_impl = impl
+    if scope is not None:
+        cfg.model.cuda_graph_scope = [part.strip() for part in str(scope).split(",") if part.strip()]
+        cfg.model.cuda_graph_modules = []
+    if _str(_normalized_copy(cfg).model.cuda_graph_impl) in ("local", "transformer_engine", "full_iteration"):
+        cfg.model.use_te_rng_tracker = True
+        cfg.rng.te_rng_tracker = True

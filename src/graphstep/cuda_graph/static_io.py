@@ -1,0 +1,99 @@
+"""Static input buffers and the contract a replay must keep.
+
+A graph reads its inputs from fixed addresses. :class:`StaticInputs` owns one
+buffer per tensor of the first call's arguments (any nesting of lists, tuples
+and dicts) and, on every later call, checks the new arguments against that
+contract -- same structure, same shapes, dtypes and devices, same non-tensor
+values -- then copies the new tensors in. A difference raises
+:class:`ContractError` naming the argument (``[0]['tokens']``) and both values.
+
+The input contract of graphstep's graphs:
+
+* static: parameters, buffers, optimizer state -- updated in place, never replaced;
+* copied in: the arguments given to a graphed call (batches), through this class;
+* graph-owned: everything the graph returns -- overwritten by the next replay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
+
+from .errors import ContractError
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
+    return repr(x)
+
+
+class StaticInputs:
+    """Fixed-address copies of a call's tensor arguments, with the call's contract."""
+
+    def __init__(self, example: Any, device: torch.device | None = None, name: str = "graph") -> None:
+        self.name = name
+        self.device = device
+        leaves, self.spec = tree_flatten_with_path(example)
+        self.paths = [keystr(path) for path, _ in leaves]
+        self.leaves: list[Any] = []
+        for _, value in leaves:
+            if isinstance(value, torch.Tensor):
+                target = device if device is not None else value.device
+                self.leaves.append(torch.empty_like(value, device=target).copy_(value))
+            else:
+                self.leaves.append(value)
+        self.tree = tree_unflatten(self.leaves, self.spec)
+
+    def check(self, value: Any) -> list[Any]:
+        """The new call's leaves, after checking them against the contract."""
+        leaves, spec = tree_flatten_with_path(value)
+        if spec != self.spec:
+            raise ContractError(
+                f"{self.name}: the call's arguments have another structure than the captured call's.\n"
+                f"  captured: {self.spec}\n  now:      {spec}"
+            )
+        out = []
+        for path, (_, new), old in zip(self.paths, leaves, self.leaves):
+            if isinstance(old, torch.Tensor):
+                if not isinstance(new, torch.Tensor):
+                    raise ContractError(f"{self.name}: argument {path} was a tensor at capture, now {_describe(new)}")
+                if new.shape != old.shape or new.dtype != old.dtype:
+                    raise ContractError(
+                        f"{self.name}: argument {path} differs from the captured call: "
+                        f"captured {_describe(old)}, now {_describe(new)}. Graphs need static shapes "
+                        "(pad to a fixed length, or use data.seq_length_buckets)."
+                    )
+                if self.device is None and new.device != old.device:
+                    raise ContractError(
+                        f"{self.name}: argument {path} is on {new.device}, the captured call had it on {old.device}"
+                    )
+            elif not _same_value(new, old):
+                raise ContractError(
+                    f"{self.name}: non-tensor argument {path} differs from the captured call: "
+                    f"captured {old!r}, now {new!r} (non-tensor values are baked into the graph)"
+                )
+            out.append(new)
+        return out
+
+    def copy_in(self, value: Any) -> None:
+        """Check ``value`` and copy its tensors into the static buffers."""
+        for dst, src in zip(self.leaves, self.check(value)):
+            if isinstance(dst, torch.Tensor) and not _same_memory(dst, src):
+                dst.copy_(src, non_blocking=True)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``b`` is ``a`` or a view of exactly the same memory (a graph output fed back in: no copy)."""
+    return a is b or (
+        a.data_ptr() == b.data_ptr() and a.device == b.device and a.stride() == b.stride() and a.shape == b.shape
+    )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # an object without a usable __eq__ must be the same object
+        return a is b

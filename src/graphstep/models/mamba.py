@@ -1,0 +1,198 @@
+"""A Mamba-2 mixer block in pure PyTorch (scope ``mamba``), for hybrid models.
+
+:class:`MambaBlock` is input RMSNorm + :class:`MambaMixer` + hidden dropout +
+residual, one block of a :class:`~graphstep.models.transformer.DecoderLayer`.
+The mixer follows Mamba-2 / Megatron Core's ``MambaMixer``:
+
+1. ``in_proj`` maps x to (z, xBC, dt): the gate, the conv input (x of width
+   ``d_inner = 2 * hidden`` plus B and C of ``groups * state`` each) and
+   one dt per head;
+2. a causal depthwise conv1d (width 4) over xBC, then SiLU;
+3. the selective state-space model per head ``h``, with scalar decay
+   ``A = -exp(A_log)`` and step ``dt = softplus(dt + dt_bias)``:
+   ``s_t = exp(dt_t A) s_{t-1} + dt_t x_t B_t^T``, ``y_t = s_t C_t + D x_t``;
+4. gated RMSNorm ``norm(y * silu(z))`` per group, then ``out_proj``.
+
+Step 3 runs as the chunked SSD algorithm of the Mamba-2 paper ("ssd_minimal"):
+the sequence is cut into chunks of ``mamba_chunk_size``; inside a chunk the
+output is a masked quadratic form (the "diagonal blocks", with decays from
+:func:`segsum`); between chunks only the per-head states are carried by a
+short recurrence (itself written as one more segsum product). Everything is
+static-shape tensor algebra in fp32 -- no host syncs, so it captures. A
+sequence that is not a multiple of the chunk is padded at the end with zero
+input and zero decay, which cannot change earlier (causal) outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .transformer import ModelShape, RMSNorm, hidden_dropout
+
+D_CONV = 4  # Megatron's mamba d_conv
+EXPAND = 2  # d_inner = EXPAND * hidden
+
+
+@dataclass(frozen=True)
+class MambaShape:
+    hidden: int
+    d_inner: int
+    heads: int
+    head_dim: int
+    state: int
+    groups: int
+    chunk: int
+    eps: float
+
+    @classmethod
+    def from_config(cls, m) -> "MambaShape":
+        d_inner = EXPAND * m.hidden_size
+        errors = []
+        if d_inner % m.mamba_head_dim:
+            errors.append(f"model.mamba_head_dim={m.mamba_head_dim} must divide 2 * hidden_size = {d_inner}")
+        elif (d_inner // m.mamba_head_dim) % m.mamba_num_groups:
+            errors.append(f"model.mamba_num_groups={m.mamba_num_groups} must divide the {d_inner // m.mamba_head_dim} heads")
+        if m.mamba_chunk_size < 1:
+            errors.append(f"model.mamba_chunk_size must be >= 1, got {m.mamba_chunk_size}")
+        if errors:
+            raise ValueError("invalid Mamba configuration:\n  " + "\n  ".join(errors))
+        return cls(
+            hidden=m.hidden_size,
+            d_inner=d_inner,
+            heads=d_inner // m.mamba_head_dim,
+            head_dim=m.mamba_head_dim,
+            state=m.mamba_state_dim,
+            groups=m.mamba_num_groups,
+            chunk=m.mamba_chunk_size,
+            eps=m.layernorm_epsilon,
+        )
+
+
+def segsum(x: torch.Tensor) -> torch.Tensor:
+    """``out[..., i, j] = sum(x[..., j+1 : i+1])`` for j <= i, -inf above the diagonal (stable form)."""
+    T = x.shape[-1]
+    x = x.unsqueeze(-1).expand(*x.shape, T)
+    below = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=-1)
+    x = x.masked_fill(~below, 0.0)
+    out = torch.cumsum(x, dim=-2)
+    keep = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=0)
+    return out.masked_fill(~keep, -torch.inf)
+
+
+def ssd_chunked(x: torch.Tensor, a: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The SSM scan by chunks (no initial state).
+
+    x [b, l, h, p] (already times dt), a [b, l, h] (= dt * A), B and C
+    [b, l, h, n] -> y [b, l, h, p]; any length ``l`` (padded to a chunk multiple).
+    """
+    length = x.shape[1]
+    pad = (-length) % chunk
+    if pad:
+        x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
+        a = F.pad(a, (0, 0, 0, pad))
+    b, L, h, p = x.shape
+    c = L // chunk
+    x, B, C = (t.reshape(b, c, chunk, h, -1) for t in (x, B, C))
+    a = a.reshape(b, c, chunk, h).permute(0, 3, 1, 2)  # [b, h, c, l]
+    a_cum = torch.cumsum(a, dim=-1)
+    # 1. intra-chunk outputs (diagonal blocks)
+    decay = torch.exp(segsum(a))
+    y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", C, B, decay, x)
+    # 2. each chunk's final state from its own inputs
+    decay_states = torch.exp(a_cum[..., -1:] - a_cum)
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, decay_states, x)
+    # 3. states at chunk boundaries: the recurrence over chunks, as one product
+    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
+    decay_chunk = torch.exp(segsum(F.pad(a_cum[..., -1], (1, 0))))
+    states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)[:, :-1]
+    # 4. contribution of the carried state to each position
+    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", C, states, torch.exp(a_cum))
+    return (y_diag + y_off).reshape(b, L, h, p)[:, :length]
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba-2's ``RMSNormGated`` (norm_before_gate=False): RMSNorm of ``y * silu(z)`` per group."""
+
+    def __init__(self, dim: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.groups, self.eps = groups, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        acc = _acc_dtype(y)
+        g = (y.to(acc) * F.silu(z.to(acc))).unflatten(-1, (self.groups, -1))
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (g.flatten(-2) * self.weight.to(acc)).to(y.dtype)
+
+
+class MambaMixer(nn.Module):
+    """Mamba-2 mixer: x [b, l, hidden] -> [b, l, hidden] (no norm, no residual)."""
+
+    def __init__(self, ms: MambaShape) -> None:
+        super().__init__()
+        self.ms = ms
+        self.conv_dim = ms.d_inner + 2 * ms.groups * ms.state
+        self.in_proj = nn.Linear(ms.hidden, ms.d_inner + self.conv_dim + ms.heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, D_CONV, groups=self.conv_dim, padding=D_CONV - 1)
+        self.A_log = nn.Parameter(torch.empty(ms.heads))
+        self.D = nn.Parameter(torch.empty(ms.heads))
+        self.dt_bias = nn.Parameter(torch.empty(ms.heads))
+        self.norm = GatedRMSNorm(ms.d_inner, ms.groups, ms.eps)
+        self.out_proj = nn.Linear(ms.d_inner, ms.hidden, bias=False)
+        self.reset_special_parameters()
+
+    @torch.no_grad()
+    def reset_special_parameters(self) -> None:
+        """Mamba-2's init of A, D and dt (GPTModel's generic init zeros 1-D parameters)."""
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        self.D.fill_(1.0)
+        lo, hi = math.log(1e-3), math.log(1e-1)
+        dt = torch.exp(torch.rand_like(self.dt_bias) * (hi - lo) + lo).clamp(min=1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ms = self.ms
+        b, length, _ = x.shape
+        z, xbc, dt = self.in_proj(x).split([ms.d_inner, self.conv_dim, ms.heads], dim=-1)
+        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :length].transpose(1, 2))
+        xs, B, C = xbc.split([ms.d_inner, ms.groups * ms.state, ms.groups * ms.state], dim=-1)
+        acc = _acc_dtype(x)  # the scan runs in fp32 (fp64 for fp64 checks)
+        dt = F.softplus(dt.to(acc) + self.dt_bias.to(acc))  # [b, l, h]
+        A = -torch.exp(self.A_log.to(acc))
+        xs = xs.to(acc).view(b, length, ms.heads, ms.head_dim)
+        y = ssd_chunked(xs * dt.unsqueeze(-1), A * dt, self._per_head(B, acc), self._per_head(C, acc), ms.chunk)
+        y = y + xs * self.D.to(acc).view(-1, 1)
+        y = self.norm(y.reshape(b, length, ms.d_inner).to(x.dtype), z)
+        return self.out_proj(y)
+
+    def _per_head(self, t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+        """[b, l, groups*state] -> [b, l, heads, state] in ``acc``; heads share their group's B/C."""
+        ms = self.ms
+        b, length, _ = t.shape
+        t = t.to(acc).view(b, length, ms.groups, 1, ms.state)
+        return t.expand(b, length, ms.groups, ms.heads // ms.groups, ms.state).reshape(b, length, ms.heads, ms.state)
+
+
+class MambaBlock(nn.Module):
+    """Scope ``mamba``: input RMSNorm + Mamba-2 mixer + hidden dropout + residual."""
+
+    def __init__(self, s: ModelShape, ms: MambaShape) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.eps)
+        self.mixer = MambaMixer(ms)
+        self.dropout = s.hidden_dropout
+
+    def graph_scopes(self) -> dict:
+        return {"mamba": self}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + hidden_dropout(self.mixer(self.input_layernorm(x)), self.dropout, self.training)

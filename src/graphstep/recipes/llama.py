@@ -1,0 +1,76 @@
+"""Dense Llama-style recipes: a tiny one for CPUs and the real Llama 3 shapes."""
+
+from __future__ import annotations
+
+from ..config import Config
+
+
+def graph_ready(cfg: Config) -> Config:
+    """Settings every graphed recipe shares: the graph-safe RNG tracker on, and
+    graphstep's device-side NaN check instead of the host-side ones (rule R6)."""
+    cfg.model.use_te_rng_tracker = True
+    cfg.rng.te_rng_tracker = True
+    cfg.rerun_state_machine.check_for_nan_in_loss = False
+    cfg.ddp.check_for_nan_in_grad = False
+    cfg.train.check_for_nan_on_device = True
+    return cfg
+
+
+def llama3_tiny() -> Config:
+    """A 4-layer Llama on byte tokens: trains in seconds on 2 CPU cores.
+
+    The default of ``graphstep train``: full-iteration CUDA graph on a GPU,
+    the CPU replay backend elsewhere.
+    """
+    cfg = graph_ready(Config())
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.ffn_hidden_size = 4, 128, 352
+    m.num_attention_heads, m.num_query_groups = 4, 2
+    m.seq_length, m.vocab_size = 128, 256
+    m.attention_dropout = m.hidden_dropout = 0.0
+    m.cuda_graph_impl = "full_iteration"
+    cfg.train.train_iters = 200
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 8, 16
+    cfg.train.eval_interval, cfg.train.eval_iters = 100, 4
+    cfg.optimizer.lr, cfg.optimizer.min_lr = 3e-3, 3e-4
+    cfg.scheduler.lr_warmup_iters = 20
+    cfg.logger.log_interval = 10
+    return cfg
+
+
+def small_dense_bench() -> Config:
+    """The launch-bound shape of the spec (section 6): 8 layers, d=256, seq 256, micro-batch 4."""
+    cfg = graph_ready(Config())
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.ffn_hidden_size = 8, 256, 1024
+    m.num_attention_heads, m.num_query_groups = 4, 4
+    m.seq_length, m.vocab_size = 256, 32000
+    cfg.data.dataset = "mock"
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 4, 4
+    cfg.train.train_iters = 50
+    return cfg
+
+
+def _llama3(cfg: Config, layers: int, hidden: int, ffn: int, heads: int, groups: int, tie: bool) -> Config:
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.ffn_hidden_size = layers, hidden, ffn
+    m.num_attention_heads, m.num_query_groups = heads, groups
+    m.seq_length, m.vocab_size = 8192, 128256
+    m.rotary_base = 500000
+    m.share_embeddings_and_output_weights = tie
+    m.init_method_std = 0.02
+    cfg.data.dataset = "mock"
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 512
+    cfg.optimizer.lr, cfg.optimizer.min_lr = 3e-4, 3e-5
+    cfg.scheduler.lr_warmup_iters = 2000
+    return cfg
+
+
+def llama32_1b() -> Config:
+    """Llama 3.2 1B: 16 layers, d=2048, 32 heads / 8 KV heads, tied embeddings."""
+    return _llama3(graph_ready(Config()), 16, 2048, 8192, 32, 8, True)
+
+
+def llama3_8b() -> Config:
+    """Llama 3 8B: 32 layers, d=4096, 32 heads / 8 KV heads."""
+    return _llama3(graph_ready(Config()), 32, 4096, 14336, 32, 8, False)

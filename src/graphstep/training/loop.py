@@ -1,0 +1,239 @@
+"""``train(cfg)``: warm-up, capture, replay; evaluation, logging and teardown.
+
+The loop reads top to bottom:
+
+1. validate the config (every rule at once) and pick the device;
+2. seed, build the model, gradient buffers, optimizer and data;
+3. ``prepare`` the runner (eager functions, per-layer graphs, full-iteration
+   graph, optimizer graph -- training/prepare.py);
+4. per iteration: forward/backward of all micro-batches, optimizer step,
+   per-iteration scalars queued on the device; on logging steps, one host
+   read of the queued scalars, a log line and metrics rows;
+5. evaluation every ``train.eval_interval``;
+6. teardown in ``finally``: graphs freed before anything else goes away --
+   at the normal end, after the final evaluation, on exceptions and on
+   SIGINT/SIGTERM (which stop the loop after the current step).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import Config
+from ..cuda_graph.rng import initialize_rng_tracker
+from ..cuda_graph.settings import resolve_cuda_graph_settings
+from ..data import build_data
+from ..models import build_model
+from .console import Console
+from .metrics import MetricsRecorder
+from .optim import AdamW, GradBuffers, LRSchedule
+from .prepare import prepare
+from .step import EvalStep, TrainStep
+
+log = logging.getLogger("graphstep")
+
+GiB = 1024**3
+
+
+@dataclass
+class TrainResult:
+    """What a run did: every metrics row, evaluation losses and the capture summary."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    iterations: int = 0
+    stopped_by_signal: bool = False
+    capture_seconds: float = 0.0
+    graphs: int = 0
+    describe: str = "eager"
+    nonfinite_iterations: list[int] = field(default_factory=list)
+    model: torch.nn.Module | None = None  # kept when train(..., keep_model=True)
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.rows]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is available (use train.device=auto or cpu)")
+    dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM set a flag; the loop stops after the current step."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.set = False
+        self.signal: int | None = None
+        self._old: dict[int, Any] = {}
+        self.enabled = enabled
+
+    def __enter__(self) -> "_StopFlag":
+        if self.enabled:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    self._old[sig] = signal.signal(sig, self._handle)
+                except ValueError:  # not the main thread
+                    pass
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.set:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.set, self.signal = True, signum
+        log.warning("received %s: stopping after the current step", signal.Signals(signum).name)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _memory(device: torch.device) -> str:
+    if device.type == "cuda":
+        return (f"mem {torch.cuda.max_memory_allocated(device) / GiB:.2f}/"
+                f"{torch.cuda.max_memory_reserved(device) / GiB:.2f} GiB")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return f"rss {rss / GiB:.2f} GiB"
+
+
+def train(cfg: Config, *, keep_model: bool = False) -> TrainResult:
+    """Train as ``cfg`` says; returns the metrics of every iteration (and the model if asked)."""
+    settings = resolve_cuda_graph_settings(cfg)  # 1: every rule, all violations at once
+    device = pick_device(cfg.train.device)
+    tr = cfg.train
+    dp_size = 1
+    num_mb = tr.global_batch_size // (tr.micro_batch_size * dp_size)
+
+    initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker)  # 2
+    model = build_model(cfg.model, device)
+    model.train()
+    grads = GradBuffers(model)
+    decay = cfg.scheduler.lr_decay_iters or tr.train_iters
+    schedule = LRSchedule(cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.scheduler.lr_warmup_iters, decay,
+                          cfg.scheduler.lr_decay_style)
+    optimizer = AdamW(
+        model, grads, schedule, betas=(cfg.optimizer.adam_beta1, cfg.optimizer.adam_beta2),
+        eps=cfg.optimizer.adam_eps, weight_decay=cfg.optimizer.weight_decay, clip_grad=cfg.optimizer.clip_grad,
+        skip_on_nonfinite=tr.skip_step_on_nan,
+    )
+    data = build_data(cfg, split="train")
+    valid = build_data(cfg, split="valid") if tr.eval_iters > 0 else None
+    step = TrainStep(model, grads, retain_graph=settings.retain_backward_graph)
+    runner = prepare(  # 3
+        model, step, EvalStep(model, device), optimizer, settings,
+        device=device, num_micro_batches=num_mb, skip_on_nonfinite=tr.skip_step_on_nan,
+    )
+    keys = ["loss", "grad_norm", "lr", "nonfinite"]
+    recorder = MetricsRecorder(keys, device, cfg.logger.log_interval, cfg.logger.metrics_path)
+    console = Console(enabled=cfg.logger.progress_bar and sys.stderr.isatty(), total=tr.train_iters)
+    result = TrainResult(describe=runner.describe)
+    tokens_per_iter = tr.global_batch_size * cfg.model.seq_length
+    log.info("training %s: %d parameters, %s, device %s, graphs: %s", _name(cfg), _count(model),
+             next(model.parameters()).dtype, device, runner.describe)
+    try:
+        with _StopFlag(tr.exit_signal_handler) as stop, console:
+            t_log = time.perf_counter()
+            for it in range(1, tr.train_iters + 1):  # 4
+                out = runner.train_step(data)
+                opt = runner.optimizer_step(out)
+                state = runner.state()
+                if state == "captured":
+                    _log_capture(runner, device)
+                nonfinite = torch.maximum(out["nonfinite"], opt["found_nonfinite"])
+                if cfg.rerun_state_machine.check_for_nan_in_loss or cfg.ddp.check_for_nan_in_grad:
+                    _host_nan_check(cfg, it, out["loss"], opt["grad_norm"])  # host syncs, eager only (R6)
+                recorder.record(it, state, {"loss": out["loss"], "grad_norm": opt["grad_norm"], "lr": opt["lr"],
+                                            "nonfinite": nonfinite})
+                console.advance()
+                last = it == tr.train_iters or stop.set
+                if it % cfg.logger.log_interval == 0 or last:
+                    rows = recorder.flush()
+                    dt = (time.perf_counter() - t_log) / len(rows)
+                    t_log = time.perf_counter()
+                    for r in rows:
+                        r["step_ms"] = dt * 1e3
+                    result.rows += rows
+                    _report(console, rows, dt, tokens_per_iter, device, tr.train_iters, result)
+                if valid is not None and tr.eval_interval and it % tr.eval_interval == 0 and not last:
+                    _evaluate(runner, valid, tr.eval_iters, it, console, result)  # 5
+                result.iterations = it
+                if stop.set:
+                    result.stopped_by_signal = True
+                    break
+            if valid is not None and not result.stopped_by_signal:
+                _evaluate(runner, valid, tr.eval_iters, result.iterations, console, result)
+    finally:  # 6
+        recorder.close()
+        result.graphs = len(runner.backend.reports) if runner.backend is not None else 0
+        result.capture_seconds = sum(r.seconds for r in runner.backend.reports) if runner.backend else 0.0
+        runner.close()
+    console.summary(result, _memory(device), cfg.logger.metrics_path)
+    if keep_model:
+        result.model = model
+    return result
+
+
+def _name(cfg: Config) -> str:
+    m = cfg.model
+    kind = "MoE" if m.num_moe_experts else ("hybrid" if m.hybrid_override_pattern else "dense")
+    return f"{kind} {m.num_layers} layers d={m.hidden_size} seq={m.seq_length}"
+
+
+def _count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _log_capture(runner, device: torch.device) -> None:
+    reports = runner.backend.reports if runner.backend is not None else []
+    if not reports:
+        return
+    seconds = sum(r.seconds for r in reports)
+    alloc, reserved = runner.backend.memory()
+    log.info("captured %d graph(s) in %.2f s, allocated %.2f GiB, reserved %.2f GiB (%s backend)",
+             len(reports), seconds, alloc / GiB, reserved / GiB, runner.backend.name)
+
+
+def _host_nan_check(cfg: Config, it: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    # Megatron's host-side checks: each reads a device value (a sync), which
+    # is why rule R6 forbids them with the full-iteration graph.
+    if cfg.rerun_state_machine.check_for_nan_in_loss and not torch.isfinite(loss).item():
+        raise FloatingPointError(f"iteration {it}: the loss is {loss.item()} (rerun_state_machine.check_for_nan_in_loss)")
+    if cfg.ddp.check_for_nan_in_grad and not torch.isfinite(grad_norm).item():
+        raise FloatingPointError(f"iteration {it}: the gradient norm is {grad_norm.item()} (ddp.check_for_nan_in_grad)")
+
+
+def _report(console: Console, rows: list[dict], dt: float, tokens: int, device, total: int, result) -> None:
+    last = rows[-1]
+    bad = [r["iteration"] for r in rows if r["nonfinite"]]
+    result.nonfinite_iterations += bad
+    console.line(
+        f"iter {last['iteration']:>6}/{total} | loss {_fmt(last['loss'])} | lr {last['lr']:.3e} | "
+        f"grad norm {_fmt(last['grad_norm'], 3)} | {dt * 1e3:8.1f} ms/step | {tokens / dt / 1e3:8.1f}k tok/s | "
+        f"{_memory(device)} | {last['state']}"
+    )
+    if bad:
+        log.warning("non-finite loss or gradients at iteration(s) %s", ", ".join(map(str, bad)))
+
+
+def _fmt(v: Any, digits: int = 4) -> str:
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def _evaluate(runner, valid, iters: int, it: int, console: Console, result: TrainResult) -> None:
+    loss = float(runner.evaluate(valid, iters))  # a host read, on evaluation steps only
+    result.eval_losses.append((it, loss))
+    console.line(f"eval at iter {it}: loss {loss:.4f}")

@@ -1,0 +1,224 @@
+"""Mixed-precision AdamW that never syncs the host.
+
+Megatron's recipe: parameters in the model dtype (bf16 on a GPU), fp32 master
+weights in the optimizer, and fp32 gradient buffers at fixed addresses:
+
+* :class:`GradBuffers` -- one flat fp32 buffer; each parameter's ``main_grad``
+  is a view into it. A post-accumulate-grad hook adds ``param.grad`` into
+  ``main_grad`` and drops ``param.grad``, so gradient accumulation over
+  micro-batches happens in fp32 at addresses a graph can capture. The flat
+  buffer is what data-parallel reduction all-reduces.
+* :class:`AdamW` -- the step counter and the learning rate are device tensors;
+  the LR schedule is computed on the device from the step counter, the global
+  gradient norm and clipping stay on the device, and a non-finite norm can
+  skip the update in place. Nothing reads a device value on the host, so the
+  whole step can be captured (``optimizer.optimizer_cuda_graph``). On CUDA the
+  update is torch's fused AdamW kernel; elsewhere a foreach implementation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class GradBuffers:
+    """Persistent fp32 gradient buffers (``param.main_grad``) in one flat tensor."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        device = self.params[0].device
+        total = sum(p.numel() for p in self.params)
+        self.flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.grads: list[torch.Tensor] = []
+        offset = 0
+        self._hooks = []
+        for p in self.params:
+            view = self.flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            p.main_grad = view
+            self.grads.append(view)
+            self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
+
+    def zero(self) -> None:
+        self.flat.zero_()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _accumulate_main_grad(p: torch.Tensor) -> None:
+    # fp32 accumulation into the fixed buffer; dropping .grad keeps no second
+    # copy alive and lets the next micro-batch start from None again.
+    p.main_grad.add_(p.grad)
+    p.grad = None
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warm-up then cosine/linear/constant decay, evaluated on the device."""
+
+    max_lr: float
+    min_lr: float
+    warmup_iters: int
+    decay_iters: int
+    style: str = "cosine"
+
+    def __call__(self, step: torch.Tensor) -> torch.Tensor:
+        """LR of update number ``step`` (1-based, a float32 device tensor)."""
+        warm = self.max_lr * step / max(1, self.warmup_iters)
+        span = max(1, self.decay_iters - self.warmup_iters)
+        ratio = ((step - self.warmup_iters) / span).clamp(0.0, 1.0)
+        if self.style == "cosine":
+            decayed = self.min_lr + 0.5 * (self.max_lr - self.min_lr) * (torch.cos(math.pi * ratio) + 1.0)
+        elif self.style == "linear":
+            decayed = self.min_lr + (self.max_lr - self.min_lr) * (1.0 - ratio)
+        elif self.style == "constant":
+            decayed = torch.full_like(step, self.max_lr)
+        else:
+            raise ValueError(f"scheduler.lr_decay_style must be cosine, linear or constant, got {self.style!r}")
+        return torch.where(step <= self.warmup_iters, warm, decayed)
+
+    def at(self, step: int) -> float:
+        """The same schedule on the host (for docs and tests)."""
+        return float(self(torch.tensor(float(step))))
+
+
+def _no_decay(name: str, p: torch.Tensor) -> bool:
+    # Megatron's default: no weight decay for biases and 1-D (norm) weights.
+    return name.endswith(".bias") or p.dim() == 1
+
+
+class AdamW:
+    """AdamW over fp32 master weights; ``step()`` returns device tensors only.
+
+    ``step()`` returns ``{"grad_norm", "lr", "found_nonfinite"}`` (device
+    tensors owned by the optimizer when it is captured in a graph).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        grads: GradBuffers,
+        schedule: LRSchedule,
+        *,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        clip_grad: float = 0.0,
+        skip_on_nonfinite: bool = False,
+        fused: bool | None = None,
+    ) -> None:
+        self.grads = grads
+        self.schedule = schedule
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.clip_grad, self.skip_on_nonfinite = clip_grad, skip_on_nonfinite
+        names = {id(p): n for n, p in model.named_parameters()}
+        device = grads.flat.device
+        self.fused = (device.type == "cuda") if fused is None else fused
+        self.model_params = grads.params
+        self.master = [p.detach() if p.dtype == torch.float32 else p.detach().float() for p in self.model_params]
+        self.needs_copy_back = [m is not p for m, p in zip(self.master, self.model_params)]
+        self.exp_avg = [torch.zeros_like(m) for m in self.master]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
+        self.step_t = torch.zeros((), dtype=torch.float32, device=device)
+        self.lr_t = torch.zeros((), dtype=torch.float32, device=device)
+        self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
+        self.found = torch.zeros((), dtype=torch.float32, device=device)
+        decay = [not _no_decay(names.get(id(p), ""), p) for p in self.model_params]
+        self.groups = [
+            [i for i, d in enumerate(decay) if d],
+            [i for i, d in enumerate(decay) if not d],
+        ]
+
+    # ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step_t.clone(),
+            "master": [m.clone() for m in self.master],
+            "exp_avg": [t.clone() for t in self.exp_avg],
+            "exp_avg_sq": [t.clone() for t in self.exp_avg_sq],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Copy in place: addresses a captured graph uses stay valid."""
+        self.step_t.copy_(state["step"])
+        for dst_list, key in ((self.master, "master"), (self.exp_avg, "exp_avg"), (self.exp_avg_sq, "exp_avg_sq")):
+            if len(state[key]) != len(dst_list):
+                raise ValueError(f"optimizer state {key!r} has {len(state[key])} tensors, expected {len(dst_list)}")
+            for dst, src in zip(dst_list, state[key]):
+                dst.copy_(src)
+        self._copy_back()
+
+    # ------------------------------------------------------------------
+    def step(self, extra_nonfinite: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Clip, schedule and update; no host sync anywhere."""
+        grads = self.grads.grads
+        norm = torch.linalg.vector_norm(self.grads.flat, 2.0)
+        self.grad_norm.copy_(norm)
+        bad = ~torch.isfinite(norm)
+        if extra_nonfinite is not None:
+            bad = bad | (extra_nonfinite != 0)
+        self.found.copy_(bad.float())
+        if self.clip_grad > 0:
+            coef = (self.clip_grad / (norm + 1e-6)).clamp(max=1.0)
+            self.grads.flat.mul_(coef)
+        if self.skip_on_nonfinite:
+            self.step_t.add_(1.0 - self.found)
+        else:
+            self.step_t.add_(1.0)
+        self.lr_t.copy_(self.schedule(self.step_t))
+        skip = self.found if self.skip_on_nonfinite else None
+        for group, wd in zip(self.groups, (self.weight_decay, 0.0)):
+            if group:
+                self._update([self.master[i] for i in group], [grads[i] for i in group],
+                             [self.exp_avg[i] for i in group], [self.exp_avg_sq[i] for i in group], wd, skip)
+        self._copy_back()
+        return {"grad_norm": self.grad_norm, "lr": self.lr_t, "found_nonfinite": self.found}
+
+    def _copy_back(self) -> None:
+        pairs = [(p, m) for p, m, c in zip(self.model_params, self.master, self.needs_copy_back) if c]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+
+    def _update(self, params, grads, m, v, wd: float, skip: torch.Tensor | None) -> None:
+        beta1, beta2 = self.betas
+        if self.fused:
+            torch._fused_adamw_(
+                params, grads, m, v, [], [self.step_t] * len(params),
+                lr=self.lr_t, beta1=beta1, beta2=beta2, weight_decay=wd, eps=self.eps,
+                amsgrad=False, maximize=False, grad_scale=None, found_inf=skip,
+            )
+            return
+        if skip is not None:
+            keep = [t.clone() for t in params + m + v]
+        _foreach_adamw(params, grads, m, v, self.step_t, self.lr_t, beta1, beta2, wd, self.eps)
+        if skip is not None:
+            with torch.no_grad():
+                for cur, old in zip(params + m + v, keep):
+                    cur.copy_(torch.where(skip != 0, old, cur))
+
+
+@torch.no_grad()
+def _foreach_adamw(params, grads, m, v, step, lr, beta1, beta2, wd, eps) -> None:
+    """torch.optim.AdamW's update with a tensor step and LR (no host reads)."""
+    if wd != 0.0:
+        torch._foreach_mul_(params, 1.0 - lr * wd)
+    torch._foreach_lerp_(m, grads, 1.0 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, grads, grads, value=1.0 - beta2)
+    bias1 = 1.0 - torch.pow(beta1, step)
+    bias2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step))
+    step_size = lr / bias1
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bias2_sqrt)
+    torch._foreach_add_(denom, eps)
+    updates = torch._foreach_div(m, denom)
+    torch._foreach_mul_(updates, -step_size)
+    torch._foreach_add_(params, updates)

@@ -1,0 +1,137 @@
+"""Turn a config's graph settings into the callables the training loop runs.
+
+Policy lives here; cuda_graph/ only provides mechanisms. ``prepare`` applies
+the features in a fixed order (see its comment), and returns a
+:class:`Runner` whose three calls the loop makes every iteration:
+``train_step`` (forward/backward of all micro-batches), ``optimizer_step``,
+and ``evaluate``. With ``cuda_graph_impl=none`` these are exactly the eager
+functions of step.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..cuda_graph.backend import GraphBackend, get_backend
+from ..cuda_graph.full_iteration import EAGER, FullIterationGraph, GraphedStep
+from ..cuda_graph.rng import get_rng_tracker
+from ..cuda_graph.settings import CudaGraphSettings, GraphImpl
+from .optim import AdamW
+from .step import EvalStep, TrainStep
+
+log = logging.getLogger("graphstep")
+
+
+@dataclass
+class Runner:
+    """What the loop calls; owns every graph it made (``close()`` frees them)."""
+
+    train_step: Callable[[Iterator[Any]], dict[str, torch.Tensor]]
+    optimizer_step: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    evaluate: Callable[[Iterator[Any], int], torch.Tensor]
+    backend: GraphBackend | None
+    graphs: list[Any] = field(default_factory=list)
+    describe: str = "eager"
+
+    def state(self) -> str:
+        """eager / captured / replayed for the last training step (the first graph's state)."""
+        for g in self.graphs:
+            st = getattr(g, "state", None)
+            if st is not None:
+                return st
+        return EAGER
+
+    def close(self) -> None:
+        """Free every graph and the pool; harmless to call twice."""
+        for g in self.graphs:
+            g.close()
+        self.graphs.clear()
+        if self.backend is not None:
+            self.backend.close()
+
+
+def prepare(
+    model: nn.Module,
+    train_step: TrainStep,
+    eval_step: EvalStep,
+    optimizer: AdamW,
+    settings: CudaGraphSettings,
+    *,
+    device: torch.device,
+    num_micro_batches: int,
+    skip_on_nonfinite: bool,
+) -> Runner:
+    """Build the runner. The order is fixed:
+
+    1. per-layer graphs wrap the selected submodules first, so every step
+       function built afterwards calls the wrapped modules;
+    2. the full-iteration graph wraps forward/backward of all micro-batches
+       (a separate graph for evaluation); it never combines with step 1 (R4);
+    3. the optimizer graph comes last: it reads the training step's outputs
+       (the non-finite flag) and captures into the same pool after it.
+    """
+    backend = get_backend(device, settings.backend) if settings.enabled else None
+    generators = get_rng_tracker().generators
+    graphs: list[Any] = []
+    describe = "eager"
+
+    if settings.per_layer:  # 1
+        from ..cuda_graph.layers import apply_layer_graphs
+
+        layer_graphs = apply_layer_graphs(model, settings, backend, generators=generators)
+        graphs.append(layer_graphs)
+        describe = layer_graphs.describe()
+
+    fwd_bwd: Callable[[Iterator[Any]], dict[str, torch.Tensor]]
+    evaluate_batches: Callable[[list[Any]], dict[str, torch.Tensor]]
+    if settings.full_iteration:  # 2
+        common = dict(
+            warmup_steps=settings.warmup_steps, generators=generators, shared_pool=settings.use_single_mempool,
+            on_failure=settings.on_failure, input_device=device,
+        )
+        train_graph = FullIterationGraph(train_step, backend, num_micro_batches=num_micro_batches, name="train", **common)
+        eval_graph = GraphedStep(eval_step, backend, name="eval", **common)
+        graphs += [train_graph, eval_graph]
+        fwd_bwd, evaluate_batches = train_graph, eval_graph
+        describe = f"full iteration ({backend.name} backend)"
+    else:
+
+        def fwd_bwd(it: Iterator[Any]) -> dict[str, torch.Tensor]:
+            return train_step([_to_device(next(it), device) for _ in range(num_micro_batches)])
+
+        def evaluate_batches(batches: list[Any]) -> dict[str, torch.Tensor]:
+            return eval_step([_to_device(b, device) for b in batches])
+
+    def opt_fn(train_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return optimizer.step(train_out["nonfinite"] if skip_on_nonfinite else None)
+
+    optimizer_step: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = opt_fn
+    if settings.optimizer_graph and settings.enabled:  # 3
+        opt_graph = GraphedStep(
+            opt_fn, backend, warmup_steps=settings.warmup_steps, name="optimizer", generators=generators,
+            shared_pool=settings.use_single_mempool, on_failure=settings.on_failure,
+        )
+        graphs.append(opt_graph)
+        optimizer_step = opt_graph
+        describe += " + optimizer graph"
+
+    def evaluate(it: Iterator[Any], iters: int) -> torch.Tensor:
+        model.eval()
+        try:
+            return evaluate_batches([next(it) for _ in range(iters)])["loss"]
+        finally:
+            model.train()
+
+    if settings.impl is GraphImpl.TRANSFORMER_ENGINE:
+        log.info("cuda_graph_impl=transformer_engine: per-layer capture with Transformer Engine's semantics, "
+                 "performed by graphstep's own engine (Transformer Engine is not used)")
+    return Runner(fwd_bwd, optimizer_step, evaluate, backend, graphs, describe)
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -1,0 +1,82 @@
+"""What one training iteration computes: forward and backward over micro-batches.
+
+This is the function the full-iteration graph wraps, and exactly what runs
+eagerly with ``cuda_graph_impl=none`` -- the same ops in the same order, so
+graphed and eager losses are bit-identical. It never reads a device value on
+the host: the loss and its finiteness flag stay device tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .optim import GradBuffers
+
+Batch = dict[str, torch.Tensor]
+
+
+class TrainStep:
+    """Forward/backward of all micro-batches, gradient accumulation and reduction.
+
+    Args:
+        model: returns the mean token loss of a micro-batch.
+        grads: the persistent fp32 gradient buffers (zeroed at the start of the step).
+        reduce_grads: the data-parallel hook, called after the last backward
+            (inside the full-iteration graph when there is one).
+        before_step: model state reset at the start of every step (e.g. MoE statistics).
+        retain_graph: ``model.cuda_graph_retain_backward_graph``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        grads: GradBuffers,
+        *,
+        reduce_grads: Callable[[], None] | None = None,
+        before_step: Callable[[], None] | None = None,
+        retain_graph: bool = False,
+    ) -> None:
+        self.model = model
+        self.grads = grads
+        self.reduce_grads = reduce_grads
+        self.before_step = before_step
+        self.retain_graph = retain_graph
+
+    def forward_backward(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
+        n = len(batches)
+        self.grads.zero()
+        if self.before_step is not None:
+            self.before_step()
+        total = torch.zeros((), dtype=torch.float32, device=self.grads.flat.device)
+        for mb in batches:
+            loss = self.model(mb["tokens"], mb["labels"], mb.get("loss_mask"))
+            (loss / n).backward(retain_graph=self.retain_graph)
+            total.add_(loss.detach())
+        if self.reduce_grads is not None:
+            self.reduce_grads()
+        mean = total / n
+        return {"loss": mean, "nonfinite": (~torch.isfinite(mean)).float()}
+
+    __call__ = forward_backward
+
+
+class EvalStep:
+    """Mean loss over evaluation micro-batches, without gradients."""
+
+    def __init__(self, model: nn.Module, device: torch.device, reduce_loss: Callable[[torch.Tensor], Any] | None = None):
+        self.model = model
+        self.device = device
+        self.reduce_loss = reduce_loss
+
+    @torch.no_grad()
+    def __call__(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for mb in batches:
+            total.add_(self.model(mb["tokens"], mb["labels"], mb.get("loss_mask")))
+        mean = total / len(batches)
+        if self.reduce_loss is not None:
+            self.reduce_loss(mean)
+        return {"loss": mean}

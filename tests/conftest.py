@@ -1,0 +1,62 @@
+"""Shared test helpers: a small llama3_tiny, trained through the real trainer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from graphstep.config import Config, apply_overrides
+from graphstep.recipes import get_recipe
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# llama3_tiny at a test size: 4 micro-batches, dropout 0.1 everywhere.
+TINY = [
+    "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.seq_length=32",
+    "model.attention_dropout=0.1", "model.hidden_dropout=0.1",
+    "train.micro_batch_size=2", "train.global_batch_size=8", "train.eval_iters=0",
+    "logger.progress_bar=false", "data.corpus_max_bytes=300000", "data.split=90,10,0",
+]
+
+
+def tiny_config(*overrides: str, recipe: str = "llama3_tiny", tmp_path=None) -> Config:
+    cfg = get_recipe(recipe)
+    apply_overrides(cfg, TINY if recipe == "llama3_tiny" else ["logger.progress_bar=false"])
+    apply_overrides(cfg, list(overrides))
+    cfg.logger.metrics_path = str(tmp_path / "metrics.jsonl") if tmp_path is not None else None
+    return cfg
+
+
+def eager(cfg: Config) -> Config:
+    cfg.model.cuda_graph_impl = "none"
+    cfg.model.cuda_graph_modules = []
+    cfg.model.cuda_graph_scope = None
+    cfg.optimizer.optimizer_cuda_graph = False
+    return cfg
+
+
+def params_of(result) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in result.model.parameters()]
+
+
+def assert_same_run(a, b) -> None:
+    """Every iteration's loss bit-identical, and the final parameters too."""
+    assert len(a.rows) == len(b.rows) > 0
+    for ra, rb in zip(a.rows, b.rows):
+        assert ra["iteration"] == rb["iteration"]
+        la, lb = torch.tensor(ra["loss"], dtype=torch.float32), torch.tensor(rb["loss"], dtype=torch.float32)
+        assert torch.equal(la, lb), f"iteration {ra['iteration']}: {ra['loss']!r} != {rb['loss']!r}"
+    if a.model is not None and b.model is not None:
+        for pa, pb in zip(params_of(a), params_of(b)):
+            assert torch.equal(pa, pb)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backends():
+    """Each test starts and ends without graphs alive."""
+    from graphstep.cuda_graph.backend import close_all_backends
+
+    yield
+    close_all_backends()

@@ -1,0 +1,482 @@
+"""Rules R1-R18 and the V checks, the migrations, and resolution of the CUDA-graph settings.
+
+Every rule has a case that breaks it (checked for the rule id, a distinctive
+part of the message and of the fix) and a close variant that is clean. Configs
+are built the way users build them: from the graph-friendly baseline
+(tracker on, host-side NaN checks off) plus Bridge-style dotted overrides.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from graphstep.config import Config, ConfigError, apply_overrides, iter_fields
+from graphstep.cuda_graph import settings as cg
+from graphstep.cuda_graph.settings import (
+    ConfigValidationError,
+    CudaGraphSettings,
+    GraphImpl,
+    Violation,
+    apply_perf_flags,
+    format_violations,
+    normalize_cuda_graph_config,
+    resolve_cuda_graph_settings,
+    validate_config,
+    validate_cuda_graph_config,
+)
+
+MULTI_GPU_EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True",
+                        "WORLD_SIZE": "2"}
+
+
+def make(*overrides: str) -> Config:
+    """The graph-friendly baseline plus overrides."""
+    cfg = Config()
+    cfg.model.use_te_rng_tracker = True
+    cfg.rerun_state_machine.check_for_nan_in_loss = False
+    cfg.ddp.check_for_nan_in_grad = False
+    return apply_overrides(cfg, list(overrides))
+
+
+def check(cfg: Config, env: dict[str, str] | None = None, **kwargs) -> list[Violation]:
+    kwargs.setdefault("device_capability", (9, 0))
+    return validate_config(cfg, env=env or {}, **kwargs)
+
+
+def rules(violations: list[Violation]) -> set[str]:
+    return {v.rule for v in violations}
+
+
+@dataclass
+class Case:
+    rule: str
+    bad: tuple[str, ...]
+    message: str
+    fix: str
+    good: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    good_env: dict[str, str] | None = None  # None: the same env as the bad case
+
+
+EXPERTS = ("model.num_moe_experts=4",)
+CASES = {
+    "R1": Case("R1", ("model.cuda_graph_impl=locl",), "model.cuda_graph_impl=locl is not one of",
+               "model.cuda_graph_impl=local", ("model.cuda_graph_impl=local",)),
+    "R2-unknown": Case("R2", ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,atn]"),
+                       "atn in model.cuda_graph_modules is not a scope name", "did you mean attn",
+                       ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn]")),
+    "R2-both-fields": Case("R2", ("model.cuda_graph_impl=local", "model.cuda_graph_scope=[attn]",
+                                  "model.cuda_graph_modules=[mlp]"), "are both set", "model.cuda_graph_scope=null",
+                           ("model.cuda_graph_impl=local", "model.cuda_graph_scope=[attn]")),
+    "R2-full-combined": Case("R2", ("model.cuda_graph_impl=local", "model.cuda_graph_scope=[full,attn]"),
+                             "combines full (the whole layer)", "model.cuda_graph_scope=[]",
+                             ("model.cuda_graph_impl=local", "model.cuda_graph_scope=full")),
+    "R3": Case("R3", ("model.cuda_graph_impl=local", "model.enable_cuda_graph=true"),
+               "deprecated model.enable_cuda_graph=true is combined with model.cuda_graph_impl=local",
+               "model.enable_cuda_graph=false", ("model.cuda_graph_impl=local",)),
+    "R3-both-flags": Case("R3", ("model.enable_cuda_graph=true", "model.external_cuda_graph=true"),
+                          "are both set", "model.cuda_graph_impl=transformer_engine",
+                          ("model.enable_cuda_graph=true",)),
+    "R4-mixed": Case("R4", ("model.cuda_graph_impl=local", "model.cuda_graph_scope=[full_iteration,attn]"),
+                     "combines full_iteration with other scopes", "model.cuda_graph_impl=full_iteration",
+                     ("model.cuda_graph_impl=local", "model.cuda_graph_scope=[full_iteration]")),
+    "R4-te": Case("R4", ("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[full_iteration]"),
+                  "transformer_engine graphs are per layer", "model.cuda_graph_impl=full_iteration",
+                  ("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[attn]")),
+    "R4-modules": Case("R4", ("model.cuda_graph_impl=full_iteration", "model.cuda_graph_modules=[attn]"),
+                       "full_iteration captures the whole iteration", "model.cuda_graph_modules=[]",
+                       ("model.cuda_graph_impl=full_iteration",)),
+    "R5": Case("R5", ("model.cuda_graph_impl=local", "model.use_te_rng_tracker=false"),
+               "graph-safe RNG tracker is off", "model.use_te_rng_tracker=true", ("model.cuda_graph_impl=local",)),
+    "R6": Case("R6", ("model.cuda_graph_impl=full_iteration", "rerun_state_machine.check_for_nan_in_loss=true"),
+               "cannot run host-side NaN checks", "train.check_for_nan_on_device=true",
+               ("model.cuda_graph_impl=full_iteration", "train.check_for_nan_on_device=true")),
+    "R6-grad": Case("R6", ("model.cuda_graph_impl=full_iteration", "ddp.check_for_nan_in_grad=true"),
+                    "ddp.check_for_nan_in_grad=true", "train.skip_step_on_nan=true",
+                    ("model.cuda_graph_impl=local", "ddp.check_for_nan_in_grad=true")),
+    "R7": Case("R7", ("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[moe,moe_router]")
+               + EXPERTS,
+               "the router would be captured twice", "moe_router with moe_preprocess",
+               ("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[moe]") + EXPERTS),
+    "R8": Case("R8", ("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn,moe_preprocess]")
+               + EXPERTS, "moe_preprocess without moe_router", "add moe_router",
+               ("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn,moe_router,moe_preprocess]")
+               + EXPERTS),
+    "R9": Case("R9", ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[moe_router]"),
+               "no experts (model.num_moe_experts=null)", "remove moe_router, moe_preprocess",
+               ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[moe_router]") + EXPERTS),
+    "R9-hybrid": Case("R9", ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[moe]", "model.num_layers=4",
+                             "model.hybrid_override_pattern=M*-M") + EXPERTS, "has no E layer", "remove moe",
+                      ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[moe]", "model.num_layers=4",
+                       "model.hybrid_override_pattern=M*-E") + EXPERTS),
+    "R10": Case("R10", ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]") + EXPERTS,
+                "no layer has a dense MLP", "remove mlp",
+                ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", "model.moe_layer_freq=2")
+                + EXPERTS),
+    "R10-hybrid": Case("R10", ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[mlp]", "model.num_layers=4",
+                               "model.hybrid_override_pattern=M*E*") + EXPERTS, "has no - (dense MLP) layer",
+                       "remove mlp", ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[mlp]",
+                                      "model.num_layers=4", "model.hybrid_override_pattern=M*-E") + EXPERTS),
+    "R11": Case("R11", ("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[moe]",
+                        "model.moe_sync_free=false") + EXPERTS, "dropless routing with model.moe_sync_free=false",
+                "model.moe_sync_free=true", ("model.cuda_graph_impl=transformer_engine",
+                                             "model.cuda_graph_modules=[moe]") + EXPERTS),
+    "R11-capacity": Case("R11", ("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[moe]",
+                                 "model.moe_expert_capacity_factor=1.0") + EXPERTS,
+                         "without model.moe_pad_expert_input_to_capacity=true",
+                         "model.moe_pad_expert_input_to_capacity=true",
+                         ("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[moe]",
+                          "model.moe_expert_capacity_factor=1.0", "model.moe_pad_expert_input_to_capacity=true")
+                         + EXPERTS),
+    "R11-whole-layer": Case("R11", ("model.cuda_graph_impl=local", "model.moe_sync_free=false") + EXPERTS,
+                            "(the whole layer) includes the MoE block", "model.moe_sync_free=true",
+                            ("model.cuda_graph_impl=local", "model.moe_sync_free=false",
+                             "model.cuda_graph_modules=[attn]") + EXPERTS),
+    "R12": Case("R12", ("model.cuda_graph_impl=transformer_engine",
+                        "model.cuda_graph_modules=[moe_router,moe_preprocess]",
+                        "model.moe_expert_capacity_factor=1.25") + EXPERTS, "copies token counts to the host",
+                "model.moe_pad_expert_input_to_capacity=true",
+                ("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[moe_router,moe_preprocess]",
+                 "model.moe_expert_capacity_factor=1.25", "model.moe_pad_expert_input_to_capacity=true") + EXPERTS),
+    "R12-local": Case("R12", ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[moe_router]",
+                              "model.moe_sync_free=false") + EXPERTS, "(local captures it with moe_router)",
+                      "remove moe_preprocess and moe_router", ("model.cuda_graph_impl=local",
+                                                               "model.cuda_graph_modules=[moe_router]") + EXPERTS),
+    "R13": Case("R13", ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba]"),
+                "has no Mamba layer (model.hybrid_override_pattern=null)", "remove mamba",
+                ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba]",
+                 "model.hybrid_override_pattern=M*")),
+    "R14": Case("R14", ("model.cuda_graph_impl=local", "model.cpu_offloading=true"), "model.cpu_offloading=true",
+                "model.cpu_offloading=false", ("model.cuda_graph_impl=full_iteration", "model.cpu_offloading=true")),
+    "R15-full": Case("R15", ("model.cuda_graph_impl=local", "model.recompute_granularity=full"),
+                     "model.recompute_granularity=full", "model.cuda_graph_impl=full_iteration",
+                     ("model.cuda_graph_impl=full_iteration", "model.recompute_granularity=full")),
+    "R15-attn-dropout": Case("R15", ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn]",
+                                     "model.recompute_granularity=selective", "model.attention_dropout=0.1"),
+                             "recompute of core_attn inside the graphed attn scope", "model.attention_dropout=0.0",
+                             ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[mlp]",
+                              "model.recompute_granularity=selective", "model.attention_dropout=0.1")),
+    "R15-mlp-dropout": Case("R15", ("model.cuda_graph_impl=local", "model.recompute_granularity=selective",
+                                    "model.recompute_modules=[mlp]", "model.hidden_dropout=0.1"),
+                            "recompute of mlp inside the graphed mlp scope", "remove mlp from model.recompute_modules",
+                            ("model.cuda_graph_impl=local", "model.recompute_granularity=selective",
+                             "model.recompute_modules=[mlp]", "model.hidden_dropout=0.0")),
+    "R16": Case("R16", ("model.cuda_graph_impl=transformer_engine",), "expandable_segments:True",
+                "export NCCL_GRAPH_REGISTER=0", ("model.cuda_graph_impl=transformer_engine",), MULTI_GPU_EXPANDABLE,
+                {**MULTI_GPU_EXPANDABLE, "NCCL_GRAPH_REGISTER": "0"}),
+    "R17": Case("R17", ("model.cuda_graph_impl=local", "model.variable_seq_lengths=true"),
+                "no data.seq_length_buckets", "set data.seq_length_buckets",
+                ("model.cuda_graph_impl=local", "model.variable_seq_lengths=true", "data.seq_length_buckets=[64,128]")),
+    "R18": Case("R18", ("model.tensor_model_parallel_size=2",),
+                "graphstep does not implement model.tensor_model_parallel_size (set to 2)",
+                "model.tensor_model_parallel_size=1 (its default)", ()),
+    "V-warmup": Case("V", ("model.cuda_graph_warmup_steps=-1",), "model.cuda_graph_warmup_steps=-1 is below 0",
+                     "model.cuda_graph_warmup_steps to 0 or more", ("model.cuda_graph_warmup_steps=0",)),
+    "V-backend": Case("V", ("model.cuda_graph_backend=gpu",), "model.cuda_graph_backend=gpu is not one of",
+                      "model.cuda_graph_backend=auto", ("model.cuda_graph_backend=replay",)),
+    "V-batch": Case("V", ("train.global_batch_size=10",), "multiple of micro_batch_size", "train.global_batch_size=4",
+                    ("train.global_batch_size=12",)),
+    "V-pattern": Case("V", ("model.hybrid_override_pattern=M*-",), "describes 3 layers but model.num_layers=2",
+                      "model.num_layers=3", ("model.hybrid_override_pattern=M*",)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rule_reports_problem_and_fix(name: str) -> None:
+    case = CASES[name]
+    found = [v for v in check(make(*case.bad), case.env) if v.rule == case.rule]
+    assert found, f"{name}: expected a {case.rule} violation"
+    assert any(case.message in v.message for v in found), [v.message for v in found]
+    assert any(case.fix in v.fix for v in found), [v.fix for v in found]
+    assert all(v.fields and v.fix for v in found)
+    good_env = case.env if case.good_env is None else case.good_env
+    assert check(make(*case.good), good_env) == [], f"{name}: the clean variant should have no violation"
+
+
+def test_every_rule_has_a_case() -> None:
+    assert {c.rule for c in CASES.values()} >= {f"R{i}" for i in range(1, 19)} | {"V"}
+
+
+def test_violation_str_names_rule_fields_and_fix() -> None:
+    (v,) = check(make("model.cuda_graph_impl=local", "model.use_te_rng_tracker=false"))
+    assert str(v).startswith("R5 [model.use_te_rng_tracker, rng.te_rng_tracker, model.cuda_graph_impl]: ")
+    assert " Fix: set model.use_te_rng_tracker=true" in str(v)
+
+
+# --- R16: the device-capability and world-size parts ------------------------------
+
+
+@pytest.mark.parametrize("capability, device, expected", [
+    ((9, 0), "auto", True), ((10, 0), "auto", False), (None, "cuda", True), (None, "auto", False),
+])
+def test_r16_local_depends_on_capability(monkeypatch, capability, device, expected) -> None:
+    monkeypatch.setattr(cg, "_capability", lambda v: v.capability)  # no GPU probing in this test
+    cfg = make("model.cuda_graph_impl=local", f"train.device={device}")
+    found = rules(validate_cuda_graph_config(cfg, env=MULTI_GPU_EXPANDABLE, device_capability=capability))
+    assert ("R16" in found) is expected
+
+
+def test_r16_needs_captured_collectives_and_registration() -> None:
+    cfg = make("model.cuda_graph_impl=transformer_engine")
+    assert "R16" in rules(check(cfg, MULTI_GPU_EXPANDABLE))
+    assert "R16" not in rules(check(cfg, MULTI_GPU_EXPANDABLE, world_size=1))
+    assert "R16" not in rules(check(cfg, {**MULTI_GPU_EXPANDABLE, "NCCL_GRAPH_REGISTER": "0"}))
+    segments_off = {**MULTI_GPU_EXPANDABLE, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    assert "R16" not in rules(check(cfg, segments_off))
+
+
+# --- R18 and V -----------------------------------------------------------------
+
+
+def _non_default(default):
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 1
+    return "e4m3"
+
+
+@pytest.mark.parametrize("key", [f"{s}.{n}" for s, n, *_r, unsup in iter_fields() if unsup])
+def test_r18_every_unsupported_field(key: str) -> None:
+    section, name = key.split(".")
+    cfg = make()
+    setattr(getattr(cfg, section), name, _non_default(getattr(getattr(Config(), section), name)))
+    (v,) = check(cfg)
+    assert v.rule == "R18" and v.fields == (key,) and f"graphstep does not implement {key}" in v.message
+
+
+def test_value_checks_types_world_size_and_heads() -> None:
+    cfg = make()
+    cfg.model.num_layers = "two"
+    assert any(v.rule == "V" and "expected int" in v.message for v in check(cfg))
+    assert "V" in rules(check(make("train.global_batch_size=8"), world_size=4))
+    assert "V" in rules(check(make("model.num_attention_heads=3")))
+    assert "V" in rules(check(make("model.num_query_groups=3")))
+    assert "V" in rules(check(make("model.num_moe_experts=1")))  # moe_router_topk=2 > 1 expert
+    assert validate_cuda_graph_config(make("model.cuda_graph_backend=gpu"), env={}) == []
+
+
+# --- migrations ------------------------------------------------------------------
+
+
+def resolved(*overrides: str) -> CudaGraphSettings:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return resolve_cuda_graph_settings(make(*overrides), env={}, device_capability=(9, 0))
+
+
+def test_both_spellings_of_full_iteration_are_the_same() -> None:
+    legacy = resolved("model.cuda_graph_impl=local", "model.cuda_graph_scope=[full_iteration]")
+    comma = resolved("model.cuda_graph_impl=local", "model.cuda_graph_scope=full_iteration")
+    current = resolved("model.cuda_graph_impl=full_iteration")
+    assert legacy == comma == current
+    assert current.impl is GraphImpl.FULL_ITERATION and current.modules == () and current.full_iteration
+
+
+def test_legacy_scope_moves_into_impl_and_modules() -> None:
+    cfg = make("model.cuda_graph_impl=local", "model.cuda_graph_scope=[full_iteration]")
+    normalize_cuda_graph_config(cfg)
+    assert (cfg.model.cuda_graph_impl, cfg.model.cuda_graph_modules, cfg.model.cuda_graph_scope) == (
+        "full_iteration", [], None)
+
+
+def test_comma_string_scope_keeps_every_name() -> None:
+    s = resolved("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=attn,mlp")
+    assert s.modules == ("attn", "mlp") and s.per_layer and s.enabled
+
+
+@pytest.mark.parametrize("override", ["model.cuda_graph_scope=full", "model.cuda_graph_scope=[full]",
+                                      "model.cuda_graph_scope=[]", "model.cuda_graph_modules=[full]"])
+def test_full_means_whole_layer(override: str) -> None:
+    s = resolved("model.cuda_graph_impl=local", override)
+    assert s.impl is GraphImpl.LOCAL and s.modules == ()
+
+
+def test_modules_full_string_means_whole_layer() -> None:
+    cfg = make("model.cuda_graph_impl=local")
+    cfg.model.cuda_graph_modules = "full"  # the override parser only takes lists for this field (see config.py)
+    assert resolve_cuda_graph_settings(cfg, env={}).modules == () and cfg.model.cuda_graph_modules == []
+
+
+@pytest.mark.parametrize("scope", ["[attn,mlp]", "[full_iteration]"])
+def test_none_clears_and_does_not_promote(scope: str) -> None:
+    cfg = make("model.cuda_graph_impl=none", f"model.cuda_graph_scope={scope}")
+    normalize_cuda_graph_config(cfg)
+    assert (cfg.model.cuda_graph_impl, cfg.model.cuda_graph_scope, cfg.model.cuda_graph_modules) == ("none", None, [])
+    assert not resolved("model.cuda_graph_impl=none", f"model.cuda_graph_scope={scope}").enabled
+
+
+@pytest.mark.parametrize("flag, impl", [("enable_cuda_graph", "local"), ("external_cuda_graph", "transformer_engine")])
+def test_deprecated_flags_migrate_with_warning(flag: str, impl: str) -> None:
+    cfg = make(f"model.{flag}=true")
+    with pytest.warns(DeprecationWarning, match=f"model.{flag} is deprecated: use model.cuda_graph_impl={impl}"):
+        notes = normalize_cuda_graph_config(cfg)
+    assert f"model.{flag} is deprecated: use model.cuda_graph_impl={impl}" in notes
+    assert cfg.model.cuda_graph_impl == impl and getattr(cfg.model, flag) is False
+
+
+def test_deprecated_flag_with_legacy_full_iteration_scope() -> None:
+    assert resolved("model.enable_cuda_graph=true", "model.cuda_graph_scope=[full_iteration]").full_iteration
+
+
+@pytest.mark.parametrize("key", ["model.use_te_rng_tracker", "rng.te_rng_tracker"])
+def test_either_tracker_flag_turns_on_both(key: str) -> None:
+    cfg = Config()
+    apply_overrides(cfg, [f"{key}=true"])
+    normalize_cuda_graph_config(cfg)
+    assert cfg.model.use_te_rng_tracker is True and cfg.rng.te_rng_tracker is True
+
+
+@pytest.mark.parametrize("asked, expected", [("[attn,moe_router]", ("attn", "moe_router", "moe_preprocess")),
+                                             ("[moe_preprocess]", ("moe_router", "moe_preprocess"))])
+def test_local_pairs_router_and_preprocess(asked: str, expected: tuple[str, ...]) -> None:
+    assert resolved("model.cuda_graph_impl=local", f"model.cuda_graph_modules={asked}", *EXPERTS).modules == expected
+    te = make("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[moe_router]", *EXPERTS)
+    normalize_cuda_graph_config(te)
+    assert te.model.cuda_graph_modules == ["moe_router"]
+
+
+IDEMPOTENCE = [
+    ("model.cuda_graph_impl=local", "model.cuda_graph_scope=[full_iteration]"),
+    ("model.enable_cuda_graph=true", "model.cuda_graph_scope=attn,moe_router"),
+    ("model.cuda_graph_impl=local", "model.cuda_graph_scope=[attn]", "model.cuda_graph_modules=[mlp]"),
+    ("model.external_cuda_graph=true", "model.cuda_graph_impl=local"),
+    ("model.cuda_graph_impl=none", "model.cuda_graph_scope=full", "rng.te_rng_tracker=true"),
+]
+
+
+@pytest.mark.parametrize("overrides", IDEMPOTENCE)
+def test_normalize_is_idempotent(overrides: tuple[str, ...]) -> None:
+    once, twice = make(*overrides), make(*overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        normalize_cuda_graph_config(once)
+        normalize_cuda_graph_config(twice)
+        assert normalize_cuda_graph_config(twice) == []
+    assert once.to_dict() == twice.to_dict()
+
+
+def test_validate_leaves_the_callers_config_alone() -> None:
+    cfg = make("model.enable_cuda_graph=true", "model.cuda_graph_scope=attn,mlp")
+    before = cfg.to_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # validate itself does not warn
+        check(cfg)
+    assert cfg.to_dict() == before
+
+
+def test_perf_flags_set_impl_scope_and_both_trackers() -> None:
+    cfg = Config()
+    cfg.model.cuda_graph_modules = ["mlp"]  # a recipe's coverage: the flag replaces it
+    apply_perf_flags(cfg, "transformer_engine", "attn,moe_router")
+    assert cfg.model.cuda_graph_scope == ["attn", "moe_router"] and cfg.model.cuda_graph_modules == []
+    assert cfg.model.use_te_rng_tracker is True and cfg.rng.te_rng_tracker is True
+    off = Config()
+    apply_perf_flags(off, "none", None)
+    assert off.model.use_te_rng_tracker is False and off.rng.te_rng_tracker is False
+    full = Config()
+    apply_perf_flags(full, "local", "full_iteration")
+    assert full.model.cuda_graph_scope == ["full_iteration"] and full.rng.te_rng_tracker is True
+
+
+# --- reporting everything at once ---------------------------------------------------
+
+
+def test_all_violations_are_reported_together() -> None:
+    cfg = make("model.cuda_graph_impl=full_iteration", "model.cuda_graph_modules=[attn]",
+               "model.use_te_rng_tracker=false", "ddp.check_for_nan_in_grad=true")
+    found = check(cfg)
+    assert rules(found) >= {"R4", "R5", "R6"}
+    text = format_violations(found)
+    assert text.splitlines()[0] == f"{len(found)} configuration violations:"
+    assert all(str(v) in text for v in found)
+
+
+def test_resolve_raises_with_every_rule_id() -> None:
+    cfg = make("model.cuda_graph_impl=full_iteration", "model.cuda_graph_modules=[attn]",
+               "model.use_te_rng_tracker=false", "ddp.check_for_nan_in_grad=true", "model.fp8=e4m3")
+    with pytest.raises(ConfigValidationError) as info:
+        resolve_cuda_graph_settings(cfg, env={})
+    assert isinstance(info.value, ConfigError)
+    assert {"R4", "R5", "R6", "R18"} <= rules(info.value.violations)
+    assert all(f"{rule} [" in str(info.value) for rule in ("R4", "R5", "R6", "R18"))
+
+
+def test_resolve_returns_settings_for_a_clean_config() -> None:
+    cfg = make("model.cuda_graph_impl=local", "model.cuda_graph_scope=[attn,mlp]",
+               "optimizer.optimizer_cuda_graph=true", "model.cuda_graph_warmup_steps=5")
+    s = resolve_cuda_graph_settings(cfg, env={})
+    assert s == CudaGraphSettings(impl=GraphImpl.LOCAL, modules=("attn", "mlp"), warmup_steps=5,
+                                  use_single_mempool=True, retain_backward_graph=False, optimizer_graph=True,
+                                  backend="auto", on_failure="raise")
+    assert cfg.model.cuda_graph_scope is None and cfg.model.cuda_graph_modules == ["attn", "mlp"]
+
+
+# --- nothing raises, whatever the values --------------------------------------------
+
+GARBAGE = st.one_of(st.integers(-3, 3), st.none(), st.text(max_size=6), st.booleans(), st.floats(allow_nan=True))
+NAMES = st.sampled_from(cg.SCOPE_NAMES + ("full", "full_iteration", "atn", "", " attn"))
+SCOPE = st.one_of(st.none(), NAMES, st.lists(NAMES, max_size=4), st.lists(NAMES, max_size=3).map(",".join),
+                  st.lists(GARBAGE, max_size=2), GARBAGE)
+ENV = st.fixed_dictionaries({}, optional={
+    "PYTORCH_CUDA_ALLOC_CONF": st.sampled_from(["", "expandable_segments:True", "a:1, expandable_segments : true",
+                                                "expandable_segments", ":::"]),
+    "NCCL_GRAPH_REGISTER": st.sampled_from(["0", "1", ""]),
+    "WORLD_SIZE": st.sampled_from(["1", "2", "8", "x", ""]),
+})
+GRAPH_FIELDS = st.fixed_dictionaries({
+    "model.cuda_graph_impl": st.one_of(st.sampled_from(["none", "local", "transformer_engine", "full_iteration",
+                                                        "Local", "full"]), st.sampled_from(list(GraphImpl)), GARBAGE),
+    "model.cuda_graph_scope": SCOPE,
+    "model.cuda_graph_modules": st.one_of(st.lists(NAMES, max_size=4), SCOPE),
+    "model.enable_cuda_graph": st.one_of(st.booleans(), GARBAGE),
+    "model.external_cuda_graph": st.booleans(),
+    "model.use_te_rng_tracker": st.booleans(),
+    "rng.te_rng_tracker": st.one_of(st.booleans(), GARBAGE),
+    "rerun_state_machine.check_for_nan_in_loss": st.booleans(),
+    "ddp.check_for_nan_in_grad": st.booleans(),
+    "model.num_moe_experts": st.one_of(st.none(), st.integers(0, 8)),
+    "model.moe_layer_freq": st.integers(1, 2),
+    "model.moe_expert_capacity_factor": st.one_of(st.none(), st.sampled_from([1.0, 1.5])),
+    "model.moe_pad_expert_input_to_capacity": st.booleans(),
+    "model.moe_sync_free": st.booleans(),
+    "model.hybrid_override_pattern": st.one_of(st.none(), st.text("M*-EX", max_size=4)),
+    "model.recompute_granularity": st.sampled_from([None, "full", "selective", "bogus"]),
+    "model.recompute_modules": st.lists(st.sampled_from(["core_attn", "mlp", "moe", "x"]), max_size=3),
+    "model.attention_dropout": st.sampled_from([0.0, 0.1]),
+    "model.hidden_dropout": st.sampled_from([0.0, 0.1]),
+    "model.cpu_offloading": st.booleans(),
+    "model.variable_seq_lengths": st.booleans(),
+    "train.device": st.sampled_from(["auto", "cuda", "cpu"]),
+})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(values=GRAPH_FIELDS, env=ENV, capability=st.sampled_from([None, (8, 0), (9, 0), (10, 0)]),
+       world_size=st.sampled_from([None, 1, 2]))
+def test_random_graph_fields_never_raise(values, env, capability, world_size) -> None:
+    cfg = Config()
+    for key, value in values.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    kwargs = dict(env=env, device_capability=capability, world_size=world_size)
+    found = validate_config(cfg, **kwargs)
+    assert all(isinstance(v, Violation) and v.rule and v.message and v.fix for v in found)
+    assert not [v for v in found if "could not check" in v.message], found
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            settings_ = resolve_cuda_graph_settings(cfg, **kwargs)
+        except ConfigValidationError as exc:
+            assert exc.violations and str(exc)
+        else:
+            assert not found and isinstance(settings_, CudaGraphSettings)
+            assert settings_.modules == () or settings_.per_layer
+        before = cfg.to_dict()
+        normalize_cuda_graph_config(cfg)  # idempotent after resolve's own normalisation
+        assert cfg.to_dict() == before
