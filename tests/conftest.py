@@ -17,7 +17,7 @@ TINY = [
     "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.seq_length=32",
     "model.attention_dropout=0.1", "model.hidden_dropout=0.1",
     "train.micro_batch_size=2", "train.global_batch_size=8", "train.eval_iters=0",
-    "logger.progress_bar=false", "data.corpus_max_bytes=300000", "data.split=90,10,0",
+    "logger.progress_bar=false", "data.corpus_max_bytes=300000", "data.split=90,10,0", "train.device=cpu",
 ]
 
 

@@ -56,8 +56,8 @@ def test_chunked_scan_fp32():
 
 
 def make_cfg(**kw) -> ModelConfig:
-    base = dict(hidden_size=32, num_attention_heads=4, seq_length=24, mamba_state_dim=8, mamba_head_dim=16,
-                mamba_num_groups=2, mamba_chunk_size=8)
+    base = {"hidden_size": 32, "num_attention_heads": 4, "seq_length": 24, "mamba_state_dim": 8,
+            "mamba_head_dim": 16, "mamba_num_groups": 2, "mamba_chunk_size": 8}
     base.update(kw)
     return ModelConfig(**base)
 

@@ -33,9 +33,9 @@ H, E, K, FFN = 32, 4, 2, 16
 
 
 def make_cfg(**kw) -> ModelConfig:
-    base = dict(hidden_size=H, ffn_hidden_size=48, num_attention_heads=4, seq_length=8,
-                num_moe_experts=E, moe_ffn_hidden_size=FFN, moe_router_topk=K,
-                moe_router_load_balancing_type="none")
+    base = {"hidden_size": H, "ffn_hidden_size": 48, "num_attention_heads": 4, "seq_length": 8,
+            "num_moe_experts": E, "moe_ffn_hidden_size": FFN, "moe_router_topk": K,
+            "moe_router_load_balancing_type": "none"}
     base.update(kw)
     return ModelConfig(**base)
 
@@ -79,7 +79,8 @@ def ref_moe(block: MoEBlock, x: torch.Tensor, capacity: int | None = None):
     if rs.shared_experts is not None:
         y = y + rs.shared_experts(normed)
     scores = torch.softmax(logits, -1)
-    counts = torch.zeros(E, dtype=scores.dtype).index_add(0, idx.flatten(), torch.ones(idx.numel(), dtype=scores.dtype))
+    ones = torch.ones(idx.numel(), dtype=scores.dtype, device=idx.device)
+    counts = torch.zeros(E, dtype=scores.dtype, device=idx.device).index_add(0, idx.flatten(), ones)
     aux = (scores.sum(0) * counts).sum() * E / (K * normed.shape[0] ** 2)
     return x + y.view_as(x), aux
 

@@ -197,6 +197,17 @@ class CudaGraphBackend(GraphBackend):
         self.reports.append(graph.report)
         graph._captured = True
 
+    def _release(self, graph: "_CudaGraph") -> None:
+        """A graph was reset: once no captured graph uses the shared pool, start a new one.
+
+        The caching allocator frees a pool when its last graph goes; capturing
+        into that pool's id afterwards trips an internal assert, so the next
+        capture must get a fresh pool handle.
+        """
+        if graph.pool is not None and graph.pool == self.pool:
+            if not any(g.pool == self.pool for g in self.live_graphs()):
+                self.pool = torch.cuda.graph_pool_handle()
+
     def _after(self, res0: int) -> tuple[int, int, int]:
         alloc1, res1 = self.memory()
         return alloc1, res0, res1
@@ -240,6 +251,7 @@ class _CudaGraph(Graph):
             self.cuda_graph.reset()
             self.cuda_graph = None
         self._captured = False
+        self.backend._release(self)
 
 
 def _register_generators(graph: torch.cuda.CUDAGraph, generators: Iterable[torch.Generator]) -> None:

@@ -58,6 +58,10 @@ class ModuleGraph:
         self.bwd: Graph | None = None
         self.grad_targets: list[torch.Tensor] = []
         self.pending_backward = False
+        # Autograd calls a Function's backward only when an input requires grad; a
+        # graphed module whose inputs do not (raw data) still owes its parameters
+        # their gradients, so every call passes this anchor along.
+        self.anchor = torch.empty(0, requires_grad=True)
 
     # ---- capture ------------------------------------------------------------
     def capture_forward(self, backend: GraphBackend, generators: Iterable[torch.Generator],
@@ -92,6 +96,9 @@ class ModuleGraph:
                                                dtype=self.outputs[i].dtype)
         inputs = [t for t in self.static.tree if isinstance(t, torch.Tensor) and t.requires_grad]
         self.grad_targets = [_grad_target(p) for p in self.params]
+        self.grad_in = [None] * len(self.static.tree)
+        if not diff_out or not (inputs or self.params):
+            return  # nothing to differentiate (e.g. routing metadata): a forward graph only
         self.bwd = backend.new_graph(f"{self.name}.bwd")
         with backend.capture(self.bwd, generators):
             grads = torch.autograd.grad(
@@ -115,7 +122,7 @@ class ModuleGraph:
             )
         self.static.copy_in(args)
         self.fwd.replay()
-        self.pending_backward = any(g is not None for g in self.grad_out)
+        self.pending_backward = self.bwd is not None
         return self.outputs
 
     def replay_backward(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
@@ -132,7 +139,8 @@ class ModuleGraph:
                 static.zero_()
             elif g.data_ptr() != static.data_ptr():
                 static.copy_(g)
-        self.bwd.replay()
+        if self.bwd is not None:
+            self.bwd.replay()
         self.pending_backward = False
         return tuple(self.grad_in)
 
@@ -167,7 +175,7 @@ class GraphedFunction(torch.autograd.Function):
     """Replays a :class:`ModuleGraph`: forward graph in forward, backward graph in backward."""
 
     @staticmethod
-    def forward(ctx, graph: ModuleGraph, *args: Any) -> Any:
+    def forward(ctx, graph: ModuleGraph, anchor: torch.Tensor, *args: Any) -> Any:
         outputs = graph.replay_forward(args)
         ctx.graph = graph
         result = tuple(o.detach() for o in outputs)
@@ -176,4 +184,4 @@ class GraphedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> Any:
-        return (None, *ctx.graph.replay_backward(grads))
+        return (None, None, *ctx.graph.replay_backward(grads))

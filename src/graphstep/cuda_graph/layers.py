@@ -104,7 +104,7 @@ class LayerGraphs:
             if not self.captured:
                 return self._warmup_call(index, args)
             self.state = "replayed"
-            out = GraphedFunction.apply(graph, *args)
+            out = GraphedFunction.apply(graph, graph.anchor, *args)
             return out[0] if graph.single_output else out
 
         return forward

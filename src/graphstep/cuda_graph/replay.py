@@ -99,6 +99,8 @@ def _schema_kind(func: torch._ops.OpOverload) -> str:
     packet = func.overloadpacket
     if packet in _ALLOC_OPS:
         return "alloc"
+    if _is_collective(func):
+        return "mutating"
     if torch.Tag.inplace_view in func.tags:
         return "inplace_view"
     schema = func._schema
@@ -231,7 +233,7 @@ class _Recorder(TorchDispatchMode):
         if problem is not None:
             self._fail(func, *problem)
         gen = kwargs.get("generator")
-        if gen is not None and id(gen) not in self.generators:
+        if gen is not None and _gen_key(gen) not in self.generators:
             self._fail(func, "rng", "it uses a generator that is not registered with the graph (use the RNG tracker)")
         kind = _schema_kind(func)
         if kind == "mutating":
@@ -254,8 +256,19 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _is_collective(func: torch._ops.OpOverload) -> bool:
+    # c10d's in-place collectives (allreduce_, broadcast_, allgather_, reduce_scatter_, ...) write
+    # into their first argument but their schemas carry no (a!) annotation, and they return a Work
+    # that must be waited: treat them as mutating ops on that argument.
+    return func.namespace == "c10d" and func._schema.name.endswith("_")
+
+
 def _written_tensors(func, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
-    """The tensors an op writes to, by its schema's ``(a!)`` annotations."""
+    """The tensors an op writes to, by its schema's ``(a!)`` annotations (a collective: its first argument)."""
+    if _is_collective(func):
+        first = args[0] if args else kwargs.get(func._schema.arguments[0].name)
+        yield from (t for t in tree_leaves(first) if isinstance(t, torch.Tensor))
+        return
     for i, a in enumerate(func._schema.arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
@@ -263,6 +276,11 @@ def _written_tensors(func, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
         for t in tree_leaves(value):
             if isinstance(t, torch.Tensor):
                 yield t
+
+
+def _gen_key(gen: torch.Generator) -> int:
+    # The dispatcher hands ops a new Python wrapper of the same C++ generator: compare the C++ object.
+    return gen._cdata
 
 
 def _default_generators(device: torch.device) -> list[torch.Generator]:
@@ -287,11 +305,11 @@ class ReplayBackend(GraphBackend):
             raise CaptureError(f"cannot capture graph {graph.name!r} while another capture is recording")
         gens = list(generators) + _default_generators(self.device)
         states = [(g, g.get_state()) for g in gens]
-        recorder = _Recorder(graph, {id(g) for g in gens}, self.device)
+        recorder = _Recorder(graph, {_gen_key(g) for g in gens}, self.device)
         t0 = time.perf_counter()
         _local.recorder = recorder
         try:
-            with recorder:
+            with recorder, _refuse_direct_host_reads():
                 yield
         except BaseException:
             graph.reset()
@@ -309,6 +327,34 @@ class ReplayBackend(GraphBackend):
     def memory(self) -> tuple[int, int]:
         held = sum(_held_bytes(g.keep) for g in self.live_graphs() if isinstance(g, _Tape))
         return held, held
+
+
+_DIRECT_READS = ("tolist", "numpy", "__array__")
+
+
+@contextlib.contextmanager
+def _refuse_direct_host_reads() -> Iterator[None]:
+    """``Tensor.tolist``/``numpy`` read memory without an aten op: refuse them while recording, as CUDA would."""
+    saved = {name: getattr(torch.Tensor, name) for name in _DIRECT_READS}
+
+    def refuse(name: str):
+        def read(self, *args, **kwargs):
+            if _active_recorder() is None:
+                return saved[name](self, *args, **kwargs)
+            raise CaptureError(
+                f"Tensor.{name}() cannot be captured: it copies device data to the host (a sync)",
+                op=name, where=user_frame(), category="host_sync",
+            )
+
+        return read
+
+    for name in _DIRECT_READS:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
 
 
 def _held_bytes(objs: list[Any]) -> int:

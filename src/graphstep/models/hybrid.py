@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .mamba import MambaBlock, MambaShape, MambaMixer
+from .mamba import MambaBlock, MambaMixer, MambaShape
 from .moe import MoEBlock, MoEShape
 from .transformer import AttentionBlock, DecoderLayer, GPTModel, MLPBlock, ModelShape
 

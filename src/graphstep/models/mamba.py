@@ -50,13 +50,14 @@ class MambaShape:
     eps: float
 
     @classmethod
-    def from_config(cls, m) -> "MambaShape":
+    def from_config(cls, m) -> MambaShape:
         d_inner = EXPAND * m.hidden_size
         errors = []
         if d_inner % m.mamba_head_dim:
             errors.append(f"model.mamba_head_dim={m.mamba_head_dim} must divide 2 * hidden_size = {d_inner}")
         elif (d_inner // m.mamba_head_dim) % m.mamba_num_groups:
-            errors.append(f"model.mamba_num_groups={m.mamba_num_groups} must divide the {d_inner // m.mamba_head_dim} heads")
+            heads = d_inner // m.mamba_head_dim
+            errors.append(f"model.mamba_num_groups={m.mamba_num_groups} must divide the {heads} heads")
         if m.mamba_chunk_size < 1:
             errors.append(f"model.mamba_chunk_size must be >= 1, got {m.mamba_chunk_size}")
         if errors:

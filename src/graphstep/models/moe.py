@@ -6,10 +6,10 @@ submodules, each a pure tensor function (tensors in, tensors out, static
 shapes, no host sync) because the per-layer graph engine captures a
 submodule's forward and backward::
 
-    normed, probs, idx[, shared] = router_stage(x)            # scope moe_router
-    src, row, tokens_per_expert, offsets = preprocess_stage(probs, idx)   # moe_preprocess
-    expert_out = experts(normed, src, tokens_per_expert, offsets)  # dispatch + GEMMs: eager
-    y = combine_stage(x, expert_out, row, probs[, shared])     # moe_router (post-processing)
+    normed, probs, idx[, shared] = router_stage(x)                 # scope moe_router
+    row, tokens_per_expert, offsets = preprocess_stage(probs, idx)  # scope moe_preprocess
+    expert_out = experts(normed, row, tokens_per_expert, offsets)   # dispatch + GEMMs: eager
+    y = combine_stage(x, expert_out, row, probs[, shared])          # moe_router (post-processing)
 
 * ``router_stage``: pre-MLP RMSNorm, fp32 router, top-k, aux/z losses
   (attached to the gradient, statistics accumulated in place) and the shared
@@ -48,7 +48,9 @@ from torch import nn
 from .moe_dispatch import (
     GroupedExperts,
     capacity_layout,
+    dispatch,
     dropless_layout,
+    dropless_rows,
     grouped_mm_works,
     tile_owner,
     tile_size,
@@ -76,7 +78,7 @@ class MoEShape:
     sync_free: bool
 
     @classmethod
-    def from_config(cls, m) -> "MoEShape":
+    def from_config(cls, m) -> MoEShape:
         if not m.num_moe_experts:
             raise ValueError("model.num_moe_experts must be set (> 0) for a model with MoE layers")
         _check_moe_config(m)
@@ -103,7 +105,8 @@ def _check_moe_config(m) -> None:
     if not 1 <= m.moe_router_topk <= m.num_moe_experts:
         errors.append(f"model.moe_router_topk={m.moe_router_topk} must be in [1, num_moe_experts={m.num_moe_experts}]")
     if m.moe_router_score_function not in ("softmax", "sigmoid"):
-        errors.append(f"model.moe_router_score_function must be softmax or sigmoid, got {m.moe_router_score_function!r}")
+        got = m.moe_router_score_function
+        errors.append(f"model.moe_router_score_function must be softmax or sigmoid, got {got!r}")
     if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
         errors.append(
             f"model.moe_router_load_balancing_type must be aux_loss or none (graphstep implements these), "
@@ -152,7 +155,7 @@ def layout_align(gemm: str, num_tokens: int, moe: MoEShape) -> int:
 
 
 class PreprocessStage(nn.Module):
-    """Scope ``moe_preprocess``: (probs [N, k], idx [N, k]) -> (src [P], row [N, k], tokens_per_expert [E], offsets [E]).
+    """Scope ``moe_preprocess``: (probs [N, k], idx [N, k]) -> (row [N, k], tokens_per_expert [E], offsets [E]).
 
     ``gemm`` (set by the block before the first call) decides the padding.
     """
@@ -170,7 +173,7 @@ class PreprocessStage(nn.Module):
 
 
 class ExpertsStage(nn.Module):
-    """Dispatch + expert GEMMs: (normed [N, h], src, tokens_per_expert, offsets) -> expert_out [P, h]."""
+    """Dispatch + expert GEMMs: (normed [N, h], row, tokens_per_expert, offsets) -> expert_out [P, h]."""
 
     def __init__(self, s: ModelShape, moe: MoEShape) -> None:
         super().__init__()
@@ -179,13 +182,16 @@ class ExpertsStage(nn.Module):
         self.gemm = "auto"
 
     def forward(
-        self, normed: torch.Tensor, src: torch.Tensor, tokens_per_expert: torch.Tensor, offsets: torch.Tensor
+        self, normed: torch.Tensor, row: torch.Tensor, tokens_per_expert: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:
-        capacity_mode = self.moe.capacity_factor is not None
-        align = layout_align(self.gemm, normed.shape[0], self.moe)
-        if capacity_mode or align > 1:
-            normed = torch.cat([normed, normed.new_zeros(1, normed.shape[-1])])  # row N: padding reads zeros
-        x = normed[src]
+        N, moe = normed.shape[0], self.moe
+        capacity_mode = moe.capacity_factor is not None
+        align = layout_align(self.gemm, N, moe)
+        if capacity_mode:
+            rows = moe.num_experts * expert_capacity(N, moe)
+        else:
+            rows = dropless_rows(N * moe.topk, moe.num_experts, align)
+        x = dispatch(normed, row, rows)
         if capacity_mode:
             return self.experts.tiled(x, None)
         if self.gemm == "grouped_mm":
@@ -203,8 +209,9 @@ class CombineStage(nn.Module):
         self.dropout = s.hidden_dropout
         self.drops = moe.capacity_factor is not None
 
-    def forward(self, x: torch.Tensor, expert_out: torch.Tensor, row: torch.Tensor, probs: torch.Tensor,
-                *shared: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, expert_out: torch.Tensor, row: torch.Tensor, probs: torch.Tensor, *shared: torch.Tensor
+    ) -> torch.Tensor:
         if self.drops:
             expert_out = torch.cat([expert_out, expert_out.new_zeros(1, expert_out.shape[-1])])  # dropped: zero
         picked = expert_out[row]  # [N, k, h], un-permuted
@@ -267,8 +274,8 @@ class MoEBlock(nn.Module):
         if self.experts.gemm != self.gemm or self.gemm == "auto":
             self._choose_gemm(x)
         normed, probs, idx, *shared = self.router_stage(x)
-        src, row, tokens_per_expert, offsets = self.preprocess_stage(probs.detach(), idx)
-        expert_out = self.experts(normed, src, tokens_per_expert, offsets)
+        row, tokens_per_expert, offsets = self.preprocess_stage(probs.detach(), idx)
+        expert_out = self.experts(normed, row, tokens_per_expert, offsets)
         return self.combine_stage(x, expert_out, row, probs, *shared)
 
 

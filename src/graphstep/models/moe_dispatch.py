@@ -1,11 +1,17 @@
 """Token dispatch and expert GEMMs of the MoE layer, all with device-side metadata.
 
 The routing decision (``idx [N, k]``, ``probs [N, k]``) becomes a *layout*:
-a static number of expert-input rows ``P``, the token each row reads
-(``src [P]``, ``N`` = an all-zero row) and the row each (token, choice) pair
-reads its result from (``row [N, k]``). Every tensor in it has a shape that
-depends only on the configuration, never on the routing, so building it and
-running the experts needs no host sync.
+a static number of expert-input rows ``P`` and the row of each (token,
+choice) pair (``row [N, k]``; ``P`` = dropped). Every tensor in it has a
+shape that depends only on the configuration, never on the routing, so
+building it and running the experts needs no host sync.
+
+:func:`dispatch` writes each token into its rows (rows nobody owns stay
+zero) and the combine reads them back with ``expert_out[row]``. Both index
+with ``row``, whose entries are unique: their backward passes are plain
+gathers/scatters without duplicate accumulation (a gather by "token of each
+row" would accumulate the many padding rows into one index, which is slow
+on GPUs and not deterministic).
 
 Layouts:
 
@@ -52,10 +58,8 @@ def tile_size(num_pairs: int, num_experts: int) -> int:
     return min(128, max(8, 1 << (mean - 1).bit_length()))
 
 
-def dropless_layout(
-    idx: torch.Tensor, num_experts: int, align: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(src [P], row [N, k], tokens_per_expert [E] int64, offsets [E] int32), all on the device."""
+def dropless_layout(idx: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row [N, k], tokens_per_expert [E] int64, offsets [E] int32), all on the device."""
     N, k = idx.shape
     flat = idx.reshape(-1)
     P = dropless_rows(flat.numel(), num_experts, align)
@@ -71,8 +75,7 @@ def dropless_layout(
     rank = torch.arange(flat.numel(), device=idx.device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
     dest = (pad_end - padded)[sorted_expert] + rank  # padded row of each sorted pair
     row = torch.empty_like(flat).scatter_(0, order, dest).view(N, k)
-    src = torch.full((P,), N, dtype=torch.int64, device=idx.device).scatter_(0, dest, order // k)
-    return src, row, counts, pad_end.to(torch.int32)
+    return row, counts, pad_end.to(torch.int32)
 
 
 def tile_owner(offsets: torch.Tensor, num_rows: int, tile: int) -> torch.Tensor:
@@ -84,8 +87,8 @@ def tile_owner(offsets: torch.Tensor, num_rows: int, tile: int) -> torch.Tensor:
 
 def capacity_layout(
     probs: torch.Tensor, idx: torch.Tensor, num_experts: int, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Drop-and-pad: (src [E*C], row [N, k] (E*C = dropped), kept tokens_per_expert [E], offsets [E] int32)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Drop-and-pad: (row [N, k] (E*C = dropped), kept tokens_per_expert [E], offsets [E] int32)."""
     N, _ = idx.shape
     C = capacity
     # Unrouted pairs get -1 so that every routed token outranks them.
@@ -93,14 +96,23 @@ def capacity_layout(
     slot_token = torch.topk(gates, C, dim=0).indices  # [C, E]: highest probabilities first
     valid = gates.gather(0, slot_token) >= 0
     token = torch.where(valid, slot_token, N)
-    src = token.t().reshape(-1)
     slot_id = torch.arange(num_experts * C, device=idx.device).view(num_experts, C).t()
     # table[n, e] = slot of token n at expert e; E*C (a zero row) when dropped or unrouted.
     table = torch.full((N + 1, num_experts), num_experts * C, dtype=torch.int64, device=idx.device)
     table = table.scatter(0, token, torch.where(valid, slot_id, num_experts * C))
     row = table[:N].gather(1, idx)
     offsets = torch.arange(1, num_experts + 1, device=idx.device, dtype=torch.int32) * C
-    return src, row, valid.sum(dim=0), offsets
+    return row, valid.sum(dim=0), offsets
+
+
+def dispatch(normed: torch.Tensor, row: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Expert input [num_rows, h]: token n at ``row[n, j]`` for each choice j; other rows zero."""
+    N, k = row.shape
+    h = normed.shape[-1]
+    src = normed.unsqueeze(1).expand(N, k, h).reshape(N * k, h)
+    # One extra row takes the dropped pairs (row == num_rows) and is cut off.
+    out = normed.new_zeros(num_rows + 1, h).index_put((row.reshape(-1),), src)
+    return out[:num_rows]
 
 
 class StackedLinear(nn.Module):
@@ -122,22 +134,24 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     back to a per-group loop that reads the offsets on the host.
     """
     key = (str(device), dtype)
-    if key not in _GROUPED_MM_OK:
-        ok = (
-            hasattr(torch, "_grouped_mm")
-            and device.type == "cuda"
-            and dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(device) >= (9, 0)
-        )
-        _GROUPED_MM_OK[key] = ok and _probe_grouped_mm(device, dtype)
+    if key in _GROUPED_MM_OK:
+        return _GROUPED_MM_OK[key]
+    ok = (
+        hasattr(torch, "_grouped_mm")
+        and device.type == "cuda"
+        and dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
+    if ok and torch.cuda.is_current_stream_capturing():
+        # The probe reads a result on the host, impossible while capturing:
+        # take the fallback for this block and leave the decision open.
+        return False
+    _GROUPED_MM_OK[key] = ok and _probe_grouped_mm(device, dtype)
     return _GROUPED_MM_OK[key]
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
-    # Never probe inside a capture (the comparison reads the device); the
-    # first eager (warm-up) forward decides.
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
+    """Run ``_grouped_mm`` once on unaligned groups (one empty) and compare with per-group products."""
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(37, 64, device=device, generator=gen).to(dtype)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 def fp32_or_wider(t: torch.Tensor) -> torch.Tensor:
     """``t`` in fp32, or as is when already fp64 (so fp64 gradient checks stay exact)."""
     return t if t.dtype == torch.float64 else t.float()

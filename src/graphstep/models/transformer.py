@@ -89,7 +89,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        # Exactly one op reads x (``float()`` is a no-op on fp32, hence the clone):
+        # when a graph boundary separates this norm from x's other consumer (the
+        # residual of an MoE block captured as router + combine graphs), x's
+        # gradient is then a sum of two terms, which rounds the same either way.
+        xf = x.float() if x.dtype != torch.float32 else x.clone()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
 

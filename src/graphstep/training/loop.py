@@ -2,17 +2,24 @@
 
 The loop reads top to bottom:
 
-1. validate the config (every rule at once) and pick the device;
-2. seed, build the model, gradient buffers, optimizer and data;
+1. validate the config (every rule at once); join torchrun's process group
+   when launched by it (training/distributed.py) and pick the device;
+2. seed (per rank, as Megatron does), build the model, gradient buffers,
+   optimizer and this rank's shard of the data; resume from
+   ``checkpoint.load`` in place (training/checkpoint.py);
 3. ``prepare`` the runner (eager functions, per-layer graphs, full-iteration
-   graph, optimizer graph -- training/prepare.py);
-4. per iteration: forward/backward of all micro-batches, optimizer step,
-   per-iteration scalars queued on the device; on logging steps, one host
-   read of the queued scalars, a log line and metrics rows;
-5. evaluation every ``train.eval_interval``;
+   graph, optimizer graph -- training/prepare.py); built after the resume, so
+   graphs warm up and capture counting from the resume iteration;
+4. per iteration: forward/backward of all micro-batches (gradients and loss
+   averaged over ranks), optimizer step, per-iteration scalars queued on the
+   device; on logging steps, one host read of the queued scalars, a log line
+   and metrics rows (rank 0 writes them);
+5. evaluation every ``train.eval_interval``; a checkpoint every
+   ``checkpoint.save_interval`` and at the end;
 6. teardown in ``finally``: graphs freed before anything else goes away --
    at the normal end, after the final evaluation, on exceptions and on
-   SIGINT/SIGTERM (which stop the loop after the current step).
+   SIGINT/SIGTERM (which stop every rank after the same step) -- and the
+   process group destroyed last, once no graph holds a collective.
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ from ..cuda_graph.rng import initialize_rng_tracker
 from ..cuda_graph.settings import resolve_cuda_graph_settings
 from ..data import build_data
 from ..models import build_model
+from .checkpoint import Checkpointer, TrainingState, kill_at_iteration_if_asked
 from .console import Console
+from .distributed import DataParallel, init_data_parallel
 from .metrics import MetricsRecorder
-from .optim import AdamW, GradBuffers, LRSchedule
+from .optim import GradBuffers, build_optimizer
 from .prepare import prepare
 from .step import EvalStep, TrainStep
 
@@ -113,41 +122,52 @@ def _memory(device: torch.device) -> str:
 def train(cfg: Config, *, keep_model: bool = False) -> TrainResult:
     """Train as ``cfg`` says; returns the metrics of every iteration (and the model if asked)."""
     settings = resolve_cuda_graph_settings(cfg)  # 1: every rule, all violations at once
+    dp = init_data_parallel(cfg, settings)  # one rank unless torchrun started us
+    try:
+        return _train(cfg, settings, dp, keep_model)
+    finally:
+        dp.close()  # 6: last -- _train's own finally has freed every graph by now
+
+
+def _train(cfg: Config, settings, dp: DataParallel, keep_model: bool) -> TrainResult:
     device = pick_device(cfg.train.device)
     tr = cfg.train
-    dp_size = 1
-    num_mb = tr.global_batch_size // (tr.micro_batch_size * dp_size)
+    num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.world_size)
 
-    initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker)  # 2
+    initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker, dp_rank=dp.rank,  # 2
+                           data_parallel_random_init=cfg.rng.data_parallel_random_init)
     model = build_model(cfg.model, device)
     model.train()
+    if cfg.rng.data_parallel_random_init:
+        dp.broadcast_parameters(model)  # different seeds per rank, the same starting weights (Megatron)
     grads = GradBuffers(model)
-    decay = cfg.scheduler.lr_decay_iters or tr.train_iters
-    schedule = LRSchedule(cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.scheduler.lr_warmup_iters, decay,
-                          cfg.scheduler.lr_decay_style)
-    optimizer = AdamW(
-        model, grads, schedule, betas=(cfg.optimizer.adam_beta1, cfg.optimizer.adam_beta2),
-        eps=cfg.optimizer.adam_eps, weight_decay=cfg.optimizer.weight_decay, clip_grad=cfg.optimizer.clip_grad,
-        skip_on_nonfinite=tr.skip_step_on_nan,
-    )
-    data = build_data(cfg, split="train")
-    valid = build_data(cfg, split="valid") if tr.eval_iters > 0 else None
-    step = TrainStep(model, grads, retain_graph=settings.retain_backward_graph)
+    optimizer = build_optimizer(cfg, model, grads)
+    pin = device.type == "cuda"
+    data = build_data(cfg, split="train", dp_rank=dp.rank, dp_size=dp.world_size, pin_memory=pin)
+    valid = (build_data(cfg, split="valid", dp_rank=dp.rank, dp_size=dp.world_size, pin_memory=pin)
+             if tr.eval_iters > 0 else None)
+    ckpt = Checkpointer(cfg.checkpoint, dp, TrainingState(model, optimizer, data, valid, device), cfg)
+    start = ckpt.resume()  # in place, before any graph exists
+    step = TrainStep(model, grads, reduce_grads=dp.grad_reducer(grads, cfg.ddp), reduce_loss=dp.loss_reducer(),
+                     retain_graph=settings.retain_backward_graph)
     runner = prepare(  # 3
-        model, step, EvalStep(model, device), optimizer, settings,
+        model, step, EvalStep(model, device, reduce_loss=dp.loss_reducer()), optimizer, settings,
         device=device, num_micro_batches=num_mb, skip_on_nonfinite=tr.skip_step_on_nan,
+        capture_barrier=dp.barrier if dp.enabled else None,
     )
     keys = ["loss", "grad_norm", "lr", "nonfinite"]
-    recorder = MetricsRecorder(keys, device, cfg.logger.log_interval, cfg.logger.metrics_path)
-    console = Console(enabled=cfg.logger.progress_bar and sys.stderr.isatty(), total=tr.train_iters)
-    result = TrainResult(describe=runner.describe)
+    recorder = MetricsRecorder(keys, device, cfg.logger.log_interval, cfg.logger.metrics_path if dp.is_main else None)
+    console = Console(enabled=cfg.logger.progress_bar and sys.stderr.isatty() and dp.is_main,
+                      total=max(0, tr.train_iters - start))
+    result = TrainResult(describe=runner.describe, iterations=start)
     tokens_per_iter = tr.global_batch_size * cfg.model.seq_length
-    log.info("training %s: %d parameters, %s, device %s, graphs: %s", _name(cfg), _count(model),
-             next(model.parameters()).dtype, device, runner.describe)
+    log.info("training %s: %d parameters, %s, device %s, graphs: %s%s", _name(cfg), _count(model),
+             next(model.parameters()).dtype, device, runner.describe,
+             f", {dp.world_size} data-parallel ranks ({step.reduce_grads.describe()})" if dp.enabled else "")
     try:
         with _StopFlag(tr.exit_signal_handler) as stop, console:
             t_log = time.perf_counter()
-            for it in range(1, tr.train_iters + 1):  # 4
+            for it in range(start + 1, tr.train_iters + 1):  # 4
                 out = runner.train_step(data)
                 opt = runner.optimizer_step(out)
                 state = runner.state()
@@ -159,7 +179,8 @@ def train(cfg: Config, *, keep_model: bool = False) -> TrainResult:
                 recorder.record(it, state, {"loss": out["loss"], "grad_norm": opt["grad_norm"], "lr": opt["lr"],
                                             "nonfinite": nonfinite})
                 console.advance()
-                last = it == tr.train_iters or stop.set
+                stopping = dp.any(stop.set)  # every rank stops after the same step
+                last = it == tr.train_iters or stopping
                 if it % cfg.logger.log_interval == 0 or last:
                     rows = recorder.flush()
                     dt = (time.perf_counter() - t_log) / len(rows)
@@ -170,8 +191,10 @@ def train(cfg: Config, *, keep_model: bool = False) -> TrainResult:
                     _report(console, rows, dt, tokens_per_iter, device, tr.train_iters, result)
                 if valid is not None and tr.eval_interval and it % tr.eval_interval == 0 and not last:
                     _evaluate(runner, valid, tr.eval_iters, it, console, result)  # 5
+                ckpt.after_iteration(it, last=last)
+                kill_at_iteration_if_asked(it)  # tests of exact resume (GRAPHSTEP_TEST_KILL_AT_ITER)
                 result.iterations = it
-                if stop.set:
+                if stopping:
                     result.stopped_by_signal = True
                     break
             if valid is not None and not result.stopped_by_signal:
@@ -181,7 +204,8 @@ def train(cfg: Config, *, keep_model: bool = False) -> TrainResult:
         result.graphs = len(runner.backend.reports) if runner.backend is not None else 0
         result.capture_seconds = sum(r.seconds for r in runner.backend.reports) if runner.backend else 0.0
         runner.close()
-    console.summary(result, _memory(device), cfg.logger.metrics_path)
+    if dp.is_main:
+        console.summary(result, _memory(device), cfg.logger.metrics_path)
     if keep_model:
         result.model = model
     return result

@@ -222,3 +222,13 @@ def _foreach_adamw(params, grads, m, v, step, lr, beta1, beta2, wd, eps) -> None
     updates = torch._foreach_div(m, denom)
     torch._foreach_mul_(updates, -step_size)
     torch._foreach_add_(params, updates)
+
+
+def build_optimizer(cfg, model: nn.Module, grads: GradBuffers) -> AdamW:
+    """The AdamW and LR schedule a config describes (``optimizer``, ``scheduler``, ``train`` sections)."""
+    o, s = cfg.optimizer, cfg.scheduler
+    schedule = LRSchedule(o.lr, o.min_lr, s.lr_warmup_iters, s.lr_decay_iters or cfg.train.train_iters, s.lr_decay_style)
+    return AdamW(
+        model, grads, schedule, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+        weight_decay=o.weight_decay, clip_grad=o.clip_grad, skip_on_nonfinite=cfg.train.skip_step_on_nan,
+    )

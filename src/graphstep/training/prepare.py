@@ -65,6 +65,7 @@ def prepare(
     device: torch.device,
     num_micro_batches: int,
     skip_on_nonfinite: bool,
+    capture_barrier: Callable[[], None] | None = None,
 ) -> Runner:
     """Build the runner. The order is fixed:
 
@@ -74,6 +75,12 @@ def prepare(
        (a separate graph for evaluation); it never combines with step 1 (R4);
     3. the optimizer graph comes last: it reads the training step's outputs
        (the non-finite flag) and captures into the same pool after it.
+
+    With data parallelism, ``train_step`` already holds the gradient and loss
+    all-reduces (TrainStep's hooks), so the full-iteration graph captures
+    them; ``capture_barrier`` makes the ranks meet before each capture of a
+    graph with collectives (Megatron does the same). Per-layer graphs hold no
+    collective: the reduction runs eagerly after the backward graphs.
     """
     backend = get_backend(device, settings.backend) if settings.enabled else None
     generators = get_rng_tracker().generators
@@ -96,6 +103,9 @@ def prepare(
         )
         train_graph = FullIterationGraph(train_step, backend, num_micro_batches=num_micro_batches, name="train", **common)
         eval_graph = GraphedStep(eval_step, backend, name="eval", **common)
+        if capture_barrier is not None:
+            train_graph = _BarrierBeforeCapture(train_graph, train_graph.step, capture_barrier)
+            eval_graph = _BarrierBeforeCapture(eval_graph, eval_graph, capture_barrier)
         graphs += [train_graph, eval_graph]
         fwd_bwd, evaluate_batches = train_graph, eval_graph
         describe = f"full iteration ({backend.name} backend)"
@@ -103,6 +113,10 @@ def prepare(
 
         def fwd_bwd(it: Iterator[Any]) -> dict[str, torch.Tensor]:
             return train_step([_to_device(next(it), device) for _ in range(num_micro_batches)])
+
+        if settings.per_layer:
+            fwd_bwd = _capture_after_warmup(fwd_bwd, layer_graphs, settings.warmup_steps)
+            graphs.insert(0, fwd_bwd)
 
         def evaluate_batches(batches: list[Any]) -> dict[str, torch.Tensor]:
             return eval_step([_to_device(b, device) for b in batches])
@@ -131,6 +145,57 @@ def prepare(
         log.info("cuda_graph_impl=transformer_engine: per-layer capture with Transformer Engine's semantics, "
                  "performed by graphstep's own engine (Transformer Engine is not used)")
     return Runner(fwd_bwd, optimizer_step, evaluate, backend, graphs, describe)
+
+
+class _capture_after_warmup:
+    """Per-layer graphs: eager iterations record call order and samples, then one capture.
+
+    The engine needs one eager micro-batch to learn the call order and the
+    input shapes, so ``cuda_graph_warmup_steps=0`` still runs one eager
+    iteration (said in the log).
+    """
+
+    def __init__(self, step: Callable[[Iterator[Any]], dict[str, torch.Tensor]], layer_graphs: Any, warmup: int):
+        if warmup == 0:
+            log.info("per-layer graphs: one eager iteration records the call order before capture "
+                     "(cuda_graph_warmup_steps=0 is treated as 1)")
+        self.step, self.layer_graphs, self.warmup = step, layer_graphs, max(1, warmup)
+        self.calls = 0
+        self.state: str | None = None
+
+    def __call__(self, it: Iterator[Any]) -> dict[str, torch.Tensor]:
+        if self.calls == self.warmup and not self.layer_graphs.captured:
+            self.layer_graphs.capture()
+            self.state = "captured"
+        elif self.layer_graphs.captured:
+            self.state = "replayed"
+        else:
+            self.state = EAGER
+        self.calls += 1
+        return self.step(it)
+
+    def close(self) -> None:
+        self.layer_graphs.close()
+
+
+class _BarrierBeforeCapture:
+    """Every rank reaches the capture of a graph holding collectives together (a host barrier, once)."""
+
+    def __init__(self, graph: Any, step: GraphedStep, barrier: Callable[[], None]) -> None:
+        self.graph, self.step, self.barrier = graph, step, barrier
+
+    @property
+    def state(self) -> str | None:
+        return self.graph.state
+
+    def __call__(self, *args: Any) -> Any:
+        s = self.step
+        if s.failed is None and not s.captured and s.calls >= s.warmup_steps:
+            self.barrier()
+        return self.graph(*args)
+
+    def close(self) -> None:
+        self.graph.close()
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -26,6 +26,9 @@ class TrainStep:
         grads: the persistent fp32 gradient buffers (zeroed at the start of the step).
         reduce_grads: the data-parallel hook, called after the last backward
             (inside the full-iteration graph when there is one).
+        reduce_loss: averages the step's loss over data-parallel ranks in place
+            (a device all-reduce, inside the graph too), so the logged loss and
+            the non-finite flag are the same on every rank.
         before_step: model state reset at the start of every step (e.g. MoE statistics).
         retain_graph: ``model.cuda_graph_retain_backward_graph``.
     """
@@ -36,12 +39,14 @@ class TrainStep:
         grads: GradBuffers,
         *,
         reduce_grads: Callable[[], None] | None = None,
+        reduce_loss: Callable[[torch.Tensor], None] | None = None,
         before_step: Callable[[], None] | None = None,
         retain_graph: bool = False,
     ) -> None:
         self.model = model
         self.grads = grads
         self.reduce_grads = reduce_grads
+        self.reduce_loss = reduce_loss
         self.before_step = before_step
         self.retain_graph = retain_graph
 
@@ -58,6 +63,8 @@ class TrainStep:
         if self.reduce_grads is not None:
             self.reduce_grads()
         mean = total / n
+        if self.reduce_loss is not None:
+            self.reduce_loss(mean)
         return {"loss": mean, "nonfinite": (~torch.isfinite(mean)).float()}
 
     __call__ = forward_backward

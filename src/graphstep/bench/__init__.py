@@ -1,0 +1,1 @@
+"""``graphstep bench``: the A/B performance harness (see harness.py for the method)."""

@@ -1,0 +1,39 @@
+"""``graphstep bench --recipe R [overrides] [--rows a,b] [--iters N] [--out DIR]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..cli import _config_args, register, resolve_config
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .run import default_rows, run_bench, table, write_results
+
+    cfg = resolve_config(args)
+    rows = args.rows.split(",") if args.rows else default_rows(cfg)
+    console = Console(stderr=True)
+    with console.status("benchmarking") as status:
+        doc = run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup,
+                        progress=lambda name: status.update(f"benchmarking row {name}"))
+    path = write_results(doc, args.out)
+    Console().print(table(doc))
+    print(f"results: {path}")
+    if args.json:
+        print(json.dumps(doc))
+    return 0
+
+
+@register("bench")
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure eager, graphstep's graph settings and peers on one GPU")
+    _config_args(p)
+    p.add_argument("--rows", help="comma list of rows (default: every applicable row)")
+    p.add_argument("--iters", type=int, default=50, help="timed iterations per row")
+    p.add_argument("--warmup", type=int, default=8, help="untimed iterations per row (capture included)")
+    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON results")
+    p.add_argument("--json", action="store_true", help="also print the result document")
+    p.set_defaults(fn=cmd_bench)

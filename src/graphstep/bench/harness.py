@@ -1,0 +1,239 @@
+"""The A/B performance harness: every row of one shape, in one process, on one GPU.
+
+A row is one way to run the same training iteration (forward and backward of
+every micro-batch, then the optimizer step) on the same model and data:
+eager, graphstep's graph settings, and the peers a user would try instead
+(bench/peers.py). Each row is measured the same way (device/METHOD.md):
+
+* warm-up iterations first (the capture happens there; its time is reported
+  separately), then ``iters`` iterations back to back with a CUDA event
+  after each: the median interval is the step time (host-limited rows show
+  their host time, device-limited rows their device time);
+* GPU-busy time: the sum of kernel and copy durations per iteration from the
+  profiler over a few more iterations -- the floor no launch scheme beats;
+  host overhead = step - busy;
+* peak allocated/reserved memory since the row started (model, optimizer,
+  graphs and their pools included), after the previous row was freed.
+
+Batches are generated once, pinned, and cycled, so data generation is not
+timed. Ratios (speed-up vs eager, step/floor) are computed within one run.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..config import Config, apply_overrides
+from ..cuda_graph.backend import close_all_backends
+from ..cuda_graph.rng import initialize_rng_tracker
+from ..cuda_graph.settings import resolve_cuda_graph_settings
+from ..data import build_data
+from ..models import build_model
+from ..training.optim import GradBuffers, build_optimizer
+from ..training.prepare import prepare
+from ..training.step import EvalStep, TrainStep
+
+GiB = 1024**3
+
+
+@dataclass
+class Row:
+    """One measured row (times in ms, memory in GiB)."""
+
+    name: str
+    step_ms: float | None = None
+    busy_ms: float | None = None
+    kernels: int | None = None
+    peak_allocated_gib: float | None = None
+    peak_reserved_gib: float | None = None
+    capture_s: float | None = None
+    step_ms_all: list[float] = field(default_factory=list)
+    error: str | None = None
+    note: str = ""
+    # filled in by finish()
+    host_ms: float | None = None
+    speedup: float | None = None
+    floor_ratio: float | None = None
+    memory_vs_eager: float | None = None
+    tokens_per_s: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Workload:
+    """A fresh model, optimizer and pinned batches for one row."""
+
+    cfg: Config
+    device: torch.device
+    model: torch.nn.Module
+    grads: GradBuffers
+    optimizer: Any
+    train_step: TrainStep
+    batches: list[dict[str, torch.Tensor]]
+    num_micro_batches: int
+
+    def data(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            yield from self.batches
+
+
+def make_workload(cfg: Config, device: torch.device, n_steps: int = 4) -> Workload:
+    initialize_rng_tracker(cfg.rng.seed, device, graph_safe=True)
+    model = build_model(cfg.model, device)
+    model.train()
+    grads = GradBuffers(model)
+    optimizer = build_optimizer(cfg, model, grads)
+    n_mb = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    it = build_data(cfg, split="train", pin_memory=device.type == "cuda")
+    batches = [next(it) for _ in range(n_steps * n_mb)]
+    return Workload(cfg, device, model, grads, optimizer, TrainStep(model, grads), batches, n_mb)
+
+
+def row_config(base: Config, overrides: list[str]) -> Config:
+    import copy
+
+    cfg = copy.deepcopy(base)
+    apply_overrides(cfg, overrides)
+    return cfg
+
+
+def graphstep_row(cfg: Config, device: torch.device) -> tuple[Callable[[Iterator[Any]], Any], Workload, Any]:
+    """A row run through the trainer's own ``prepare``: the step function and its owner."""
+    settings = resolve_cuda_graph_settings(cfg)
+    w = make_workload(cfg, device)
+    runner = prepare(w.model, w.train_step, EvalStep(w.model, device), w.optimizer, settings, device=device,
+                     num_micro_batches=w.num_micro_batches, skip_on_nonfinite=cfg.train.skip_step_on_nan)
+
+    def step(it: Iterator[Any]) -> Any:
+        return runner.optimizer_step(runner.train_step(it))
+
+    return step, w, runner
+
+
+def time_steps(step: Callable[[Iterator[Any]], Any], data: Iterator[Any], *, warmup: int, iters: int,
+               device: torch.device) -> tuple[list[float], float]:
+    """Per-iteration intervals between CUDA events (ms) after ``warmup`` steps; returns (intervals, warmup s)."""
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step(data)
+    torch.cuda.synchronize(device)
+    warm_s = time.perf_counter() - t0
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for i in range(iters):
+        step(data)
+        events[i + 1].record()
+    torch.cuda.synchronize(device)
+    return [events[i].elapsed_time(events[i + 1]) for i in range(iters)], warm_s
+
+
+def busy_time(step: Callable[[Iterator[Any]], Any], data: Iterator[Any], *, iters: int,
+              device: torch.device) -> tuple[float, int]:
+    """(GPU-busy ms, kernels) per iteration: the sum of device activity durations from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step(data)
+        torch.cuda.synchronize(device)
+    total_us, kernels = 0.0, 0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            total_us += evt.time_range.elapsed_us()
+            kernels += 1
+    return total_us / 1e3 / iters, round(kernels / iters)
+
+
+def free_row() -> None:
+    close_all_backends()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callable[[], float] | None, Any]],
+            *, warmup: int, iters: int, profile_iters: int, device: torch.device) -> Row:
+    """Build a row (returns step, data, capture-seconds getter, owner), time it, free it."""
+    free_row()
+    row = Row(name)
+    owner = None
+    try:
+        step, data, capture_s, owner = build()
+        times, warm_s = time_steps(step, data, warmup=warmup, iters=iters, device=device)
+        row.step_ms_all = times
+        row.step_ms = statistics.median(times)
+        row.capture_s = capture_s() if capture_s is not None else None
+        row.peak_allocated_gib = torch.cuda.max_memory_allocated(device) / GiB
+        row.peak_reserved_gib = torch.cuda.max_memory_reserved(device) / GiB
+        row.busy_ms, row.kernels = busy_time(step, data, iters=profile_iters, device=device)
+    except Exception as exc:  # a row that fails is a result, not the end of the run
+        row.error = f"{type(exc).__name__}: {exc}"[:2000]
+    finally:
+        if owner is not None and hasattr(owner, "close"):
+            owner.close()
+        del owner
+        free_row()
+    return row
+
+
+def finish(rows: list[Row], *, tokens_per_step: int, flops_per_step: float, peak_tflops: float) -> None:
+    """Derived columns, against the eager row of the same run."""
+    eager = next((r for r in rows if r.name == "eager" and r.step_ms), None)
+    for r in rows:
+        if not r.step_ms:
+            continue
+        if r.busy_ms:
+            r.host_ms = r.step_ms - r.busy_ms
+            r.floor_ratio = r.step_ms / r.busy_ms
+        r.tokens_per_s = tokens_per_step / (r.step_ms / 1e3)
+        r.tflops = flops_per_step / (r.step_ms / 1e3) / 1e12
+        r.mfu = r.tflops / peak_tflops if peak_tflops else None
+        if eager is not None:
+            r.speedup = eager.step_ms / r.step_ms
+            if eager.peak_allocated_gib:
+                r.memory_vs_eager = r.peak_allocated_gib / eager.peak_allocated_gib
+
+
+def flops_per_step(cfg: Config, model: torch.nn.Module) -> float:
+    """Training FLOPs of one iteration: 6 x matmul params x tokens + attention + output layer."""
+    m = cfg.model
+    tokens = cfg.train.global_batch_size * m.seq_length
+    embed = m.vocab_size * m.hidden_size
+    matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2) - embed
+    if m.num_moe_experts:  # only top-k of the experts run per token
+        expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        matmul_params -= expert * (1 - m.moe_router_topk / m.num_moe_experts)
+    attn = 12 * m.num_layers * m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
+    attn *= m.seq_length / 2  # causal
+    per_token = 6 * matmul_params + attn + 6 * embed  # the output layer reads the (tied) embedding
+    return per_token * tokens
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+    """Measured dense bf16 matrix rate (random data, median of ``reps`` after warm-up)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        torch.cuda.synchronize(device)
+        times.append(s.elapsed_time(e))
+    del a, b
+    return 2 * n**3 / (statistics.median(times) / 1e3) / 1e12

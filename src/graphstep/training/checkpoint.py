@@ -1,0 +1,342 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): atomic saves, exact resume.
+
+Layout of ``checkpoint.save`` (Megatron's names)::
+
+    <save>/
+      latest_checkpointed_iteration.txt   "20" -- the tracker, replaced atomically by rank 0
+      iter_0000010/                       a complete checkpoint
+        .metadata                         DCP's index, written last by the coordinator
+        __0_0.distcp  __1_0.distcp        DCP data (each replicated tensor once, spread over ranks)
+        config.yaml                       the run's resolved config, for people
+      iter_0000020.tmp-5c1e9a/            a save in progress, or one killed midway: never loaded
+
+Atomicity. Every rank writes into ``iter_NNNNNNN.tmp-<random>/`` (rank 0 picks
+the name and tells the others); after all ranks finished (DCP gathers them at
+its end, then a barrier), rank 0 renames the folder to ``iter_NNNNNNN/``
+(one ``os.rename``) and replaces the tracker file through a temporary file
+and ``os.replace``. A process killed at any moment therefore leaves either
+the previous checkpoint or the new one complete, and the loader never reads
+a ``.tmp-*`` folder: it follows the tracker, and when the tracker is missing,
+unreadable or names a folder that is not there, takes the newest complete
+``iter_*`` folder.
+
+What a checkpoint holds -- everything an uninterrupted run would carry from
+one iteration to the next, so a resumed run's losses are bit-identical:
+
+* ``iteration``;
+* ``model.*``: parameters and persistent buffers (e.g. MoE expert biases);
+* ``optimizer.*``: the step counter (the LR is computed from it on the
+  device), fp32 master weights, ``exp_avg``, ``exp_avg_sq``, by parameter name;
+* ``scheduler.*``: the LR schedule's settings (checked on resume);
+* ``rng.rank<r>.*``: every RNG-tracker stream, torch's CPU and CUDA default
+  generators and Python's ``random``, per rank;
+* ``data.train.*`` / ``data.valid.*``: the data iterators' positions;
+* ``meta.world_size``.
+
+Loading copies into the existing tensors (DCP loads in place), so addresses
+that graphs captured stay valid; graphs are still captured after the resume
+(warm-up counts from the resume iteration) because the runner is built after
+loading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from ..config import CheckpointConfig, Config, save_yaml
+from ..cuda_graph.rng import get_rng_tracker
+from .distributed import DataParallel
+from .optim import AdamW
+
+log = logging.getLogger("graphstep")
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+# --------------------------------------------------------------------------
+# what is saved
+
+
+@dataclass
+class TrainingState:
+    """The objects whose state a checkpoint holds."""
+
+    model: nn.Module
+    optimizer: AdamW
+    data: Any  # MicroBatchIterator
+    valid: Any = None
+    device: torch.device = torch.device("cpu")
+
+    def _param_names(self) -> list[str]:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return [names[id(p)] for p in self.optimizer.model_params]
+
+    def state_dict(self, iteration: int, dp: DataParallel) -> dict[str, Any]:
+        """The DCP state dict: live tensors (saved as they are, loaded into in place) and host values."""
+        opt = self.optimizer
+        names = self._param_names()
+        sched = opt.schedule
+        state: dict[str, Any] = {
+            "iteration": iteration,
+            "model": self.model.state_dict(),
+            "optimizer": {
+                "step": opt.step_t,
+                "master": dict(zip(names, opt.master)),
+                "exp_avg": dict(zip(names, opt.exp_avg)),
+                "exp_avg_sq": dict(zip(names, opt.exp_avg_sq)),
+            },
+            "scheduler": {"max_lr": sched.max_lr, "min_lr": sched.min_lr, "warmup_iters": sched.warmup_iters,
+                          "decay_iters": sched.decay_iters, "style": sched.style},
+            "rng": {f"rank{dp.rank}": _rng_state(self.device)},
+            "data": {"train": self.data.state_dict()},
+            "meta": {"world_size": dp.world_size},
+        }
+        if self.valid is not None:
+            state["data"]["valid"] = self.valid.state_dict()
+        return state
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "tracker": get_rng_tracker().get_all_states(),
+        "torch_cpu": torch.get_rng_state(),
+        "python": random.getstate(),
+    }
+    if device.type == "cuda":
+        state["torch_cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    get_rng_tracker().set_all_states(state["tracker"])
+    torch.set_rng_state(state["torch_cpu"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "torch_cuda" in state:
+        torch.cuda.set_rng_state(state["torch_cuda"], device)
+
+
+# --------------------------------------------------------------------------
+# finding a checkpoint
+
+
+def find_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint to resume from in ``root``: the tracker's, else the newest complete ``iter_*``."""
+    root = Path(root)
+    if _is_complete(root):  # checkpoint.load may name an iter_* folder itself
+        return root
+    if not root.is_dir():
+        return None
+    try:
+        iteration = int((root / TRACKER).read_text().strip())
+        chosen = root / iter_dir_name(iteration)
+        if _is_complete(chosen):
+            return chosen
+        log.warning("%s names iteration %d but %s is not a complete checkpoint; using the newest complete one",
+                    root / TRACKER, iteration, chosen.name)
+    except (OSError, ValueError):
+        pass
+    complete = sorted((int(m.group(1)), p) for p in root.iterdir()
+                      if (m := _ITER_DIR.match(p.name)) and _is_complete(p))
+    return complete[-1][1] if complete else None
+
+
+def _is_complete(path: Path) -> bool:
+    return bool(_ITER_DIR.match(path.name)) and (path / ".metadata").is_file()
+
+
+# --------------------------------------------------------------------------
+# saving
+
+
+def save_checkpoint(root: str | Path, iteration: int, state: TrainingState, dp: DataParallel,
+                    config: Config | None = None) -> Path:
+    """Write ``iter_<iteration>`` atomically (see the module docstring); every rank calls it."""
+    root = Path(root)
+    final = root / iter_dir_name(iteration)
+    tmp = root / dp.broadcast_object(f"{final.name}.tmp-{secrets.token_hex(3)}" if dp.is_main else None)
+    if dp.is_main:
+        tmp.mkdir(parents=True, exist_ok=False)
+    dp.barrier()
+    with _single_process_quiet():
+        dcp.save(state.state_dict(iteration, dp), checkpoint_id=tmp, process_group=dp.control)
+    if dp.is_main and config is not None:
+        save_yaml(config, tmp / "config.yaml")
+    _kill_if_asked("GRAPHSTEP_TEST_KILL_IN_SAVE", iteration)  # tests: a kill before the rename
+    dp.barrier()  # every rank's files are written
+    if dp.is_main:
+        _publish(root, tmp, final, iteration)
+    dp.barrier()  # nobody starts the next save (or exits) before the rename
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    # Without a process group DCP warns that it assumes a single process -- which is what we mean.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+        yield
+
+
+def _publish(root: Path, tmp: Path, final: Path, iteration: int) -> None:
+    old = None
+    if final.exists():  # the same iteration saved again: keep the old one until the new one is in place
+        old = final.with_name(f"{final.name}.old-{secrets.token_hex(3)}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    tracker_tmp = root / f".{TRACKER}.tmp-{secrets.token_hex(3)}"
+    with open(tracker_tmp, "w") as fh:
+        fh.write(f"{iteration}\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tracker_tmp, root / TRACKER)
+    _fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob("iter_*.tmp-*"):  # saves killed before their rename; never loadable
+        m = re.match(r"^iter_(\d+)\.tmp-", stale.name)
+        if m and int(m.group(1)) <= iteration:
+            log.info("removing %s (an unfinished save)", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _kill_if_asked(var: str, iteration: int) -> None:
+    """Test hook: SIGKILL this process at ``iteration`` when ``var`` says so (no cleanup runs)."""
+    if os.environ.get(var) == str(iteration):
+        log.warning("%s=%d: killing this process with SIGKILL", var, iteration)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------
+# loading
+
+
+def load_checkpoint(path: Path, state: TrainingState, dp: DataParallel, *, finetune: bool = False) -> int:
+    """Load ``path`` into ``state`` in place; returns the iteration to continue after (0 with finetune)."""
+    if finetune:  # weights only: a fresh optimizer, schedule, data order and iteration count
+        template: dict[str, Any] = {"model": state.model.state_dict()}
+        _dcp_load(template, path, dp)
+        with torch.no_grad():
+            for master, p in zip(state.optimizer.master, state.optimizer.model_params):
+                if master.data_ptr() != p.data_ptr():
+                    master.copy_(p)
+        log.info("fine-tuning from %s: weights loaded, optimizer and iteration start fresh", path)
+        return 0
+    saved_world = _saved_world_size(path, dp)
+    template = state.state_dict(0, dp)
+    rng_rank = dp.rank
+    if saved_world != dp.world_size:
+        log.warning("resuming %d rank(s) from a checkpoint of %d rank(s): every rank takes rank 0's RNG streams "
+                    "and the data order continues, but the run is not bit-identical to an uninterrupted one",
+                    dp.world_size, saved_world)
+        rng_rank = 0
+        template["rng"] = {"rank0": template["rng"].pop(f"rank{dp.rank}")}
+    _dcp_load(template, path, dp)
+    _check_schedule(template["scheduler"], state.optimizer, path)
+    _set_rng_state(template["rng"][f"rank{rng_rank}"], state.device)
+    state.data.load_state_dict(template["data"]["train"])
+    if state.valid is not None and "valid" in template["data"]:
+        state.valid.load_state_dict(template["data"]["valid"])
+    iteration = int(template["iteration"])
+    log.info("resumed from %s at iteration %d", path, iteration)
+    return iteration
+
+
+def _dcp_load(template: dict[str, Any], path: Path, dp: DataParallel) -> None:
+    try:
+        with _single_process_quiet():
+            dcp.load(template, checkpoint_id=path, process_group=dp.control)
+    except Exception as exc:
+        raise RuntimeError(f"cannot load checkpoint {path} into this run ({type(exc).__name__}: {exc}); "
+                           "was it saved for another model shape or recipe?") from exc
+
+
+def _saved_world_size(path: Path, dp: DataParallel) -> int:
+    box: dict[str, Any] = {"meta": {"world_size": 0}}
+    _dcp_load(box, path, dp)
+    return int(box["meta"]["world_size"])
+
+
+def _check_schedule(saved: dict[str, Any], optimizer: AdamW, path: Path) -> None:
+    s = optimizer.schedule
+    now = {"max_lr": s.max_lr, "min_lr": s.min_lr, "warmup_iters": s.warmup_iters, "decay_iters": s.decay_iters,
+           "style": s.style}
+    changed = {k: (saved[k], now[k]) for k in now if saved.get(k) != now[k]}
+    if changed:
+        log.warning("the LR schedule differs from the one saved in %s (%s): the resumed run follows this run's "
+                    "config", path, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+
+
+# --------------------------------------------------------------------------
+# the trainer's view
+
+
+class Checkpointer:
+    """``checkpoint.*`` for the training loop: resume once, save every ``save_interval`` and at the end."""
+
+    def __init__(self, cfg: CheckpointConfig, dp: DataParallel, state: TrainingState, config: Config) -> None:
+        self.cfg, self.dp, self.state, self.config = cfg, dp, state, config
+        if cfg.save_interval is not None and cfg.save_interval < 1:
+            raise ValueError(f"checkpoint.save_interval={cfg.save_interval}: must be at least 1 (or null)")
+        self.last_saved: int | None = None
+
+    def resume(self) -> int:
+        """Load ``checkpoint.load`` if it holds a checkpoint; the iteration to continue after."""
+        if not self.cfg.load:
+            return 0
+        path = find_checkpoint(self.cfg.load)
+        if path is None:
+            log.warning("checkpoint.load=%s holds no complete checkpoint: training from the start", self.cfg.load)
+            return 0
+        iteration = load_checkpoint(path, self.state, self.dp, finetune=self.cfg.finetune)
+        self.last_saved = iteration  # nothing to save again before the next iteration
+        return iteration
+
+    def after_iteration(self, iteration: int, *, last: bool) -> None:
+        """Save when ``iteration`` is due (every ``save_interval``, and the last one)."""
+        if not self.cfg.save or iteration == self.last_saved:
+            return
+        interval = self.cfg.save_interval
+        if last or (interval and iteration % interval == 0):
+            save_checkpoint(self.cfg.save, iteration, self.state, self.dp, self.config if self.dp.is_main else None)
+            self.last_saved = iteration
+
+
+def kill_at_iteration_if_asked(iteration: int) -> None:
+    """Test hook ``GRAPHSTEP_TEST_KILL_AT_ITER=<n>``: SIGKILL after iteration n (and its save, if any)."""
+    _kill_if_asked("GRAPHSTEP_TEST_KILL_AT_ITER", iteration)

@@ -1,0 +1,298 @@
+"""Data parallel over ``torch.distributed``, launched by torchrun.
+
+``torchrun --nproc_per_node N -m graphstep train ...`` starts N processes;
+torchrun's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+``MASTER_ADDR``/``PORT``, or its own rendezvous across nodes) is all this
+module reads. :func:`init_data_parallel` then:
+
+1. picks the device and the backend: NCCL on ``cuda:LOCAL_RANK``, gloo on
+   the CPU;
+2. checks and applies the environment that collectives inside captured
+   graphs need (:func:`check_collective_env`), before the process group
+   exists, because NCCL reads it when the communicator is created;
+3. creates the process group with ``device_id`` (so NCCL initialises its
+   communicator eagerly) and runs one warm-up all-reduce: a communicator
+   must never be created while a stream is being captured;
+4. makes a small gloo group for host-side agreement (stop signals,
+   checkpoint names) that never touches the GPU stream;
+5. leaves logging to rank 0 (other ranks keep warnings, tagged with their
+   rank).
+
+Gradient reduction (:class:`GradReducer`) is one all-reduce per bucket of
+the flat fp32 gradient buffer (``ddp.bucket_size`` elements), averaging by
+pre-dividing (Megatron's gradient scaling factor) or with ``ReduceOp.AVG``
+when ``ddp.average_in_collective`` and NCCL allow it. TrainStep calls it after
+the last backward: inside the full-iteration graph when there is one, eagerly
+after the backward graphs with per-layer graphs. The logged loss is averaged
+over ranks the same way (:meth:`DataParallel.mean_`), a device all-reduce
+with no host read.
+
+Teardown order matters: :meth:`DataParallel.close` destroys the process group
+and must run after every graph is freed -- a captured NCCL collective that is
+still alive makes ``destroy_process_group`` hang (pytorch #115388). The
+trainer frees its graphs in an inner ``finally`` and calls ``close()`` in an
+outer one.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import Config, ConfigError, DDPConfig
+from ..cuda_graph.settings import CudaGraphSettings
+from .optim import GradBuffers
+
+log = logging.getLogger("graphstep")
+
+DEFAULT_BUCKET_ELEMENTS = 40_000_000
+
+
+@dataclass
+class DataParallel:
+    """This process's place among the data-parallel ranks (one rank when not launched by torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None  # "nccl", "gloo", or None without a process group
+    owns_group: bool = False  # created here, so destroyed here
+    control: Any = None  # a gloo group for host-side agreement (None: the default group)
+    _log_filter: logging.Filter | None = field(default=None, repr=False)
+    _log_level: int | None = field(default=None, repr=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ---- gradient and loss reduction ------------------------------------------
+    def grad_reducer(self, grads: GradBuffers, ddp: DDPConfig) -> "GradReducer | None":
+        """The bucketed all-reduce of ``grads.flat`` (None with one rank)."""
+        if not self.enabled:
+            return None
+        return GradReducer(grads.flat, self.world_size, bucket_size=ddp.bucket_size,
+                           average_in_collective=ddp.average_in_collective, backend=self.backend)
+
+    def loss_reducer(self) -> Callable[[torch.Tensor], None] | None:
+        return self.mean_ if self.enabled else None
+
+    def mean_(self, t: torch.Tensor) -> None:
+        """Average ``t`` over ranks in place: a device all-reduce, capturable, no host read."""
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t.div_(self.world_size)
+
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        """Rank 0's parameters and buffers everywhere (Megatron does this with data_parallel_random_init)."""
+        if not self.enabled:
+            return
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=0)
+
+    # ---- host-side agreement -------------------------------------------------
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any rank (a gloo all-reduce on the host).
+
+        Called once per iteration with the stop flag: a SIGTERM reaches the
+        ranks at slightly different moments, and a rank that stopped one step
+        earlier than the others would leave them waiting in the next
+        step's all-reduce.
+        """
+        if not self.enabled:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(t.item())  # a CPU tensor: no device sync
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.control)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (through the gloo group)."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    # ---- teardown ---------------------------------------------------------------
+    def close(self) -> None:
+        """Destroy the process group this module created; call after every graph was freed."""
+        if self._log_filter is not None:
+            logger = logging.getLogger("graphstep")
+            logger.removeFilter(self._log_filter)
+            if self._log_level is not None:
+                logger.setLevel(self._log_level)
+            self._log_filter = self._log_level = None
+        if not (self.owns_group and dist.is_initialized()):
+            return
+        gc.collect()  # graphs caught in reference cycles must go before the communicators
+        if self.backend == "nccl":
+            torch.cuda.synchronize()
+        dist.destroy_process_group()
+        self.owns_group = False
+        log.debug("process group destroyed")
+
+
+class GradReducer:
+    """Average the flat fp32 gradient buffer over ranks: one all-reduce per bucket.
+
+    The buckets are fixed views of the buffer, so the collectives capture
+    into a graph at static addresses. Averaging pre-divides the buffer by the
+    number of ranks (exact for powers of two) and sums, unless
+    ``average_in_collective`` asks for ``ReduceOp.AVG`` and the backend has it
+    (NCCL does; gloo does not, and pre-divides instead).
+    """
+
+    def __init__(self, flat: torch.Tensor, world_size: int, *, bucket_size: int | None = None,
+                 average_in_collective: bool = False, backend: str | None = None) -> None:
+        size = bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * world_size)  # Megatron's default
+        if size < 1:
+            raise ConfigError(f"ddp.bucket_size={bucket_size}: must be at least 1 element (or null for 40M)")
+        self.flat = flat
+        self.world_size = world_size
+        self.buckets = [flat[i : i + size] for i in range(0, flat.numel(), size)]
+        self.in_collective = average_in_collective and backend == "nccl"
+        if average_in_collective and not self.in_collective:
+            log.info("ddp.average_in_collective=true: the %s backend has no ReduceOp.AVG; pre-dividing the "
+                     "gradients by %d instead", backend, world_size)
+        self.op = dist.ReduceOp.AVG if self.in_collective else dist.ReduceOp.SUM
+
+    def __call__(self) -> None:
+        if not self.in_collective:
+            self.flat.div_(self.world_size)
+        for bucket in self.buckets:
+            dist.all_reduce(bucket, op=self.op)
+
+    def describe(self) -> str:
+        how = "ReduceOp.AVG" if self.in_collective else f"pre-divided by {self.world_size}, summed"
+        return f"{len(self.buckets)} bucket(s) of up to {self.buckets[0].numel():,} fp32 elements, {how}"
+
+
+# --------------------------------------------------------------------------
+# start-up
+
+
+def init_data_parallel(cfg: Config, settings: CudaGraphSettings, *,
+                       env: Mapping[str, str] | None = None) -> DataParallel:
+    """Join torchrun's process group (or run as one rank); see the module docstring for the order."""
+    env = os.environ if env is None else env
+    if dist.is_available() and dist.is_initialized():  # the caller made the group: use it, leave it
+        dp = DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                          local_rank=int(env.get("LOCAL_RANK", 0)), backend=dist.get_backend())
+        _check_ddp(cfg, dp)
+        return _finish(dp, cfg, settings, env, device_id=None)
+    world_size = _int_env(env, "WORLD_SIZE", 1)
+    if world_size <= 1:
+        return DataParallel()
+    if not dist.is_available():
+        raise RuntimeError(f"WORLD_SIZE={world_size} but this PyTorch has no torch.distributed")
+    rank, local_rank = _int_env(env, "RANK", 0), _int_env(env, "LOCAL_RANK", 0)
+    use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+    if cfg.train.device == "cuda" and not use_cuda:
+        raise RuntimeError("train.device=cuda but no CUDA device is available (use train.device=auto or cpu)")
+    device_id = None
+    if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: "
+                               "torchrun --nproc_per_node must not exceed the GPUs of a node")
+        torch.cuda.set_device(local_rank)
+        device_id = torch.device("cuda", local_rank)
+    dp = DataParallel(rank=rank, world_size=world_size, local_rank=local_rank,
+                      backend="nccl" if use_cuda else "gloo", owns_group=True)
+    _check_ddp(cfg, dp)
+    for note in check_collective_env(dp.backend, settings, world_size, env):  # before NCCL reads it
+        log.info(note)
+    dist.init_process_group(dp.backend, device_id=device_id)
+    return _finish(dp, cfg, settings, env, device_id)
+
+
+def _finish(dp: DataParallel, cfg: Config, settings: CudaGraphSettings, env: Mapping[str, str],
+            device_id: torch.device | None) -> DataParallel:
+    if dp.backend == "nccl":
+        dp.control = dist.new_group(backend="gloo")  # host-side agreement never waits on the GPU stream
+    device = device_id or (torch.device("cuda", torch.cuda.current_device()) if dp.backend == "nccl"
+                           else torch.device("cpu"))
+    # One collective before any capture: NCCL creates a communicator at the
+    # first collective on a group, and that cannot happen inside a capture.
+    warm = torch.ones(1, device=device)
+    dist.all_reduce(warm)
+    dp.barrier()
+    _rank_zero_logging(dp)
+    log.info("data parallel: %d ranks, %s backend (rank %d on %s), %s", dp.world_size, dp.backend, dp.rank,
+             device, "full-iteration graphs capture the gradient all-reduce" if settings.full_iteration
+             else ("gradients all-reduced eagerly after the backward graphs" if settings.per_layer
+                   else "gradients all-reduced after the backward"))
+    return dp
+
+
+def _check_ddp(cfg: Config, dp: DataParallel) -> None:
+    if dp.enabled and cfg.ddp.grad_reduce_in_fp32 is not True:
+        raise ConfigError("ddp.grad_reduce_in_fp32=false is not supported: graphstep's gradient buffers are fp32 "
+                          "and are reduced in fp32; set ddp.grad_reduce_in_fp32=true")
+
+
+def _rank_zero_logging(dp: DataParallel) -> None:
+    if not dp.enabled:
+        return
+    logger = logging.getLogger("graphstep")
+    rank = dp.rank
+
+    class _Tag(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if rank != 0 and not getattr(record, "_rank_tagged", False):
+                record.msg, record._rank_tagged = f"rank {rank}: {record.msg}", True
+            return True
+
+    dp._log_filter = _Tag()
+    logger.addFilter(dp._log_filter)
+    if rank != 0:  # rank 0 speaks for all; the others keep their warnings and errors
+        dp._log_level = logger.level
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        return int(env.get(name, default))
+    except (TypeError, ValueError):
+        raise RuntimeError(f"environment variable {name}={env.get(name)!r} is not an integer "
+                           "(it is set by torchrun)") from None
+
+
+def check_collective_env(backend: str | None, settings: CudaGraphSettings, world_size: int,
+                         env: Mapping[str, str] | None = None) -> list[str]:
+    """What captured NCCL collectives need from the environment: raises on a conflict, returns log notes.
+
+    Applies only when a full-iteration graph captures the all-reduce on NCCL
+    (per-layer graphs reduce eagerly; gloo never captures). Rule R16
+    (expandable segments need ``NCCL_GRAPH_REGISTER=0``) is checked earlier,
+    with every other rule, by ``resolve_cuda_graph_settings``.
+    """
+    env = os.environ if env is None else env
+    if backend != "nccl" or world_size <= 1 or not settings.full_iteration:
+        return []
+    for var in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
+        if str(env.get(var, "0")).strip().lower() in ("1", "true", "yes", "on"):
+            raise ConfigError(
+                f"{var}=1 makes every NCCL work.wait() poll the collective from the host, which is not allowed "
+                "while the full-iteration graph captures its all-reduce; unset it (TORCH_NCCL_ASYNC_ERROR_HANDLING "
+                "still handles errors of eager collectives)")
+    return [
+        "collectives in CUDA graphs: the NCCL communicator is created eagerly (init_process_group(device_id=...)) "
+        "and warmed up with one all-reduce before any capture; ranks meet at a barrier before capturing; capture "
+        "uses capture_error_mode=thread_local so the NCCL watchdog thread may keep querying events",
+        "collectives in CUDA graphs are not tracked by the NCCL watchdog: a replay waiting for a rank that died "
+        "does not time out by itself (torchrun stops the job when a worker exits)",
+    ]

@@ -1,0 +1,98 @@
+"""The command line: config show/validate, overrides, perf flags, train."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from graphstep.cli import main
+from graphstep.config import Config, ConfigError, apply_overrides, load_yaml, save_yaml
+from graphstep.recipes import RECIPES, get_recipe
+
+
+def test_validate_names_r4_and_exits_2(capsys):
+    code = main(["config", "validate", "--recipe", "llama3_tiny", "model.cuda_graph_impl=transformer_engine",
+                 "model.cuda_graph_scope=[full_iteration]"])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "R4" in out and "model.cuda_graph_impl" in out
+
+
+def test_validate_lists_three_violations_at_once(capsys):
+    code = main(["config", "validate", "model.cuda_graph_impl=local", "model.cuda_graph_scope=[attn,full_iteration]",
+                 "model.use_te_rng_tracker=false", "rng.te_rng_tracker=false", "model.tensor_model_parallel_size=2"])
+    out = capsys.readouterr().out
+    assert code == 2
+    for rule in ("R4", "R5", "R18"):
+        assert rule in out
+
+
+def test_validate_clean_recipe_exits_0(capsys):
+    assert main(["config", "validate", "--recipe", "llama3_tiny"]) == 0
+    assert "no rule violated" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_validates(name):
+    from graphstep.cuda_graph.settings import validate_config
+
+    assert validate_config(get_recipe(name)) == []
+
+
+def test_config_show_prints_resolved_yaml(capsys):
+    assert main(["config", "show", "model.cuda_graph_impl=local", "model.cuda_graph_scope=[full_iteration]"]) == 0
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert data["model"]["cuda_graph_impl"] == "full_iteration"  # the legacy form, migrated
+
+
+def test_perf_flags_turn_on_the_tracker(capsys):
+    code = main(["config", "show", "--recipe", "llama3_tiny", "--cuda_graph_impl", "local",
+                 "--cuda_graph_scope", "attn,mlp"])
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert code == 0
+    assert data["model"]["use_te_rng_tracker"] is True and data["rng"]["te_rng_tracker"] is True
+    assert data["model"]["cuda_graph_impl"] == "local" and data["model"]["cuda_graph_modules"] == ["attn", "mlp"]
+    from graphstep.cuda_graph.settings import apply_perf_flags
+
+    cfg = Config()  # tracker off by default; the flags turn both fields on
+    apply_perf_flags(cfg, "local", "attn,mlp")
+    assert cfg.model.use_te_rng_tracker and cfg.rng.te_rng_tracker
+
+
+def test_unknown_key_and_wrong_type_name_the_key():
+    with pytest.raises(ConfigError, match=r"'model.cuda_graph_implx'.*unknown key"):
+        apply_overrides(Config(), ["model.cuda_graph_implx=local"])
+    with pytest.raises(ConfigError, match=r"'train.train_iters': expected int, got 'many'"):
+        apply_overrides(Config(), ["train.train_iters=many"])
+    with pytest.raises(ConfigError, match=r"'model.cuda_graph_warmup_steps': expected int, got 1.5"):
+        apply_overrides(Config(), ["model.cuda_graph_warmup_steps=1.5"])
+    with pytest.raises(ConfigError, match="unknown section"):
+        apply_overrides(Config(), ["modle.num_layers=2"])
+
+
+def test_cli_reports_config_errors_with_exit_2(capsys):
+    assert main(["train", "train.nope=1"]) == 2
+    assert "train.nope" in capsys.readouterr().err
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = get_recipe("llama3_tiny")
+    apply_overrides(cfg, ["model.cuda_graph_modules=[attn,mlp]", "model.cuda_graph_impl=local", "train.train_iters=7"])
+    save_yaml(cfg, tmp_path / "c.yaml")
+    again = load_yaml(tmp_path / "c.yaml")
+    assert again == cfg
+    (tmp_path / "bad.yaml").write_text("model:\n  hidden: 3\n")
+    with pytest.raises(ConfigError, match="bad.yaml.*model.hidden"):
+        load_yaml(tmp_path / "bad.yaml")
+
+
+def test_train_command_writes_metrics(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    code = main(["train", "train.train_iters=4", "model.num_layers=1", "model.seq_length=32", "train.eval_iters=0",
+                 "logger.progress_bar=false", "data.corpus_max_bytes=200000", f"logger.metrics_path={metrics}"])
+    assert code == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert all(isinstance(r["loss"], float) for r in rows)

@@ -1,0 +1,72 @@
+"""The equality tests of the capture engine on a GPU (CudaGraphBackend, bf16). Run by scripts/gpu-check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_same_run, eager, tiny_config
+from graphstep.cuda_graph.backend import CudaGraphBackend, get_backend
+from graphstep.cuda_graph.full_iteration import GraphedStep
+from graphstep.training.loop import train
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ITERS = 100
+GPU = ["train.device=cuda", "model.params_dtype=bf16", f"train.train_iters={ITERS}"]
+
+
+@pytest.fixture(scope="module")
+def eager_run():
+    return train(eager(tiny_config(*GPU)), keep_model=True)
+
+
+def test_eager_bf16_is_deterministic(eager_run):
+    again = train(eager(tiny_config(*GPU)), keep_model=True)
+    assert_same_run(eager_run, again)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.cuda_graph_impl=full_iteration"],
+        ["model.cuda_graph_impl=local", "model.cuda_graph_scope=[full_iteration]"],
+        ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
+    ],
+    ids=["full_iteration", "legacy_local_scope", "with_optimizer_graph"],
+)
+def test_full_iteration_bf16_equals_eager(eager_run, overrides):
+    graphed = train(tiny_config(*GPU, *overrides), keep_model=True)
+    assert next(graphed.model.parameters()).dtype == torch.bfloat16
+    assert [r["state"] for r in graphed.rows][3:5] == ["captured", "replayed"]
+    assert_same_run(eager_run, graphed)
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+@pytest.mark.parametrize("modules", ["[attn]", "[mlp]", "[attn,mlp]", "[]"])
+def test_scoped_graphs_bf16_equal_eager(eager_run, impl, modules):
+    graphed = train(tiny_config(*GPU, f"model.cuda_graph_impl={impl}", f"model.cuda_graph_modules={modules}"),
+                    keep_model=True)
+    assert [r["state"] for r in graphed.rows][3:5] == ["captured", "replayed"]
+    assert_same_run(eager_run, graphed)
+
+
+def test_cuda_backend_reports_memory_and_frees_on_close():
+    backend = get_backend("cuda")
+    assert isinstance(backend, CudaGraphBackend)
+    w = torch.randn(1024, 1024, device="cuda")
+    before = torch.cuda.memory_allocated()
+    step = GraphedStep(lambda x: (w @ x).relu().sum(), backend, warmup_steps=1)
+    x = torch.randn(1024, 1024, device="cuda")
+    for _ in range(3):
+        out = step(x)
+    assert step.state == "replayed"
+    torch.testing.assert_close(out, (w @ x).relu().sum())
+    report = step.graph.report
+    assert report.seconds > 0 and report.allocated_after > report.allocated_before
+    step.close()
+    backend.close()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before + 4096
+    print(f"capture {report.seconds * 1e3:.1f} ms, +{report.allocated_delta / 2**20:.1f} MiB allocated; "
+          f"after close {torch.cuda.memory_allocated() - before} bytes above the start")

@@ -1,0 +1,197 @@
+"""Per-layer scoped graphs on the CPU replay backend: equality with eager, gradients, contract, state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import assert_same_run, eager, tiny_config
+from graphstep.cuda_graph.backend import get_backend
+from graphstep.cuda_graph.errors import ContractError
+from graphstep.cuda_graph.layers import LayerGraphs, select_modules
+from graphstep.cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
+from graphstep.models import build_model
+from graphstep.training.loop import train
+from graphstep.training.optim import GradBuffers
+from graphstep.training.step import TrainStep
+
+ITERS = 100
+
+
+@pytest.fixture(scope="module")
+def eager_run():
+    return train(eager(tiny_config(f"train.train_iters={ITERS}")), keep_model=True)
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+@pytest.mark.parametrize("modules", ["[attn]", "[mlp]", "[attn,mlp]", "[]"])
+def test_scoped_graphs_equal_eager_bit_for_bit(eager_run, impl, modules):
+    graphed = train(tiny_config(f"train.train_iters={ITERS}", f"model.cuda_graph_impl={impl}",
+                                f"model.cuda_graph_modules={modules}"), keep_model=True)
+    states = [r["state"] for r in graphed.rows]
+    assert states[:5] == ["eager"] * 3 + ["captured", "replayed"] and set(states[5:]) == {"replayed"}
+    assert_same_run(eager_run, graphed)
+
+
+def test_selective_recompute_with_layer_graphs():
+    common = ["train.train_iters=12", "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
+              "model.attention_dropout=0.0"]
+    base = train(eager(tiny_config(*common)))
+    graphed = train(tiny_config(*common, "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"))
+    assert_same_run(base, graphed)
+
+
+def test_retain_backward_graph():
+    common = ["train.train_iters=8"]
+    base = train(eager(tiny_config(*common)))
+    graphed = train(tiny_config(*common, "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]",
+                                "model.cuda_graph_retain_backward_graph=true"))
+    assert_same_run(base, graphed)
+
+
+def _model_and_step(seed: int = 5):
+    cfg = tiny_config()
+    initialize_rng_tracker(seed, "cpu")
+    model = build_model(cfg.model, "cpu")
+    model.train()
+    grads = GradBuffers(model)
+    return cfg, model, grads, TrainStep(model, grads)
+
+
+def _batches(n: int, seq: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        t = torch.randint(0, 256, (2, seq + 1), generator=g)
+        out.append({"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous(), "loss_mask": torch.ones(2, seq)})
+    return out
+
+
+@pytest.mark.parametrize("semantics", ["local", "transformer_engine"])
+def test_accumulated_parameter_gradients_equal_eager(semantics):
+    def run(graphed: bool) -> torch.Tensor:
+        _, model, grads, step = _model_and_step()  # each run seeds the RNG tracker afresh
+        graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"), semantics=semantics,
+                             generators=get_rng_tracker().generators) if graphed else None
+        seq = model.shape.seq_length
+        for k in range(2):  # eager warm-up steps
+            step(_batches(4, seq, k))
+        if graphs is not None:
+            graphs.capture()
+        step(_batches(4, seq, 9))
+        if graphs is not None:
+            assert graphs.state == "replayed"
+        return grads.flat.clone()
+
+    ref, got = run(False), run(True)
+    assert ref.abs().sum() > 0
+    assert torch.equal(ref, got)  # 4 micro-batches accumulated in fp32, bit for bit
+
+
+def test_replay_with_another_sequence_length_names_tensor_and_shapes():
+    _, model, _, step = _model_and_step()
+    graphs = LayerGraphs(select_modules(model, ["attn"]), get_backend("cpu"), generators=get_rng_tracker().generators)
+    step(_batches(1, 32, 0))
+    graphs.capture()
+    with pytest.raises(ContractError, match=r"layer0\.attn.*\[0\].*\(2, 32, 64\).*\(2, 16, 64\)"):
+        step(_batches(1, 16, 1))
+
+
+def test_evaluation_runs_eagerly_and_equals_eager():
+    def run(graphed: bool) -> torch.Tensor:
+        _, model, _, step = _model_and_step()
+        graphs = LayerGraphs(select_modules(model, []), get_backend("cpu"),
+                             generators=get_rng_tracker().generators) if graphed else None
+        step(_batches(1, 32, 0))
+        if graphs is not None:
+            graphs.capture()
+        batch = _batches(1, 32, 3)[0]
+        model.eval()
+        with torch.no_grad():
+            return model(batch["tokens"], batch["labels"])
+
+    assert torch.equal(run(False), run(True))
+
+
+def test_output_of_one_graph_is_the_input_buffer_of_the_next():
+    _, model, _, step = _model_and_step()
+    graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
+                         generators=get_rng_tracker().generators)
+    step(_batches(1, 32, 0))
+    graphs.capture()
+    by_name = {g.name: g for g in graphs.graphs}
+    attn0, mlp0, attn1 = by_name["layer0.attn"], by_name["layer0.mlp"], by_name["layer1.attn"]
+    assert mlp0.static.leaves[0].data_ptr() == attn0.outputs[0].data_ptr()
+    assert attn1.static.leaves[0].data_ptr() == mlp0.outputs[0].data_ptr()
+    # the backward chain too: mlp0's input gradient is attn0's output-gradient buffer
+    assert attn0.grad_out[0].data_ptr() == mlp0.grad_in[0].data_ptr()
+
+
+class _Counting(nn.Module):
+    """A block with state that forward mutates (like an MoE router's token counts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return x + torch.tanh(self.lin(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Counting(), _Counting()])
+
+    def graph_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("semantics", ["local", "transformer_engine"])
+def test_capture_does_not_change_module_state_or_gradients(semantics):
+    torch.manual_seed(0)
+    model = _Stack()
+    graphs = LayerGraphs(select_modules(model, []), get_backend("cpu"), semantics=semantics)
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()
+    calls = [layer.calls.clone() for layer in model.layers]
+    grads = [p.grad.clone() for p in model.parameters()]
+    graphs.capture()
+    assert all(torch.equal(a, layer.calls) for a, layer in zip(calls, model.layers))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+    model(x).sum().backward()  # a replay: counts and gradients move exactly once more
+    assert all(torch.equal(a + 1, layer.calls) for a, layer in zip(calls, model.layers))
+    assert all(torch.allclose(2 * a, p.grad) for a, p in zip(grads, model.parameters()))
+
+
+def test_forward_twice_before_backward_is_an_error():
+    torch.manual_seed(0)
+    model = _Stack()
+    graphs = LayerGraphs(select_modules(model, []), get_backend("cpu"))
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()
+    graphs.capture()
+    model(x)
+    with pytest.raises(RuntimeError, match="before the backward"):
+        model(x)
+
+
+def test_close_restores_the_modules():
+    torch.manual_seed(0)
+    model = _Stack()
+    graphs = LayerGraphs(select_modules(model, []), get_backend("cpu"))
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()
+    graphs.capture()
+    graphs.close()
+    graphs.close()
+    assert "forward" not in model.layers[0].__dict__
+    assert get_backend("cpu").live_graphs() == []

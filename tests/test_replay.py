@@ -1,0 +1,112 @@
+"""The CPU replay backend: what it records, skips, re-runs, restores and refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphstep.cuda_graph.backend import get_backend
+from graphstep.cuda_graph.errors import CaptureError
+from graphstep.cuda_graph.replay import record_host_op
+
+
+def _capture(fn, generators=()):
+    backend = get_backend("cpu")
+    graph = backend.new_graph("t")
+    with backend.capture(graph, generators):
+        out = fn()
+    return graph, out
+
+
+def test_replay_recomputes_into_the_captured_outputs():
+    x = torch.arange(4.0)
+    graph, out = _capture(lambda: (x * 2).view(2, 2).sum(0))
+    x.copy_(torch.tensor([10.0, 20.0, 30.0, 40.0]))  # a new batch copied into the static input
+    graph.replay()
+    assert torch.equal(out, torch.tensor([80.0, 120.0]))  # [20+60, 40+80]
+
+
+def test_capture_has_no_observable_effect_on_existing_memory():
+    w = torch.ones(3)
+    counter = torch.zeros(())
+    graph, _ = _capture(lambda: (w.mul_(2), counter.add_(1)))
+    assert torch.equal(w, torch.ones(3)) and counter.item() == 0  # as on a GPU: capture executes nothing
+    graph.replay()
+    graph.replay()
+    assert torch.equal(w, torch.full((3,), 4.0)) and counter.item() == 2
+
+
+def test_generators_are_restored_after_capture():
+    torch.manual_seed(3)
+    state = torch.default_generator.get_state()
+    graph, out = _capture(lambda: torch.rand(5))
+    assert torch.equal(torch.default_generator.get_state(), state)
+    graph.replay()
+    torch.manual_seed(3)
+    assert torch.equal(out, torch.rand(5))
+
+
+@pytest.mark.parametrize(
+    "fn, op",
+    [
+        (lambda x: x.sum().item(), "_local_scalar_dense"),
+        (lambda x: bool(x.sum() > 0), "_local_scalar_dense"),
+        (lambda x: x.tolist(), "tolist"),
+        (lambda x: x.numpy(), "numpy"),
+        (lambda x: torch.nonzero(x), "nonzero"),
+        (lambda x: x[x > 1], "index"),
+        (lambda x: torch.masked_select(x, x > 1), "masked_select"),
+        (lambda x: torch.unique(x), "_unique2"),
+        (lambda x: torch.repeat_interleave(torch.tensor([1, 2])), "repeat_interleave"),
+        (lambda x: torch.equal(x, x), "equal"),
+    ],
+    ids=["item", "bool", "tolist", "numpy", "nonzero", "bool_mask", "masked_select", "unique", "repeat_interleave", "equal"],
+)
+def test_host_syncs_and_dynamic_shapes_raise(fn, op):
+    x = torch.arange(4.0)
+    with pytest.raises(CaptureError) as info:
+        _capture(lambda: fn(x))
+    assert info.value.op == op
+    assert info.value.where is not None and info.value.where.filename == __file__
+
+
+def test_static_shape_variants_are_allowed():
+    reps = torch.tensor([1, 2])
+    x = torch.arange(4.0)
+    graph, out = _capture(lambda: (torch.repeat_interleave(reps, output_size=3), x[torch.tensor([0, 2])]))
+    graph.replay()
+    assert out[0].tolist() == [0, 1, 1] and out[1].tolist() == [0.0, 2.0]
+
+
+def test_unregistered_generator_is_refused():
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(CaptureError, match="not registered"):
+        _capture(lambda: torch.rand(3, generator=gen))
+    graph, out = _capture(lambda: torch.rand(3, generator=gen), generators=[gen])
+    graph.replay()
+    assert torch.equal(out, torch.rand(3, generator=torch.Generator().manual_seed(0)))
+
+
+def test_host_callbacks_replay_in_order():
+    log: list[int] = []
+    x = torch.ones(2)
+
+    def body():
+        record_host_op(lambda: log.append(1))
+        y = x * 3
+        record_host_op(lambda: log.append(2))
+        return y
+
+    graph, _ = _capture(body)
+    assert log == [1, 2]
+    graph.replay()
+    assert log == [1, 2, 1, 2]
+
+
+def test_nested_capture_is_refused():
+    backend = get_backend("cpu")
+    outer, inner = backend.new_graph("outer"), backend.new_graph("inner")
+    with pytest.raises(CaptureError, match="another capture"):
+        with backend.capture(outer):
+            with backend.capture(inner):
+                pass
