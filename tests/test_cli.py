@@ -96,3 +96,12 @@ def test_train_command_writes_metrics(tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     assert all(isinstance(r["loss"], float) for r in rows)
+
+
+def test_docs_config_reference_is_current():
+    from pathlib import Path
+
+    from graphstep.config import markdown_reference
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    assert path.read_text() == markdown_reference(), "regenerate: python -m graphstep.config > docs/config.md"

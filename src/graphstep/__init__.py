@@ -1,0 +1,42 @@
+"""graphstep: capture LLM training steps into CUDA graphs and replay them.
+
+The library API (docs/library.md)::
+
+    import graphstep
+
+    step = graphstep.graph_step(train_step, warmup_steps=3, modules=[model])
+    for batch in loader:
+        loss = step(batch["x"], batch["y"])      # graph-owned: clone what you keep
+
+    graphs = graphstep.graph_layers(hf_model, ["attn", "mlp"])   # per-layer graphs
+    ...
+    graphstep.close_all()
+
+The trainer (``graphstep train``) is built on the same mechanisms.
+"""
+
+from .api import HF_SCOPE_MAPS, close_all, graph_layers, graph_step, parse_scope_map, scope_map_for
+from .cuda_graph.backend import get_backend
+from .cuda_graph.errors import CaptureError, ContractError
+from .cuda_graph.full_iteration import GraphedStep
+from .cuda_graph.layers import LayerGraphs
+from .cuda_graph.rng import RNGTracker, get_rng_tracker, initialize_rng_tracker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError",
+    "ContractError",
+    "GraphedStep",
+    "HF_SCOPE_MAPS",
+    "LayerGraphs",
+    "RNGTracker",
+    "close_all",
+    "get_backend",
+    "get_rng_tracker",
+    "graph_layers",
+    "graph_step",
+    "initialize_rng_tracker",
+    "parse_scope_map",
+    "scope_map_for",
+]

@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_plugins() -> None:
     import importlib
 
-    for mod in ("graphstep.bench.cli", "graphstep.cuda_graph.doctor_cli", "graphstep.data.cli"):
+    for mod in ("graphstep.bench.cli", "graphstep.doctor.cli", "graphstep.data.cli"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as exc:

@@ -415,3 +415,27 @@ def iter_fields(cfg: Config | None = None):
                 f.metadata.get("help", ""),
                 bool(f.metadata.get("unsupported")),
             )
+
+
+def markdown_reference() -> str:
+    """docs/config.md: every field with its default and help (a test keeps the file equal to this)."""
+    out = ["# Configuration reference", "",
+           "Generated from `graphstep/config.py` (`python -m graphstep.config > docs/config.md`); a test keeps it",
+           "in sync. Fields marked *not implemented* exist for Megatron Bridge compatibility: any value other",
+           "than the default is rule R18 (see rules.md).", ""]
+    section = None
+    for sec, name, _value, default, help_text, unsupported_field in iter_fields():
+        if sec != section:
+            section = sec
+            out += ["", f"## `{sec}`", "", "| field | default | meaning |", "|---|---|---|"]
+        note = " *(not implemented)*" if unsupported_field else ""
+        text = help_text.replace(" Not implemented by graphstep: only the default is accepted.", "")
+        out.append(f"| `{sec}.{name}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` "
+                   f"| {text}{note} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(markdown_reference())

@@ -11,10 +11,10 @@ from ..cli import _config_args, register, resolve_config
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .run import default_rows, run_bench, table, write_results
+    from .run import default_rows, run_bench, split_rows, table, write_results
 
     cfg = resolve_config(args)
-    rows = args.rows.split(",") if args.rows else default_rows(cfg)
+    rows = split_rows(args.rows) if args.rows else default_rows(cfg)
     console = Console(stderr=True)
     with console.status("benchmarking") as status:
         doc = run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup,

@@ -41,6 +41,11 @@ def default_rows(cfg: Config) -> list[str]:
     return DENSE_ROWS
 
 
+def split_rows(text: str) -> list[str]:
+    """``eager,local[attn,mlp],manual_graph`` -> the three rows (commas inside brackets stay)."""
+    return [r for r in re.split(r",(?![^\[]*\])", text) if r]
+
+
 def row_overrides(name: str) -> list[str] | None:
     """Config overrides of a graphstep row; None for a peer."""
     if name == "eager":

@@ -90,6 +90,10 @@ class GraphBackend(ABC):
 
     name: str
     device: torch.device
+    # Whether work must run once on the capture stream before it is captured
+    # (lazy per-stream and per-thread initialisation, e.g. cuBLAS in autograd's
+    # device thread, is illegal during a capture).
+    needs_stream_warmup: bool = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -154,6 +158,7 @@ class CudaGraphBackend(GraphBackend):
     """``torch.cuda.CUDAGraph`` with one pool and one capture stream per process."""
 
     name = "cuda"
+    needs_stream_warmup = True
 
     def __init__(self, device: torch.device, capture_error_mode: str = "thread_local") -> None:
         super().__init__(device)
@@ -176,21 +181,25 @@ class CudaGraphBackend(GraphBackend):
     @contextlib.contextmanager
     def capture(self, graph: Graph, generators: Iterable[torch.Generator] = ()) -> Iterator[None]:
         assert isinstance(graph, _CudaGraph)
+        generators = list(generators)
         _register_generators(graph.cuda_graph, generators)
         torch.cuda.synchronize(self.device)
         alloc0, res0 = self.memory()
         t0 = time.perf_counter()
+        # An explicit pool id even for a private pool, so a broken capture can hand it back.
+        pool = graph.pool if graph.pool is not None else torch.cuda.graph_pool_handle()
+        ctx = torch.cuda.graph(graph.cuda_graph, pool=pool, stream=self.stream,
+                               capture_error_mode=self.capture_error_mode)
+        outer = torch.cuda.current_stream(self.device)
         with _user_frame_blocking_gc():
             try:
-                with torch.cuda.graph(
-                    graph.cuda_graph,
-                    pool=graph.pool,
-                    stream=self.stream,
-                    capture_error_mode=self.capture_error_mode,
-                ):
-                    yield
-            except Exception as exc:
-                graph.reset()
+                ctx.__enter__()
+                yield
+                ctx.__exit__(None, None, None)
+            except BaseException as exc:  # KeyboardInterrupt too: never leave the stream capturing
+                self._end_broken_capture(graph, ctx, pool, outer, generators)
+                if not isinstance(exc, Exception):
+                    raise
                 raise CaptureError.from_cuda(exc, graph.name) from exc
         torch.cuda.synchronize(self.device)
         graph.report = CaptureReport(graph.name, time.perf_counter() - t0, alloc0, *self._after(res0))
@@ -207,6 +216,53 @@ class CudaGraphBackend(GraphBackend):
         if graph.pool is not None and graph.pool == self.pool:
             if not any(g.pool == self.pool for g in self.live_graphs()):
                 self.pool = torch.cuda.graph_pool_handle()
+
+    def _end_broken_capture(self, graph: "_CudaGraph", ctx: torch.cuda.graph, pool, outer: torch.cuda.Stream,
+                            generators: list[torch.Generator]) -> None:
+        """Leave no trace of a failed capture: capture ended, pool handed back, stream and RNG as before.
+
+        ``torch.cuda.graph.__exit__`` does not clean up after an error: when the error invalidated the
+        capture, ``capture_end`` raises before telling the allocator (which keeps routing to the pool
+        through a filter that points at the graph), before restoring the stream, and before taking the
+        registered generators out of capture mode. Each step here is best effort and never raises.
+        """
+        cg = graph.cuda_graph
+        try:
+            cg.capture_end()  # a capture the error did not invalidate ends normally; reset() frees it
+        except Exception:
+            if _allocator_call(("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"), self.device, pool):
+                _allocator_call(("_cuda_releasePool",), self.device, pool)
+        try:
+            ctx.stream_ctx.__exit__(None, None, None)
+        except Exception:
+            pass
+        if torch.cuda.current_stream(self.device) != outer:
+            torch.cuda.set_stream(outer)
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # a stale error of the failed capture surfaces here once
+            log.debug("after the failed capture of %r: %s", graph.name, exc)
+        graph.reset()
+        self._end_generator_capture(generators)
+        torch.cuda.empty_cache()
+        with torch.cuda.stream(self.stream):
+            if torch.cuda.is_current_stream_capturing():
+                log.error("the capture stream is still capturing after the failed capture of %r", graph.name)
+
+    def _end_generator_capture(self, generators: list[torch.Generator]) -> None:
+        # Some PyTorch versions leave generators registered with a failed capture in capture mode (the next
+        # eager random op raises "Offset increment outside graph capture"); an empty capture ends it.
+        flush = torch.cuda.CUDAGraph()
+        try:
+            _register_generators(flush, generators)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with torch.cuda.graph(flush, stream=self.stream, capture_error_mode=self.capture_error_mode):
+                    pass
+        except Exception as exc:
+            log.warning("could not take the RNG generators out of capture mode (%s): random ops may fail", exc)
+        finally:
+            flush.reset()
 
     def _after(self, res0: int) -> tuple[int, int, int]:
         alloc1, res1 = self.memory()
@@ -252,6 +308,19 @@ class _CudaGraph(Graph):
             self.cuda_graph = None
         self._captured = False
         self.backend._release(self)
+
+
+def _allocator_call(names: tuple[str, ...], device: torch.device, pool) -> bool:
+    """Call the first caching-allocator binding of ``names`` that this PyTorch has; False if none ran."""
+    for name in names:
+        fn = getattr(torch._C, name, None)
+        if fn is not None:
+            try:
+                fn(device.index, pool)
+                return True
+            except Exception:
+                return False
+    return False
 
 
 def _register_generators(graph: torch.cuda.CUDAGraph, generators: Iterable[torch.Generator]) -> None:

@@ -22,6 +22,7 @@ separate instances, each with its own buffers and graph.
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -119,8 +120,11 @@ class GraphedStep:
                 outputs = self.fn(*self.static.tree)
         except CaptureError as exc:
             self.graph = None
+            if exc.category == "cuda":  # CUDA names no op and no line: re-run the region under the doctor
+                _diagnose(exc, self.name, self.fn, self.static.tree, self.generators)
             if self.on_failure != "eager":
                 raise
+            _drop_frames(exc)  # what the failed capture allocated dies with the traceback's frames
             self.failed = exc
             log.warning("capture of %r failed; continuing eagerly (cuda_graph_on_failure=eager): %s", self.name, exc)
             return self._eager()
@@ -139,6 +143,38 @@ class GraphedStep:
         self.state = None
 
     close = reset
+
+
+def _diagnose(exc: CaptureError, name: str, fn: Callable[..., Any], args: Any,
+              generators: Callable[[], Iterable[torch.Generator]]) -> None:
+    """Attach to ``exc`` (``exc.findings``, a note, the log) what broke the capture of ``fn`` and where.
+
+    The doctor re-runs the region once, eagerly, on a copy of the static inputs, and restores every
+    tensor and RNG state it changed: the step's results are as if it had not run.
+    """
+    from torch.utils._pytree import tree_map
+
+    from ..doctor import diagnose
+
+    try:
+        copy = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args)
+        findings = diagnose(fn, tuple(copy), generators=list(generators()))
+    except Exception as err:  # the diagnosis must never hide the capture error
+        log.warning("graphstep doctor could not diagnose the failed capture of %r: %s", name, err)
+        return
+    exc.findings = findings
+    text = "\n".join(f.format() for f in findings) or "graphstep doctor found nothing in the region."
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"graphstep doctor, re-running {name!r}:\n{text}")
+    log.error("capture of %r failed; graphstep doctor on the region:\n%s", name, text)
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 class FullIterationGraph:

@@ -2,7 +2,9 @@
 
 :class:`ModuleGraph` owns, for one module:
 
-* static inputs (a :class:`StaticInputs`), the forward graph and its graph-owned outputs;
+* static inputs (a :class:`StaticInputs` over the call's ``(args, kwargs)``),
+  the forward graph and its graph-owned outputs (any pytree: tensors, tuples,
+  ``None``);
 * static output gradients, the backward graph and its graph-owned input gradients;
 * the parameter-gradient targets: the backward graph *adds* each parameter's
   gradient into ``param.main_grad`` (graphstep's persistent fp32 buffers) or,
@@ -10,6 +12,9 @@
   inputs of the autograd.Function, so autograd never sees a static gradient
   buffer -- gradient accumulation over micro-batches is exactly eager's
   (unlike ``torch.cuda.make_graphed_callables``, pytorch issue 181723).
+
+Inputs and outputs are handled as flat lists of pytree leaves; an input leaf
+index names the same argument at capture and at replay.
 
 Copy-free chaining: when the module's input at run time *is* another graph's
 output (or its incoming gradient is another graph's input gradient) the
@@ -25,18 +30,21 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .backend import Graph, GraphBackend
 from .errors import ContractError
 from .static_io import StaticInputs
 
 
-def _tensors(x: Any) -> tuple[Any, ...]:
-    return x if isinstance(x, tuple) else (x,)
-
-
 def _differentiable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _sample(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+    return leaf
 
 
 class ModuleGraph:
@@ -48,10 +56,11 @@ class ModuleGraph:
         self.name = name
         self.retain_graph = retain_graph
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.sample: tuple[Any, ...] | None = None
+        self.sample: Any = None  # (args, kwargs) of the last warm-up call, detached copies
         self.static: StaticInputs | None = None
-        self.outputs: tuple[Any, ...] = ()
-        self.single_output = True
+        self.out_leaves: list[Any] = []  # output leaves: graph-owned tensors and captured constants
+        self.out_spec: Any = None
+        self.outputs: list[torch.Tensor] = []  # the tensor output leaves, in order
         self.grad_out: list[torch.Tensor | None] = []
         self.grad_in: list[torch.Tensor | None] = []
         self.fwd: Graph | None = None
@@ -63,44 +72,69 @@ class ModuleGraph:
         # their gradients, so every call passes this anchor along.
         self.anchor = torch.empty(0, requires_grad=True)
 
+    def record(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Keep a detached copy of a warm-up call's inputs: the capture's sample."""
+        leaves, spec = tree_flatten((args, kwargs))
+        self.sample = tree_unflatten([_sample(leaf) for leaf in leaves], spec)
+
+    def call_eager(self, tree: Any) -> Any:
+        args, kwargs = tree
+        return self.forward_fn(*args, **kwargs)
+
     # ---- capture ------------------------------------------------------------
+    def warmup(self, backend: GraphBackend) -> None:
+        """One eager forward and backward on the capture stream (its effects are undone by the caller)."""
+        if self.sample is None:
+            return
+        leaves, spec = tree_flatten(self.sample)
+        leaves = [_sample(leaf) for leaf in leaves]
+        with backend.warmup(), torch.enable_grad():
+            out, _ = tree_flatten(self.call_eager(tree_unflatten(leaves, spec)))
+            outs = [o for o in out if _differentiable(o) and o.requires_grad]
+            inputs = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad] + self.params
+            if outs and inputs:
+                torch.autograd.grad(outs, inputs, grad_outputs=[torch.ones_like(o) for o in outs],
+                                    allow_unused=True)
+
     def capture_forward(self, backend: GraphBackend, generators: Iterable[torch.Generator],
                         aliases: dict[int, torch.Tensor]) -> None:
-        """Capture the forward on the recorded sample inputs (``aliases`` maps an input index to a graph output)."""
+        """Capture the forward on the sample inputs (``aliases``: input leaf index -> another graph's output)."""
         if self.sample is None:
             raise RuntimeError(f"{self.name}: no warm-up call was recorded; run the module once before capturing")
         self.static = StaticInputs(self.sample, name=self.name)
+        sample_leaves, _ = tree_flatten(self.sample)
         for i, tensor in aliases.items():  # reuse another graph's output as this graph's input buffer
             self.static.leaves[i] = tensor.detach()
-        for static, sample in zip(self.static.leaves, self.sample):
+        for static, sample in zip(self.static.leaves, sample_leaves):
             if isinstance(sample, torch.Tensor) and sample.requires_grad:
                 static.requires_grad_(True)
-        self.static.tree = _rebuild(self.static)
-        args = self.static.tree
+        self.static.tree = tree_unflatten(self.static.leaves, self.static.spec)
         self.fwd = backend.new_graph(f"{self.name}.fwd")
         with backend.capture(self.fwd, generators), torch.enable_grad():
-            out = self.forward_fn(*args)
-        self.single_output = not isinstance(out, tuple)
-        self.outputs = _tensors(out)
+            out = self.call_eager(self.static.tree)
+        self.out_leaves, self.out_spec = tree_flatten(out)
+        self.outputs = [o for o in self.out_leaves if isinstance(o, torch.Tensor)]
 
     def capture_backward(self, backend: GraphBackend, generators: Iterable[torch.Generator],
                          grad_aliases: dict[int, torch.Tensor]) -> None:
-        """Capture the backward; ``grad_aliases`` maps an output index to another graph's input gradient."""
+        """Capture the backward; ``grad_aliases`` maps a tensor output index to another graph's input gradient."""
         diff_out = [i for i, o in enumerate(self.outputs) if _differentiable(o) and o.requires_grad]
         self.grad_out = [None] * len(self.outputs)
-        for i in diff_out:
-            self.grad_out[i] = grad_aliases.get(i)
-            if self.grad_out[i] is None:
-                gen = torch.Generator(device=self.outputs[i].device).manual_seed(1234 + i)
-                self.grad_out[i] = torch.randn(self.outputs[i].shape, generator=gen, device=self.outputs[i].device,
-                                               dtype=self.outputs[i].dtype)
-        inputs = [t for t in self.static.tree if isinstance(t, torch.Tensor) and t.requires_grad]
+        leaves = self.static.leaves
+        inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         self.grad_targets = [_grad_target(p) for p in self.params]
-        self.grad_in = [None] * len(self.static.tree)
+        self.grad_in = [None] * len(leaves)
         if not diff_out or not (inputs or self.params):
             return  # nothing to differentiate (e.g. routing metadata): a forward graph only
         self.bwd = backend.new_graph(f"{self.name}.bwd")
         with backend.capture(self.bwd, generators):
+            # Output-gradient buffers are allocated inside the capture (on the capture
+            # stream, from the graph's pool): a buffer made on the default stream would
+            # make autograd order that stream against the capturing one. Their values
+            # are copied in before every replay.
+            for i in diff_out:
+                alias = grad_aliases.get(i)
+                self.grad_out[i] = alias if alias is not None else torch.empty_like(self.outputs[i])
             grads = torch.autograd.grad(
                 [self.outputs[i] for i in diff_out], inputs + self.params,
                 grad_outputs=[self.grad_out[i] for i in diff_out],
@@ -111,19 +145,25 @@ class ModuleGraph:
                     if g is not None:
                         target.add_(g)
         it = iter(grads[: len(inputs)])
-        self.grad_in = [next(it) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in self.static.tree]
+        self.grad_in = [next(it) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves]
 
     # ---- replay -------------------------------------------------------------
-    def replay_forward(self, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    def replay_forward(self, tree: Any) -> list[torch.Tensor]:
         if self.pending_backward:
             raise RuntimeError(
                 f"{self.name}: forward replayed again before the backward of the previous call. A graphed module "
                 "holds one micro-batch's activations: run backward before the next forward."
             )
-        self.static.copy_in(args)
+        self.static.copy_in(tree)
         self.fwd.replay()
         self.pending_backward = self.bwd is not None
         return self.outputs
+
+    def rebuild_output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        """The module's output pytree, with ``tensors`` in place of the graph-owned tensor leaves."""
+        it = iter(tensors)
+        leaves = [next(it) if isinstance(o, torch.Tensor) else o for o in self.out_leaves]
+        return tree_unflatten(leaves, self.out_spec)
 
     def replay_backward(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
         for p, target in zip(self.params, self.grad_targets):
@@ -150,15 +190,9 @@ class ModuleGraph:
                 g.reset()
         self.fwd = self.bwd = None
         self.static = None
-        self.outputs = ()
+        self.out_leaves, self.outputs = [], []
         self.grad_out, self.grad_in, self.grad_targets = [], [], []
         self.pending_backward = False
-
-
-def _rebuild(static: StaticInputs) -> Any:
-    from torch.utils._pytree import tree_unflatten
-
-    return tree_unflatten(static.leaves, static.spec)
 
 
 def _grad_target(p: torch.Tensor) -> torch.Tensor:
@@ -172,11 +206,15 @@ def _grad_target(p: torch.Tensor) -> torch.Tensor:
 
 
 class GraphedFunction(torch.autograd.Function):
-    """Replays a :class:`ModuleGraph`: forward graph in forward, backward graph in backward."""
+    """Replays a :class:`ModuleGraph`: forward graph in forward, backward graph in backward.
+
+    Called as ``apply(graph, anchor, spec, *leaves)`` with the flattened ``(args, kwargs)``;
+    returns the graph-owned tensor outputs (detached views), in order.
+    """
 
     @staticmethod
-    def forward(ctx, graph: ModuleGraph, anchor: torch.Tensor, *args: Any) -> Any:
-        outputs = graph.replay_forward(args)
+    def forward(ctx, graph: ModuleGraph, anchor: torch.Tensor, spec: Any, *leaves: Any) -> Any:
+        outputs = graph.replay_forward(tree_unflatten(list(leaves), spec))
         ctx.graph = graph
         result = tuple(o.detach() for o in outputs)
         ctx.mark_non_differentiable(*[r for r in result if not _differentiable(r)])
@@ -184,4 +222,4 @@ class GraphedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> Any:
-        return (None, None, *ctx.graph.replay_backward(grads))
+        return (None, None, None, *ctx.graph.replay_backward(grads))

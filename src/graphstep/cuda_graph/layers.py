@@ -37,9 +37,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from .backend import GiB, GraphBackend
-from .errors import ContractError
 from .graphed_module import GraphedFunction, ModuleGraph
 from .scopes import scope_modules
 
@@ -71,9 +71,11 @@ class LayerGraphs:
         self._by_module: dict[int, ModuleGraph] = {}
         self.order: list[tuple[str, int]] = []  # ("fwd"|"bwd", graph index) of the last warm-up micro-batch
         self._feeds: dict[tuple[int, int], tuple[int, int]] = {}  # (graph, input) -> (producer, output)
-        self._last_out: dict[int, tuple[int, int]] = {}  # id(output tensor) -> (producer, output), this micro-batch
+        # id(output tensor) -> (producer, output, tensor) during this micro-batch; holding the tensor keeps its id unique
+        self._last_out: dict[int, tuple[int, int, torch.Tensor]] = {}
         self.training_calls = 0
         self.state = "eager"
+        self._capturing = False  # a graphed module inside another one runs as part of the outer capture
         for name, module in modules:
             if id(module) in self._by_module:
                 continue
@@ -95,47 +97,44 @@ class LayerGraphs:
         graph = self.graphs[index]
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if kwargs:
-                raise ContractError(f"{graph.name}: a graphed module takes positional arguments only, got {sorted(kwargs)}")
-            if not (torch.is_grad_enabled() and graph.module.training):
-                return graph.forward_fn(*args)
+            if self._capturing or not (torch.is_grad_enabled() and graph.module.training):
+                return graph.forward_fn(*args, **kwargs)
             if index == 0:
                 self._start_micro_batch()
             if not self.captured:
-                return self._warmup_call(index, args)
+                return self._warmup_call(index, args, kwargs)
             self.state = "replayed"
-            out = GraphedFunction.apply(graph, graph.anchor, *args)
-            return out[0] if graph.single_output else out
+            leaves, spec = tree_flatten((args, kwargs))
+            return graph.rebuild_output(GraphedFunction.apply(graph, graph.anchor, spec, *leaves))
 
         return forward
 
     def _start_micro_batch(self) -> None:
         self.training_calls += 1
         if not self.captured:
+            if self.warmup_calls is not None and self.training_calls > self.warmup_calls:
+                self.capture()  # with the order recorded over the previous micro-batch
+                return
             self.order.clear()
             self._last_out.clear()
-            if self.warmup_calls is not None and self.training_calls > self.warmup_calls:
-                self.capture()
 
-    def _warmup_call(self, index: int, args: tuple[Any, ...]) -> Any:
+    def _warmup_call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         graph = self.graphs[index]
         self.order.append(("fwd", index))
-        for i, a in enumerate(args):
-            producer = self._last_out.get(id(a)) if isinstance(a, torch.Tensor) else None
-            if producer is not None:
-                self._feeds[(index, i)] = producer
+        leaves, _ = tree_flatten((args, kwargs))
+        for i, a in enumerate(leaves):
+            entry = self._last_out.get(id(a)) if isinstance(a, torch.Tensor) else None
+            if entry is not None and entry[2] is a:  # the very tensor (ids of freed tensors are reused)
+                self._feeds[(index, i)] = entry[:2]
             else:
                 self._feeds.pop((index, i), None)
-        graph.sample = tuple(
-            a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args
-        )
-        out = graph.forward_fn(*args)
-        outs = out if isinstance(out, tuple) else (out,)
+        graph.record(args, kwargs)
+        out = graph.forward_fn(*args, **kwargs)
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         for k, o in enumerate(outs):
-            if isinstance(o, torch.Tensor):
-                self._last_out[id(o)] = (index, k)
-                if o.requires_grad:
-                    o.register_hook(self._bwd_recorder(index))
+            self._last_out[id(o)] = (index, k, o)
+            if o.requires_grad:
+                o.register_hook(self._bwd_recorder(index))
         return out
 
     def _bwd_recorder(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -162,10 +161,14 @@ class LayerGraphs:
         if missing:
             raise RuntimeError(f"cannot capture: no warm-up training call reached {', '.join(missing[:4])}")
         backend, gens = self.backend, list(self.generators())
-        saved = _save_state(self.graphs, gens)
+        saved = _save_state(self.graphs, gens + _default_generators(backend.device))
         alloc0, reserved0 = backend.memory()
         n_reports = len(backend.reports)
+        self._capturing = True
         try:
+            if backend.needs_stream_warmup:  # as TE's make_graphed_callables: state is restored below
+                for g in self.graphs:
+                    g.warmup(backend)
             for kind, i in self.capture_order():
                 if kind == "fwd":
                     aliases = {k: self.graphs[p].outputs[o] for (g, k), (p, o) in self._feeds.items()
@@ -178,6 +181,7 @@ class LayerGraphs:
                 g.reset()
             raise
         finally:
+            self._capturing = False
             _restore_state(saved)
         reports = backend.reports[n_reports:]
         alloc1, reserved1 = backend.memory()
@@ -211,6 +215,13 @@ class LayerGraphs:
                 del g.module.forward
         self.graphs.clear()
         self._by_module.clear()
+
+
+def _default_generators(device: torch.device) -> list[torch.Generator]:
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        gens.append(torch.cuda.default_generators[device.index or 0])
+    return gens
 
 
 def _save_state(graphs: list[ModuleGraph], gens: list[torch.Generator]) -> list[tuple[Any, Any]]:

@@ -222,6 +222,11 @@ class _Recorder(TorchDispatchMode):
         self.backups.clear()
 
     def _fail(self, func, category: str, reason: str) -> None:
+        optimizer = _optimizer_in_stack()
+        if optimizer is not None:
+            category = "optimizer"
+            reason += (f"; {optimizer}.step() is not capturable as constructed: create it with capturable=True "
+                       "on CUDA (fused=True on the CPU)")
         raise CaptureError(
             f"{func} cannot be captured: {reason}", op=str(func.overloadpacket.__name__), where=user_frame(),
             category=category,
@@ -254,6 +259,19 @@ class _Recorder(TorchDispatchMode):
             tape.keep.append(out)
             tape.entries.append(_functional_entry(func, args, kwargs, out))
         return out
+
+
+def _optimizer_in_stack() -> str | None:
+    """The torch.optim optimizer whose step() is running, if the failing op comes from one."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        if "/torch/optim/" in frame.f_code.co_filename.replace("\\", "/") and frame.f_code.co_name == "step":
+            owner = frame.f_locals.get("self")
+            return type(owner).__name__ if owner is not None else "the optimizer"
+        frame = frame.f_back
+    return None
 
 
 def _is_collective(func: torch._ops.OpOverload) -> bool:
@@ -334,7 +352,11 @@ _DIRECT_READS = ("tolist", "numpy", "__array__")
 
 @contextlib.contextmanager
 def _refuse_direct_host_reads() -> Iterator[None]:
-    """``Tensor.tolist``/``numpy`` read memory without an aten op: refuse them while recording, as CUDA would."""
+    """While recording, behave as a CUDA capture does for what bypasses the dispatcher.
+
+    ``Tensor.tolist``/``numpy`` read memory without an aten op: refused, as CUDA
+    would; ``torch.cuda.is_current_stream_capturing()`` answers True.
+    """
     saved = {name: getattr(torch.Tensor, name) for name in _DIRECT_READS}
 
     def refuse(name: str):
@@ -350,11 +372,16 @@ def _refuse_direct_host_reads() -> Iterator[None]:
 
     for name in _DIRECT_READS:
         setattr(torch.Tensor, name, refuse(name))
+    # Code that asks "is the stream capturing?" (torch.optim's capture check,
+    # Hugging Face's sync-free mask path) must get the answer a CUDA capture gives.
+    was_capturing = torch.cuda.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = lambda: _active_recorder() is not None or was_capturing()
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)
+        torch.cuda.is_current_stream_capturing = was_capturing
 
 
 def _held_bytes(objs: list[Any]) -> int:

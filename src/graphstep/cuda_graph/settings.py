@@ -480,13 +480,16 @@ _MOE_FIELDS = ("model.moe_expert_capacity_factor", "model.moe_pad_expert_input_t
 
 
 def _routing_syncs(v: _View) -> str | None:
-    """Why MoE token dispatch would copy to the host (None when it is capturable)."""
+    """Why MoE token dispatch would copy to the host (None when it is capturable).
+
+    graphstep's MoE layer lays tokens out in static shapes whenever a capacity
+    factor is set (dropped slots are zero rows, padded to capacity or not), and
+    its sync-free dropless path keeps group sizes on the device: only dropless
+    routing with ``moe_sync_free=false`` reads token counts on the host.
+    """
     m = v.cfg.model
-    if m.moe_expert_capacity_factor is None:
-        return None if m.moe_sync_free is True else "dropless routing with model.moe_sync_free=false"
-    if m.moe_pad_expert_input_to_capacity is not True:
-        return (f"model.moe_expert_capacity_factor={_fmt(m.moe_expert_capacity_factor)} without "
-                "model.moe_pad_expert_input_to_capacity=true")
+    if m.moe_expert_capacity_factor is None and m.moe_sync_free is not True:
+        return "dropless routing with model.moe_sync_free=false"
     return None
 
 
@@ -497,7 +500,7 @@ def _r11(v: _View) -> list[Violation]:
     what = f"{v.cov[0]}=[] (the whole layer) includes the MoE block" if whole_layer else f"{v.cov[0]} has moe"
     return [_v("R11", v.cov + _MOE_FIELDS, f"{what}, but {why} gives data-dependent expert shapes.",
                "set model.moe_sync_free=true with model.moe_expert_capacity_factor=null (sync-free dropless), or "
-               "drop-and-pad: model.moe_expert_capacity_factor=1.0 with model.moe_pad_expert_input_to_capacity=true.")]
+               "set a capacity factor: model.moe_expert_capacity_factor=1.0 (drop-and-pad).")]
 
 
 def _r12(v: _View) -> list[Violation]:
@@ -506,7 +509,7 @@ def _r12(v: _View) -> list[Violation]:
     paired = " (local captures it with moe_router)" if v.impl == "local" else ""
     return [_v("R12", v.cov + _MOE_FIELDS, f"{v.cov[0]} has moe_preprocess{paired}, but {why} copies token counts "
                "to the host during preprocessing.", "set model.moe_sync_free=true (dropless) or "
-               "model.moe_pad_expert_input_to_capacity=true (with a capacity factor), or remove moe_preprocess"
+               "model.moe_expert_capacity_factor=1.0 (drop-and-pad), or remove moe_preprocess"
                f"{' and moe_router' if paired else ''} from {v.cov[-1]}.")]
 
 

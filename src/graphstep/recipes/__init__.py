@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..config import Config, ConfigError
-from .llama import llama3_8b, llama3_tiny, llama32_1b, small_dense_bench
+from .llama import dense_1b_bench, llama3_8b, llama3_tiny, llama32_1b, small_dense_bench
 from .moe import gpt_oss_20b, moe_launch_bound_bench, nemotron_h_tiny, qwen3_30b_a3b, qwen3_moe_tiny
 
 RECIPES: dict[str, Callable[[], Config]] = {
@@ -17,6 +17,7 @@ RECIPES: dict[str, Callable[[], Config]] = {
     "llama32_1b": llama32_1b,
     "llama3_8b": llama3_8b,
     "small_dense_bench": small_dense_bench,
+    "dense_1b_bench": dense_1b_bench,
     "qwen3_moe_tiny": qwen3_moe_tiny,
     "nemotron_h_tiny": nemotron_h_tiny,
     "qwen3_30b_a3b": qwen3_30b_a3b,

@@ -74,3 +74,12 @@ def llama32_1b() -> Config:
 def llama3_8b() -> Config:
     """Llama 3 8B: 32 layers, d=4096, 32 heads / 8 KV heads."""
     return _llama3(graph_ready(Config()), 32, 4096, 14336, 32, 8, False)
+
+
+def dense_1b_bench() -> Config:
+    """Llama 3.2 1B at sequence 2048, micro-batch 2, mock data: a compute-bound shape for ``graphstep bench``."""
+    cfg = llama32_1b()
+    cfg.model.seq_length = 2048
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 2, 2
+    cfg.train.train_iters = 50
+    return cfg

@@ -56,6 +56,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from ..config import CheckpointConfig, Config, save_yaml
@@ -266,6 +267,8 @@ def load_checkpoint(path: Path, state: TrainingState, dp: DataParallel, *, finet
                     dp.world_size, saved_world)
         rng_rank = 0
         template["rng"] = {"rank0": template["rng"].pop(f"rank{dp.rank}")}
+    if "valid" in template["data"] and not _has_key(path, "data.valid."):  # saved by a run without evaluation
+        del template["data"]["valid"]
     _dcp_load(template, path, dp)
     _check_schedule(template["scheduler"], state.optimizer, path)
     _set_rng_state(template["rng"][f"rank{rng_rank}"], state.device)
@@ -281,9 +284,17 @@ def _dcp_load(template: dict[str, Any], path: Path, dp: DataParallel) -> None:
     try:
         with _single_process_quiet():
             dcp.load(template, checkpoint_id=path, process_group=dp.control)
-    except Exception as exc:
-        raise RuntimeError(f"cannot load checkpoint {path} into this run ({type(exc).__name__}: {exc}); "
-                           "was it saved for another model shape or recipe?") from exc
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        failures = getattr(exc, "failures", None)
+        why = ("; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _trace) in failures.items())
+               if failures else f"{type(exc).__name__}: {exc}")
+        raise RuntimeError(f"cannot load checkpoint {path} into this run: {why} -- was it saved for another model "
+                           "shape or recipe?") from exc
+
+
+def _has_key(path: Path, prefix: str) -> bool:
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return any(k.startswith(prefix) for k in keys)
 
 
 def _saved_world_size(path: Path, dp: DataParallel) -> int:

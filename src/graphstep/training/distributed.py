@@ -7,9 +7,10 @@ module reads. :func:`init_data_parallel` then:
 
 1. picks the device and the backend: NCCL on ``cuda:LOCAL_RANK``, gloo on
    the CPU;
-2. checks and applies the environment that collectives inside captured
-   graphs need (:func:`check_collective_env`), before the process group
-   exists, because NCCL reads it when the communicator is created;
+2. says in the log what collectives inside captured graphs rely on
+   (:func:`check_collective_env`; rule R16, which raises, was checked with
+   every other rule before: NCCL reads its environment when the
+   communicator is created, so nothing may change after this point);
 3. creates the process group with ``device_id`` (so NCCL initialises its
    communicator eagerly) and runs one warm-up all-reduce: a communicator
    must never be created while a stream is being captured;
@@ -130,20 +131,19 @@ class DataParallel:
     # ---- teardown ---------------------------------------------------------------
     def close(self) -> None:
         """Destroy the process group this module created; call after every graph was freed."""
+        if self.owns_group and dist.is_initialized():
+            gc.collect()  # graphs caught in reference cycles must go before the communicators
+            if self.backend == "nccl":
+                torch.cuda.synchronize()
+            dist.destroy_process_group()
+            self.owns_group = False
+            log.info("process group destroyed (after every graph was freed)")
         if self._log_filter is not None:
             logger = logging.getLogger("graphstep")
             logger.removeFilter(self._log_filter)
             if self._log_level is not None:
                 logger.setLevel(self._log_level)
             self._log_filter = self._log_level = None
-        if not (self.owns_group and dist.is_initialized()):
-            return
-        gc.collect()  # graphs caught in reference cycles must go before the communicators
-        if self.backend == "nccl":
-            torch.cuda.synchronize()
-        dist.destroy_process_group()
-        self.owns_group = False
-        log.debug("process group destroyed")
 
 
 class GradReducer:
@@ -193,7 +193,7 @@ def init_data_parallel(cfg: Config, settings: CudaGraphSettings, *,
         dp = DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size(),
                           local_rank=int(env.get("LOCAL_RANK", 0)), backend=dist.get_backend())
         _check_ddp(cfg, dp)
-        return _finish(dp, cfg, settings, env, device_id=None)
+        return _finish(dp, settings, device_id=None)
     world_size = _int_env(env, "WORLD_SIZE", 1)
     if world_size <= 1:
         return DataParallel()
@@ -213,14 +213,13 @@ def init_data_parallel(cfg: Config, settings: CudaGraphSettings, *,
     dp = DataParallel(rank=rank, world_size=world_size, local_rank=local_rank,
                       backend="nccl" if use_cuda else "gloo", owns_group=True)
     _check_ddp(cfg, dp)
-    for note in check_collective_env(dp.backend, settings, world_size, env):  # before NCCL reads it
+    for note in check_collective_env(dp.backend, settings, world_size):  # before NCCL reads it
         log.info(note)
     dist.init_process_group(dp.backend, device_id=device_id)
-    return _finish(dp, cfg, settings, env, device_id)
+    return _finish(dp, settings, device_id)
 
 
-def _finish(dp: DataParallel, cfg: Config, settings: CudaGraphSettings, env: Mapping[str, str],
-            device_id: torch.device | None) -> DataParallel:
+def _finish(dp: DataParallel, settings: CudaGraphSettings, device_id: torch.device | None) -> DataParallel:
     if dp.backend == "nccl":
         dp.control = dist.new_group(backend="gloo")  # host-side agreement never waits on the GPU stream
     device = device_id or (torch.device("cuda", torch.cuda.current_device()) if dp.backend == "nccl"
@@ -271,24 +270,18 @@ def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
                            "(it is set by torchrun)") from None
 
 
-def check_collective_env(backend: str | None, settings: CudaGraphSettings, world_size: int,
-                         env: Mapping[str, str] | None = None) -> list[str]:
-    """What captured NCCL collectives need from the environment: raises on a conflict, returns log notes.
+def check_collective_env(backend: str | None, settings: CudaGraphSettings, world_size: int) -> list[str]:
+    """What captured NCCL collectives need, said in the log (the notes returned).
 
     Applies only when a full-iteration graph captures the all-reduce on NCCL
     (per-layer graphs reduce eagerly; gloo never captures). Rule R16
     (expandable segments need ``NCCL_GRAPH_REGISTER=0``) is checked earlier,
-    with every other rule, by ``resolve_cuda_graph_settings``.
+    with every other rule, by ``resolve_cuda_graph_settings``, and raises.
+    ``TORCH_NCCL_BLOCKING_WAIT=1`` was checked on torch 2.11 / NCCL 2.28: a
+    captured all-reduce waited with it replays correctly, so it is allowed.
     """
-    env = os.environ if env is None else env
     if backend != "nccl" or world_size <= 1 or not settings.full_iteration:
         return []
-    for var in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
-        if str(env.get(var, "0")).strip().lower() in ("1", "true", "yes", "on"):
-            raise ConfigError(
-                f"{var}=1 makes every NCCL work.wait() poll the collective from the host, which is not allowed "
-                "while the full-iteration graph captures its all-reduce; unset it (TORCH_NCCL_ASYNC_ERROR_HANDLING "
-                "still handles errors of eager collectives)")
     return [
         "collectives in CUDA graphs: the NCCL communicator is created eagerly (init_process_group(device_id=...)) "
         "and warmed up with one all-reduce before any capture; ranks meet at a barrier before capturing; capture "

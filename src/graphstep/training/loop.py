@@ -36,13 +36,15 @@ import torch
 
 from ..config import Config
 from ..cuda_graph.rng import initialize_rng_tracker
-from ..cuda_graph.settings import resolve_cuda_graph_settings
+from ..cuda_graph.settings import CudaGraphSettings, resolve_cuda_graph_settings
 from ..data import build_data
 from ..models import build_model
 from .checkpoint import Checkpointer, TrainingState, kill_at_iteration_if_asked
 from .console import Console
 from .distributed import DataParallel, init_data_parallel
 from .metrics import MetricsRecorder
+from .moe_hooks import KEYS as MOE_KEYS
+from .moe_hooks import MoEHooks
 from .optim import GradBuffers, build_optimizer
 from .prepare import prepare
 from .step import EvalStep, TrainStep
@@ -129,7 +131,7 @@ def train(cfg: Config, *, keep_model: bool = False) -> TrainResult:
         dp.close()  # 6: last -- _train's own finally has freed every graph by now
 
 
-def _train(cfg: Config, settings, dp: DataParallel, keep_model: bool) -> TrainResult:
+def _train(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model: bool) -> TrainResult:
     device = pick_device(cfg.train.device)
     tr = cfg.train
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.world_size)
@@ -148,14 +150,16 @@ def _train(cfg: Config, settings, dp: DataParallel, keep_model: bool) -> TrainRe
              if tr.eval_iters > 0 else None)
     ckpt = Checkpointer(cfg.checkpoint, dp, TrainingState(model, optimizer, data, valid, device), cfg)
     start = ckpt.resume()  # in place, before any graph exists
+    moe = MoEHooks(model, num_mb)
     step = TrainStep(model, grads, reduce_grads=dp.grad_reducer(grads, cfg.ddp), reduce_loss=dp.loss_reducer(),
+                     before_step=moe.before_step if moe.enabled else None,
                      retain_graph=settings.retain_backward_graph)
     runner = prepare(  # 3
         model, step, EvalStep(model, device, reduce_loss=dp.loss_reducer()), optimizer, settings,
         device=device, num_micro_batches=num_mb, skip_on_nonfinite=tr.skip_step_on_nan,
         capture_barrier=dp.barrier if dp.enabled else None,
     )
-    keys = ["loss", "grad_norm", "lr", "nonfinite"]
+    keys = ["loss", "grad_norm", "lr", "nonfinite"] + (list(MOE_KEYS) if moe.enabled else [])
     recorder = MetricsRecorder(keys, device, cfg.logger.log_interval, cfg.logger.metrics_path if dp.is_main else None)
     console = Console(enabled=cfg.logger.progress_bar and sys.stderr.isatty() and dp.is_main,
                       total=max(0, tr.train_iters - start))
@@ -170,6 +174,8 @@ def _train(cfg: Config, settings, dp: DataParallel, keep_model: bool) -> TrainRe
             for it in range(start + 1, tr.train_iters + 1):  # 4
                 out = runner.train_step(data)
                 opt = runner.optimizer_step(out)
+                if moe.enabled:
+                    moe.after_optimizer_step()
                 state = runner.state()
                 if state == "captured":
                     _log_capture(runner, device)
@@ -177,9 +183,9 @@ def _train(cfg: Config, settings, dp: DataParallel, keep_model: bool) -> TrainRe
                 if cfg.rerun_state_machine.check_for_nan_in_loss or cfg.ddp.check_for_nan_in_grad:
                     _host_nan_check(cfg, it, out["loss"], opt["grad_norm"])  # host syncs, eager only (R6)
                 recorder.record(it, state, {"loss": out["loss"], "grad_norm": opt["grad_norm"], "lr": opt["lr"],
-                                            "nonfinite": nonfinite})
+                                            "nonfinite": nonfinite, **(moe.metrics() if moe.enabled else {})})
                 console.advance()
-                stopping = dp.any(stop.set)  # every rank stops after the same step
+                stopping = stop.enabled and dp.any(stop.set)  # every rank stops after the same step
                 last = it == tr.train_iters or stopping
                 if it % cfg.logger.log_interval == 0 or last:
                     rows = recorder.flush()
@@ -248,6 +254,8 @@ def _report(console: Console, rows: list[dict], dt: float, tokens: int, device, 
         f"iter {last['iteration']:>6}/{total} | loss {_fmt(last['loss'])} | lr {last['lr']:.3e} | "
         f"grad norm {_fmt(last['grad_norm'], 3)} | {dt * 1e3:8.1f} ms/step | {tokens / dt / 1e3:8.1f}k tok/s | "
         f"{_memory(device)} | {last['state']}"
+        + (f" | aux {last['moe_aux_loss']:.4f} z {last['moe_z_loss']:.4f} load {last['moe_load_imbalance']:.2f}"
+           if "moe_aux_loss" in last else "")
     )
     if bad:
         log.warning("non-finite loss or gradients at iteration(s) %s", ", ".join(map(str, bad)))

@@ -1,0 +1,245 @@
+"""graphstep as a library: CUDA graphs in your own training loop.
+
+Three entry points, in the shape of ``torch.cuda.graphs`` (docs/library.md):
+
+* :func:`graph_step` -- a whole training step (forward, backward, optimizer
+  step) as one graph: the trainer's full-iteration graph;
+* :func:`graph_layers` -- a forward and a backward graph per submodule of any
+  ``nn.Module``, picked by name pattern or scope map (built-in maps for
+  Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Mixtral / Qwen3-MoE): the
+  trainer's per-layer engine;
+* :func:`get_rng_tracker` / :class:`RNGTracker` and :func:`close_all`.
+
+The same backends serve both: CUDA graphs on a GPU, the CPU replay backend
+elsewhere (or anywhere with ``backend="replay"``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .cuda_graph.backend import close_all_backends, get_backend
+from .cuda_graph.errors import ContractError
+from .cuda_graph.full_iteration import GraphedStep
+from .cuda_graph.layers import LayerGraphs
+from .cuda_graph.rng import get_rng_tracker
+
+log = logging.getLogger("graphstep")
+
+# Hugging Face decoder layouts: scope -> module name pattern.
+HF_SCOPE_MAPS: dict[str, dict[str, str]] = {
+    "llama": {"attn": "model.layers.*.self_attn", "mlp": "model.layers.*.mlp"},
+    "qwen2": {"attn": "model.layers.*.self_attn", "mlp": "model.layers.*.mlp"},
+    "qwen3": {"attn": "model.layers.*.self_attn", "mlp": "model.layers.*.mlp"},
+    "mistral": {"attn": "model.layers.*.self_attn", "mlp": "model.layers.*.mlp"},
+    # Their MoE blocks route with data-dependent shapes: graph attention, or
+    # the whole MoE only where the routing is capturable.
+    "mixtral": {"attn": "model.layers.*.self_attn", "moe": "model.layers.*.block_sparse_moe"},
+    "qwen3_moe": {"attn": "model.layers.*.self_attn", "moe": "model.layers.*.mlp"},
+}
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else _default_device()
+
+
+class ParamGuard:
+    """Parameters must be updated in place after capture, never replaced: checks it before each replay."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.modules = list(modules)
+        self.snapshot: list[tuple[str, torch.Tensor, int]] | None = None
+
+    def _params(self) -> Iterable[tuple[str, torch.Tensor]]:
+        for i, m in enumerate(self.modules):
+            for name, p in m.named_parameters():
+                yield (f"{i}.{name}" if len(self.modules) > 1 else name), p
+
+    def arm(self) -> None:
+        self.snapshot = [(name, p, p.data_ptr()) for name, p in self._params()]
+
+    def check(self) -> None:
+        if self.snapshot is None:
+            return
+        current = dict(self._params())
+        for name, p, ptr in self.snapshot:
+            now = current.get(name)
+            if now is not p or now.data_ptr() != ptr:
+                raise ContractError(
+                    f"parameter {name!r} was replaced after capture (a new tensor or new storage); the graph "
+                    "still reads and updates the old one. Update parameters in place, e.g. "
+                    "`with torch.no_grad(): p.copy_(new)`, or call reset() to capture again."
+                )
+
+
+class _GuardedStep(GraphedStep):
+    def __init__(self, *args: Any, guard: ParamGuard, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.guard = guard
+
+    def __call__(self, *args: Any) -> Any:
+        if self.captured:
+            self.guard.check()
+        out = super().__call__(*args)
+        if self.captured and self.guard.snapshot is None:
+            self.guard.arm()
+        return out
+
+    def reset(self) -> None:
+        super().reset()
+        self.guard.snapshot = None
+
+    close = reset
+
+
+def graph_step(
+    fn: Callable[..., Any],
+    *,
+    warmup_steps: int = 3,
+    device: torch.device | str | None = None,
+    backend: str = "auto",
+    modules: Sequence[nn.Module] = (),
+    generators: Callable[[], Iterable[torch.Generator]] | None = None,
+    on_failure: str = "raise",
+) -> GraphedStep:
+    """Capture ``fn`` -- a whole training step -- as one graph after ``warmup_steps`` eager calls.
+
+    Call the result with the tensors that change each step (batches); they are
+    copied into static buffers and the graph is replayed. Everything else the
+    step touches (parameters, gradients, optimizer state) must live at fixed
+    addresses: update in place, zero gradients with ``set_to_none=False``.
+
+    Args:
+        fn: the step. Returns tensors (or a pytree of them): graph-owned outputs.
+        warmup_steps: eager calls before the capture.
+        device: where the graph runs (default: the current CUDA device, else the CPU).
+        backend: ``auto`` (CUDA graphs on a GPU, the CPU replay backend elsewhere),
+            ``cuda``, or ``replay`` (a dry run on any device).
+        modules: models whose parameters the step updates; checked before each
+            replay for parameters replaced instead of updated in place.
+        generators: the RNG generators to register (default: graphstep's RNG tracker).
+        on_failure: ``raise``, or ``eager`` to keep running eagerly when capture fails.
+
+    .. warning::
+        Outputs are graph-owned: the next call overwrites them. ``out.clone()``
+        what you keep; read values on the host (``.item()``) only outside the step.
+    .. warning::
+        Every call must pass tensors of the captured shapes and dtypes, and the
+        same non-tensor values; anything else raises ``ContractError``.
+    .. warning::
+        The step must not sync the host (``.item()``, ``.tolist()``, ``print(t)``,
+        data-dependent shapes): capture raises ``CaptureError`` naming the line.
+        ``graphstep.doctor.check(fn, ...)`` lists every such line at once.
+    .. warning::
+        torch optimizers must be constructed with ``capturable=True`` on CUDA
+        (``fused=True`` on the CPU); the default ones read their step counter on the host.
+    """
+    device = torch.device(device) if device is not None else _default_device()
+    gens = generators if generators is not None else (lambda: get_rng_tracker().generators())
+    return _GuardedStep(fn, get_backend(device, backend), warmup_steps=warmup_steps, name=getattr(fn, "__name__", "step"),
+                        generators=gens, on_failure=on_failure, guard=ParamGuard(modules))
+
+
+def parse_scope_map(text: str) -> dict[str, str]:
+    """``"attn -> model.layers.*.self_attn, mlp -> model.layers.*.mlp"`` -> {scope: pattern}."""
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        if "->" not in item:
+            raise ValueError(f"scope map entry {item.strip()!r}: expected 'scope -> module.name.pattern'")
+        scope, pattern = (s.strip() for s in item.split("->", 1))
+        out[scope] = pattern
+    return out
+
+
+def scope_map_for(model: nn.Module) -> dict[str, str]:
+    """The built-in scope map of a Hugging Face model (by ``model.config.model_type``)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in HF_SCOPE_MAPS:
+        raise ValueError(f"no built-in scope map for model_type={model_type!r} (built in: {', '.join(HF_SCOPE_MAPS)}); "
+                         "pass a scope map such as 'attn -> model.layers.*.self_attn'")
+    return HF_SCOPE_MAPS[model_type]
+
+
+def select_by_pattern(model: nn.Module, scopes: Sequence[str] | Mapping[str, str] | str) -> list[tuple[str, nn.Module]]:
+    """Submodules of ``model`` picked by scope names (with a scope map) or name patterns, in model order."""
+    if isinstance(scopes, str):
+        scopes = parse_scope_map(scopes) if "->" in scopes else [s.strip() for s in scopes.split(",") if s.strip()]
+    if isinstance(scopes, Mapping):
+        patterns = list(scopes.values())
+    else:
+        builtin = None
+        patterns = []
+        for s in scopes:
+            if "." in s or "*" in s:
+                patterns.append(s)
+            else:
+                builtin = builtin or scope_map_for(model)
+                if s not in builtin:
+                    raise ValueError(f"scope {s!r} is not in the model's scope map ({', '.join(builtin)})")
+                patterns.append(builtin[s])
+    picked: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if not name or not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            continue
+        if any(name.startswith(outer + ".") for outer, _ in picked):
+            continue  # inside a module already picked: it is captured as part of that one
+        picked.append((name, m))
+    if not picked:
+        raise ValueError(f"no submodule of {type(model).__name__} matches {patterns}")
+    return picked
+
+
+def graph_layers(
+    model: nn.Module,
+    scopes: Sequence[str] | Mapping[str, str] | str,
+    *,
+    warmup_steps: int = 3,
+    semantics: str = "local",
+    backend: str = "auto",
+    generators: Callable[[], Iterable[torch.Generator]] | None = None,
+    retain_graph: bool = False,
+) -> LayerGraphs:
+    """A forward and a backward graph per selected submodule of ``model``.
+
+    ``scopes`` are scope names of the model's built-in map (``["attn", "mlp"]``
+    for Hugging Face Llama/Qwen/Mistral), name patterns
+    (``"model.layers.*.mlp"``) or a scope map (``"attn -> model.layers.*.self_attn"``).
+    The first ``warmup_steps`` training forwards (grad enabled, module in
+    training mode) run eagerly and record the call order and input shapes; the
+    next one captures every graph, then replays. Evaluation runs eagerly.
+
+    .. warning::
+        Backward must run before the next training forward of the same module
+        (one micro-batch's activations per graph).
+    .. warning::
+        A selected module must not sync the host or change shapes; non-tensor
+        arguments (flags, ``None`` caches) are part of the captured contract.
+        For Hugging Face models pass ``use_cache=False`` while training.
+    .. warning::
+        Parameter gradients are added inside the backward graph into
+        ``param.main_grad`` if the parameter has one, else into ``param.grad``:
+        zero them with ``zero_grad(set_to_none=False)``.
+    """
+    if warmup_steps < 1:
+        raise ValueError("graph_layers needs warmup_steps >= 1: an eager call records the call order and shapes")
+    device = _model_device(model)
+    gens = generators if generators is not None else (lambda: get_rng_tracker().generators())
+    return LayerGraphs(select_by_pattern(model, scopes), get_backend(device, backend), semantics=semantics,
+                       generators=gens, retain_graph=retain_graph, warmup_calls=warmup_steps)
+
+
+def close_all() -> None:
+    """Free every graph and pool of this process (call before ``destroy_process_group``)."""
+    close_all_backends()

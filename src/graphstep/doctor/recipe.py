@@ -1,0 +1,264 @@
+"""``graphstep doctor --recipe R``: a recipe's training step, judged where its graphs capture.
+
+1. Every validation rule (``validate_config``): violations are findings of
+   category ``config`` and the step is not run.
+2. The model, data, optimizer, ``TrainStep`` and runner are built as
+   ``training/loop.py`` builds them (one rank, on the CPU, GPU simulated).
+3. The runner is prepared with :class:`DryBackend`: its captures run the
+   region once, eagerly, under the analyzer, and its replays do nothing (the
+   region already ran). So exactly what the config captures is judged --
+   the full iteration, the evaluation step, the optimizer step, or each
+   per-layer scope -- and what it leaves eager is not.
+4. One warm-up iteration (``cuda_graph_warmup_steps`` only delays the
+   capture), then the iteration that captures. With ``cuda_graph_impl=none``
+   the whole step (forward, backward and optimizer over all micro-batches) is
+   judged as a full-iteration graph would capture it.
+
+Big recipes (llama3_8b ...) are too slow to build on a CPU: unless
+``full_size``, the doctor shrinks widths, depth, vocabulary and micro-batches
+to a proxy of the same structure (same layer kinds, attention grouping,
+experts and routing, graph settings) and says so in the report. Fields the
+user overrode are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+from typing import Any, Iterator
+
+import torch
+
+from ..config import Config
+from ..cuda_graph.backend import CaptureReport, Graph, GraphBackend
+from ..cuda_graph.settings import resolve_cuda_graph_settings, validate_config
+from .findings import Finding, Report
+from .session import Session
+
+log = logging.getLogger("graphstep")
+
+# A recipe above these sizes runs as a proxy unless full_size (or the user overrode the fields).
+MAX_PARAMS = 60_000_000
+MAX_TOKENS_PER_STEP = 16_384
+
+
+class _DryGraph(Graph):
+    def __init__(self, name: str) -> None:
+        self.name, self.report, self._captured = name, None, False
+
+    @property
+    def captured(self) -> bool:
+        return self._captured
+
+    def replay(self) -> None:  # the capture ran the region already
+        return None
+
+    def reset(self) -> None:
+        self._captured = False
+
+
+class DryBackend(GraphBackend):
+    """Captures run their region once under the doctor; replays do nothing."""
+
+    name = "doctor"
+
+    def __init__(self, device: torch.device, session: Session) -> None:
+        super().__init__(device)
+        self.session = session
+
+    def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph:
+        return self._track(_DryGraph(name))
+
+    @contextlib.contextmanager
+    def capture(self, graph: Graph, generators: Any = ()) -> Iterator[None]:
+        t0 = time.perf_counter()
+        self.session.generators |= {id(g) for g in generators}
+        with self.session.region(graph.name):
+            yield
+        graph._captured = True
+        graph.report = CaptureReport(graph.name, time.perf_counter() - t0, 0, 0, 0, 0)
+        self.reports.append(graph.report)
+
+    def memory(self) -> tuple[int, int]:
+        return 0, 0
+
+
+def estimate_params(cfg: Config) -> int:
+    m = cfg.model
+    heads_dim = m.kv_channels or m.hidden_size // max(1, m.num_attention_heads)
+    groups = m.num_query_groups or m.num_attention_heads
+    attn = m.hidden_size * heads_dim * (2 * m.num_attention_heads + 2 * groups)
+    if m.num_moe_experts:
+        ffn = 3 * m.hidden_size * (m.moe_ffn_hidden_size or m.ffn_hidden_size) * m.num_moe_experts
+    else:
+        ffn = 3 * m.hidden_size * m.ffn_hidden_size
+    return m.num_layers * (attn + ffn) + m.vocab_size * m.hidden_size
+
+
+def _tokens_per_step(cfg: Config) -> int:
+    return cfg.train.global_batch_size * cfg.model.seq_length
+
+
+def needs_proxy(cfg: Config) -> bool:
+    return estimate_params(cfg) > MAX_PARAMS or _tokens_per_step(cfg) > MAX_TOKENS_PER_STEP
+
+
+def shrink_to_proxy(cfg: Config, keep: set[str] = frozenset()) -> list[str]:
+    """Make ``cfg`` a small model of the same structure (in place); returns what changed, for the report."""
+    m, tr = cfg.model, cfg.train
+    changed: list[str] = []
+
+    def put(section: Any, key: str, value: Any) -> None:
+        path = f"{'model' if section is m else 'train'}.{key}"
+        old = getattr(section, key)
+        if path in keep or old is None or old == value:
+            return
+        setattr(section, key, value)
+        changed.append(f"{path}={old}->{value}")
+
+    groups = m.num_query_groups or m.num_attention_heads
+    ratio = max(1, m.num_attention_heads // max(1, groups))
+    new_groups = min(groups, 2)
+    if not m.hybrid_override_pattern:
+        put(m, "num_layers", min(m.num_layers, 2))
+    put(m, "hidden_size", 64)
+    put(m, "num_attention_heads", new_groups * min(ratio, 4))
+    if m.num_query_groups is not None:
+        put(m, "num_query_groups", new_groups)
+    put(m, "kv_channels", 16)
+    put(m, "ffn_hidden_size", 128)
+    put(m, "moe_ffn_hidden_size", 32)
+    if m.moe_shared_expert_intermediate_size:
+        put(m, "moe_shared_expert_intermediate_size", 32)
+    put(m, "vocab_size", min(m.vocab_size, 512))
+    put(m, "seq_length", min(m.seq_length, 64))
+    put(tr, "micro_batch_size", min(tr.micro_batch_size, 2))
+    num_mb = max(1, min(2, cfg.train.global_batch_size // max(1, cfg.train.micro_batch_size)))
+    put(tr, "global_batch_size", tr.micro_batch_size * num_mb)
+    put(tr, "eval_iters", min(tr.eval_iters, 2))
+    return changed
+
+
+def check_recipe(cfg: Config, *, name: str = "recipe", full_size: bool = False, keep: set[str] = frozenset(),
+                 proxy: str = "auto") -> Report:
+    """Validate ``cfg`` and judge its training step as its graphs would capture it (see module docstring).
+
+    ``proxy``: "auto" (shrink big recipes unless ``full_size``), "always" or "never". ``keep``: dotted
+    fields the user set, never shrunk.
+    """
+    report = Report(f"recipe {name}")
+    for v in validate_config(cfg):
+        report.add(Finding("config", v.rule, None, why=v.message, fix=v.fix, detail=", ".join(v.fields)))
+    if report.findings:
+        report.notes.append("the configuration breaks rules: the step was not run (fix the config first)")
+        return report
+    cfg = copy.deepcopy(cfg)
+    if proxy == "always" or (proxy == "auto" and not full_size and needs_proxy(cfg)):
+        changed = shrink_to_proxy(cfg, set(keep))
+        if changed:
+            log.info("doctor: %s is big for a CPU run: judging a proxy of the same structure (%s); --full-size "
+                     "runs it as configured", name, ", ".join(changed))
+            report.notes.append(f"proxy of the same structure (about {estimate_params(cfg) / 1e6:.1f}M parameters; "
+                                "--full-size runs the recipe as configured): " + ", ".join(changed))
+    cfg.train.device = "cpu"
+    if cfg.model.cuda_graph_warmup_steps != 1:
+        report.notes.append(f"one warm-up iteration instead of {cfg.model.cuda_graph_warmup_steps} "
+                            "(the count only delays the capture)")
+        cfg.model.cuda_graph_warmup_steps = 1
+    settings = resolve_cuda_graph_settings(cfg)
+    _run(cfg, settings, report)
+    return report
+
+
+def _build(cfg: Config, settings: Any, device: torch.device) -> dict[str, Any]:
+    """What training/loop.py builds for one rank (kept in the same order)."""
+    from ..cuda_graph.rng import initialize_rng_tracker
+    from ..data import build_data
+    from ..models import build_model
+    from ..training.optim import GradBuffers, build_optimizer
+    from ..training.step import EvalStep, TrainStep
+
+    tr = cfg.train
+    initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker)
+    model = build_model(cfg.model, device)
+    model.train()
+    grads = GradBuffers(model)
+    optimizer = build_optimizer(cfg, model, grads)
+    data = build_data(cfg, split="train")
+    valid = build_data(cfg, split="valid") if tr.eval_iters > 0 and settings.full_iteration else None
+    step = TrainStep(model, grads, retain_graph=settings.retain_backward_graph)
+    return dict(model=model, grads=grads, optimizer=optimizer, data=data, valid=valid, train_step=step,
+                eval_step=EvalStep(model, device), num_mb=tr.global_batch_size // tr.micro_batch_size,
+                eval_iters=tr.eval_iters)
+
+
+@contextlib.contextmanager
+def _prepared_with(backend: GraphBackend) -> Iterator[None]:
+    # prepare() asks get_backend() for the process's backend; the doctor lends it its own.
+    from ..training import prepare as prepare_mod
+
+    saved = prepare_mod.get_backend
+    prepare_mod.get_backend = lambda device, kind="auto": backend
+    try:
+        yield
+    finally:
+        prepare_mod.get_backend = saved
+
+
+def _run(cfg: Config, settings: Any, report: Report) -> None:
+    from ..training.prepare import prepare
+
+    device = torch.device("cpu")
+    parts = _build(cfg, settings, device)
+    roots = {k: parts[k] for k in ("model", "optimizer", "train_step", "eval_step")}
+    session = Session(report, simulated=True, roots=roots)
+    backend = DryBackend(device, session)
+    skip = cfg.train.skip_step_on_nan
+    with _prepared_with(backend):
+        runner = prepare(parts["model"], parts["train_step"], parts["eval_step"], parts["optimizer"], settings,
+                         device=device, num_micro_batches=parts["num_mb"], skip_on_nonfinite=skip)
+    report.notes.append(f"judged: {runner.describe if settings.enabled else 'the whole step (cuda_graph_impl=none)'}")
+    try:
+        with session:
+            try:
+                if settings.enabled:
+                    _graphed(session, runner, parts)
+                else:
+                    _whole_step(session, parts, skip)
+            except Exception as exc:
+                session.error(exc)
+    finally:
+        runner.close()
+    if settings.enabled and not backend.reports and not report.findings:
+        report.notes.append("no region was captured")
+
+
+def _graphed(session: Session, runner: Any, parts: dict[str, Any]) -> None:
+    data, valid = parts["data"], parts["valid"]
+
+    def iteration() -> None:
+        runner.optimizer_step(runner.train_step(data))
+        if valid is not None:
+            runner.evaluate(valid, parts["eval_iters"])
+
+    with session.warmup():
+        iteration()
+    with session.tracked():  # the captures happen in this iteration
+        iteration()
+
+
+def _whole_step(session: Session, parts: dict[str, Any], skip: bool) -> None:
+    step, optimizer, data = parts["train_step"], parts["optimizer"], parts["data"]
+
+    def run(batches: list[Any]) -> None:
+        out = step(batches)
+        optimizer.step(out["nonfinite"] if skip else None)
+
+    # the same batch tensors both times: a graph reads its static input buffers, copied in outside it
+    batches = [next(data) for _ in range(parts["num_mb"])]
+    with session.warmup():
+        run(batches)
+    with session.region("train step (forward, backward and optimizer)"):
+        run(batches)

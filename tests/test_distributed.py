@@ -1,0 +1,287 @@
+"""Data parallel with 2 gloo processes under torchrun, on the CPU replay backend.
+
+One torchrun launch runs this file as its worker (``__main__`` below): each
+rank trains several configurations in one process group and writes its
+per-iteration losses and a digest of its final parameters. The tests then
+check: graphed runs equal the eager run bit for bit, every rank holds the
+same losses and weights, and 2 ranks x 2 micro-batches equal 1 process x 4
+micro-batches within fp32 rounding. Dropout is off here: Megatron's seeding
+gives every data-parallel rank the same dropout stream, so with dropout on the
+2-rank run draws other masks than the single process does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+ITERS = 8
+
+# name -> overrides on top of conftest.TINY (dropout off, see the module docstring)
+DP_RUNS = {
+    "eager": ["model.cuda_graph_impl=none"],
+    "full_iteration": ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
+    "attn_mlp": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+}
+COMMON = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0", f"train.train_iters={ITERS}",
+          "logger.log_interval=1", "train.eval_iters=2", "train.eval_interval=4"]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{HERE}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    env.update(extra)
+    return env
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """``torchrun --standalone`` (a free port picked by torchrun's own rendezvous) as a command line."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------
+# the torchrun worker
+
+
+def _worker(out: Path, device: str, runs: dict[str, list[str]]) -> None:
+    import torch.distributed as dist
+
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)  # the caller's group: train() uses it and leaves it to us
+    rank = dist.get_rank()
+    report: dict[str, dict] = {}
+    try:
+        for name, overrides in runs.items():
+            t0 = time.perf_counter()
+            result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
+            report[name] = {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
+                            "eval": result.eval_losses,
+                            "step_ms": [r["step_ms"] for r in result.rows], "params": param_digest(result.model),
+                            "seconds": time.perf_counter() - t0}
+        report.update(_resume_case(out, device))
+    finally:
+        (out / f"rank{rank}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+def _resume_case(out: Path, device: str) -> dict[str, dict]:
+    """2 ranks: save at iteration 3, resume from it; iterations 4..6 must equal the uninterrupted run."""
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    ckpt = out / "ckpt"
+    base = [f"train.device={device}", "model.cuda_graph_impl=full_iteration", "train.train_iters=6",
+            "logger.log_interval=1", "model.cuda_graph_warmup_steps=1", f"checkpoint.save={ckpt}",
+            "checkpoint.save_interval=3"]
+    whole = train(tiny_config(*base))  # dropout on: per-rank RNG streams are in the checkpoint
+    resumed = train(tiny_config(*base, f"checkpoint.load={ckpt}/iter_0000003"))
+    return {"resume": {"whole": [r["loss"] for r in whole.rows], "resumed": [r["loss"] for r in resumed.rows],
+                       "resumed_iters": [r["iteration"] for r in resumed.rows]}}
+
+
+def run_workers(tmp: Path, device: str, runs: dict[str, list[str]], timeout: float) -> list[dict]:
+    """Launch 2 ranks of this file's worker; returns each rank's report."""
+    cmd = torchrun(2, str(Path(__file__).resolve()), str(tmp), device, json.dumps(runs))
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+# --------------------------------------------------------------------------
+# tests
+
+
+@pytest.fixture(scope="module")
+def dp_reports(tmp_path_factory):
+    return run_workers(tmp_path_factory.mktemp("dp"), "cpu", DP_RUNS, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    return train(tiny_config(*COMMON, "model.cuda_graph_impl=none"))
+
+
+@pytest.mark.parametrize("name", ["full_iteration", "attn_mlp"])
+def test_graphed_data_parallel_equals_eager_bit_for_bit(dp_reports, name):
+    for report in dp_reports:
+        run, eager = report[name], report["eager"]
+        assert len(run["losses"]) == ITERS
+        assert exact_list(run["losses"]) == exact_list(eager["losses"])
+        assert run["params"] == eager["params"]
+        assert len(run["eval"]) == 2 and run["eval"] == eager["eval"]  # the eval graph holds the loss all-reduce
+    assert dp_reports[0][name]["states"][2:5] == ["eager", "captured", "replayed"]
+
+
+@pytest.mark.parametrize("name", list(DP_RUNS))
+def test_ranks_agree_on_losses_and_weights(dp_reports, name):
+    r0, r1 = dp_reports[0][name], dp_reports[1][name]
+    assert r0["losses"] == r1["losses"]  # the logged loss is the all-reduced average
+    assert r0["eval"] == r1["eval"]
+    assert r0["params"] == r1["params"]  # every rank applied the same averaged gradients
+
+
+@pytest.mark.parametrize("name", list(DP_RUNS))
+def test_two_ranks_equal_one_process_with_the_same_global_batch(dp_reports, single_process, name):
+    two = torch.tensor(dp_reports[0][name]["losses"], dtype=torch.float32)
+    one = torch.tensor(single_process.losses, dtype=torch.float32)
+    assert two.shape == one.shape == (ITERS,)
+    torch.testing.assert_close(two, one, rtol=2e-6, atol=0)  # only the summation order differs
+    assert one[-1] < one[0]
+
+
+def test_data_parallel_resume_is_exact(dp_reports):
+    case = dp_reports[0]["resume"]
+    assert case["resumed_iters"] == [4, 5, 6]
+    assert exact_list(case["resumed"]) == exact_list(case["whole"][3:])
+    assert dp_reports[1]["resume"] == case
+
+
+def test_sigterm_stops_every_rank_after_the_same_step_and_exits_without_hang(tmp_path):
+    from graphstep.training.metrics import read_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    overrides = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.seq_length=32",
+                 "train.micro_batch_size=2", "train.global_batch_size=8", "train.eval_iters=0", "train.device=cpu",
+                 "logger.progress_bar=false", "data.corpus_max_bytes=300000", "data.split=90,10,0",
+                 "model.cuda_graph_impl=full_iteration", "train.train_iters=100000", "logger.log_interval=1",
+                 f"logger.metrics_path={metrics}"]
+    proc = subprocess.Popen(torchrun(2, "-m", "graphstep", "train", *overrides), env=subprocess_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):  # past the capture
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
+        output, _ = proc.communicate(timeout=25)  # torchrun would SIGKILL hung workers after 30 s
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "received SIGTERM: stopping after the current step" in output
+    assert "rank 1: received SIGTERM" in output
+    assert "stopped by signal" in output  # rank 0's summary: the loop ended through the stop flag
+    assert "process group destroyed (after every graph was freed)" in output
+    assert "forcefully exiting" not in output and "graphstep/training" not in output  # no hang, no worker traceback
+    rows = read_metrics(metrics)
+    assert [r["iteration"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) < 100000
+    print(f"SIGTERM to exit: {elapsed:.1f} s, stopped after iteration {rows[-1]['iteration']}")
+
+
+@pytest.mark.parametrize("how", ["normal", "exception", "sigterm"])
+def test_graphs_are_freed_before_the_process_group_is_destroyed(monkeypatch, how):
+    from conftest import tiny_config
+    from graphstep.cuda_graph.backend import get_backend
+    from graphstep.training import loop, prepare
+    from graphstep.training.distributed import DataParallel
+
+    events: list[str] = []
+
+    class Recorded(DataParallel):
+        def close(self) -> None:
+            events.append(f"process group destroyed; live graphs: {len(get_backend('cpu').live_graphs())}")
+
+    real_close, real_record = prepare.Runner.close, loop.MetricsRecorder.record
+
+    def close(self) -> None:
+        real_close(self)
+        events.append("graphs closed")
+
+    def record(self, it, *a, **k):
+        if it == 6 and how == "exception":
+            raise RuntimeError("boom")
+        if it == 6 and how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_record(self, it, *a, **k)
+
+    monkeypatch.setattr(loop, "init_data_parallel", lambda cfg, settings: Recorded())
+    monkeypatch.setattr(prepare.Runner, "close", close)
+    monkeypatch.setattr(loop.MetricsRecorder, "record", record)
+    cfg = tiny_config("model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true",
+                      "train.train_iters=8")
+    if how == "exception":
+        with pytest.raises(RuntimeError, match="boom"):
+            loop.train(cfg)
+    else:
+        assert loop.train(cfg).stopped_by_signal == (how == "sigterm")
+    assert events == ["graphs closed", "process group destroyed; live graphs: 0"]
+
+
+def test_grad_reducer_buckets_are_views_of_the_flat_buffer():
+    from graphstep.training.distributed import GradReducer
+
+    flat = torch.arange(10, dtype=torch.float32)
+    reducer = GradReducer(flat, 2, bucket_size=4, backend="gloo")
+    assert [b.numel() for b in reducer.buckets] == [4, 4, 2]
+    assert all(b.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for b in reducer.buckets)
+    assert reducer.op == torch.distributed.ReduceOp.SUM  # gloo has no AVG: pre-divide
+    assert GradReducer(flat, 2, average_in_collective=True, backend="nccl").op == torch.distributed.ReduceOp.AVG
+    assert len(GradReducer(flat, 2).buckets) == 1  # default 40M elements
+
+
+def test_collective_env_checks():
+    from graphstep.cuda_graph.settings import resolve_cuda_graph_settings
+    from graphstep.training.distributed import check_collective_env
+
+    from conftest import tiny_config
+
+    full = resolve_cuda_graph_settings(tiny_config("model.cuda_graph_impl=full_iteration"))
+    layers = resolve_cuda_graph_settings(tiny_config("model.cuda_graph_impl=local",
+                                                     "model.cuda_graph_modules=[attn,mlp]"))
+    assert check_collective_env("gloo", full, 2) == []
+    assert check_collective_env("nccl", layers, 2) == []  # per-layer graphs: the reduction runs eagerly
+    notes = check_collective_env("nccl", full, 2)
+    assert any("warmed up with one all-reduce before any capture" in n for n in notes)
+    assert any("not tracked by the NCCL watchdog" in n for n in notes)
+
+
+def test_r16_stops_a_data_parallel_nccl_run_before_the_process_group_exists():
+    from graphstep.cuda_graph.settings import ConfigValidationError, resolve_cuda_graph_settings
+
+    from conftest import tiny_config
+
+    cfg = tiny_config("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn]",
+                      "train.device=cuda")
+    env = {"WORLD_SIZE": "2", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    with pytest.raises(ConfigValidationError, match="R16.*NCCL_GRAPH_REGISTER=0"):
+        resolve_cuda_graph_settings(cfg, env=env)
+    resolve_cuda_graph_settings(tiny_config("model.cuda_graph_impl=transformer_engine",
+                                            "model.cuda_graph_modules=[attn]", "train.device=cuda"),
+                                env={**env, "NCCL_GRAPH_REGISTER": "0"})
+
+
+def exact_list(values: list) -> list[torch.Tensor]:
+    return [torch.tensor(v, dtype=torch.float32).view(torch.int32).item() for v in values]
+
+
+if __name__ == "__main__":  # the torchrun worker: test_distributed.py OUT_DIR DEVICE RUNS_JSON
+    _worker(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
