@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .backend import Graph, GraphBackend
@@ -66,6 +67,7 @@ class ModuleGraph:
         self.fwd: Graph | None = None
         self.bwd: Graph | None = None
         self.grad_targets: list[torch.Tensor] = []
+        self.param_aliases: list[torch.Tensor] = []
         self.pending_backward = False
         # Autograd calls a Function's backward only when an input requires grad; a
         # graphed module whose inputs do not (raw data) still owes its parameters
@@ -81,6 +83,21 @@ class ModuleGraph:
         args, kwargs = tree
         return self.forward_fn(*args, **kwargs)
 
+    def _call_with_param_aliases(self, tree: Any) -> tuple[Any, list[torch.Tensor]]:
+        """Run the forward on leaf aliases of the parameters (same memory); returns (output, aliases).
+
+        Gradients are taken with respect to the aliases, never the parameters
+        themselves: a parameter's autograd accumulator was made during eager
+        warm-up on the default stream, and autograd would order that stream
+        against the capturing one (illegal while capturing). The aliases'
+        accumulators are made here, on the capture stream.
+        """
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        aliases = {n: p.detach().requires_grad_(True) for n, p in named}
+        with _reparametrize_module(self.module, aliases):
+            out = self.call_eager(tree)
+        return out, [aliases[n] for n, _ in named]
+
     # ---- capture ------------------------------------------------------------
     def warmup(self, backend: GraphBackend) -> None:
         """One eager forward and backward on the capture stream (its effects are undone by the caller)."""
@@ -89,9 +106,9 @@ class ModuleGraph:
         leaves, spec = tree_flatten(self.sample)
         leaves = [_sample(leaf) for leaf in leaves]
         with backend.warmup(), torch.enable_grad():
-            out, _ = tree_flatten(self.call_eager(tree_unflatten(leaves, spec)))
-            outs = [o for o in out if _differentiable(o) and o.requires_grad]
-            inputs = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad] + self.params
+            result, params = self._call_with_param_aliases(tree_unflatten(leaves, spec))
+            outs = [o for o in tree_flatten(result)[0] if _differentiable(o) and o.requires_grad]
+            inputs = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad] + params
             if outs and inputs:
                 torch.autograd.grad(outs, inputs, grad_outputs=[torch.ones_like(o) for o in outs],
                                     allow_unused=True)
@@ -111,7 +128,7 @@ class ModuleGraph:
         self.static.tree = tree_unflatten(self.static.leaves, self.static.spec)
         self.fwd = backend.new_graph(f"{self.name}.fwd")
         with backend.capture(self.fwd, generators), torch.enable_grad():
-            out = self.call_eager(self.static.tree)
+            out, self.param_aliases = self._call_with_param_aliases(self.static.tree)
         self.out_leaves, self.out_spec = tree_flatten(out)
         self.outputs = [o for o in self.out_leaves if isinstance(o, torch.Tensor)]
 
@@ -136,7 +153,7 @@ class ModuleGraph:
                 alias = grad_aliases.get(i)
                 self.grad_out[i] = alias if alias is not None else torch.empty_like(self.outputs[i])
             grads = torch.autograd.grad(
-                [self.outputs[i] for i in diff_out], inputs + self.params,
+                [self.outputs[i] for i in diff_out], inputs + self.param_aliases,
                 grad_outputs=[self.grad_out[i] for i in diff_out],
                 retain_graph=self.retain_graph, allow_unused=True,
             )
@@ -191,7 +208,7 @@ class ModuleGraph:
         self.fwd = self.bwd = None
         self.static = None
         self.out_leaves, self.outputs = [], []
-        self.grad_out, self.grad_in, self.grad_targets = [], [], []
+        self.grad_out, self.grad_in, self.grad_targets, self.param_aliases = [], [], [], []
         self.pending_backward = False
 
 
