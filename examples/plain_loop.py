@@ -78,6 +78,11 @@ def run(graphs: str, steps: int, device: torch.device) -> tuple[list[float], flo
 
 
 def main(argv: list[str] | None = None) -> dict[str, tuple[list[float], float]]:
+    # cuDNN picks convolution algorithms by heuristics and some backward ones
+    # accumulate with atomics: deterministic ones make eager and graphed runs
+    # comparable bit for bit.
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -42,7 +42,9 @@ class StaticInputs:
         for _, value in leaves:
             if isinstance(value, torch.Tensor):
                 target = device if device is not None else value.device
-                self.leaves.append(torch.empty_like(value, device=target).copy_(value))
+                # detach(): the buffer must be a leaf of its own, not a copy that autograd links
+                # back to the example (a node made outside the capture, on another stream).
+                self.leaves.append(torch.empty_like(value, device=target).copy_(value.detach()))
             else:
                 self.leaves.append(value)
         self.tree = tree_unflatten(self.leaves, self.spec)
