@@ -20,7 +20,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         doc = run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup,
                         progress=lambda name: status.update(f"benchmarking row {name}"))
     path = write_results(doc, args.out)
-    Console().print(table(doc))
+    Console(width=max(160, Console().width)).print(table(doc))
     print(f"results: {path}")
     if args.json:
         print(json.dumps(doc))

@@ -134,6 +134,7 @@ def write_results(doc: dict[str, Any], out_dir: str | Path) -> Path:
     stem = f"{doc['recipe']}_{env['gpu'].replace(' ', '-')}_{env['date']}"
     path = out / f"{stem}.json"
     path.write_text(json.dumps(doc, indent=1))
+    path.with_suffix(".md").write_text(markdown_table(doc))
     return path
 
 
@@ -156,6 +157,26 @@ def table(doc: dict[str, Any]) -> Any:
             _f(r["tflops"], 1), _f(r["mfu"] * 100 if r["mfu"] else None, 1, "%"),
         )
     return t
+
+
+def markdown_table(doc: dict[str, Any]) -> str:
+    """The rows as a Markdown table (README, docs/perf-log.md, gpu-check summaries)."""
+    env = doc["environment"]
+    head = (f"{doc['recipe']} -- {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']} "
+            f"(bf16 matmul {doc['bf16_matmul_tflops']:.0f} TFLOP/s measured)\n\n")
+    lines = ["| row | step ms | GPU-busy ms | host ms | kernels | speed-up | step/floor | peak GiB | mem/eager "
+             "| capture s | MFU |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        if r["error"]:
+            lines.append(f"| {r['name']} | failed: {r['error'].splitlines()[0][:120]} | | | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['name']} | {_f(r['step_ms'], 3)} | {_f(r['busy_ms'], 3)} | {_f(r['host_ms'], 3)} | {r['kernels']} "
+            f"| {_f(r['speedup'], 2, 'x')} | {_f(r['floor_ratio'], 2, 'x')} | {_f(r['peak_allocated_gib'], 3)} "
+            f"| {_f(r['memory_vs_eager'], 2, 'x')} | {_f(r['capture_s'], 2)} "
+            f"| {_f(r['mfu'] * 100 if r['mfu'] else None, 1, '%')} |"
+        )
+    return head + "\n".join(lines) + "\n"
 
 
 def _f(v: Any, digits: int, suffix: str = "") -> str:
