@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphstep.config import Config, ConfigError, apply_overrides, iter_fields
+from graphstep.cuda_graph import rules as cg_rules
 from graphstep.cuda_graph import settings as cg
 from graphstep.cuda_graph.settings import (
     ConfigValidationError,
@@ -208,7 +209,7 @@ def test_violation_str_names_rule_fields_and_fix() -> None:
     ((9, 0), "auto", True), ((10, 0), "auto", False), (None, "cuda", True), (None, "auto", False),
 ])
 def test_r16_local_depends_on_capability(monkeypatch, capability, device, expected) -> None:
-    monkeypatch.setattr(cg, "_capability", lambda v: v.capability)  # no GPU probing in this test
+    monkeypatch.setattr(cg_rules, "_capability", lambda v: v.capability)  # no GPU probing in this test
     cfg = make("model.cuda_graph_impl=local", f"train.device={device}")
     found = rules(validate_cuda_graph_config(cfg, env=MULTI_GPU_EXPANDABLE, device_capability=capability))
     assert ("R16" in found) is expected

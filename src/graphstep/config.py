@@ -71,6 +71,10 @@ class ModelConfig:
     hidden_dropout: float = opt(0.0, "Dropout on the attention and MLP outputs before the residual add.")
     init_method_std: float = opt(0.02, "Standard deviation of the normal weight initialisation.")
     params_dtype: str = opt("auto", "Parameter dtype: auto (bf16 on a GPU, fp32 on the CPU), bf16 or fp32.")
+    hf_path: str | None = opt(
+        None, "Initialise from a local Hugging Face directory (config.json + safetensors; llama, qwen2, qwen3, "
+        "qwen3_moe): its config.json sets the model shape, its weights the initial parameters."
+    )
 
     # --- mixture of experts ------------------------------------------------
     num_moe_experts: int | None = opt(None, "Experts per MoE layer; null = dense model.")
@@ -78,6 +82,10 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None = opt(None, "Width of one expert; null = ffn_hidden_size.")
     moe_router_topk: int = opt(2, "Experts per token.")
     moe_router_score_function: str = opt("softmax", "Router score function: softmax or sigmoid.")
+    moe_router_pre_softmax: bool = opt(
+        False, "softmax: the softmax over all experts comes before the top-k, and the k weights are not "
+        "renormalised (Hugging Face norm_topk_prob=false); false = softmax over the k chosen logits."
+    )
     moe_router_load_balancing_type: str = opt("aux_loss", "Load balancing: aux_loss or none.")
     moe_aux_loss_coeff: float = opt(0.0, "Coefficient of the load-balancing loss.")
     moe_z_loss_coeff: float | None = opt(None, "Coefficient of the router z-loss; null = off.")
@@ -182,10 +190,22 @@ class SchedulerConfig:
 class DataConfig:
     """Where the training samples come from."""
 
-    dataset: str = opt("corpus", "corpus (embedded Python standard-library source, byte tokens), mock, or indexed.")
-    data_path: list[str] | str | None = opt(None, "Indexed dataset prefix, or a weighted blend '0.7 pathA 0.3 pathB'.")
-    tokenizer: str = opt("byte", "byte, or the path of a Hugging Face tokenizer.json.")
-    seq_length_buckets: list[int] | None = opt(None, "Pad each batch to the nearest bucket (one graph per bucket).")
+    dataset: str = opt(
+        "corpus", "corpus (embedded Python standard-library source, byte tokens), mock, indexed (Megatron "
+        ".bin/.idx at data.data_path) or sft (prompt/response jsonl at data.data_path)."
+    )
+    data_path: list[str] | str | None = opt(
+        None, "indexed: a dataset prefix, a list of prefixes, or a weighted blend '0.7 pathA 0.3 pathB'; "
+        "sft: the jsonl file."
+    )
+    tokenizer: str = opt("byte", "byte, or the path of a Hugging Face tokenizer.json (or the directory holding it).")
+    seq_length_buckets: list[int] | None = opt(
+        None, "Pad each step to the smallest bucket holding its longest sample (one graph per bucket); "
+        "every bucket <= model.seq_length."
+    )
+    sft_truncate: bool = opt(
+        False, "sft: cut examples longer than the padded width instead of stopping with an error naming file:line."
+    )
     split: str = opt("98,2,0", "Train/validation/test split of the documents.")
     corpus_max_bytes: int = opt(4_000_000, "Byte cap of the embedded standard-library corpus.")
     packed_sequences: bool = unsupported(False, "Packed sequences with per-document attention masks.")

@@ -31,8 +31,19 @@ completed global batches, all ranks together, as Megatron counts them), the
 every rank, so rank 0 can save it for all. ``load_state_dict()`` continues
 with exactly the next micro-batch an uninterrupted iterator would have given.
 
+Other datasets. ``data.dataset=indexed`` reads Megatron ``.bin``/``.idx``
+datasets (a prefix, a list, or a weighted blend in ``data.data_path``) with
+Megatron's own sample order -- documents shuffled over epochs, samples
+shuffled by seed, blends mixed by weight (:mod:`graphstep.data.megatron`);
+such a source is ``ordered``, and the loader reads its positions in order.
+``data.dataset=sft`` reads prompt/response jsonl (:mod:`graphstep.data.sft`):
+variable-length samples that the source pads itself, to ``model.seq_length``
+or, with ``data.seq_length_buckets``, to the bucket of the step's longest
+sample over the whole global batch (:mod:`graphstep.data.buckets`).
+
 Micro-batches are dicts of CPU tensors (``tokens``/``labels`` int64 and
-``loss_mask`` float32, all ``[micro_batch_size, seq_length]``); the trainer
+``loss_mask`` float32, all ``[micro_batch_size, seq_length]``, or the step's
+bucket width with ``data.seq_length_buckets``); the trainer
 copies them into its static buffers. ``pin_memory=True`` pins them when CUDA
 is available, for asynchronous host-to-device copies.
 """
@@ -45,16 +56,25 @@ import numpy as np
 import torch
 
 from graphstep.config import Config, ConfigError
+from graphstep.data.buckets import parse_buckets, pick_bucket
 from graphstep.data.corpus import DEFAULT_MAX_BYTES, SPLIT_NAMES, load_corpus, split_documents
 from graphstep.data.mock import MockSamples
-from graphstep.data.tokenizer import build_tokenizer
+from graphstep.data.sources import checked_tokenizer, indexed_source, sft_source
 
 MicroBatch = dict[str, torch.Tensor]
 STATE_VERSION = 1
 
 
 class SampleSource(Protocol):
-    """Fixed-length sample windows, addressed by sample index."""
+    """Fixed-length sample windows, addressed by sample index.
+
+    Optional members: ``ordered = True`` (the source orders its samples
+    itself: no per-epoch shuffle on top), ``epoch_samples`` (the sample
+    count a resumed iterator must find unchanged, default ``num_samples``),
+    ``identity`` (more such values, a dict), and for
+    variable-length samples ``lengths(indices)``, ``describe(index)`` and
+    ``batch(indices, width)`` that pads them (used instead of ``windows``).
+    """
 
     name: str
     num_samples: int | None  # None = unbounded
@@ -131,6 +151,8 @@ class MicroBatchIterator:
         dp_size: int = 1,
         identity: dict[str, Any] | None = None,
         pin_memory: bool = False,
+        width: int | None = None,
+        buckets: list[int] | None = None,
     ) -> None:
         self.source = source
         self.order = order
@@ -143,6 +165,9 @@ class MicroBatchIterator:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.consumed_samples = 0
         self.micro_batch = 0
+        # Padded width of variable-length samples: fixed, or the bucket of each step.
+        self.width, self.buckets = width, buckets
+        self._bucket_of: tuple[int, int] | None = None  # (consumed_samples, width)
 
     @property
     def num_samples(self) -> int | None:
@@ -176,13 +201,29 @@ class MicroBatchIterator:
             self.micro_batch = 0
             self.consumed_samples += self.global_batch_size
 
+    def step_width(self) -> int | None:
+        """The padded width of the current step: the bucket of the global batch's longest sample."""
+        if self.buckets is None:
+            return self.width
+        if self._bucket_of is None or self._bucket_of[0] != self.consumed_samples:
+            # Every rank computes the same width from the whole global batch: one shape per step everywhere.
+            indices = self.order.indices(self.consumed_samples, self.global_batch_size)
+            lengths = self.source.lengths(indices)
+            longest = int(np.argmax(lengths))
+            width = pick_bucket(self.buckets, int(lengths[longest]), lambda: self.source.describe(indices[longest]))
+            self._bucket_of = (self.consumed_samples, width)
+        return self._bucket_of[1]
+
     def _make_batch(self, sample_indices: np.ndarray) -> MicroBatch:
-        window = torch.from_numpy(self.source.windows(sample_indices))
-        batch = {
-            "tokens": window[:, :-1].contiguous(),
-            "labels": window[:, 1:].contiguous(),
-            "loss_mask": torch.ones(window.shape[0], window.shape[1] - 1, dtype=torch.float32),
-        }
+        if hasattr(self.source, "batch"):
+            batch = self.source.batch(sample_indices, self.step_width())
+        else:
+            window = torch.from_numpy(self.source.windows(sample_indices))
+            batch = {
+                "tokens": window[:, :-1].contiguous(),
+                "labels": window[:, 1:].contiguous(),
+                "loss_mask": torch.ones(window.shape[0], window.shape[1] - 1, dtype=torch.float32),
+            }
         if self.pin_memory:
             batch = {k: v.pin_memory() for k, v in batch.items()}
         return batch
@@ -245,12 +286,7 @@ def check_batch_sizes(cfg: Config, dp_rank: int, dp_size: int) -> None:
 
 
 def _corpus_source(cfg: Config, split: str) -> TokenWindows:
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    if cfg.model.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer} tokenizer's "
-            f"{tokenizer.vocab_size} token ids; set model.vocab_size>={tokenizer.vocab_size}"
-        )
+    tokenizer = checked_tokenizer(cfg)
     # data.corpus_max_bytes is not (yet) a config field; the default cap applies until it is.
     max_bytes = getattr(cfg.data, "corpus_max_bytes", None) or DEFAULT_MAX_BYTES
     corpus = load_corpus(tokenizer, max_bytes=max_bytes)
@@ -280,11 +316,10 @@ def build_source(cfg: Config, split: str) -> SampleSource:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: must be at least 1")
         return MockSamples(seq_length=cfg.model.seq_length, vocab_size=cfg.model.vocab_size, seed=cfg.rng.seed, split=split)
     if dataset == "indexed":
-        raise NotImplementedError(
-            "data.dataset=indexed (Megatron .bin/.idx datasets) is not implemented yet; "
-            "use data.dataset=corpus (embedded text) or data.dataset=mock"
-        )
-    raise ConfigError(f"data.dataset={dataset!r}: expected corpus, mock or indexed")
+        return indexed_source(cfg, split)
+    if dataset == "sft":
+        return sft_source(cfg, split)
+    raise ConfigError(f"data.dataset={dataset!r}: expected corpus, mock, indexed or sft")
 
 
 def build_data(
@@ -299,14 +334,17 @@ def build_data(
     if cfg.rng.seed < 0:
         raise ConfigError(f"rng.seed={cfg.rng.seed}: data shuffling needs a non-negative seed")
     source = build_source(cfg, split)
-    order = SampleOrder(source.num_samples, seed=cfg.rng.seed, shuffle=split == "train")
+    shuffle = split == "train" and not getattr(source, "ordered", False)
+    order = SampleOrder(source.num_samples, seed=cfg.rng.seed, shuffle=shuffle)
     identity = {
         "dataset": cfg.data.dataset,
         "split": split,
         "seq_length": cfg.model.seq_length,
-        "num_samples": source.num_samples,
+        "num_samples": getattr(source, "epoch_samples", source.num_samples),
         "seed": cfg.rng.seed,
+        **getattr(source, "identity", {}),
     }
+    width, buckets = _widths(cfg, source, split)
     return MicroBatchIterator(
         source,
         order,
@@ -316,4 +354,21 @@ def build_data(
         dp_size=dp_size,
         identity=identity,
         pin_memory=pin_memory,
+        width=width,
+        buckets=buckets,
     )
+
+
+def _widths(cfg: Config, source: SampleSource, split: str) -> tuple[int | None, list[int] | None]:
+    """(fixed padded width, per-step buckets) of ``source``'s batches; see data/buckets.py."""
+    buckets = parse_buckets(cfg)
+    seq = cfg.model.seq_length
+    if not hasattr(source, "batch"):  # fixed-length windows: model.seq_length must be a bucket
+        if buckets is not None:
+            pick_bucket(buckets, seq, lambda: f"data.dataset={cfg.data.dataset}: every sample (model.seq_length)")
+        return None, None
+    if buckets is None:
+        return seq, None
+    if split != "train":  # evaluation: the largest bucket, one graph
+        return buckets[-1], None
+    return None, buckets

@@ -76,6 +76,7 @@ class MoEShape:
     capacity_factor: float | None
     pad_to_capacity: bool
     sync_free: bool
+    pre_softmax: bool = False
 
     @classmethod
     def from_config(cls, m) -> MoEShape:
@@ -96,6 +97,7 @@ class MoEShape:
             capacity_factor=m.moe_expert_capacity_factor,
             pad_to_capacity=m.moe_pad_expert_input_to_capacity,
             sync_free=m.moe_sync_free,
+            pre_softmax=getattr(m, "moe_router_pre_softmax", False),
         )
 
 

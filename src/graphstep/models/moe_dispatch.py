@@ -184,7 +184,10 @@ class GroupedExperts(nn.Module):
         T = self.num_experts if owner is None else owner.numel()
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         if owner is not None:
-            w1, w2 = w1[owner], w2[owner]
+            # index_select, not w[owner]: the backward of advanced indexing accumulates the
+            # tiles of one expert with atomic adds on the CPU (run-to-run rounding noise);
+            # index_select's backward (index_add_) adds them in index order.
+            w1, w2 = w1.index_select(0, owner), w2.index_select(0, owner)
         h = torch.bmm(x.view(T, -1, x.shape[-1]), w1.transpose(1, 2))
         gate, up = h.chunk(2, dim=-1)
         return torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).view(x.shape)

@@ -5,8 +5,11 @@ Megatron user finds the same numbers:
 
 * logits are computed in fp32 (``moe_router_dtype=fp32``);
 * ``softmax``: top-k of the logits, then a softmax over the k chosen logits
-  (Megatron's default, ``moe_router_pre_softmax=False``; equal to Qwen3's
-  softmax + top-k + renormalisation);
+  (Megatron's default, ``moe_router_pre_softmax=False``; equal, up to
+  rounding, to Hugging Face Qwen3-MoE's softmax + top-k + renormalisation,
+  ``norm_topk_prob=true``). With ``moe_router_pre_softmax`` the softmax over
+  all experts comes first and the k chosen probabilities are the weights, not
+  renormalised (Hugging Face ``norm_topk_prob=false``);
 * ``sigmoid``: sigmoid scores, top-k, and the k weights normalised to sum
   to one when k > 1. With ``moe_router_enable_expert_bias`` the *selection*
   uses ``score + expert_bias`` while the weights use the unbiased scores
@@ -67,9 +70,12 @@ class AuxLossAutoScaler(torch.autograd.Function):
 
 
 def topk_routing(
-    logits: torch.Tensor, topk: int, score_function: str, expert_bias: torch.Tensor | None = None
+    logits: torch.Tensor, topk: int, score_function: str, expert_bias: torch.Tensor | None = None,
+    pre_softmax: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs [N, k] fp32, expert indices [N, k] int64) as Megatron's ``topk_routing_with_score_function``."""
+    if score_function == "softmax" and pre_softmax:
+        return torch.topk(torch.softmax(fp32_or_wider(logits), dim=-1), topk, dim=-1)
     if score_function == "softmax":
         top_logits, idx = torch.topk(logits, topk, dim=-1)
         return torch.softmax(fp32_or_wider(top_logits), dim=-1), idx
@@ -160,7 +166,8 @@ class TopKRouter(nn.Module):
             logits = self._attach(logits, zl, moe.z_loss_coeff)
             if track:
                 self.z_loss_sum.add_(zl.detach().float())
-        probs, idx = topk_routing(logits, moe.topk, moe.score_function, self.expert_bias)
+        probs, idx = topk_routing(logits, moe.topk, moe.score_function, self.expert_bias,
+                                  pre_softmax=getattr(moe, "pre_softmax", False))
         if moe.load_balancing_type == "aux_loss":
             probs = self._aux_loss(logits, probs, idx, track)
         if track:

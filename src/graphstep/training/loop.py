@@ -2,11 +2,14 @@
 
 The loop reads top to bottom:
 
-1. validate the config (every rule at once); join torchrun's process group
+1. validate the config (every rule at once; ``model.hf_path`` first sets
+   the model shape from its config.json); join torchrun's process group
    when launched by it (training/distributed.py) and pick the device;
-2. seed (per rank, as Megatron does), build the model, gradient buffers,
-   optimizer and this rank's shard of the data; resume from
-   ``checkpoint.load`` in place (training/checkpoint.py);
+2. seed (per rank, as Megatron does), build the model -- with
+   ``model.hf_path``, whose config.json set the shape in step 1, its weights
+   are copied in before the optimizer takes its fp32 master copy
+   (models/hf.py) -- gradient buffers, optimizer and this rank's shard of the
+   data; resume from ``checkpoint.load`` in place (training/checkpoint.py);
 3. ``prepare`` the runner (eager functions, per-layer graphs, full-iteration
    graph, optimizer graph -- training/prepare.py); built after the resume, so
    graphs warm up and capture counting from the resume iteration;
@@ -38,7 +41,9 @@ from ..config import Config
 from ..cuda_graph.rng import initialize_rng_tracker
 from ..cuda_graph.settings import CudaGraphSettings, resolve_cuda_graph_settings
 from ..data import build_data
+from ..data.buckets import parse_buckets
 from ..models import build_model
+from ..models.hf import load_hf_weights, with_hf_shape
 from .checkpoint import Checkpointer, TrainingState, kill_at_iteration_if_asked
 from .console import Console
 from .distributed import DataParallel, init_data_parallel
@@ -123,6 +128,7 @@ def _memory(device: torch.device) -> str:
 
 def train(cfg: Config, *, keep_model: bool = False) -> TrainResult:
     """Train as ``cfg`` says; returns the metrics of every iteration (and the model if asked)."""
+    cfg = with_hf_shape(cfg)  # model.hf_path: a copy of cfg with the checkpoint's shape, before any rule
     settings = resolve_cuda_graph_settings(cfg)  # 1: every rule, all violations at once
     dp = init_data_parallel(cfg, settings)  # one rank unless torchrun started us
     try:
@@ -139,6 +145,8 @@ def _train(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_mode
     initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker, dp_rank=dp.rank,  # 2
                            data_parallel_random_init=cfg.rng.data_parallel_random_init)
     model = build_model(cfg.model, device)
+    if cfg.model.hf_path:
+        load_hf_weights(model, cfg.model.hf_path, cfg.model)  # in place, before the optimizer copies the weights
     model.train()
     if cfg.rng.data_parallel_random_init:
         dp.broadcast_parameters(model)  # different seeds per rank, the same starting weights (Megatron)
@@ -157,7 +165,7 @@ def _train(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_mode
     runner = prepare(  # 3
         model, step, EvalStep(model, device, reduce_loss=dp.loss_reducer()), optimizer, settings,
         device=device, num_micro_batches=num_mb, skip_on_nonfinite=tr.skip_step_on_nan,
-        capture_barrier=dp.barrier if dp.enabled else None,
+        capture_barrier=dp.barrier if dp.enabled else None, buckets=parse_buckets(cfg),
     )
     keys = ["loss", "grad_norm", "lr", "nonfinite"] + (list(MOE_KEYS) if moe.enabled else [])
     recorder = MetricsRecorder(keys, device, cfg.logger.log_interval, cfg.logger.metrics_path if dp.is_main else None)

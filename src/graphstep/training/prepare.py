@@ -6,6 +6,15 @@ the features in a fixed order (see its comment), and returns a
 ``train_step`` (forward/backward of all micro-batches), ``optimizer_step``,
 and ``evaluate``. With ``cuda_graph_impl=none`` these are exactly the eager
 functions of step.py.
+
+Shape buckets (``data.seq_length_buckets``): every micro-batch of a step is
+padded to the same bucket (data/buckets.py), and the full-iteration graph
+becomes :class:`GraphPerBucket`, a dispatcher keyed by the step's width that
+runs a separate graph per bucket -- its own static buffers and warm-up count,
+captured into the shared pool the first time the bucket is past its warm-up.
+Evaluation batches are padded to the largest bucket: one evaluation graph.
+Per-layer graphs with buckets are refused (one set of layer graphs per bucket
+is not implemented).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from torch import nn
 from ..cuda_graph.backend import GraphBackend, get_backend
 from ..cuda_graph.full_iteration import EAGER, FullIterationGraph, GraphedStep
 from ..cuda_graph.rng import get_rng_tracker
+from ..config import ConfigError
 from ..cuda_graph.settings import CudaGraphSettings, GraphImpl
 from .optim import AdamW
 from .step import EvalStep, TrainStep
@@ -66,6 +76,7 @@ def prepare(
     num_micro_batches: int,
     skip_on_nonfinite: bool,
     capture_barrier: Callable[[], None] | None = None,
+    buckets: list[int] | None = None,
 ) -> Runner:
     """Build the runner. The order is fixed:
 
@@ -81,7 +92,16 @@ def prepare(
     them; ``capture_barrier`` makes the ranks meet before each capture of a
     graph with collectives (Megatron does the same). Per-layer graphs hold no
     collective: the reduction runs eagerly after the backward graphs.
+
+    With ``buckets`` (the sorted ``data.seq_length_buckets``), step 2 makes one
+    full-iteration graph per bucket (:class:`GraphPerBucket`).
     """
+    if buckets and settings.per_layer:
+        raise ConfigError(
+            f"data.seq_length_buckets={buckets} with per-layer graphs (model.cuda_graph_modules) is not implemented: "
+            "each bucket would need its own set of layer graphs. Use model.cuda_graph_impl=full_iteration (one graph "
+            "per bucket), model.cuda_graph_impl=none, or drop data.seq_length_buckets"
+        )
     backend = get_backend(device, settings.backend) if settings.enabled else None
     generators = get_rng_tracker().generators
     graphs: list[Any] = []
@@ -101,14 +121,22 @@ def prepare(
             warmup_steps=settings.warmup_steps, generators=generators, shared_pool=settings.use_single_mempool,
             on_failure=settings.on_failure, input_device=device,
         )
-        train_graph = FullIterationGraph(train_step, backend, num_micro_batches=num_micro_batches, name="train", **common)
+
+        def train_graph_named(name: str) -> Any:
+            graph = FullIterationGraph(train_step, backend, num_micro_batches=num_micro_batches, name=name, **common)
+            return graph if capture_barrier is None else _BarrierBeforeCapture(graph, graph.step, capture_barrier)
+
         eval_graph = GraphedStep(eval_step, backend, name="eval", **common)
         if capture_barrier is not None:
-            train_graph = _BarrierBeforeCapture(train_graph, train_graph.step, capture_barrier)
             eval_graph = _BarrierBeforeCapture(eval_graph, eval_graph, capture_barrier)
+        if buckets:
+            train_graph = GraphPerBucket(lambda width: train_graph_named(f"train[{width}]"), num_micro_batches)
+            describe = f"full iteration, a graph per bucket of {buckets} ({backend.name} backend)"
+        else:
+            train_graph = train_graph_named("train")
+            describe = f"full iteration ({backend.name} backend)"
         graphs += [train_graph, eval_graph]
         fwd_bwd, evaluate_batches = train_graph, eval_graph
-        describe = f"full iteration ({backend.name} backend)"
     else:
 
         def fwd_bwd(it: Iterator[Any]) -> dict[str, torch.Tensor]:
@@ -176,6 +204,38 @@ class _capture_after_warmup:
 
     def close(self) -> None:
         self.layer_graphs.close()
+
+
+class GraphPerBucket:
+    """A full-iteration graph per sequence-length bucket: this dispatcher picks, the graph captures or replays.
+
+    Every micro-batch of a step has the bucket's width (the loader pads the whole
+    step to one bucket), so the width keys the graph. A bucket's graph is made
+    on its first step and warms up and captures on its own count.
+    """
+
+    def __init__(self, make_graph: Callable[[int], Any], num_micro_batches: int) -> None:
+        self.make_graph, self.num_micro_batches = make_graph, num_micro_batches
+        self.graphs: dict[int, Any] = {}
+        self.state: str | None = None
+
+    def __call__(self, data_iterator: Iterator[Any]) -> dict[str, torch.Tensor]:
+        batches = [next(data_iterator) for _ in range(self.num_micro_batches)]
+        widths = sorted({b["tokens"].shape[-1] for b in batches})
+        if len(widths) != 1:
+            raise ValueError(f"the micro-batches of one step have widths {widths}; with data.seq_length_buckets "
+                             "every micro-batch of a step must be padded to the same bucket")
+        graph = self.graphs.get(widths[0])
+        if graph is None:
+            graph = self.graphs[widths[0]] = self.make_graph(widths[0])
+        out = graph(iter(batches))
+        self.state = graph.state
+        return out
+
+    def close(self) -> None:
+        for graph in self.graphs.values():
+            graph.close()
+        self.graphs.clear()
 
 
 class _BarrierBeforeCapture:

@@ -1,0 +1,577 @@
+"""The validation rules R1-R18 (spec section 2) and the plain value checks ("V").
+
+Every rule is a small function ``_rN(view) -> list[Violation]`` over a
+``_View``: a normalised *copy* of the config (settings.py normalises) plus the
+facts derived from it (the valid impl or None, the coverage list, the field it
+came from). ``validate_cuda_graph_config`` runs them all and returns every
+violation at once, never raising; a rule that cannot even be evaluated
+reports itself. ``validate_config`` adds the value checks, and
+``resolve_cuda_graph_settings`` turns a clean config into the frozen
+``CudaGraphSettings`` (or raises ``ConfigValidationError`` listing them all).
+
+docs/rules.md describes every rule with an example override and its fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from graphstep.config import Config, ConfigError, iter_fields, set_value
+
+from .settings import (
+    IMPL_VALUES,
+    MOE_SCOPES,
+    PER_LAYER,
+    SCOPE_NAMES,
+    ConfigValidationError,
+    CudaGraphSettings,
+    GraphImpl,
+    Violation,
+    _fmt,
+    _get,
+    _int,
+    _names,
+    _normalized_copy,
+    _num,
+    _str,
+    _strs,
+    normalize_cuda_graph_config,
+)
+
+
+# --------------------------------------------------------------------------
+# 2. the rules, evaluated on a normalised copy
+
+
+@dataclass
+class _View:
+    """What the rules read: the normalised copy plus the facts derived from it."""
+
+    cfg: Config
+    impl: str | None  # one of IMPL_VALUES, or None when model.cuda_graph_impl is not one
+    names: list[Any] | None  # coverage (union of both fields when both are set); None when malformed
+    cov: tuple[str, ...]  # the field(s) the coverage came from
+    scope_set: bool  # cuda_graph_scope still set after normalising: both fields given, or malformed
+    env: Mapping[str, str]
+    capability: tuple[int, int] | None
+    world_size: int
+
+    @property
+    def on(self) -> bool:
+        return self.impl in ("local", "transformer_engine", "full_iteration")
+
+    @property
+    def per_layer(self) -> bool:
+        return self.impl in PER_LAYER
+
+    def has(self, scope: str) -> bool:
+        return self.per_layer and scope in _strs(self.names)
+
+    def covers(self, scope: str) -> bool:
+        """Whether per-layer graphs capture ``scope`` (named, or the whole layer)."""
+        return self.per_layer and (self.names == [] or scope in _strs(self.names))
+
+
+def _view(cfg: Config, original: Config, env: Mapping[str, str], capability: Any, world_size: int) -> _View:
+    m = cfg.model
+    impl = _str(m.cuda_graph_impl)
+    scope_set = m.cuda_graph_scope is not None
+    scope, modules = _names(m.cuda_graph_scope), _names(m.cuda_graph_modules)
+    if scope_set:
+        names = None if scope is None or modules is None else scope + [n for n in modules if n not in scope]
+        cov = ("model.cuda_graph_scope", "model.cuda_graph_modules")
+    else:
+        names = modules
+        src = "scope" if original.model.cuda_graph_scope is not None else "modules"
+        cov = (f"model.cuda_graph_{src}",)
+    return _View(cfg, impl if impl in IMPL_VALUES else None, names, cov, scope_set, env, capability, world_size)
+
+
+def _v(rule: str, fields: tuple[str, ...] | list[str], message: str, fix: str) -> Violation:
+    return Violation(rule, tuple(fields), message, fix)
+
+
+def _impl_f(v: _View) -> str:
+    return f"model.cuda_graph_impl={_fmt(v.cfg.model.cuda_graph_impl)}"
+
+
+def _r1(v: _View) -> list[Violation]:
+    raw = v.cfg.model.cuda_graph_impl
+    if v.impl is not None:
+        return []
+    close = difflib.get_close_matches(_str(raw) or "", IMPL_VALUES, n=1)
+    fix = f"set model.cuda_graph_impl={close[0]}" if close else "set model.cuda_graph_impl to one of them"
+    return [_v("R1", ["model.cuda_graph_impl"], f"model.cuda_graph_impl={_fmt(raw)} is not one of "
+               f"{', '.join(IMPL_VALUES)}.", f"{fix} (local for per-layer graphs, full_iteration for the whole step).")]
+
+
+def _r2(v: _View) -> list[Violation]:
+    m, out = v.cfg.model, []
+    if v.scope_set and _names(m.cuda_graph_scope) is not None and _names(m.cuda_graph_modules):
+        out.append(_v("R2", v.cov, f"model.cuda_graph_scope={_fmt(m.cuda_graph_scope)} and model.cuda_graph_modules="
+                      f"{_fmt(m.cuda_graph_modules)} are both set.", "keep one: set model.cuda_graph_scope=null "
+                      f"and model.cuda_graph_modules={_fmt(_names(m.cuda_graph_scope))} (the current field)."))
+    for name in ("scope", "modules"):
+        raw = getattr(m, f"cuda_graph_{name}")
+        if (raw is not None or name == "modules") and _names(raw) is None:
+            out.append(_v("R2", [f"model.cuda_graph_{name}"], f"model.cuda_graph_{name}={_fmt(raw)} is not a list "
+                          "or comma string of scope names.", f"set model.cuda_graph_{name} to a list such as [attn,mlp]"
+                          ", or [] for the whole layer."))
+    known = SCOPE_NAMES + ("full_iteration", "full")
+    for bad in [n for n in (v.names or []) if _str(n) not in known]:
+        close = difflib.get_close_matches(_str(bad) or "", SCOPE_NAMES, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        out.append(_v("R2", v.cov, f"{_fmt(bad)} in {v.cov[0]} is not a scope name.",
+                      f"use only {', '.join(SCOPE_NAMES)} in {v.cov[-1]}{hint}."))
+    if "full" in _strs(v.names) and len(v.names or []) > 1:
+        out.append(_v("R2", v.cov, f"{v.cov[0]}={_fmt(v.names)} combines full (the whole layer) with other scopes.",
+                      f"set {v.cov[-1]}=[] for the whole layer, or list only the scopes you want."))
+    return out
+
+
+def _r3(v: _View) -> list[Violation]:
+    m = v.cfg.model
+    enable, external = m.enable_cuda_graph is True, m.external_cuda_graph is True
+    fields = ["model.enable_cuda_graph", "model.external_cuda_graph", "model.cuda_graph_impl"]
+    if enable and external:
+        return [_v("R3", fields, "the deprecated model.enable_cuda_graph=true and model.external_cuda_graph=true "
+                   "are both set.", "set both to false and choose model.cuda_graph_impl=local or "
+                   "model.cuda_graph_impl=transformer_engine.")]
+    if not (enable or external) or _str(m.cuda_graph_impl) == "none":
+        return []
+    flag = "enable_cuda_graph" if enable else "external_cuda_graph"
+    return [_v("R3", [f"model.{flag}", "model.cuda_graph_impl"], f"the deprecated model.{flag}=true is combined "
+               f"with {_impl_f(v)}.", f"set model.{flag}=false and keep {_impl_f(v)}.")]
+
+
+def _r4(v: _View) -> list[Violation]:
+    names, out = _strs(v.names), []
+    if "full_iteration" in names and len(v.names or []) > 1:
+        out.append(_v("R4", ("model.cuda_graph_impl",) + v.cov, f"{v.cov[0]}={_fmt(v.names)} combines full_iteration "
+                      "with other scopes.", "use model.cuda_graph_impl=full_iteration with model.cuda_graph_modules=[] "
+                      "for the whole iteration, or list only per-layer scopes with model.cuda_graph_impl=local."))
+    if "full_iteration" in names and v.impl == "transformer_engine":
+        out.append(_v("R4", ("model.cuda_graph_impl",) + v.cov, "transformer_engine graphs are per layer; "
+                      f"{v.cov[0]} asks for full_iteration.", "use model.cuda_graph_impl=full_iteration with "
+                      "model.cuda_graph_modules=[], or keep transformer_engine with per-layer scopes such as [attn]."))
+    if v.impl == "full_iteration" and v.names and "full_iteration" not in names:
+        out.append(_v("R4", ("model.cuda_graph_impl",) + v.cov, f"model.cuda_graph_impl=full_iteration captures the "
+                      f"whole iteration, but {v.cov[0]}={_fmt(v.names)} asks for per-layer scopes.",
+                      f"set {v.cov[-1]}=[], or model.cuda_graph_impl=local for per-layer graphs."))
+    return out
+
+
+def _r5(v: _View) -> list[Violation]:
+    if not v.on or v.cfg.model.use_te_rng_tracker is True:
+        return []
+    return [_v("R5", ["model.use_te_rng_tracker", "rng.te_rng_tracker", "model.cuda_graph_impl"],
+               f"CUDA graphs are on ({_impl_f(v)}) but the graph-safe RNG tracker is off (model.use_te_rng_tracker="
+               f"{_fmt(v.cfg.model.use_te_rng_tracker)}): a replayed graph would reuse the captured random numbers.",
+               "set model.use_te_rng_tracker=true (rng.te_rng_tracker follows).")]
+
+
+def _r6(v: _View) -> list[Violation]:
+    checks = ["rerun_state_machine.check_for_nan_in_loss", "ddp.check_for_nan_in_grad"]
+    on = [f for f in checks if _get(v.cfg, f) is True]
+    if v.impl != "full_iteration" or not on:
+        return []
+    offending, turn_off = ", ".join(f + "=true" for f in on), " and ".join(f + "=false" for f in on)
+    return [_v("R6", on + ["model.cuda_graph_impl"], f"the full-iteration graph cannot run host-side NaN checks "
+               f"({offending}): they sync the host inside the captured step.", f"set {turn_off}; "
+               "graphstep's graph-safe train.check_for_nan_on_device=true replaces them (add "
+               "train.skip_step_on_nan=true to skip the update on NaN/Inf).")]
+
+
+def _r7(v: _View) -> list[Violation]:
+    if not (v.has("moe") and v.has("moe_router")):
+        return []
+    return [_v("R7", v.cov, f"{v.cov[0]}={_fmt(v.names)} has moe (the whole MoE block, router included) and "
+               "moe_router: the router would be captured twice.",
+               f"keep one in {v.cov[-1]}: moe, or moe_router with moe_preprocess.")]
+
+
+def _r8(v: _View) -> list[Violation]:
+    if v.impl != "transformer_engine" or not v.has("moe_preprocess") or v.has("moe_router"):
+        return []
+    return [_v("R8", v.cov, f"{v.cov[0]}={_fmt(v.names)} has moe_preprocess without moe_router.",
+               f"add moe_router to {v.cov[-1]} (or remove moe_preprocess).")]
+
+
+def _experts(v: _View) -> bool:
+    m = v.cfg.model
+    pattern = _str(m.hybrid_override_pattern)
+    return m.num_moe_experts is not None and (m.hybrid_override_pattern is None or "E" in (pattern or ""))
+
+
+def _r9(v: _View) -> list[Violation]:
+    asked = [s for s in MOE_SCOPES if v.has(s)]
+    if not asked or _experts(v):
+        return []
+    m = v.cfg.model
+    why = (f"model.num_moe_experts={_fmt(m.num_moe_experts)}" if m.num_moe_experts is None
+           else f"model.hybrid_override_pattern={_fmt(m.hybrid_override_pattern)} has no E layer")
+    return [_v("R9", v.cov + ("model.num_moe_experts", "model.hybrid_override_pattern"), f"{v.cov[0]} asks for "
+               f"{', '.join(asked)} but the model has no experts ({why}).", f"remove {', '.join(asked)} from "
+               f"{v.cov[-1]}, or give the model experts (model.num_moe_experts).")]
+
+
+def _r10(v: _View) -> list[Violation]:
+    m = v.cfg.model
+    pattern = _str(m.hybrid_override_pattern)
+    if not v.has("mlp"):
+        return []
+    if pattern is not None and "-" not in pattern:
+        why = f"model.hybrid_override_pattern={_fmt(pattern)} has no - (dense MLP) layer"
+    elif m.hybrid_override_pattern is None and m.num_moe_experts is not None and m.moe_layer_freq == 1:
+        why = f"every layer is MoE (model.num_moe_experts={_fmt(m.num_moe_experts)}, model.moe_layer_freq=1)"
+    else:
+        return []
+    return [_v("R10", v.cov + ("model.num_moe_experts", "model.moe_layer_freq", "model.hybrid_override_pattern"),
+               f"{v.cov[0]} asks for mlp but no layer has a dense MLP: {why}.",
+               f"remove mlp from {v.cov[-1]} (use moe or moe_router for the MoE layers).")]
+
+
+_MOE_FIELDS = ("model.moe_expert_capacity_factor", "model.moe_pad_expert_input_to_capacity", "model.moe_sync_free")
+
+
+def _routing_syncs(v: _View) -> str | None:
+    """Why MoE token dispatch would copy to the host (None when it is capturable).
+
+    graphstep's MoE layer lays tokens out in static shapes whenever a capacity
+    factor is set (dropped slots are zero rows, padded to capacity or not), and
+    its sync-free dropless path keeps group sizes on the device: only dropless
+    routing with ``moe_sync_free=false`` reads token counts on the host.
+    """
+    m = v.cfg.model
+    if m.moe_expert_capacity_factor is None and m.moe_sync_free is not True:
+        return "dropless routing with model.moe_sync_free=false"
+    return None
+
+
+def _r11(v: _View) -> list[Violation]:
+    whole_layer = v.per_layer and v.names == []
+    if not (v.has("moe") or whole_layer) or not _experts(v) or (why := _routing_syncs(v)) is None:
+        return []
+    what = f"{v.cov[0]}=[] (the whole layer) includes the MoE block" if whole_layer else f"{v.cov[0]} has moe"
+    return [_v("R11", v.cov + _MOE_FIELDS, f"{what}, but {why} gives data-dependent expert shapes.",
+               "set model.moe_sync_free=true with model.moe_expert_capacity_factor=null (sync-free dropless), or "
+               "set a capacity factor: model.moe_expert_capacity_factor=1.0 (drop-and-pad).")]
+
+
+def _r12(v: _View) -> list[Violation]:
+    if not v.has("moe_preprocess") or not _experts(v) or (why := _routing_syncs(v)) is None:
+        return []
+    paired = " (local captures it with moe_router)" if v.impl == "local" else ""
+    return [_v("R12", v.cov + _MOE_FIELDS, f"{v.cov[0]} has moe_preprocess{paired}, but {why} copies token counts "
+               "to the host during preprocessing.", "set model.moe_sync_free=true (dropless) or "
+               "model.moe_expert_capacity_factor=1.0 (drop-and-pad), or remove moe_preprocess"
+               f"{' and moe_router' if paired else ''} from {v.cov[-1]}.")]
+
+
+def _r13(v: _View) -> list[Violation]:
+    pattern = _str(v.cfg.model.hybrid_override_pattern)
+    if not v.has("mamba") or (pattern is not None and "M" in pattern):
+        return []
+    return [_v("R13", v.cov + ("model.hybrid_override_pattern",), f"{v.cov[0]} has mamba but the model has no Mamba "
+               f"layer (model.hybrid_override_pattern={_fmt(v.cfg.model.hybrid_override_pattern)}).",
+               f"remove mamba from {v.cov[-1]}, or set a hybrid_override_pattern with M layers.")]
+
+
+def _r14(v: _View) -> list[Violation]:
+    if not v.per_layer or v.cfg.model.cpu_offloading is not True:
+        return []
+    return [_v("R14", ["model.cpu_offloading", "model.cuda_graph_impl"], f"model.cpu_offloading=true moves tensors "
+               f"to the host while {_impl_f(v)} graphs are replayed.",
+               "set model.cpu_offloading=false, or use model.cuda_graph_impl=full_iteration.")]
+
+
+def _r15(v: _View) -> list[Violation]:
+    m = v.cfg.model
+    if not v.per_layer:
+        return []
+    if m.recompute_granularity == "full":
+        return [_v("R15", ["model.recompute_granularity", "model.cuda_graph_impl"], "model.recompute_granularity=full "
+                   f"re-runs whole layers in backward, which per-layer graphs ({_impl_f(v)}) cannot capture.",
+                   "use model.cuda_graph_impl=full_iteration, or model.recompute_granularity=selective (or null).")]
+    if m.recompute_granularity != "selective":
+        return []
+    recomputed = _strs(_names(m.recompute_modules))
+    out = []
+    for module, scope, dropout in (("core_attn", "attn", "attention_dropout"), ("mlp", "mlp", "hidden_dropout"),
+                                   ("moe", "moe", "hidden_dropout")):
+        p = _num(getattr(m, dropout))
+        if module in recomputed and v.covers(scope) and p is not None and p > 0:
+            ungraph = (f"{scope} (remove it from {v.cov[-1]})" if v.names
+                       else f"the whole layer (list the other scopes in {v.cov[-1]})")
+            out.append(_v("R15", ["model.recompute_modules", f"model.{dropout}"] + list(v.cov), f"selective recompute "
+                          f"of {module} inside the graphed {scope} scope would redraw dropout (model.{dropout}={p}).",
+                          f"set model.{dropout}=0.0, or remove {module} from model.recompute_modules, or stop graphing "
+                          f"{ungraph}."))
+    return out
+
+
+def _alloc_conf(v: _View) -> str | None:
+    """The env var whose allocator settings turn on expandable_segments, if any."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for item in str(v.env.get(var, "")).split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                return var
+    return None
+
+
+def _capability(v: _View) -> tuple[int, int] | None:
+    if v.capability is not None:
+        return v.capability
+    try:
+        return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def _r16(v: _View) -> list[Violation]:
+    if not v.on or v.world_size <= 1 or str(v.env.get("NCCL_GRAPH_REGISTER", "")) == "0":
+        return []
+    if v.cfg.train.device == "cpu" or (var := _alloc_conf(v)) is None:
+        return []  # on the CPU there is neither NCCL nor the CUDA allocator
+    if v.impl != "transformer_engine":
+        cap = _capability(v)
+        if (cap is None and v.cfg.train.device != "cuda") or (cap is not None and tuple(cap) >= (10, 0)):
+            return []
+    return [_v("R16", ["model.cuda_graph_impl", f"env.{var}", "env.NCCL_GRAPH_REGISTER"], f"{var} has "
+               f"expandable_segments:True while {_impl_f(v)} graphs capture NCCL collectives ({v.world_size} ranks): "
+               "NCCL's graph buffer registration then hits illegal memory accesses.",
+               f"export NCCL_GRAPH_REGISTER=0 (or remove expandable_segments:True from {var}).")]
+
+
+def _r17(v: _View) -> list[Violation]:
+    if not v.on or v.cfg.model.variable_seq_lengths is not True or v.cfg.data.seq_length_buckets:
+        return []
+    return [_v("R17", ["model.variable_seq_lengths", "data.seq_length_buckets"], f"model.variable_seq_lengths=true "
+               f"with {_impl_f(v)} graphs and no data.seq_length_buckets: captured graphs need static shapes.",
+               "set data.seq_length_buckets (e.g. [64,128]; one graph per bucket), "
+               "or model.variable_seq_lengths=false.")]
+
+
+def _differs(value: Any, default: Any) -> bool:
+    try:
+        return bool(value != default)
+    except Exception:
+        return True
+
+
+def _r18(v: _View) -> list[Violation]:
+    return [_v("R18", [f"{section}.{name}"], f"graphstep does not implement {section}.{name} (set to {_fmt(value)}).",
+               f"set {section}.{name}={_fmt(default)} (its default).")
+            for section, name, value, default, _help, unsupported in iter_fields(v.cfg)
+            if unsupported and _differs(value, default)]
+
+
+_RULES: tuple[tuple[str, Callable[[_View], list[Violation]]], ...] = (
+    ("R1", _r1), ("R2", _r2), ("R3", _r3), ("R4", _r4), ("R5", _r5), ("R6", _r6), ("R7", _r7), ("R8", _r8),
+    ("R9", _r9), ("R10", _r10), ("R11", _r11), ("R12", _r12), ("R13", _r13), ("R14", _r14), ("R15", _r15),
+    ("R16", _r16), ("R17", _r17), ("R18", _r18),
+)
+
+
+def _checked(rule: str, check: Callable[[_View], list[Violation]], view: _View) -> list[Violation]:
+    """Run one rule; a value so malformed that the rule cannot run is itself reported, never raised."""
+    try:
+        return check(view)
+    except Exception as exc:
+        return [_v(rule, [], f"could not check this rule ({type(exc).__name__}: {exc}).",
+                   "correct the types of the fields this rule reads (see the V violations).")]
+
+
+def _world_size(env: Mapping[str, str]) -> int:
+    try:
+        return int(env.get("WORLD_SIZE", "1"))
+    except (TypeError, ValueError):
+        return 1
+
+
+def validate_cuda_graph_config(cfg: Config, *, env: Mapping[str, str] | None = None,
+                               device_capability: tuple[int, int] | None = None,
+                               world_size: int | None = None) -> list[Violation]:
+    """Every CUDA-graph rule R1-R18 on a normalised copy of ``cfg``; all violations, never an exception."""
+    env = os.environ if env is None else env
+    world = world_size if world_size is not None else _world_size(env)
+    view = _view(_normalized_copy(cfg), cfg, env, device_capability, world)
+    return [violation for rule, check in _RULES for violation in _checked(rule, check, view)]
+
+
+# --------------------------------------------------------------------------
+# plain value checks (rule "V")
+
+# Fields whose type the R rules already judge (a wrong type there is R1/R2, not V); fields with a
+# fixed set of values are judged by _choice_violations alone (any other value, of any type, is wrong).
+_GRAPH_TYPED = {"model.cuda_graph_impl", "model.cuda_graph_scope", "model.cuda_graph_modules"}
+
+_CHOICES: dict[str, tuple[str | None, ...]] = {
+    "model.cuda_graph_backend": ("auto", "cuda", "replay"),
+    "model.cuda_graph_on_failure": ("raise", "eager"),
+    "model.params_dtype": ("auto", "bf16", "fp32"),
+    "model.recompute_granularity": (None, "full", "selective"),
+    "model.moe_router_score_function": ("softmax", "sigmoid"),
+    "model.moe_router_load_balancing_type": ("aux_loss", "none"),
+    "model.normalization": ("RMSNorm",),
+    "model.position_embedding_type": ("rope",),
+    "scheduler.lr_decay_style": ("cosine", "linear", "constant"),
+    "optimizer.optimizer": ("adam",),
+    "data.dataset": ("corpus", "mock", "indexed", "sft"),
+    "train.device": ("auto", "cuda", "cpu"),
+}
+
+_MINIMUM: dict[str, int] = {
+    "model.cuda_graph_warmup_steps": 0, "model.num_layers": 1, "model.hidden_size": 1, "model.seq_length": 1,
+    "model.vocab_size": 1, "model.num_attention_heads": 1, "model.num_query_groups": 1, "model.num_moe_experts": 1,
+    "model.moe_router_topk": 1, "model.moe_layer_freq": 1, "train.micro_batch_size": 1, "train.global_batch_size": 1,
+    "train.train_iters": 0, "logger.log_interval": 1,
+}
+
+
+def _type_violations(cfg: Config) -> list[Violation]:
+    """Values of the wrong type (set by attribute assignment), judged by the same check as overrides."""
+    scratch, out = Config(), []
+    for section, name, value, default, _help, _unsupported in iter_fields(cfg):
+        key = f"{section}.{name}"
+        if key in _GRAPH_TYPED or key in _CHOICES or (type(value) is type(default) and not isinstance(value, list)):
+            continue  # same plain type as the default: nothing to check (set_value is slow, ~0.2 ms a field)
+        try:
+            set_value(scratch, key, value)
+        except ConfigError as exc:
+            out.append(_v("V", [key], f"{exc}.", f"set {key} to a value of that type."))
+        except Exception as exc:  # an annotation the type check does not know
+            out.append(_v("V", [key], f"{key}={_fmt(value)} cannot be checked ({exc}).", f"set {key} to its default."))
+    return out
+
+
+def _choice_violations(cfg: Config) -> list[Violation]:
+    out, defaults = [], Config()
+    for key, allowed in _CHOICES.items():
+        value, listed = _get(cfg, key), ", ".join(map(_fmt, allowed))
+        if not any(value is a or (isinstance(value, str) and value == a) for a in allowed):
+            out.append(_v("V", [key], f"{key}={_fmt(value)} is not one of {listed}.",
+                          f"set {key}={_fmt(_get(defaults, key))} (the default; allowed: {listed})."))
+    for module in _names(cfg.model.recompute_modules) or []:
+        if _str(module) not in ("core_attn", "mlp", "moe"):
+            out.append(_v("V", ["model.recompute_modules"], f"{_fmt(module)} in model.recompute_modules is not "
+                          "one of core_attn, mlp, moe.", f"remove {_fmt(module)} from model.recompute_modules."))
+    return out
+
+
+def _range_violations(cfg: Config) -> list[Violation]:
+    out = []
+    for key, low in _MINIMUM.items():
+        value = _int(_get(cfg, key))
+        if value is not None and value < low:
+            out.append(_v("V", [key], f"{key}={value} is below {low}.", f"set {key} to {low} or more."))
+    return out
+
+
+def _divisible(out: list[Violation], fields: list[str], a: Any, b: Any, what: str, fix: str) -> None:
+    a, b = _int(a), _int(b)
+    if a is not None and b is not None and b > 0 and a % b:
+        out.append(_v("V", fields, f"{what} ({a} is not a multiple of {b}).", fix))
+
+
+def _shape_violations(cfg: Config, world_size: int) -> list[Violation]:
+    m, t, out = cfg.model, cfg.train, []
+    mbs = _int(t.micro_batch_size)
+    ranks = max(world_size, 1)
+    _divisible(out, ["train.global_batch_size", "train.micro_batch_size"], t.global_batch_size,
+               mbs * ranks if mbs is not None else None,
+               f"train.global_batch_size must be a multiple of micro_batch_size x {ranks} rank(s)",
+               f"set train.global_batch_size={mbs * ranks if mbs else 1} or another multiple of it.")
+    if m.kv_channels is None:
+        _divisible(out, ["model.hidden_size", "model.num_attention_heads"], m.hidden_size, m.num_attention_heads,
+                   "model.hidden_size must split evenly over model.num_attention_heads",
+                   "change model.num_attention_heads to a divisor of model.hidden_size, or set model.kv_channels.")
+    if m.num_query_groups is not None:
+        _divisible(out, ["model.num_attention_heads", "model.num_query_groups"], m.num_attention_heads,
+                   m.num_query_groups, "model.num_attention_heads must be a multiple of model.num_query_groups",
+                   "set model.num_query_groups to a divisor of model.num_attention_heads.")
+    experts, topk = _int(m.num_moe_experts), _int(m.moe_router_topk)
+    if experts is not None and topk is not None and topk > experts:
+        out.append(_v("V", ["model.moe_router_topk", "model.num_moe_experts"], f"model.moe_router_topk={topk} "
+                      f"is more than model.num_moe_experts={experts}.",
+                      f"set model.moe_router_topk={experts} or less."))
+    return out + _pattern_violations(cfg)
+
+
+def _pattern_violations(cfg: Config) -> list[Violation]:
+    m, out = cfg.model, []
+    pattern, layers, key = _str(m.hybrid_override_pattern), _int(m.num_layers), "model.hybrid_override_pattern"
+    if m.hybrid_override_pattern is not None and pattern is None:
+        return [_v("V", [key], f"{key}={_fmt(m.hybrid_override_pattern)} is not a string.",
+                   f"write {key} as a string such as M*-E, one character per layer.")]
+    if pattern is None:
+        return out
+    bad = sorted(set(pattern) - set("M*-E"))
+    if bad:
+        out.append(_v("V", [key], f"{key}={_fmt(pattern)} has characters {''.join(bad)!r} outside M * - E.",
+                      f"write {key} with M (Mamba), * (attention), - (MLP) and E (MoE) only."))
+    if layers is not None and len(pattern) != layers:
+        out.append(_v("V", [key, "model.num_layers"], f"{key}={_fmt(pattern)} describes {len(pattern)} layers but "
+                      f"model.num_layers={layers}.",
+                      f"set model.num_layers={len(pattern)}, or write one character per layer."))
+    if "E" in pattern and m.num_moe_experts is None:
+        out.append(_v("V", [key, "model.num_moe_experts"], f"{key}={_fmt(pattern)} has E (MoE) layers but "
+                      "model.num_moe_experts=null.",
+                      "set model.num_moe_experts (e.g. 8), or remove E from the pattern."))
+    return out
+
+
+def _value_violations(cfg: Config, world_size: int) -> list[Violation]:
+    out = []
+    for check in (_type_violations, _choice_violations, _range_violations):
+        out += _checked("V", check, cfg)
+    return out + _checked("V", lambda c: _shape_violations(c, world_size), cfg)
+
+
+def validate_config(cfg: Config, *, env: Mapping[str, str] | None = None,
+                    device_capability: tuple[int, int] | None = None,
+                    world_size: int | None = None) -> list[Violation]:
+    """The CUDA-graph rules plus the plain value checks (rule "V"); all violations, never an exception."""
+    env = os.environ if env is None else env
+    world = world_size if world_size is not None else _world_size(env)
+    violations = validate_cuda_graph_config(cfg, env=env, device_capability=device_capability, world_size=world)
+    return violations + _value_violations(_normalized_copy(cfg), world)
+
+
+# --------------------------------------------------------------------------
+# 3. resolution, and the perf-harness flags
+
+
+def _settings_from(cfg: Config) -> CudaGraphSettings:
+    m = cfg.model
+    impl = GraphImpl(m.cuda_graph_impl)
+    per_layer = impl in (GraphImpl.LOCAL, GraphImpl.TRANSFORMER_ENGINE)
+    return CudaGraphSettings(
+        impl=impl,
+        modules=tuple(m.cuda_graph_modules) if per_layer else (),
+        warmup_steps=m.cuda_graph_warmup_steps,
+        use_single_mempool=m.cuda_graph_use_single_mempool,
+        retain_backward_graph=m.cuda_graph_retain_backward_graph,
+        optimizer_graph=cfg.optimizer.optimizer_cuda_graph,
+        backend=m.cuda_graph_backend,
+        on_failure=m.cuda_graph_on_failure,
+    )
+
+
+def resolve_cuda_graph_settings(cfg: Config, *, env: Mapping[str, str] | None = None,
+                                device_capability: tuple[int, int] | None = None,
+                                world_size: int | None = None) -> CudaGraphSettings:
+    """Normalise ``cfg`` in place, validate it, and return its settings (ConfigValidationError lists every problem)."""
+    # Validate before normalising in place so that messages name the field the user wrote
+    # (cuda_graph_scope or cuda_graph_modules); the checks themselves run on a normalised copy.
+    violations = validate_config(cfg, env=env, device_capability=device_capability, world_size=world_size)
+    normalize_cuda_graph_config(cfg)
+    if violations:
+        raise ConfigValidationError(violations)
+    return _settings_from(cfg)

@@ -1,0 +1,379 @@
+"""Hugging Face checkpoints: load a local Llama / Qwen2 / Qwen3 / Qwen3-MoE directory, and export back.
+
+A directory holds ``config.json`` and ``model.safetensors`` (or shards listed
+by ``model.safetensors.index.json``); nothing is downloaded, and
+``transformers`` is not needed (``safetensors`` reads the weights).
+
+Shape. :func:`config_from_hf` maps config.json onto ``ModelConfig`` fields:
+layers, widths, heads, KV heads, ``head_dim``, ``rope_theta``,
+``rms_norm_eps``, ``tie_word_embeddings``, vocabulary; ``qk_layernorm`` for
+Qwen3, ``add_qkv_bias`` for Qwen2; for Qwen3-MoE the experts, top-k, expert
+width, ``norm_topk_prob`` (false = ``moe_router_pre_softmax``; true is
+graphstep's default softmax over the k chosen logits, the same weights) and
+the sparse layers (``decoder_sparse_step`` / ``mlp_only_layers``, as far as
+graphstep's ``moe_layer_freq`` -- MoE at layers ``i % freq == 0`` -- can say
+them). What graphstep does not implement is refused, all problems at once:
+RoPE scaling (Llama 3.1's ``rope_type=llama3``, YaRN), sliding-window
+attention, biases other than Qwen2's q/k/v, activations other than SiLU.
+
+Weights. Hugging Face keeps q, k, v and gate, up as separate matrices;
+graphstep fuses them: ``linear_qkv`` = rows of q, then k, then v;
+``linear_fc1`` = rows of gate, then up; experts are stacked into
+``[E, 2*ffn, hidden]`` / ``[E, hidden, ffn]`` (the per-expert keys of Hub
+checkpoints, or the stacked ``gate_up_proj``/``down_proj`` some writers use).
+Loading is strict: a missing or unexpected weight, or a shape that differs,
+is an error naming the key and the file.
+
+:func:`export_hf` writes the inverse -- config.json and one
+model.safetensors, experts per key as on the Hub -- which ``transformers``
+loads with the same logits. The model type follows the configuration: MoE
+is ``qwen3_moe``, q/k norms ``qwen3``, q/k/v bias ``qwen2``, else ``llama``.
+
+The rotary tables need no conversion: graphstep's :class:`Rotary` is the
+rotate-half layout with ``cos``/``sin`` over the full head width, as in
+``transformers``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+log = logging.getLogger("graphstep")
+
+SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Written by some tools, never weights of the model.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face directory graphstep cannot load as it is (the message says what and where)."""
+
+
+# --------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise HFCheckpointError(f"{path}: no config.json; model.hf_path takes a local Hugging Face model directory")
+    return json.loads(file.read_text())
+
+
+def _rope_theta(hf: dict[str, Any], problems: list[str]) -> int:
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        problems.append(f"rope_type={kind!r}: graphstep implements plain RoPE only (no scaling)")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if theta != int(theta):
+        problems.append(f"rope_theta={theta}: graphstep's model.rotary_base is an integer")
+    return int(theta)
+
+
+def _moe_freq(hf: dict[str, Any], layers: int, problems: list[str]) -> int:
+    """``moe_layer_freq`` with the same sparse layers as ``decoder_sparse_step`` / ``mlp_only_layers``."""
+    step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or [])
+    sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    for freq in range(1, layers + 1):
+        if sparse == [i for i in range(layers) if i % freq == 0]:
+            return freq
+    problems.append(f"MoE layers {sparse} (decoder_sparse_step={step}, mlp_only_layers={sorted(dense)}): graphstep "
+                    "places MoE layers at i % model.moe_layer_freq == 0 only")
+    return 1
+
+
+def config_from_hf(source: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """``ModelConfig`` field values for a Hugging Face config (a directory or its parsed config.json)."""
+    hf = source if isinstance(source, dict) else read_hf_config(source)
+    where = "config.json" if isinstance(source, dict) else str(Path(source) / "config.json")
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise HFCheckpointError(f"{where}: model_type={kind!r}; graphstep loads {', '.join(SUPPORTED)}")
+    problems: list[str] = []
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r}: graphstep's MLP is SwiGLU (silu)")
+    if hf.get("attention_bias") and kind != "qwen2":
+        problems.append("attention_bias=true: graphstep has a bias on q/k/v only (Qwen2), not on the output")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias=true: graphstep's MLP has no bias")
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+        problems.append("sliding-window attention is not implemented by graphstep")
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    layers = hf["num_hidden_layers"]
+    out: dict[str, Any] = {
+        "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": hf["intermediate_size"],
+        "num_attention_heads": heads, "num_query_groups": hf.get("num_key_value_heads") or heads,
+        "kv_channels": hf.get("head_dim") or hidden // heads, "vocab_size": hf["vocab_size"],
+        "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
+        "layernorm_epsilon": float(hf.get("rms_norm_eps", 1e-6)), "rotary_base": _rope_theta(hf, problems),
+        "normalization": "RMSNorm", "position_embedding_type": "rope",
+        "qk_layernorm": kind in ("qwen3", "qwen3_moe"), "add_qkv_bias": kind == "qwen2",
+        "num_moe_experts": None, "hybrid_override_pattern": None,
+    }
+    if kind == "qwen3_moe":
+        out.update(
+            num_moe_experts=hf.get("num_experts", hf.get("num_local_experts")),
+            moe_router_topk=hf["num_experts_per_tok"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
+            moe_router_score_function="softmax", moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+            moe_layer_freq=_moe_freq(hf, layers, problems), moe_shared_expert_intermediate_size=None,
+            moe_router_enable_expert_bias=False, moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
+        )
+    if problems:
+        raise HFCheckpointError(f"{where}: graphstep cannot load this {kind} model as it is:\n  " + "\n  ".join(problems))
+    return out
+
+
+def apply_hf_config(model_cfg: Any, path: str | Path) -> dict[str, Any]:
+    """Set ``model_cfg``'s shape from ``path``'s config.json; returns the fields that changed (old values)."""
+    changed = {}
+    for name, value in config_from_hf(path).items():
+        if getattr(model_cfg, name) != value:
+            changed[name] = getattr(model_cfg, name)
+            setattr(model_cfg, name, value)
+    return changed
+
+
+def with_hf_shape(cfg: Any) -> Any:
+    """``cfg`` itself without ``model.hf_path``; else a copy whose model shape is the checkpoint's."""
+    if not cfg.model.hf_path:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    changed = apply_hf_config(cfg.model, cfg.model.hf_path)
+    if changed:
+        log.info("model.hf_path=%s sets %s", cfg.model.hf_path,
+                 ", ".join(f"model.{k}={getattr(cfg.model, k)!r}" for k in changed))
+    return cfg
+
+
+def hf_config_for(m: Any, model_type: str | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """config.json of a graphstep ``ModelConfig``."""
+    kind = model_type or _model_type(m)
+    heads = m.num_attention_heads
+    out: dict[str, Any] = {
+        "architectures": [SUPPORTED[kind]], "model_type": kind, "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": heads, "num_key_value_heads": m.num_query_groups or heads,
+        "head_dim": m.kv_channels or m.hidden_size // heads, "hidden_act": "silu",
+        "max_position_embeddings": m.seq_length, "rms_norm_eps": m.layernorm_epsilon,
+        "rope_theta": float(m.rotary_base), "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rotary_base)},
+        "tie_word_embeddings": m.share_embeddings_and_output_weights, "attention_dropout": 0.0,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    if kind != "qwen2":
+        out["attention_bias"] = False
+    if kind == "llama":
+        out["mlp_bias"] = False
+    if kind in ("qwen2", "qwen3", "qwen3_moe"):
+        out["use_sliding_window"] = False
+    if kind == "qwen3_moe":
+        out.update(
+            num_experts=m.num_moe_experts, num_experts_per_tok=m.moe_router_topk,
+            moe_intermediate_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+            norm_topk_prob=not m.moe_router_pre_softmax, decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(m.num_layers) if i % m.moe_layer_freq], router_aux_loss_coef=m.moe_aux_loss_coeff,
+        )
+    return out
+
+
+def _model_type(m: Any) -> str:
+    problems = []
+    if m.hybrid_override_pattern:
+        problems.append("hybrid (Mamba) models have no Hugging Face equivalent here")
+    if m.num_moe_experts:
+        if not m.qk_layernorm or m.add_qkv_bias:
+            problems.append("an MoE model exports as qwen3_moe, which needs model.qk_layernorm=true and no q/k/v bias")
+        if m.moe_router_score_function != "softmax" or m.moe_router_enable_expert_bias:
+            problems.append("qwen3_moe routes with a softmax and no expert bias")
+        if m.moe_shared_expert_intermediate_size:
+            problems.append("qwen3_moe has no shared expert")
+        kind = "qwen3_moe"
+    elif m.qk_layernorm and m.add_qkv_bias:
+        problems.append("q/k norms and a q/k/v bias together match no supported model type")
+        kind = "qwen3"
+    else:
+        kind = "qwen3" if m.qk_layernorm else "qwen2" if m.add_qkv_bias else "llama"
+    if problems:
+        raise HFCheckpointError("cannot export to Hugging Face:\n  " + "\n  ".join(problems))
+    return kind
+
+
+# --------------------------------------------------------------------------
+# weight names
+
+
+def _layer_keys(i: int, kind: str, m: Any) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """(graphstep key, the Hugging Face keys concatenated into it along dim 0) of layer ``i``'s blocks."""
+    hf, gs = f"model.layers.{i}", f"layers.{i}.blocks"
+    if kind == "attn":
+        a = f"{gs}.attn.self_attention"
+        yield f"{gs}.attn.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)
+        yield f"{a}.linear_qkv.weight", tuple(f"{hf}.self_attn.{p}_proj.weight" for p in "qkv")
+        if m.add_qkv_bias:
+            yield f"{a}.linear_qkv.bias", tuple(f"{hf}.self_attn.{p}_proj.bias" for p in "qkv")
+        yield f"{a}.linear_proj.weight", (f"{hf}.self_attn.o_proj.weight",)
+        if m.qk_layernorm:
+            yield f"{a}.q_layernorm.weight", (f"{hf}.self_attn.q_norm.weight",)
+            yield f"{a}.k_layernorm.weight", (f"{hf}.self_attn.k_norm.weight",)
+    elif kind == "mlp":
+        yield f"{gs}.mlp.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)
+        yield f"{gs}.mlp.mlp.linear_fc1.weight", (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight")
+        yield f"{gs}.mlp.mlp.linear_fc2.weight", (f"{hf}.mlp.down_proj.weight",)
+    elif kind == "moe":
+        yield f"{gs}.moe.router_stage.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)
+        yield f"{gs}.moe.router_stage.router.weight", (f"{hf}.mlp.gate.weight",)
+    else:
+        raise HFCheckpointError(f"layer {i}: a {kind!r} block has no Hugging Face equivalent")
+
+
+def _expert_keys(i: int) -> tuple[str, str, str]:
+    return (f"layers.{i}.blocks.moe.experts.experts.linear_fc1.weight",
+            f"layers.{i}.blocks.moe.experts.experts.linear_fc2.weight", f"model.layers.{i}.mlp.experts")
+
+
+def _kinds(m: Any) -> list[list[str]]:
+    from .hybrid import layer_kinds
+
+    return layer_kinds(m)
+
+
+# --------------------------------------------------------------------------
+# loading
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model.safetensors`` or of the shards its index lists."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise HFCheckpointError(f"{path}: no model.safetensors (nor model.safetensors.index.json); graphstep "
+                                "reads safetensors checkpoints only")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(str(path / name)))
+    return tensors
+
+
+def hf_to_graphstep(hf: dict[str, torch.Tensor], m: Any, where: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """graphstep's state dict (parameters) from Hugging Face tensors; strict about names."""
+    used: set[str] = set()
+
+    def take(*keys: str) -> torch.Tensor:
+        missing = [k for k in keys if k not in hf]
+        if missing:
+            raise HFCheckpointError(f"{where}: missing weight {missing[0]!r}" + (f" (and {len(missing) - 1} more)"
+                                                                                  if len(missing) > 1 else ""))
+        used.update(keys)
+        return torch.cat([hf[k] for k in keys]) if len(keys) > 1 else hf[keys[0]]
+
+    out = {"embedding.weight": take("model.embed_tokens.weight"), "final_layernorm.weight": take("model.norm.weight")}
+    if not m.share_embeddings_and_output_weights:
+        out["output_layer.weight"] = take("lm_head.weight")
+    elif "lm_head.weight" in hf:
+        used.add("lm_head.weight")  # a tied copy
+    for i, kinds in enumerate(_kinds(m)):
+        for kind in kinds:
+            for gs, keys in _layer_keys(i, kind, m):
+                out[gs] = take(*keys)
+            if kind == "moe":
+                fc1, fc2, prefix = _expert_keys(i)
+                if f"{prefix}.gate_up_proj" in hf:  # stacked: [E, 2*ffn, hidden] and [E, hidden, ffn]
+                    out[fc1], out[fc2] = take(f"{prefix}.gate_up_proj"), take(f"{prefix}.down_proj")
+                else:
+                    E = m.num_moe_experts
+                    out[fc1] = torch.stack([take(f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight")
+                                            for e in range(E)])
+                    out[fc2] = torch.stack([take(f"{prefix}.{e}.down_proj.weight") for e in range(E)])
+    extra = sorted(k for k in hf if k not in used and not k.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise HFCheckpointError(f"{where}: {len(extra)} weight(s) graphstep's model does not have, e.g. {extra[:3]}; "
+                                "is config.json the one of these weights?")
+    return out
+
+
+def load_hf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(``ModelConfig`` overrides, graphstep state dict) of a local Hugging Face directory."""
+    from ..config import ModelConfig
+
+    overrides = config_from_hf(path)
+    return overrides, hf_to_graphstep(read_safetensors(path), ModelConfig(**overrides), where=str(path))
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str | Path, model_cfg: Any) -> None:
+    """Copy the weights of ``path`` into ``model`` in place (any device and dtype); strict."""
+    state = hf_to_graphstep(read_safetensors(path), model_cfg, where=str(path))
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state))
+    if missing:
+        raise HFCheckpointError(f"{path}: no weights for {missing[:3]} of graphstep's model")
+    for name, tensor in state.items():
+        p = params[name]
+        if p.shape != tensor.shape:
+            raise HFCheckpointError(f"{path}: {name} has shape {tuple(tensor.shape)} in the checkpoint, "
+                                    f"{tuple(p.shape)} in the model (model.* fields differ from config.json?)")
+        p.copy_(tensor.to(device=p.device, dtype=p.dtype))
+    log.info("initialised %d tensors from the Hugging Face checkpoint %s", len(state), path)
+
+
+# --------------------------------------------------------------------------
+# export
+
+
+def graphstep_to_hf(state: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors (Hub layout, experts per key) from graphstep's state dict."""
+    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    hd = m.kv_channels or m.hidden_size // heads
+    out = {"model.embed_tokens.weight": state["embedding.weight"], "model.norm.weight": state["final_layernorm.weight"]}
+    if not m.share_embeddings_and_output_weights:
+        out["lm_head.weight"] = state["output_layer.weight"]
+    for i, kinds in enumerate(_kinds(m)):
+        for kind in kinds:
+            for gs, keys in _layer_keys(i, kind, m):
+                t = state[gs]
+                if len(keys) == 3:  # q, k, v
+                    parts = t.split([heads * hd, groups * hd, groups * hd])
+                elif len(keys) == 2:  # gate, up
+                    parts = t.chunk(2)
+                else:
+                    parts = (t,)
+                out.update(zip(keys, parts))
+            if kind == "moe":
+                fc1, fc2, prefix = _expert_keys(i)
+                for e in range(state[fc1].shape[0]):
+                    gate, up = state[fc1][e].chunk(2)
+                    out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+                    out[f"{prefix}.{e}.down_proj.weight"] = state[fc2][e]
+    return out
+
+
+def export_hf(model: nn.Module, model_cfg: Any, path: str | Path, model_type: str | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads (``from_pretrained``)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = next(model.parameters()).dtype
+    config = hf_config_for(model_cfg, model_type, dtype)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    tensors = {k: v.cpu().contiguous().clone() for k, v in graphstep_to_hf(state, model_cfg).items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    log.info("exported %s (%d tensors, %s) to %s", config["model_type"], len(tensors), config["dtype"], path)
+    return path
