@@ -134,24 +134,28 @@ class GraphBackend(ABC):
         self._graphs.clear()
 
 
-def _user_frame_blocking_gc() -> contextlib.AbstractContextManager:
-    @contextlib.contextmanager
-    def frozen() -> Iterator[None]:
-        # Collecting garbage during capture can free tensors whose memory the
-        # capture is using and costs time per object: freeze what exists and
-        # keep the collector off until the capture ends.
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.freeze()
-        gc.disable()
-        try:
-            yield
-        finally:
-            if was_enabled:
-                gc.enable()
-            gc.unfreeze()
+@contextlib.contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """Collecting garbage during capture can free tensors whose memory the capture
+    uses and costs time per object: freeze what exists, keep the collector off."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.unfreeze()
 
-    return frozen()
+
+def default_generators(device: torch.device) -> list[torch.Generator]:
+    """The generators random ops use when given none: the CPU's, and the device's on CUDA."""
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        gens.append(torch.cuda.default_generators[device.index or 0])
+    return gens
 
 
 class CudaGraphBackend(GraphBackend):
@@ -191,7 +195,7 @@ class CudaGraphBackend(GraphBackend):
         ctx = torch.cuda.graph(graph.cuda_graph, pool=pool, stream=self.stream,
                                capture_error_mode=self.capture_error_mode)
         outer = torch.cuda.current_stream(self.device)
-        with _user_frame_blocking_gc():
+        with _gc_frozen():
             try:
                 ctx.__enter__()
                 yield
@@ -202,7 +206,8 @@ class CudaGraphBackend(GraphBackend):
                     raise
                 raise CaptureError.from_cuda(exc, graph.name) from exc
         torch.cuda.synchronize(self.device)
-        graph.report = CaptureReport(graph.name, time.perf_counter() - t0, alloc0, *self._after(res0))
+        alloc1, res1 = self.memory()
+        graph.report = CaptureReport(graph.name, time.perf_counter() - t0, alloc0, alloc1, res0, res1)
         self.reports.append(graph.report)
         graph._captured = True
 
@@ -263,10 +268,6 @@ class CudaGraphBackend(GraphBackend):
             log.warning("could not take the RNG generators out of capture mode (%s): random ops may fail", exc)
         finally:
             flush.reset()
-
-    def _after(self, res0: int) -> tuple[int, int, int]:
-        alloc1, res1 = self.memory()
-        return alloc1, res0, res1
 
     def memory(self) -> tuple[int, int]:
         return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)

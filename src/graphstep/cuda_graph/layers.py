@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .backend import GiB, GraphBackend
+from .backend import GiB, GraphBackend, default_generators
 from .graphed_module import GraphedFunction, ModuleGraph
 from .scopes import scope_modules
 
@@ -161,7 +161,7 @@ class LayerGraphs:
         if missing:
             raise RuntimeError(f"cannot capture: no warm-up training call reached {', '.join(missing[:4])}")
         backend, gens = self.backend, list(self.generators())
-        saved = _save_state(self.graphs, gens + _default_generators(backend.device))
+        saved = _save_state(self.graphs, gens + default_generators(backend.device))
         alloc0, reserved0 = backend.memory()
         n_reports = len(backend.reports)
         self._capturing = True
@@ -215,13 +215,6 @@ class LayerGraphs:
                 del g.module.forward
         self.graphs.clear()
         self._by_module.clear()
-
-
-def _default_generators(device: torch.device) -> list[torch.Generator]:
-    gens = [torch.default_generator]
-    if device.type == "cuda":
-        gens.append(torch.cuda.default_generators[device.index or 0])
-    return gens
 
 
 def _save_state(graphs: list[ModuleGraph], gens: list[torch.Generator]) -> list[tuple[Any, Any]]:

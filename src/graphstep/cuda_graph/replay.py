@@ -42,7 +42,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .backend import CaptureReport, Graph, GraphBackend
+from .backend import CaptureReport, Graph, GraphBackend, default_generators
 from .errors import CaptureError, user_frame
 
 aten = torch.ops.aten
@@ -301,13 +301,6 @@ def _gen_key(gen: torch.Generator) -> int:
     return gen._cdata
 
 
-def _default_generators(device: torch.device) -> list[torch.Generator]:
-    gens = [torch.default_generator]
-    if device.type == "cuda":
-        gens.append(torch.cuda.default_generators[device.index or 0])
-    return gens
-
-
 class ReplayBackend(GraphBackend):
     """Record-and-replay of aten ops: CUDA-graph semantics on any device."""
 
@@ -321,7 +314,7 @@ class ReplayBackend(GraphBackend):
         assert isinstance(graph, _Tape)
         if _active_recorder() is not None:
             raise CaptureError(f"cannot capture graph {graph.name!r} while another capture is recording")
-        gens = list(generators) + _default_generators(self.device)
+        gens = list(generators) + default_generators(self.device)
         states = [(g, g.get_state()) for g in gens]
         recorder = _Recorder(graph, {_gen_key(g) for g in gens}, self.device)
         t0 = time.perf_counter()
