@@ -20,6 +20,14 @@ TINY = [
     "logger.progress_bar=false", "data.corpus_max_bytes=300000", "data.split=90,10,0", "train.device=cpu",
 ]
 
+# Both spellings of the full-iteration graph, and the optimizer graph (CPU and GPU tests).
+FULL_ITERATION_SETTINGS = [
+    ["model.cuda_graph_impl=full_iteration"],
+    ["model.cuda_graph_impl=local", "model.cuda_graph_scope=[full_iteration]"],
+    ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
+]
+FULL_ITERATION_IDS = ["full_iteration", "legacy_local_scope", "with_optimizer_graph"]
+
 
 def tiny_config(*overrides: str, recipe: str = "llama3_tiny", tmp_path=None) -> Config:
     cfg = get_recipe(recipe)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_same_run, eager, tiny_config
+from conftest import FULL_ITERATION_IDS, FULL_ITERATION_SETTINGS, assert_same_run, eager, tiny_config
 from graphstep.cuda_graph.backend import CudaGraphBackend, get_backend
 from graphstep.cuda_graph.full_iteration import GraphedStep
 from graphstep.training.loop import train
@@ -26,15 +26,7 @@ def test_eager_bf16_is_deterministic(eager_run):
     assert_same_run(eager_run, again)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ["model.cuda_graph_impl=full_iteration"],
-        ["model.cuda_graph_impl=local", "model.cuda_graph_scope=[full_iteration]"],
-        ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
-    ],
-    ids=["full_iteration", "legacy_local_scope", "with_optimizer_graph"],
-)
+@pytest.mark.parametrize("overrides", FULL_ITERATION_SETTINGS, ids=FULL_ITERATION_IDS)
 def test_full_iteration_bf16_equals_eager(eager_run, overrides):
     graphed = train(tiny_config(*GPU, *overrides), keep_model=True)
     assert next(graphed.model.parameters()).dtype == torch.bfloat16

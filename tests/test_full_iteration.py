@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from conftest import assert_same_run, eager, tiny_config
+from conftest import FULL_ITERATION_IDS, FULL_ITERATION_SETTINGS, assert_same_run, eager, tiny_config
 from graphstep.cuda_graph.backend import get_backend
 from graphstep.cuda_graph.errors import CaptureError, ContractError
 from graphstep.cuda_graph.full_iteration import GraphedStep
@@ -26,15 +26,7 @@ def eager_run():
     return train(eager(tiny_config(f"train.train_iters={ITERS}")), keep_model=True)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ["model.cuda_graph_impl=full_iteration"],
-        ["model.cuda_graph_impl=local", "model.cuda_graph_scope=[full_iteration]"],
-        ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
-    ],
-    ids=["full_iteration", "legacy_local_scope", "with_optimizer_graph"],
-)
+@pytest.mark.parametrize("overrides", FULL_ITERATION_SETTINGS, ids=FULL_ITERATION_IDS)
 def test_full_iteration_equals_eager_bit_for_bit(eager_run, overrides):
     graphed = train(tiny_config(f"train.train_iters={ITERS}", *overrides), keep_model=True)
     assert [r["state"] for r in graphed.rows][3:5] == ["captured", "replayed"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .errors import ContractError
 
@@ -51,14 +51,14 @@ class StaticInputs:
 
     def check(self, value: Any) -> list[Any]:
         """The new call's leaves, after checking them against the contract."""
-        leaves, spec = tree_flatten_with_path(value)
+        leaves, spec = tree_flatten(value)  # the replay path: key paths only for messages (self.paths)
         if spec != self.spec:
             raise ContractError(
                 f"{self.name}: the call's arguments have another structure than the captured call's.\n"
                 f"  captured: {self.spec}\n  now:      {spec}"
             )
         out = []
-        for path, (_, new), old in zip(self.paths, leaves, self.leaves):
+        for path, new, old in zip(self.paths, leaves, self.leaves):
             if isinstance(old, torch.Tensor):
                 if not isinstance(new, torch.Tensor):
                     raise ContractError(f"{self.name}: argument {path} was a tensor at capture, now {_describe(new)}")
