@@ -195,3 +195,49 @@ def test_close_restores_the_modules():
     graphs.close()
     assert "forward" not in model.layers[0].__dict__
     assert get_backend("cpu").live_graphs() == []
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_capture_order_is_the_execution_order(impl):
+    """Graphs share one pool, so capture must follow replay order. The MoE scopes are listed
+    router+combine, preprocess, but run router, preprocess, combine: capturing the combine before
+    the preprocess let the combine's scratch overwrite the layout eager code still reads (seen on a GPU)."""
+    cfg = tiny_config(recipe="qwen3_moe_tiny")
+    initialize_rng_tracker(3, "cpu")
+    model = build_model(cfg.model, "cpu")
+    model.train()
+    graphs = LayerGraphs(select_modules(model, ["moe_router", "moe_preprocess"]), get_backend("cpu", "replay"),
+                         semantics=impl)
+    names = [g.name.split(".", 1)[1] for g in graphs.graphs[:3]]
+    assert names == ["moe_router", "moe_router1", "moe_preprocess"]  # the listing order
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length))
+    model(tokens, tokens, torch.ones_like(tokens, dtype=torch.float)).backward()
+    order = graphs.capture_order()
+    fwd = [graphs.graphs[i].name for kind, i in order if kind == "fwd"]
+    assert fwd[:3] == ["layer0.moe_router", "layer0.moe_preprocess", "layer0.moe_router1"]
+    graphs.close()
+
+
+@pytest.mark.parametrize("capture", [True, False], ids=["captured", "warm_up_only"])
+def test_nothing_outlives_close(capture):
+    """A recorded warm-up output's backward hook is held by autograd (C++); it must not keep the
+    engine, the modules or the parameters alive after close() -- seen on a GPU as memory growing by a
+    model's parameters and gradient buffers with every per-layer run in one process."""
+    import gc
+    import weakref
+
+    def run() -> tuple[weakref.ref, weakref.ref]:
+        _, model, grads, step = _model_and_step()
+        graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
+                             generators=get_rng_tracker().generators)
+        step(_batches(2, model.shape.seq_length, 0))
+        if capture:
+            graphs.capture()
+            step(_batches(2, model.shape.seq_length, 1))
+        refs = weakref.ref(graphs), weakref.ref(next(model.parameters()))
+        graphs.close()
+        return refs
+
+    refs = run()
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True]

@@ -16,7 +16,7 @@ that depends on the semantics:
 * ``local`` (Megatron Core's CudaGraphManager): the order of forward and
   backward calls recorded during warm-up;
 * ``transformer_engine`` (TE's make_graphed_callables): all forwards in
-  forward order, then all backwards in reverse order.
+  the order they ran during warm-up, then all backwards in reverse order.
 
 For a plain forward/backward over a stack of layers the two orders coincide;
 the log says which semantics ran. Capture must not change training state:
@@ -138,17 +138,28 @@ class LayerGraphs:
         return out
 
     def _bwd_recorder(self, index: int) -> Callable[[torch.Tensor], None]:
+        order = self.order  # not self: autograd (C++) holds the hook, and a reference back would be a hidden cycle
+
         def hook(grad: torch.Tensor) -> None:
-            if ("bwd", index) not in self.order:
-                self.order.append(("bwd", index))
+            if ("bwd", index) not in order:
+                order.append(("bwd", index))
 
         return hook
 
     # ---- capture ------------------------------------------------------------
     def capture_order(self) -> list[tuple[str, int]]:
+        """The capture order: it must be the replay order, as graphs share one pool.
+
+        A block that an earlier-captured graph used as scratch can become a later
+        graph's output; replayed in another order, the earlier graph would
+        overwrite that output (e.g. a MoE layout that eager code still reads).
+        """
         n = len(self.graphs)
         if self.semantics == "transformer_engine" or not self.order:
-            return [("fwd", i) for i in range(n)] + [("bwd", i) for i in reversed(range(n))]
+            # forwards in the order they ran (not the order the scopes are listed), backwards reversed
+            ran = list(dict.fromkeys(i for kind, i in self.order if kind == "fwd"))
+            fwd = ran + [i for i in range(n) if i not in ran]
+            return [("fwd", i) for i in fwd] + [("bwd", i) for i in reversed(fwd)]
         order = list(self.order)
         seen = set(order)
         # a module whose output needs no gradient never records a backward
@@ -183,6 +194,9 @@ class LayerGraphs:
         finally:
             self._capturing = False
             _restore_state(saved)
+        # The warm-up outputs (and, through their backward hooks, this object) are no longer needed:
+        # holding them would keep a micro-batch of activations alive for the whole run.
+        self._last_out.clear()
         reports = backend.reports[n_reports:]
         alloc1, reserved1 = backend.memory()
         for r in reports:
@@ -211,10 +225,16 @@ class LayerGraphs:
         """Free every graph and restore the modules' own forward (harmless twice)."""
         for g in self.graphs:
             g.reset()
+            g.sample = None
             if "forward" in g.module.__dict__:
                 del g.module.forward
         self.graphs.clear()
         self._by_module.clear()
+        # A recorded output's backward hook refers back to this object through autograd (C++),
+        # a cycle the garbage collector cannot see: drop the outputs so nothing outlives close().
+        self._last_out.clear()
+        self._feeds.clear()
+        self.order.clear()
 
 
 def _save_state(graphs: list[ModuleGraph], gens: list[torch.Generator]) -> list[tuple[Any, Any]]:
