@@ -158,6 +158,23 @@ def default_generators(device: torch.device) -> list[torch.Generator]:
     return gens
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One capture stream per device for the life of the process.
+
+    cuBLAS keeps a workspace (tens of MiB, allocated from the caching allocator)
+    per handle and stream, for good: a new stream for every backend (a bench
+    row, a test, a re-capture after close) would add workspaces that are
+    never freed.
+    """
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 class CudaGraphBackend(GraphBackend):
     """``torch.cuda.CUDAGraph`` with one pool and one capture stream per process."""
 
@@ -168,7 +185,7 @@ class CudaGraphBackend(GraphBackend):
         super().__init__(device)
         self.capture_error_mode = capture_error_mode
         with torch.cuda.device(device):
-            self.stream = torch.cuda.Stream(device)
+            self.stream = _capture_stream(device)
             self.pool = torch.cuda.graph_pool_handle()
 
     def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph:
