@@ -40,22 +40,23 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer):
 
 
 def _run(step, xs: list[torch.Tensor], probe: int | None = None) -> tuple[list[torch.Tensor], tuple[int, ...]]:
-    """Losses of ``step`` over ``xs`` from a fixed CUDA seed; memory around call ``probe``:
-    (allocated before, allocated after, reserved after emptying the cache)."""
+    """Losses of ``step`` over ``xs`` from a fixed CUDA seed; memory around call ``probe``, each side
+    after emptying the allocator's cache: (allocated before, reserved before, allocated after, reserved after)."""
     torch.cuda.manual_seed(1)
-    losses, mem = [], (0, 0, 0)
+    losses, mem = [], (0, 0, 0, 0)
+
+    def settled() -> tuple[int, int]:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # a failed capture's pool, once handed back, is released here
+        return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
     for i, x in enumerate(xs):
         if i == probe:
-            gc.collect()
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
+            before = settled()
         out = step(x)
         if i == probe:
-            gc.collect()
-            torch.cuda.synchronize()
-            after = torch.cuda.memory_allocated()
-            torch.cuda.empty_cache()  # the failed capture's pool, handed back, is released here
-            mem = (before, after, torch.cuda.memory_reserved())
+            mem = (*before, *settled())
         losses.append(out.clone())
     return losses, mem
 
@@ -71,20 +72,21 @@ def test_failed_capture_is_freed_diagnosed_and_continues_eagerly():
     _model(dev)(xs[0]).sum().backward()
     graphed = GraphedStep(_step(model, opt), get_backend(dev, "cuda"), warmup_steps=2, name="broken",
                           on_failure="eager")
-    reserved0 = torch.cuda.memory_reserved()
 
-    got, (before, after, reserved) = _run(graphed, xs, probe=2)  # call 2 tries the capture
+    got, (alloc0, reserved0, alloc1, reserved1) = _run(graphed, xs, probe=2)  # call 2 tries the capture
     want, _ = _run(_step(ref, ref_opt), xs)
 
-    print(f"\nmemory allocated around the failed capture: before {before} B, after {after} B; "
-          f"reserved at the start {reserved0} B, after the failure and empty_cache {reserved} B")
+    print(f"\nmemory around the failed capture (after empty_cache): allocated {alloc0} -> {alloc1} B, "
+          f"reserved {reserved0} -> {reserved1} B")
     assert graphed.failed is not None and not graphed.captured and graphed.state == "eager"
     findings = graphed.failed.findings
     print("doctor:", [(f.category, f.op, f.location) for f in findings])
     assert [(f.category, f.where.line.strip()) for f in findings] == [
         ("host_sync", BREAKER + "  # a host sync: CUDA refuses it while the stream is capturing")]
-    assert after == before, "the failed capture (or its diagnosis) left memory allocated"
-    assert reserved <= after + 16 * 2**20, "the failed capture's pool was not handed back to the allocator"
+    # the step's returned loss (one 512-byte block) is all that may stay; the region holds 8 MiB activations
+    assert alloc1 - alloc0 <= 512, "the failed capture (or its diagnosis) left memory allocated"
+    # the failed capture's pool went back to the allocator (one small 2 MiB segment of slack for the loss)
+    assert reserved1 <= reserved0 + 2 * 2**20, "the failed capture's pool was not handed back"
     assert not torch.cuda.is_current_stream_capturing()
     assert torch.cuda.current_stream(dev) == torch.cuda.default_stream(dev)
     for i, (a, b) in enumerate(zip(got, want)):

@@ -1,6 +1,12 @@
-"""MoE and hybrid models through the trainer: every graph scope equals eager bit for bit (CPU replay backend)."""
+"""MoE and hybrid models through the trainer: every graph scope equals eager bit for bit.
+
+On the CPU (replay backend, fp32) in CI, and on a GPU (CUDA graphs, bf16, ``torch._grouped_mm`` experts on
+sm90+) through scripts/gpu-check.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -9,24 +15,25 @@ from conftest import assert_same_run, eager, tiny_config
 from graphstep.training.loop import train
 
 ITERS = 100
-COMMON = ["train.device=cpu", f"train.train_iters={ITERS}", "train.micro_batch_size=2", "train.global_batch_size=8",
+COMMON = [f"train.train_iters={ITERS}", "train.micro_batch_size=2", "train.global_batch_size=8",
           "model.attention_dropout=0.1", "model.hidden_dropout=0.1", "train.eval_iters=0", "logger.log_interval=25"]
 MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance")
+DEVICE_OVERRIDES = {"cpu": ["train.device=cpu"], "cuda": ["train.device=cuda", "model.params_dtype=bf16"]}
+DEVICES = [
+    pytest.param("cpu"),
+    pytest.param("cuda", marks=[pytest.mark.cuda,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
 
 
-def _run(recipe: str, *overrides: str, graphs: bool = True):
-    cfg = tiny_config(*COMMON, *overrides, recipe=recipe)
+def _run(recipe: str, device: str, *overrides: str, graphs: bool = True):
+    cfg = tiny_config(*COMMON, *DEVICE_OVERRIDES[device], *overrides, recipe=recipe)
     return train(cfg if graphs else eager(cfg), keep_model=True)
 
 
-@pytest.fixture(scope="module")
-def qwen_eager():
-    return _run("qwen3_moe_tiny", graphs=False)
-
-
-@pytest.fixture(scope="module")
-def nemotron_eager():
-    return _run("nemotron_h_tiny", graphs=False)
+@functools.cache
+def _eager(recipe: str, device: str):
+    return _run(recipe, device, graphs=False)
 
 
 def _same_moe_stats(a, b) -> None:
@@ -46,8 +53,10 @@ def _same_moe_stats(a, b) -> None:
     ],
     ids=["megatron_partial", "te_partial", "router_only", "whole_moe_sync_free", "full_iteration"],
 )
-def test_qwen3_moe_scopes_equal_eager(qwen_eager, overrides):
-    graphed = _run("qwen3_moe_tiny", *overrides)
+@pytest.mark.parametrize("device", DEVICES)
+def test_qwen3_moe_scopes_equal_eager(device, overrides):
+    qwen_eager = _eager("qwen3_moe_tiny", device)
+    graphed = _run("qwen3_moe_tiny", device, *overrides)
     assert [r["state"] for r in graphed.rows][3:5] == ["captured", "replayed"]
     assert_same_run(qwen_eager, graphed)
     _same_moe_stats(qwen_eager, graphed)  # the aux loss is identical with graphs (Megatron-LM issue 1494)
@@ -59,8 +68,10 @@ def test_qwen3_moe_scopes_equal_eager(qwen_eager, overrides):
     [["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mamba]"], ["model.cuda_graph_impl=full_iteration"]],
     ids=["attn_mamba", "full_iteration"],
 )
-def test_nemotron_h_scopes_equal_eager(nemotron_eager, overrides):
-    graphed = _run("nemotron_h_tiny", *overrides)
+@pytest.mark.parametrize("device", DEVICES)
+def test_nemotron_h_scopes_equal_eager(device, overrides):
+    nemotron_eager = _eager("nemotron_h_tiny", device)
+    graphed = _run("nemotron_h_tiny", device, *overrides)
     assert_same_run(nemotron_eager, graphed)
     _same_moe_stats(nemotron_eager, graphed)
 
@@ -68,12 +79,13 @@ def test_nemotron_h_scopes_equal_eager(nemotron_eager, overrides):
 @pytest.mark.parametrize("graph", [["model.cuda_graph_impl=full_iteration"],
                                    ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe_router]"]],
                          ids=["full_iteration", "partial"])
-def test_expert_bias_is_not_moved_by_warmup_or_capture(graph):
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_bias_is_not_moved_by_warmup_or_capture(device, graph):
     """Aux-loss-free balancing (Megatron-LM PR 4433): the bias moves only in the eager update after each step."""
     bias = ["model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
             "model.moe_router_bias_update_rate=0.01", "train.train_iters=12"]
-    base = _run("qwen3_moe_tiny", *bias, graphs=False)
-    graphed = _run("qwen3_moe_tiny", *bias, *graph)
+    base = _run("qwen3_moe_tiny", device, *bias, graphs=False)
+    graphed = _run("qwen3_moe_tiny", device, *bias, *graph)
     assert_same_run(base, graphed)
     for (name, a), (_, b) in zip(base.model.named_buffers(), graphed.model.named_buffers()):
         if name.endswith("expert_bias"):
