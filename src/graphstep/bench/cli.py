@@ -10,15 +10,23 @@ from ..cli import _config_args, register, resolve_config
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .run import default_rows, run_bench, split_rows, table, write_results
 
     cfg = resolve_config(args)
     rows = split_rows(args.rows) if args.rows else default_rows(cfg)
     console = Console(stderr=True)
-    with console.status("benchmarking") as status:
-        doc = run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup,
-                        progress=lambda name: status.update(f"benchmarking row {name}"))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task(f"{args.recipe}: starting", total=len(rows))
+
+        def progress(done: int, name: str) -> None:
+            bar.update(task, completed=done, description=f"{args.recipe}: {escape(name)}")
+
+        doc = run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup, progress=progress)
+        bar.update(task, completed=len(rows), description=f"{args.recipe}: done")
     path = write_results(doc, args.out)
     Console(width=max(160, Console().width)).print(table(doc))
     print(f"results: {path}")

@@ -12,8 +12,9 @@ eager, graphstep's graph settings, and the peers a user would try instead
 * GPU-busy time: the sum of kernel and copy durations per iteration from the
   profiler over a few more iterations -- the floor no launch scheme beats;
   host overhead = step - busy;
-* peak allocated/reserved memory since the row started (model, optimizer,
-  graphs and their pools included), after the previous row was freed.
+* peak allocated memory of the row (model, optimizer, graphs and their pools
+  included) above what was allocated when it started, after the previous row
+  was freed; peak reserved memory as the allocator reports it.
 
 Batches are generated once, pinned, and cycled, so data generation is not
 timed. Ratios (speed-up vs eager, step/floor) are computed within one run.
@@ -53,6 +54,8 @@ class Row:
     peak_allocated_gib: float | None = None
     peak_reserved_gib: float | None = None
     capture_s: float | None = None
+    host_syncs: int | None = None  # synchronising CUDA calls in one step (torch.cuda.set_sync_debug_mode)
+    start_allocated_gib: float | None = None  # left allocated by earlier rows (0 unless something leaked)
     step_ms_all: list[float] = field(default_factory=list)
     error: str | None = None
     note: str = ""
@@ -107,10 +110,17 @@ def row_config(base: Config, overrides: list[str]) -> Config:
     return cfg
 
 
-def graphstep_row(cfg: Config, device: torch.device) -> tuple[Callable[[Iterator[Any]], Any], Workload, Any]:
-    """A row run through the trainer's own ``prepare``: the step function and its owner."""
+def graphstep_row(cfg: Config, device: torch.device, *, compile_mode: str | None = None,
+                  ) -> tuple[Callable[[Iterator[Any]], Any], Workload, Any]:
+    """A row run through the trainer's own ``prepare``: the step function and its owner.
+
+    ``compile_mode``: the step calls ``torch.compile(model, mode=compile_mode)``
+    (the graphs then capture Inductor's kernels).
+    """
     settings = resolve_cuda_graph_settings(cfg)
     w = make_workload(cfg, device)
+    if compile_mode is not None:
+        w.train_step = TrainStep(torch.compile(w.model, mode=compile_mode), w.grads)
     runner = prepare(w.model, w.train_step, EvalStep(w.model, device), w.optimizer, settings, device=device,
                      num_micro_batches=w.num_micro_batches, skip_on_nonfinite=cfg.train.skip_step_on_nan)
 
@@ -155,10 +165,29 @@ def busy_time(step: Callable[[Iterator[Any]], Any], data: Iterator[Any], *, iter
     return total_us / 1e3 / iters, round(kernels / iters)
 
 
+def count_host_syncs(step: Callable[[Iterator[Any]], Any], data: Iterator[Any]) -> int:
+    """Synchronising CUDA calls (``.item()``, blocking copies, ...) during one step."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(data)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def free_row() -> None:
     close_all_backends()
+    torch._dynamo.reset()  # compiled rows: their graphs (and CUDA graph trees) go with them
     gc.collect()
     torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:  # the per-(thread, stream) cuBLAS workspaces of earlier rows: each row pays its own
+        clear()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
 
@@ -167,7 +196,7 @@ def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callab
             *, warmup: int, iters: int, profile_iters: int, device: torch.device) -> Row:
     """Build a row (returns step, data, capture-seconds getter, owner), time it, free it."""
     free_row()
-    row = Row(name)
+    row = Row(name, start_allocated_gib=torch.cuda.memory_allocated(device) / GiB)
     owner = None
     try:
         step, data, capture_s, owner = build()
@@ -175,9 +204,12 @@ def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callab
         row.step_ms_all = times
         row.step_ms = statistics.median(times)
         row.capture_s = capture_s() if capture_s is not None else None
-        row.peak_allocated_gib = torch.cuda.max_memory_allocated(device) / GiB
+        # the row's own peak: what was still allocated when it started (start_allocated_gib, ~0 once
+        # free_row clears cuBLAS's workspaces) is not charged to it
+        row.peak_allocated_gib = torch.cuda.max_memory_allocated(device) / GiB - row.start_allocated_gib
         row.peak_reserved_gib = torch.cuda.max_memory_reserved(device) / GiB
         row.busy_ms, row.kernels = busy_time(step, data, iters=profile_iters, device=device)
+        row.host_syncs = count_host_syncs(step, data)
     except Exception as exc:  # a row that fails is a result, not the end of the run
         row.error = f"{type(exc).__name__}: {exc}"[:2000]
     finally:

@@ -5,7 +5,14 @@
   and ``.grad`` -- the plain-PyTorch best case;
 * ``make_graphed_callables``: ``torch.cuda.make_graphed_callables`` on the
   same layer submodules as graphstep's ``[attn,mlp]`` scopes, with graphstep's
-  eager optimizer.
+  eager optimizer;
+* ``compile[reduce-overhead]``: ``torch.compile(model, mode="reduce-overhead")``
+  (Inductor kernels replayed through CUDA graph trees) with graphstep's eager
+  optimizer, used as a careful user must for training with gradient
+  accumulation (see :func:`compiled`).
+
+graphstep's own full-iteration graph around a compiled model is the row
+``compile+full_iteration`` (bench/run.py).
 """
 
 from __future__ import annotations
@@ -69,6 +76,58 @@ def manual_graph(cfg, device: torch.device) -> tuple[Any, Iterator[Any], Any, An
             graph.reset()
 
     return step, w.data(), lambda: capture_s, Owner()
+
+
+class MarkStepPerCall:
+    """Calls ``torch.compiler.cudagraph_mark_step_begin()`` before every forward of ``model``.
+
+    CUDA graph trees reuse their output memory at the next replay of a graph.
+    With gradient accumulation the same forward/backward graphs replay once per
+    micro-batch within one optimizer step, so a mark per *iteration* is not
+    enough: without a mark before each micro-batch, graph trees see a forward
+    while the previous micro-batch's outputs may still be read and raise
+    "accessing tensor output of CUDAGraphs that has been overwritten by a
+    subsequent run". Everything a micro-batch produces must also be consumed
+    before the next forward: graphstep's step adds the loss into a running total
+    at once and its gradient hooks move each ``.grad`` into the fp32 buffers
+    and drop it, so nothing graph-owned outlives its micro-batch.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        return self.model(*args, **kwargs)
+
+
+def compiled(cfg, device: torch.device, mode: str = "reduce-overhead") -> tuple[Any, Any, Any, Any]:
+    """``torch.compile(model, mode=mode)`` with the trainer's step and eager optimizer (compile time = capture)."""
+    import time
+
+    from ..training.step import TrainStep
+
+    w = make_workload(cfg, device)
+    model = torch.compile(w.model, mode=mode)
+    train_step = TrainStep(MarkStepPerCall(model) if mode == "reduce-overhead" else model, w.grads)
+    first: list[float] = []
+
+    def step(it: Iterator[Any]) -> Any:
+        t0 = time.perf_counter()
+        batches = [{k: v.to(device, non_blocking=True) for k, v in next(it).items()} for _ in range(w.num_micro_batches)]
+        out = train_step(batches)
+        result = w.optimizer.step(None)
+        if not first:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            first.append(time.perf_counter() - t0)
+        return out, result
+
+    class Owner:
+        def close(self) -> None:
+            torch._dynamo.reset()  # drops the compiled graphs and their CUDA graph trees
+
+    return step, w.data(), lambda: first[0] if first else None, Owner()
 
 
 def make_graphed(cfg, device: torch.device, scopes: tuple[str, ...] = ("attn", "mlp")) -> tuple[Any, Any, Any, Any]:

@@ -51,6 +51,25 @@ def small_dense_bench() -> Config:
     return cfg
 
 
+def gpt_124m_bench() -> Config:
+    """A GPT-124M-class model for ``graphstep bench``: 12 layers, d=768, 12 heads, seq 1024, micro-batch 4.
+
+    GPT-2 small's size (124M parameters with a 50k vocabulary) in graphstep's
+    Llama-style block (SwiGLU of width 2048 has GPT-2's 4d MLP parameter count);
+    between the launch-bound and the compute-bound shapes.
+    """
+    cfg = graph_ready(Config())
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.ffn_hidden_size = 12, 768, 2048
+    m.num_attention_heads, m.num_query_groups = 12, 12
+    m.seq_length, m.vocab_size = 1024, 50304
+    m.share_embeddings_and_output_weights = True
+    cfg.data.dataset = "mock"
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 4, 4
+    cfg.train.train_iters = 50
+    return cfg
+
+
 def _llama3(cfg: Config, layers: int, hidden: int, ffn: int, heads: int, groups: int, tie: bool) -> Config:
     m = cfg.model
     m.num_layers, m.hidden_size, m.ffn_hidden_size = layers, hidden, ffn

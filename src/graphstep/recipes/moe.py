@@ -138,3 +138,22 @@ def moe_launch_bound_bench() -> Config:
     cfg.train.micro_batch_size, cfg.train.global_batch_size = 2, 2
     cfg.train.train_iters = 50
     return cfg
+
+
+def hybrid_launch_bound_bench() -> Config:
+    """A launch-bound Nemotron-H style hybrid for ``graphstep bench``: pattern ``M-M*M-M*``, d=256, seq 256.
+
+    Four Mamba-2 mixers (chunked SSD scan in PyTorch: many small kernels), two
+    MLP and two attention layers; micro-batch 2, mock data.
+    """
+    cfg = graph_ready(Config())
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.ffn_hidden_size = 8, 256, 1024
+    m.num_attention_heads, m.num_query_groups = 4, 4
+    m.hybrid_override_pattern = "M-M*M-M*"
+    m.mamba_state_dim, m.mamba_head_dim, m.mamba_num_groups, m.mamba_chunk_size = 64, 32, 1, 64
+    m.seq_length, m.vocab_size = 256, 32000
+    cfg.data.dataset = "mock"
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 2, 2
+    cfg.train.train_iters = 50
+    return cfg
