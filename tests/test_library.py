@@ -16,6 +16,11 @@ from graphstep import CaptureError, ContractError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+DEVICES = [  # the CUDA cases run in scripts/gpu-check (CUDA graphs, bf16 for the HF Llama)
+    pytest.param("cpu"),
+    pytest.param("cuda", marks=[pytest.mark.cuda,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
 
 
 def _load_example(name: str):
@@ -26,8 +31,9 @@ def _load_example(name: str):
     return module
 
 
-def test_plain_cnn_example_full_step_and_layers_equal_eager():
-    results = _load_example("plain_loop").main(["--steps", "50", "--device", "cpu"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_plain_cnn_example_full_step_and_layers_equal_eager(device):
+    results = _load_example("plain_loop").main(["--steps", "50", "--device", device])
     eager = results["none"][0]
     assert len(eager) == 50 and eager[-1] != eager[0]
     assert results["full"][0] == eager  # bit for bit, dropout on, 2 micro-batches accumulated
@@ -35,8 +41,9 @@ def test_plain_cnn_example_full_step_and_layers_equal_eager():
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
-def test_hf_llama_example_per_layer_and_full_step_equal_eager():
-    results = _load_example("hf_llama").main(["--steps", "50", "--device", "cpu"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_hf_llama_example_per_layer_and_full_step_equal_eager(device):
+    results = _load_example("hf_llama").main(["--steps", "50", "--device", device])
     eager = results["eager"][0]
     assert len(eager) == 50
     assert results["per-layer"][0] == eager
