@@ -145,7 +145,7 @@ def make_graphed(cfg, device: torch.device, scopes: tuple[str, ...] = ("attn", "
 
     def step(it: Iterator[Any]) -> Any:
         batches = [{k: v.to(device, non_blocking=True) for k, v in next(it).items()} for _ in range(w.num_micro_batches)]
-        out = w.train_step(batches)
+        w.train_step(batches)
         return w.optimizer.step(None)
 
     return step, w.data(), lambda: capture_s, None

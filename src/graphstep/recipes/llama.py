@@ -38,17 +38,23 @@ def llama3_tiny() -> Config:
     return cfg
 
 
-def small_dense_bench() -> Config:
-    """The launch-bound shape of the spec (section 6): 8 layers, d=256, seq 256, micro-batch 4."""
+def launch_bound_bench(micro_batch: int) -> Config:
+    """The launch-bound shape of the spec (section 6) that the bench recipes share: 8 layers, d=256,
+    4 heads, seq 256, a 32k vocabulary, mock data, one micro-batch per step."""
     cfg = graph_ready(Config())
     m = cfg.model
     m.num_layers, m.hidden_size, m.ffn_hidden_size = 8, 256, 1024
     m.num_attention_heads, m.num_query_groups = 4, 4
     m.seq_length, m.vocab_size = 256, 32000
     cfg.data.dataset = "mock"
-    cfg.train.micro_batch_size, cfg.train.global_batch_size = 4, 4
+    cfg.train.micro_batch_size = cfg.train.global_batch_size = micro_batch
     cfg.train.train_iters = 50
     return cfg
+
+
+def small_dense_bench() -> Config:
+    """The launch-bound shape of the spec (section 6): 8 layers, d=256, seq 256, micro-batch 4."""
+    return launch_bound_bench(4)
 
 
 def gpt_124m_bench() -> Config:

@@ -8,7 +8,7 @@ said in the recipe's docstring (never approximated silently).
 from __future__ import annotations
 
 from ..config import Config
-from .llama import graph_ready
+from .llama import graph_ready, launch_bound_bench
 
 
 def _tiny_training(cfg: Config) -> Config:
@@ -126,17 +126,11 @@ def moe_launch_bound_bench() -> Config:
     Many tiny expert GEMMs per step: the shape where host launch overhead
     dominates and graphs pay off. Mock data; the bench harness picks the graph mode.
     """
-    cfg = graph_ready(Config())
+    cfg = launch_bound_bench(2)
     m = cfg.model
-    m.num_layers, m.hidden_size, m.ffn_hidden_size = 8, 256, 1024
-    m.num_attention_heads, m.num_query_groups = 4, 4
-    m.seq_length, m.vocab_size = 256, 32000
     m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 64, 4, 128
     m.moe_router_load_balancing_type, m.moe_aux_loss_coeff = "aux_loss", 1e-2
     m.moe_sync_free = True
-    cfg.data.dataset = "mock"
-    cfg.train.micro_batch_size, cfg.train.global_batch_size = 2, 2
-    cfg.train.train_iters = 50
     return cfg
 
 
@@ -146,14 +140,8 @@ def hybrid_launch_bound_bench() -> Config:
     Four Mamba-2 mixers (chunked SSD scan in PyTorch: many small kernels), two
     MLP and two attention layers; micro-batch 2, mock data.
     """
-    cfg = graph_ready(Config())
+    cfg = launch_bound_bench(2)
     m = cfg.model
-    m.num_layers, m.hidden_size, m.ffn_hidden_size = 8, 256, 1024
-    m.num_attention_heads, m.num_query_groups = 4, 4
     m.hybrid_override_pattern = "M-M*M-M*"
     m.mamba_state_dim, m.mamba_head_dim, m.mamba_num_groups, m.mamba_chunk_size = 64, 32, 1, 64
-    m.seq_length, m.vocab_size = 256, 32000
-    cfg.data.dataset = "mock"
-    cfg.train.micro_batch_size, cfg.train.global_batch_size = 2, 2
-    cfg.train.train_iters = 50
     return cfg
