@@ -12,9 +12,10 @@ eager, graphstep's graph settings, and the peers a user would try instead
 * GPU-busy time: the sum of kernel and copy durations per iteration from the
   profiler over a few more iterations -- the floor no launch scheme beats;
   host overhead = step - busy;
-* peak allocated memory of the row (model, optimizer, graphs and their pools
-  included) above what was allocated when it started, after the previous row
-  was freed; peak reserved memory as the allocator reports it.
+* peak allocated and reserved memory over the row (model, optimizer, graphs
+  and their pools included), after the previous row was freed and cuBLAS's
+  per-stream workspaces cleared; what was still allocated at the start is
+  recorded (``start_allocated_gib``).
 
 Batches are generated once, pinned, and cycled, so data generation is not
 timed. Ratios (speed-up vs eager, step/floor) are computed within one run.
@@ -55,7 +56,7 @@ class Row:
     peak_reserved_gib: float | None = None
     capture_s: float | None = None
     host_syncs: int | None = None  # synchronising CUDA calls in one step (torch.cuda.set_sync_debug_mode)
-    start_allocated_gib: float | None = None  # left allocated by earlier rows (0 unless something leaked)
+    start_allocated_gib: float | None = None  # still allocated when the row started (earlier rows' leftovers)
     step_ms_all: list[float] = field(default_factory=list)
     error: str | None = None
     note: str = ""
@@ -204,9 +205,9 @@ def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callab
         row.step_ms_all = times
         row.step_ms = statistics.median(times)
         row.capture_s = capture_s() if capture_s is not None else None
-        # the row's own peak: what was still allocated when it started (start_allocated_gib, ~0 once
-        # free_row clears cuBLAS's workspaces) is not charged to it
-        row.peak_allocated_gib = torch.cuda.max_memory_allocated(device) / GiB - row.start_allocated_gib
+        # as the process saw it, so never under-counted; start_allocated_gib says what of it
+        # earlier rows left (~0 since free_row clears cuBLAS's workspaces)
+        row.peak_allocated_gib = torch.cuda.max_memory_allocated(device) / GiB
         row.peak_reserved_gib = torch.cuda.max_memory_reserved(device) / GiB
         row.busy_ms, row.kernels = busy_time(step, data, iters=profile_iters, device=device)
         row.host_syncs = count_host_syncs(step, data)
