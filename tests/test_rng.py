@@ -75,3 +75,63 @@ def test_graph_replays_draw_the_same_numbers_as_eager_steps():
     eager, graphed = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
     assert not torch.equal(graphed[3], graphed[4])  # the stream moves between replays
+
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+NESTED_CASES = [
+    pytest.param("cpu", False, id="cpu"),
+    pytest.param("cuda", False, id="cuda-copying", marks=CUDA),
+    pytest.param("cuda", True, id="cuda-graph-safe", marks=CUDA),
+]
+
+
+def _nested_draws(t: RNGTracker, device: str) -> dict[str, list[torch.Tensor]]:
+    """a, then b with a nested inside it, then a again: Megatron's nesting of the same stream."""
+    with t.fork("a"):
+        x = torch.randn(3, device=device)
+        with t.fork("b"):
+            u = torch.randn(2, device=device)
+            with t.fork("a"):
+                y = torch.randn(3, device=device)
+            v = torch.randn(2, device=device)
+        z = torch.randn(3, device=device)
+    with t.fork("a"):
+        w = torch.randn(3, device=device)
+    return {"a": [x, y, z, w], "b": [u, v]}
+
+
+@pytest.mark.parametrize("device,graph_safe", NESTED_CASES)
+def test_nested_forks_continue_the_enclosing_stream(device, graph_safe):
+    t = RNGTracker(device, graph_safe=graph_safe)
+    t.add("a", 1)
+    t.add("b", 2)
+    torch.manual_seed(5)
+    default = t._default()
+    default_before = default.get_state()
+    drawn = _nested_draws(t, device)
+    assert torch.equal(default.get_state(), default_before)  # the default stream never moved
+    assert not torch.equal(drawn["a"][0], drawn["a"][1])  # the nested fork did not repeat the outer draw
+    for name, seed in (("a", 1), ("b", 2)):  # nested draws == the same stream drawn sequentially
+        ref = torch.Generator(device=device).manual_seed(seed)
+        for got in drawn[name]:
+            assert torch.equal(got, torch.randn(got.shape, device=device, generator=ref))
+
+
+def test_nested_forks_replay_as_eager_steps():
+    """The copying swaps are host callbacks: a replayed step with nested forks draws what eager steps draw."""
+
+    def run(graphed: bool) -> list[torch.Tensor]:
+        t = RNGTracker("cpu")
+        t.add("a", 1)
+        t.add("b", 2)
+
+        def step(inp: torch.Tensor) -> torch.Tensor:
+            drawn = _nested_draws(t, "cpu")
+            return inp + torch.cat(drawn["a"] + drawn["b"])
+
+        fn = GraphedStep(step, get_backend("cpu"), warmup_steps=1, generators=t.generators) if graphed else step
+        return [fn(torch.zeros(16)).clone() for _ in range(5)]
+
+    eager, graphed = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
+    assert not torch.equal(graphed[2], graphed[3])

@@ -17,6 +17,12 @@ legal during capture and each graph that registers the generators (see
 ``graph_safe=False`` the swap copies states with ``get_state``/``set_state``
 (Megatron's classic tracker), which works eagerly but breaks capture.
 
+Nested forks follow Megatron's graph-safe tracker in both modes: a nested
+fork of a stream continues that stream where the enclosing fork has it, and
+leaving a fork restores the enclosing stream at its current position (the
+copying mode writes the default generator's progress back to the stream it
+stands for before another stream takes over).
+
 On the CPU the swap copies states; the replay backend records each swap as a
 host callback (:func:`record_host_op`) so replays draw the same numbers as the
 eager steps would.
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -47,10 +53,12 @@ class RNGTracker:
         self.graph_safe = graph_safe and self.device.type == "cuda"
         self.states: dict[str, torch.Generator] = {}
         self.seeds: dict[str, int] = {}
+        self._active: list[str] = []  # streams of the open forks, innermost last (state-copying mode)
 
     def reset(self) -> None:
         self.states.clear()
         self.seeds.clear()
+        self._active.clear()
 
     def add(self, name: str, seed: int) -> None:
         """Add a stream ``name`` seeded with ``seed`` (each name and seed once)."""
@@ -85,38 +93,64 @@ class RNGTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
-        """Draw from stream ``name`` inside the block; the default stream is untouched."""
+        """Draw from stream ``name`` inside the block; the default stream is untouched.
+
+        Forks nest as Megatron's do: a nested fork of a stream continues where the
+        enclosing use of that stream is, and leaving a fork puts the enclosing
+        stream back at its *current* position.
+        """
         try:
             gen = self.states[name]
         except KeyError:
             raise KeyError(f"RNG stream {name!r} is not tracked (streams: {sorted(self.states)})") from None
-        default = self._default()
-        saved: list = []
-        if self.graph_safe:
-
-            def enter() -> None:
-                saved.append(default.graphsafe_get_state())
-                default.graphsafe_set_state(gen)
-
-            def leave() -> None:
-                default.graphsafe_set_state(saved.pop())
-
-        else:
-
-            def enter() -> None:
-                saved.append(default.get_state())
-                default.set_state(gen.get_state())
-
-            def leave() -> None:
-                gen.set_state(default.get_state())
-                default.set_state(saved.pop())
-
+        enter, leave = self._swap_graph_safe(gen) if self.graph_safe else self._swap_copying(name)
         record_host_op(enter)
         try:
             yield
         finally:
             record_host_op(leave)
 
+    def _swap_graph_safe(self, gen: torch.Generator) -> tuple[Callable[[], None], Callable[[], None]]:
+        """The default generator adopts ``gen``'s state object: nesting continues every stream by itself."""
+        default = self._default()
+        saved: list = []
+
+        def enter() -> None:
+            saved.append(default.graphsafe_get_state())
+            default.graphsafe_set_state(gen)
+
+        def leave() -> None:
+            default.graphsafe_set_state(saved.pop())
+
+        return enter, leave
+
+    def _swap_copying(self, name: str) -> tuple[Callable[[], None], Callable[[], None]]:
+        """State copies: the stream the default generator stands for is written back before another takes over.
+
+        ``self._active`` names the streams of the open forks, innermost last; it changes inside the
+        callbacks, so a replay (which re-runs them in order) walks it exactly as the eager step did.
+        """
+        default = self._default()
+        gen = self.states[name]
+        saved: list = []
+
+        def enter() -> None:
+            if self._active:  # the enclosing fork's progress goes back to its stream first
+                self.states[self._active[-1]].set_state(default.get_state())
+                saved.append(None)
+            else:
+                saved.append(default.get_state())
+            self._active.append(name)
+            default.set_state(gen.get_state())
+
+        def leave() -> None:
+            gen.set_state(default.get_state())
+            self._active.pop()
+            outer = saved.pop()
+            # the enclosing stream at its current position (it may be this one, advanced)
+            default.set_state(self.states[self._active[-1]].get_state() if self._active else outer)
+
+        return enter, leave
 
 _TRACKER: RNGTracker | None = None
 
