@@ -2,39 +2,63 @@
 
 Capture records every aten op of the region with a ``TorchDispatchMode``:
 forward, autograd's backward, optimizer updates and collectives all pass
-through it. Replay re-runs the recorded ops on the *same tensor objects*
-under ``torch.no_grad()``:
+through it. Replay re-runs the recorded ops on the *same tensor objects*,
+below autograd and with the grad mode each op was recorded under (a kernel
+may choose its algorithm by grad mode, e.g. oneDNN's LSTM: re-running under
+``no_grad`` would change the last bits):
 
 * pure views and allocations are skipped (their tensors still alias the same
-  storage, as addresses in a CUDA graph do);
+  storage, as addresses in a CUDA graph do), and so are profiler ranges;
 * mutating ops (``add_``, ``copy_``, ``_foreach_mul_``, ``allreduce_`` ...)
-  run again in place;
+  run again in place; an op that writes an argument *and* returns a new
+  tensor (``rrelu_with_noise``) runs again and its new result is copied out;
 * every other op runs again and its result is copied into the tensor
   recorded at capture, so later ops read fresh values from the old address.
+  Re-running also repeats writes an op makes without declaring them in its
+  schema (``native_batch_norm``'s running statistics).
 
 So the static-address contract of CUDA graphs holds exactly: a batch not
 copied into the static input is not seen by replay, an output read after the
 next replay has been overwritten, an RNG stream advances per replay.
 
 Capture must have no observable effect, as on a GPU where nothing executes
-while capturing: before the first write to memory that existed before the
-capture, the backend saves that storage, and restores it (and every registered
-generator) when the capture ends. The graph is then replayed to do the step.
+while capturing: before an op first touches memory that existed before the
+capture, the backend saves that storage (every argument of every re-run op,
+since some ops write arguments their schema calls read-only), and restores it
+(and every registered generator) when the capture ends. Until then the
+capture holds one copy of the pre-existing memory the region touches. The
+graph is then replayed to do the step.
 
 Host-side state that CUDA tracks natively -- the RNG tracker swapping the
-default generator's state -- is recorded as host callbacks
-(:func:`record_host_op`) and re-run in order.
+default generator's state, ``torch.get_rng_state``/``set_rng_state`` as
+``torch.utils.checkpoint`` uses them -- is recorded as host callbacks
+(:func:`record_host_op`, replay_host.py) and re-run in order.
 
-A host sync inside the region (``aten._local_scalar_dense`` from ``.item()``,
-``bool(t)``, ``.tolist()``; ops with data-dependent output shapes such as
-``nonzero`` or boolean-mask indexing) raises :class:`CaptureError` naming the
-op and the user's source line, as the same step would fail on a GPU.
+What is refused (:class:`CaptureError` naming the op and the user's line):
+
+* a host sync, as the same step would fail on a GPU: ``aten._local_scalar_dense``
+  (``.item()``, ``bool(t)``), ``.tolist()``, ``print(t)``/``str``/``repr``/
+  ``format`` of a tensor, ops with data-dependent output shapes (``nonzero``,
+  boolean-mask indexing);
+* reseeding (``torch.manual_seed``) and ops drawing from a generator that is
+  not registered with the graph;
+* what the backend cannot replay exactly: an op that changes a tensor's
+  shape, strides or storage in place (``t_``, ``unsqueeze_``, ``as_strided_``,
+  ``resize_`` to a new size, ``set_``). Replay refills each recorded tensor
+  object, and those objects keep the layout they have at the *end* of the
+  capture: an op recorded before the layout change would be replayed through
+  the wrong layout. The rule: an op is replayed only when re-running it on
+  the recorded tensor objects computes what eager computed -- its writes are
+  in place on arguments (declared or re-run whole), its results are tensors
+  refilled in place, its randomness comes from registered generators, and
+  no tensor changes layout in place (a change the capture would also leave
+  behind, once, where eager makes it every step).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
+import functools
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -44,6 +68,9 @@ from torch.utils._pytree import tree_leaves
 
 from .backend import CaptureReport, Graph, GraphBackend, default_generators
 from .errors import CaptureError, user_frame
+from .replay_host import active_recorder, host_guards, record_host_op, set_recorder
+
+__all__ = ["ReplayBackend", "host_sync_reason", "record_host_op"]
 
 aten = torch.ops.aten
 
@@ -70,46 +97,50 @@ _METADATA_OPS = {
     aten._nnz,
 }
 _SCALAR_RETURNS = {"bool", "int", "float", "Scalar", "SymInt", "SymFloat", "SymBool", "complex"}
-
-_local = threading.local()
+# Namespaces whose ops only annotate the host timeline: a graph replays no profiler range.
+_HOST_ONLY_NAMESPACES = {"profiler"}
 
 
 def _active_recorder() -> "_Recorder | None":
-    return getattr(_local, "recorder", None)
-
-
-def record_host_op(fn: Callable[[], None]) -> None:
-    """Run ``fn`` now and, while a replay-backend capture records on this thread, on every replay.
-
-    For host-side state that a CUDA graph tracks natively (the RNG tracker's
-    generator swaps); on the CUDA backend this is just ``fn()``.
-    """
-    fn()
-    rec = _active_recorder()
-    if rec is not None:
-        rec.tape.entries.append(fn)
+    return active_recorder()
 
 
 # --------------------------------------------------------------------------
 # op classification
 
 
+@functools.lru_cache(maxsize=None)
 def _schema_kind(func: torch._ops.OpOverload) -> str:
-    """'view', 'alloc', 'inplace_view', 'mutating' or 'functional'."""
+    """'view', 'alloc', 'inplace_view', 'mutating', 'mutating_fresh' (writes an argument and returns
+    a new tensor), 'functional' or 'host_only'."""
     packet = func.overloadpacket
     if packet in _ALLOC_OPS:
         return "alloc"
+    if func.namespace in _HOST_ONLY_NAMESPACES:
+        return "host_only"
     if _is_collective(func):
         return "mutating"
     if torch.Tag.inplace_view in func.tags:
         return "inplace_view"
     schema = func._schema
-    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-        return "mutating"
     returns = schema.returns
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return "mutating_fresh" if _fresh_returns(func) else "mutating"
     if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
         return "view"
     return "functional"
+
+
+@functools.lru_cache(maxsize=None)
+def _fresh_returns(func: torch._ops.OpOverload) -> tuple[int, ...]:
+    """Positions of the schema's returns that are new tensors (not aliases of an argument)."""
+    return tuple(i for i, r in enumerate(func._schema.returns)
+                 if r.alias_info is None and ("Tensor" in str(r.type)))
+
+
+def _returned_tensors(func: torch._ops.OpOverload, out: Any, positions: tuple[int, ...]) -> list[torch.Tensor]:
+    values = out if len(func._schema.returns) > 1 else (out,)
+    return [t for i in positions for t in tree_leaves(values[i]) if isinstance(t, torch.Tensor)]
 
 
 def _has_bool_index(indices: Any) -> bool:
@@ -143,13 +174,13 @@ def host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
 
 
 class _Tape(Graph):
-    """A recorded region: a list of replayable entries."""
+    """A recorded region: replayable entries, grouped in runs recorded under the same grad mode."""
 
     def __init__(self, backend: "ReplayBackend", name: str) -> None:
         self.backend = backend
         self.name = name
         self.report: CaptureReport | None = None
-        self.entries: list[Callable[[], None]] = []
+        self.runs: list[tuple[bool, list[Callable[[], None]]]] = []
         self.keep: list[Any] = []  # tensors the tape holds alive (its "pool")
         self.num_ops = 0
         self._captured = False
@@ -158,24 +189,54 @@ class _Tape(Graph):
     def captured(self) -> bool:
         return self._captured
 
+    @property
+    def entries(self) -> list[Callable[[], None]]:
+        return [e for _, run in self.runs for e in run]
+
+    def add(self, entry: Callable[[], None]) -> None:
+        grad = torch.is_grad_enabled()
+        if not self.runs or self.runs[-1][0] != grad:
+            self.runs.append((grad, []))
+        self.runs[-1][1].append(entry)
+
+    add_host = add
+
     def replay(self) -> None:
         if not self._captured:
             raise RuntimeError(f"graph {self.name!r} has not been captured (or was reset)")
-        with torch.no_grad():
-            for entry in self.entries:
-                entry()
+        # Below autograd (nothing is recorded for backward, in-place writes to leaves are legal), outside
+        # autocast (the casts were recorded), and in each op's recorded grad mode: the kernels take the
+        # paths they took when recorded.
+        with torch._C._AutoDispatchBelowAutograd(), torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+            for grad, run in self.runs:
+                with torch.set_grad_enabled(grad):
+                    for entry in run:
+                        entry()
 
     def reset(self) -> None:
-        self.entries = []
+        self.runs = []
         self.keep = []
         self._captured = False
 
 
-def _functional_entry(func, args, kwargs, out) -> Callable[[], None]:
-    recorded = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+def _autocast_keys() -> torch._C.DispatchKeySet:
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    for name in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastXLA", "AutocastPrivateUse1"):
+        key = getattr(torch._C.DispatchKey, name, None)
+        if key is not None:
+            keys = keys | torch._C.DispatchKeySet(key)
+    return keys
+
+
+_AUTOCAST_KEYS = _autocast_keys()
+
+
+def _refill_entry(func, args, kwargs, out, positions: tuple[int, ...]) -> Callable[[], None]:
+    """Re-run ``func`` (its in-place writes happen again) and copy its new results into the recorded ones."""
+    recorded = _returned_tensors(func, out, positions)
 
     def run() -> None:
-        fresh = [t for t in tree_leaves(func(*args, **kwargs)) if isinstance(t, torch.Tensor)]
+        fresh = _returned_tensors(func, func(*args, **kwargs), positions)
         for dst, src in zip(recorded, fresh):
             if dst is not src:
                 dst.copy_(src)
@@ -194,6 +255,10 @@ def _mutating_entry(func, args, kwargs) -> Callable[[], None]:
     return run
 
 
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().data_ptr()
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, tape: _Tape, generators: set[int], device: torch.device) -> None:
         super().__init__()
@@ -204,12 +269,15 @@ class _Recorder(TorchDispatchMode):
         self.backups: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
 
     # memory that existed before the capture is restored when it ends
-    def _backup(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key == 0 or key in self.created or key in self.backups:
-            return
-        self.backups[key] = (storage, storage.clone())
+    def _backup(self, tensors: Iterable[Any]) -> None:
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key == 0 or key in self.created or key in self.backups:
+                continue
+            self.backups[key] = (storage, storage.clone())
 
     def _note_created(self, out: Any) -> None:
         for t in tree_leaves(out):
@@ -223,7 +291,7 @@ class _Recorder(TorchDispatchMode):
 
     def _fail(self, func, category: str, reason: str) -> None:
         optimizer = _optimizer_in_stack()
-        if optimizer is not None:
+        if optimizer is not None and category != "unreplayable":
             category = "optimizer"
             reason += (f"; {optimizer}.step() is not capturable as constructed: create it with capturable=True "
                        "on CUDA (fused=True on the CPU)")
@@ -232,32 +300,52 @@ class _Recorder(TorchDispatchMode):
             category=category,
         )
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def _check(self, func, args: tuple, kwargs: dict) -> None:
         problem = host_sync_reason(func, args, kwargs)
         if problem is not None:
             self._fail(func, *problem)
-        gen = kwargs.get("generator")
-        if gen is not None and _gen_key(gen) not in self.generators:
-            self._fail(func, "rng", "it uses a generator that is not registered with the graph (use the RNG tracker)")
+        for gen in _generators(func, args, kwargs):
+            if _gen_key(gen) not in self.generators:
+                self._fail(func, "rng",
+                           "it uses a generator that is not registered with the graph (use the RNG tracker)")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._check(func, args, kwargs)
         kind = _schema_kind(func)
-        if kind == "mutating":
-            for t in _written_tensors(func, args, kwargs):
-                self._backup(t)
+        if kind in ("mutating", "mutating_fresh", "functional"):
+            # Every argument, not only the (a!) ones: some ops write what their schema calls read-only.
+            self._backup(tree_leaves((args, kwargs)))
+        if kind == "inplace_view":
+            return self._inplace_view(func, args, kwargs)
         out = func(*args, **kwargs)
         tape = self.tape
         tape.num_ops += 1
-        if kind in ("view", "inplace_view"):
-            tape.keep.append(out)
-        elif kind == "alloc":
-            self._note_created(out)
+        if kind in ("view", "alloc", "host_only"):
+            if kind == "alloc":
+                self._note_created(out)
             tape.keep.append(out)
         elif kind == "mutating":
-            tape.entries.append(_mutating_entry(func, args, kwargs))
+            tape.add(_mutating_entry(func, args, kwargs))
         else:
-            self._note_created(out)
+            positions = _fresh_returns(func) if kind == "mutating_fresh" else tuple(range(len(func._schema.returns)))
+            self._note_created(_returned_tensors(func, out, positions))
             tape.keep.append(out)
-            tape.entries.append(_functional_entry(func, args, kwargs, out))
+            tape.add(_refill_entry(func, args, kwargs, out, positions))
+        return out
+
+    def _inplace_view(self, func, args: tuple, kwargs: dict) -> Any:
+        target = args[0] if args else next(iter(kwargs.values()))
+        before = _layout(target)
+        out = func(*args, **kwargs)
+        self.tape.num_ops += 1
+        self.tape.keep.append(out)
+        if _layout(target) != before:
+            self._fail(func, "unreplayable",
+                       "it changes a tensor's shape, strides or storage in place; the replay backend refills "
+                       "each recorded tensor through the layout it was recorded with, so it cannot replay this "
+                       "exactly (and CUDA graphs would not repeat the change per step either). Use the "
+                       "out-of-place form, e.g. `x = x.t()` instead of `x.t_()`")
         return out
 
 
@@ -281,19 +369,17 @@ def _is_collective(func: torch._ops.OpOverload) -> bool:
     return func.namespace == "c10d" and func._schema.name.endswith("_")
 
 
-def _written_tensors(func, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
-    """The tensors an op writes to, by its schema's ``(a!)`` annotations (a collective: its first argument)."""
-    if _is_collective(func):
-        first = args[0] if args else kwargs.get(func._schema.arguments[0].name)
-        yield from (t for t in tree_leaves(first) if isinstance(t, torch.Tensor))
-        return
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-        for t in tree_leaves(value):
-            if isinstance(t, torch.Tensor):
-                yield t
+@functools.lru_cache(maxsize=None)
+def _generator_args(func: torch._ops.OpOverload) -> tuple[tuple[int, str, bool], ...]:
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments) if "Generator" in str(a.type))
+
+
+def _generators(func, args: tuple, kwargs: dict) -> Iterator[torch.Generator]:
+    """The explicit generators an op draws from (the default generator is always registered)."""
+    for i, name, kwarg_only in _generator_args(func):
+        gen = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
+        if isinstance(gen, torch.Generator):
+            yield gen
 
 
 def _gen_key(gen: torch.Generator) -> int:
@@ -318,15 +404,15 @@ class ReplayBackend(GraphBackend):
         states = [(g, g.get_state()) for g in gens]
         recorder = _Recorder(graph, {_gen_key(g) for g in gens}, self.device)
         t0 = time.perf_counter()
-        _local.recorder = recorder
+        set_recorder(recorder)
         try:
-            with recorder, _refuse_direct_host_reads():
+            with recorder, host_guards():
                 yield
         except BaseException:
             graph.reset()
             raise
         finally:
-            _local.recorder = None
+            set_recorder(None)
             recorder.restore()
             for g, state in states:
                 g.set_state(state)
@@ -338,43 +424,6 @@ class ReplayBackend(GraphBackend):
     def memory(self) -> tuple[int, int]:
         held = sum(_held_bytes(g.keep) for g in self.live_graphs() if isinstance(g, _Tape))
         return held, held
-
-
-_DIRECT_READS = ("tolist", "numpy", "__array__")
-
-
-@contextlib.contextmanager
-def _refuse_direct_host_reads() -> Iterator[None]:
-    """While recording, behave as a CUDA capture does for what bypasses the dispatcher.
-
-    ``Tensor.tolist``/``numpy`` read memory without an aten op: refused, as CUDA
-    would; ``torch.cuda.is_current_stream_capturing()`` answers True.
-    """
-    saved = {name: getattr(torch.Tensor, name) for name in _DIRECT_READS}
-
-    def refuse(name: str):
-        def read(self, *args, **kwargs):
-            if _active_recorder() is None:
-                return saved[name](self, *args, **kwargs)
-            raise CaptureError(
-                f"Tensor.{name}() cannot be captured: it copies device data to the host (a sync)",
-                op=name, where=user_frame(), category="host_sync",
-            )
-
-        return read
-
-    for name in _DIRECT_READS:
-        setattr(torch.Tensor, name, refuse(name))
-    # Code that asks "is the stream capturing?" (torch.optim's capture check,
-    # Hugging Face's sync-free mask path) must get the answer a CUDA capture gives.
-    was_capturing = torch.cuda.is_current_stream_capturing
-    torch.cuda.is_current_stream_capturing = lambda: _active_recorder() is not None or was_capturing()
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-        torch.cuda.is_current_stream_capturing = was_capturing
 
 
 def _held_bytes(objs: list[Any]) -> int:
