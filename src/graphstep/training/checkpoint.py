@@ -18,7 +18,9 @@ and ``os.replace``. A process killed at any moment therefore leaves either
 the previous checkpoint or the new one complete, and the loader never reads
 a ``.tmp-*`` folder: it follows the tracker, and when the tracker is missing,
 unreadable or names a folder that is not there, takes the newest complete
-``iter_*`` folder.
+``iter_*`` folder. Before loading, the trainer verifies the chosen folder
+(training/checkpoint_verify.py): a damaged one is skipped with a warning
+naming the damaged file, for the newest intact one.
 
 What a checkpoint holds -- everything an uninterrupted run would carry from
 one iteration to the next, so a resumed run's losses are bit-identical:
@@ -61,13 +63,12 @@ from torch import nn
 
 from ..config import CheckpointConfig, Config, save_yaml
 from ..cuda_graph.rng import get_rng_tracker
+from .checkpoint_verify import ITER_DIR as _ITER_DIR
+from .checkpoint_verify import TRACKER, CheckpointError, choose_checkpoint
 from .distributed import DataParallel
 from .optim import AdamW
 
 log = logging.getLogger("graphstep")
-
-TRACKER = "latest_checkpointed_iteration.txt"
-_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -288,8 +289,11 @@ def _dcp_load(template: dict[str, Any], path: Path, dp: DataParallel) -> None:
         failures = getattr(exc, "failures", None)
         why = ("; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _trace) in failures.items())
                if failures else f"{type(exc).__name__}: {exc}")
-        raise RuntimeError(f"cannot load checkpoint {path} into this run: {why} -- was it saved for another model "
-                           "shape or recipe?") from exc
+        why = " ".join(why.split())  # one line: torch's size-mismatch messages span several
+        if len(why) > 600:
+            why = why[:600] + " ..."
+        raise CheckpointError(f"cannot load checkpoint {path} into this run: {why} -- its files are intact, so it "
+                              "was probably saved for another model shape or recipe") from exc
 
 
 def _has_key(path: Path, prefix: str) -> bool:
@@ -330,13 +334,27 @@ class Checkpointer:
         """Load ``checkpoint.load`` if it holds a checkpoint; the iteration to continue after."""
         if not self.cfg.load:
             return 0
-        path = find_checkpoint(self.cfg.load)
+        path = self._choose()
         if path is None:
             log.warning("checkpoint.load=%s holds no complete checkpoint: training from the start", self.cfg.load)
             return 0
         iteration = load_checkpoint(path, self.state, self.dp, finetune=self.cfg.finetune)
         self.last_saved = iteration  # nothing to save again before the next iteration
         return iteration
+
+    def _choose(self) -> Path | None:
+        # Rank 0 verifies and chooses, so that every rank loads the same folder (or fails the same way).
+        choice: tuple[str, str | None] = ("ok", None)
+        if self.dp.is_main:
+            try:
+                path = choose_checkpoint(self.cfg.load)
+                choice = ("ok", str(path) if path is not None else None)
+            except CheckpointError as exc:
+                choice = ("error", str(exc))
+        kind, value = self.dp.broadcast_object(choice)
+        if kind == "error":
+            raise CheckpointError(value)
+        return Path(value) if value is not None else None
 
     def after_iteration(self, iteration: int, *, last: bool) -> None:
         """Save when ``iteration`` is due (every ``save_interval``, and the last one)."""

@@ -1,0 +1,120 @@
+"""Which checkpoint to resume from, verified before anything is loaded.
+
+A checkpoint folder is *intact* when its ``.metadata`` (DCP's index)
+unpickles and every file that the index names is present and at least as
+long as the byte ranges it records (DCP stores, for each tensor and object,
+the file, the offset and the length). That finds a truncated or missing
+``__0_0.distcp`` and a garbage or missing ``.metadata`` -- what a full disk,
+an interrupted copy or a lost file leave behind -- in milliseconds, without
+reading the data. (A bit flip inside a file keeps the sizes; DCP's load
+then fails on it and says so.)
+
+``choose_checkpoint(load)``:
+
+* ``load`` names one ``iter_NNNNNNN`` folder: it is used if intact, else
+  refused (``CheckpointError``, exit 2) with the list of intact ones beside it;
+* ``load`` is a save directory: the tracker's iteration, else the newest
+  ``iter_*`` folder; a damaged one is skipped with a warning naming the
+  damaged file, and the newest intact one is taken; when every checkpoint is
+  damaged the run is refused (starting over would overwrite them);
+* no checkpoint at all: ``None`` (the trainer starts from iteration 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+
+from .rundir import RunSetupError
+
+log = logging.getLogger("graphstep")
+
+TRACKER = "latest_checkpointed_iteration.txt"
+ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+class CheckpointError(RunSetupError, RuntimeError):
+    """A checkpoint that cannot be resumed from: damaged, or saved for another model."""
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """What is wrong with the checkpoint folder ``path`` (one short phrase), or None when it is intact."""
+    meta_file = path / ".metadata"
+    if not meta_file.is_file():
+        return f"{meta_file} is missing"
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as exc:  # unpickling garbage raises anything
+        return f"{meta_file} is unreadable ({type(exc).__name__})"
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    if not needed:
+        return f"{meta_file} names no data files"
+    for name, size in sorted(needed.items()):
+        f = path / name
+        try:
+            actual = f.stat().st_size
+        except FileNotFoundError:
+            return f"{f} is missing"
+        except OSError as exc:
+            return f"{f} cannot be read ({exc.strerror})"
+        if actual < size:
+            return f"{f} is truncated ({actual} of {size} bytes)"
+    return None
+
+
+def _iteration_dirs(root: Path) -> list[tuple[int, Path]]:
+    return sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := ITER_DIR.match(p.name)) and p.is_dir()),
+                  reverse=True)
+
+
+def _tracker_iteration(root: Path) -> int | None:
+    try:
+        return int((root / TRACKER).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def intact_checkpoints(root: Path) -> list[Path]:
+    """The intact ``iter_*`` folders of ``root``, newest first."""
+    return [p for _, p in _iteration_dirs(root) if verify_checkpoint(p) is None] if root.is_dir() else []
+
+
+def choose_checkpoint(load: str | Path) -> Path | None:
+    """The intact checkpoint to resume from (see the module docstring)."""
+    root = Path(load)
+    if ITER_DIR.match(root.name) and root.is_dir():
+        return _exact(root)
+    if not root.is_dir():
+        return None
+    candidates = _iteration_dirs(root)
+    tracked = _tracker_iteration(root)
+    candidates.sort(key=lambda ip: (ip[0] != tracked, -ip[0]))  # the tracker's first, then newest first
+    damaged: list[str] = []
+    for _, path in candidates:
+        problem = verify_checkpoint(path)
+        if problem is None:
+            if damaged:
+                log.warning("resuming from %s, the newest intact checkpoint (skipped: %s)", path, "; ".join(damaged))
+            return path
+        log.warning("checkpoint %s is damaged: %s", path, problem)
+        damaged.append(f"{path.name}: {problem}")
+    if damaged:
+        raise CheckpointError(f"checkpoint.load={load}: every checkpoint there is damaged ({'; '.join(damaged)}); "
+                              "restore one, or set checkpoint.load=null to train from the start")
+    return None
+
+
+def _exact(path: Path) -> Path:
+    problem = verify_checkpoint(path)
+    if problem is None:
+        return path
+    intact = intact_checkpoints(path.parent)
+    others = ", ".join(str(p) for p in intact) if intact else "none"
+    raise CheckpointError(f"checkpoint.load={path} is damaged: {problem}; intact checkpoints: {others} "
+                          f"(name one, or checkpoint.load={path.parent} to take the newest intact one)")
