@@ -4,7 +4,11 @@ The loop reads top to bottom:
 
 1. validate the config (every rule at once; ``model.hf_path`` first sets
    the model shape from its config.json); join torchrun's process group
-   when launched by it (training/distributed.py) and pick the device;
+   when launched by it (training/distributed.py) and pick the device; then,
+   before anything is built, check that every output path is writable
+   (training/rundir.py), that the run fits in the device's memory
+   (training/memory.py), and lock the output directories against a second
+   run -- each a one-line ``RunSetupError`` (exit 2) on every rank;
 2. seed (per rank, as Megatron does), build the model -- with
    ``model.hf_path``, whose config.json set the shape in step 1, its weights
    are copied in before the optimizer takes its fp32 master copy
@@ -28,6 +32,7 @@ The loop reads top to bottom:
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import signal
 import sys
@@ -46,12 +51,14 @@ from ..models import build_model
 from ..models.hf import load_hf_weights, with_hf_shape
 from .checkpoint import Checkpointer, TrainingState, kill_at_iteration_if_asked
 from .console import Console
+from .memory import check_memory_fits
 from .distributed import DataParallel, init_data_parallel
 from .metrics import MetricsRecorder
 from .moe_hooks import KEYS as MOE_KEYS
 from .moe_hooks import MoEHooks
 from .optim import GradBuffers, build_optimizer
 from .prepare import prepare
+from .rundir import RunLock, RunSetupError, check_outputs_writable, output_dirs
 from .step import EvalStep, TrainStep
 
 log = logging.getLogger("graphstep")
@@ -81,8 +88,9 @@ class TrainResult:
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is available (use train.device=auto or cpu)")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RunSetupError(f"train.device={name} but this machine has no CUDA device; "
+                            "use train.device=cpu or auto")
     dev = torch.device(name)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -139,6 +147,32 @@ def train(cfg: Config, *, keep_model: bool = False) -> TrainResult:
 
 def _train(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model: bool) -> TrainResult:
     device = pick_device(cfg.train.device)
+    lock = _preflight(cfg, dp, device)
+    try:
+        return _run(cfg, settings, dp, keep_model, device)
+    finally:
+        lock.release()  # on every exit: normal end, exception, SIGINT/SIGTERM (a clean stop)
+
+
+def _preflight(cfg: Config, dp: DataParallel, device: torch.device) -> RunLock:
+    """Writable outputs, enough memory, the run lock (rank 0): every rank fails together, before building."""
+    lock = RunLock([d for _, d in output_dirs(cfg)] if dp.is_main else [])
+    error: RunSetupError | None = None
+    try:
+        check_outputs_writable(cfg, metrics=dp.is_main)
+        replicas = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1  # ranks share RAM
+        check_memory_fits(cfg, device, replicas=replicas)
+        lock.__enter__()
+    except RunSetupError as exc:
+        error = exc
+    if dp.any(error is not None):
+        lock.release()
+        raise error or RunSetupError("another data-parallel rank could not start this run (its message says why)")
+    return lock
+
+
+def _run(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model: bool,
+         device: torch.device) -> TrainResult:
     tr = cfg.train
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.world_size)
 
@@ -168,7 +202,8 @@ def _train(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_mode
         capture_barrier=dp.barrier if dp.enabled else None, buckets=parse_buckets(cfg),
     )
     keys = ["loss", "grad_norm", "lr", "nonfinite"] + (list(MOE_KEYS) if moe.enabled else [])
-    recorder = MetricsRecorder(keys, device, cfg.logger.log_interval, cfg.logger.metrics_path if dp.is_main else None)
+    recorder = MetricsRecorder(keys, device, cfg.logger.log_interval, cfg.logger.metrics_path if dp.is_main else None,
+                               resume_after=start)
     console = Console(enabled=cfg.logger.progress_bar and sys.stderr.isatty() and dp.is_main,
                       total=max(0, tr.train_iters - start))
     result = TrainResult(describe=runner.describe, iterations=start)
