@@ -6,12 +6,25 @@
   the forward graph and its graph-owned outputs (any pytree: tensors, tuples,
   ``None``);
 * static output gradients, the backward graph and its graph-owned input gradients;
-* the parameter-gradient targets: the backward graph *adds* each parameter's
-  gradient into ``param.main_grad`` (graphstep's persistent fp32 buffers) or,
-  for a plain module, into a persistent ``param.grad``. Parameters are not
-  inputs of the autograd.Function, so autograd never sees a static gradient
-  buffer -- gradient accumulation over micro-batches is exactly eager's
-  (unlike ``torch.cuda.make_graphed_callables``, pytorch issue 181723).
+* the parameter gradients, in one of two ways per parameter:
+
+  - **returned** (the default): the parameter is an input of the
+    autograd.Function and its backward returns a *copy* of the graph-owned
+    gradient, so autograd accumulates it into ``.grad`` and runs every hook
+    -- ``Tensor.register_hook``, ``register_post_accumulate_grad_hook``,
+    hooks on the AccumulateGrad node (torch DDP, FSDP) -- on every replayed
+    backward, each seeing that backward's own gradient, never a buffer the
+    next replay overwrites (pytorch issue 181723; TE's
+    ``clone_param_grads_on_return``);
+  - **accumulated in the graph**: a parameter whose ``main_grad`` is
+    filled only by graphstep's own accumulation hook (the trainer's fp32
+    buffers, see :func:`accumulates_in_graph`) has its gradient added into
+    ``main_grad`` inside the backward graph; autograd never sees it, which
+    saves an eager copy and accumulation per parameter. Hooks added after
+    capture to such a parameter are refused.
+
+  Either way gradient accumulation over micro-batches is exactly eager's
+  (unlike ``torch.cuda.make_graphed_callables``).
 
 Inputs and outputs are handled as flat lists of pytree leaves; an input leaf
 index names the same argument at capture and at replay.
@@ -36,6 +49,27 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .backend import Graph, GraphBackend
 from .errors import ContractError
 from .static_io import StaticInputs
+
+
+MAIN_GRAD_HOOK_FLAG = "graphstep_main_grad_hook"
+
+
+def _hook_count(p: torch.Tensor) -> tuple[int, int]:
+    return len(getattr(p, "_backward_hooks", None) or {}), len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+
+
+def accumulates_in_graph(p: torch.Tensor) -> bool:
+    """Whether ``p``'s gradient can be added into ``p.main_grad`` inside the backward graph.
+
+    True when ``p`` has a ``main_grad`` and its only hooks are post-accumulate
+    hooks marked with ``MAIN_GRAD_HOOK_FLAG`` (functions that do nothing but
+    ``main_grad += grad``): skipping autograd then changes nothing observable.
+    Any other hook (a user's, DDP's on the parameter) needs the gradient returned.
+    """
+    if getattr(p, "main_grad", None) is None or getattr(p, "_backward_hooks", None):
+        return False
+    hooks = (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()
+    return all(getattr(h, MAIN_GRAD_HOOK_FLAG, False) for h in hooks)
 
 
 def _differentiable(t: Any) -> bool:
@@ -66,7 +100,10 @@ class ModuleGraph:
         self.grad_in: list[torch.Tensor | None] = []
         self.fwd: Graph | None = None
         self.bwd: Graph | None = None
-        self.grad_targets: list[torch.Tensor] = []
+        self.grad_targets: list[torch.Tensor | None] = []  # per param: main_grad (in-graph) or None (returned)
+        self.param_grads: list[torch.Tensor | None] = []  # per returned param: its graph-owned gradient
+        self.returned: list[torch.Tensor] = []  # the parameters whose gradients autograd receives
+        self.hook_counts: list[tuple[int, int]] = []  # of the in-graph parameters, at capture
         self.param_aliases: list[torch.Tensor] = []
         self.pending_backward = False
         # Autograd calls a Function's backward only when an input requires grad; a
@@ -139,7 +176,10 @@ class ModuleGraph:
         self.grad_out = [None] * len(self.outputs)
         leaves = self.static.leaves
         inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        self.grad_targets = [_grad_target(p) for p in self.params]
+        self.grad_targets = [p.main_grad if accumulates_in_graph(p) else None for p in self.params]
+        self.returned = [p for p, t in zip(self.params, self.grad_targets) if t is None]
+        self.hook_counts = [_hook_count(p) for p, t in zip(self.params, self.grad_targets) if t is not None]
+        self.param_grads = [None] * len(self.returned)
         self.grad_in = [None] * len(leaves)
         if not diff_out or not (inputs or self.params):
             return  # nothing to differentiate (e.g. routing metadata): a forward graph only
@@ -157,10 +197,14 @@ class ModuleGraph:
                 grad_outputs=[self.grad_out[i] for i in diff_out],
                 retain_graph=self.retain_graph, allow_unused=True,
             )
+            returned = []
             with torch.no_grad():
                 for target, g in zip(self.grad_targets, grads[len(inputs):]):
-                    if g is not None:
+                    if target is None:
+                        returned.append(g)
+                    elif g is not None:
                         target.add_(g)
+            self.param_grads = returned
         it = iter(grads[: len(inputs)])
         self.grad_in = [next(it) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves]
 
@@ -182,13 +226,9 @@ class ModuleGraph:
         leaves = [next(it) if isinstance(o, torch.Tensor) else o for o in self.out_leaves]
         return tree_unflatten(leaves, self.out_spec)
 
-    def replay_backward(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
-        for p, target in zip(self.params, self.grad_targets):
-            if getattr(p, "main_grad", None) is not target and p.grad is not target:
-                raise ContractError(
-                    f"{self.name}: the gradient buffer of a parameter was replaced after capture; the backward graph "
-                    "adds into the captured buffer. Zero gradients in place (zero_grad(set_to_none=False))."
-                )
+    def replay_backward(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[tuple, tuple]:
+        """Replay the backward graph: (input gradients, gradients of the returned parameters)."""
+        self._check_in_graph_params()
         for static, g in zip(self.grad_out, grads):
             if static is None:
                 continue
@@ -199,7 +239,25 @@ class ModuleGraph:
         if self.bwd is not None:
             self.bwd.replay()
         self.pending_backward = False
-        return tuple(self.grad_in)
+        # A copy per returned gradient: autograd and the hooks get this backward's own
+        # gradient, which the next replay does not overwrite.
+        param_grads = tuple(g.clone() if g is not None else None for g in self.param_grads)
+        return tuple(self.grad_in), param_grads
+
+    def _check_in_graph_params(self) -> None:
+        in_graph = [p for p, t in zip(self.params, self.grad_targets) if t is not None]
+        for p, target, counts in zip(in_graph, [t for t in self.grad_targets if t is not None], self.hook_counts):
+            if getattr(p, "main_grad", None) is not target and p.grad is not target:
+                raise ContractError(
+                    f"{self.name}: the gradient buffer of a parameter was replaced after capture; the backward graph "
+                    "adds into the captured buffer. Zero gradients in place (zero_grad(set_to_none=False))."
+                )
+            if _hook_count(p) != counts:
+                raise ContractError(
+                    f"{self.name}: a gradient hook was added to or removed from a parameter after capture; its "
+                    "gradient is accumulated into main_grad inside the graph, where hooks cannot run. Register "
+                    "hooks before the capture (the graph then returns the gradient to autograd) or capture again."
+                )
 
     def reset(self) -> None:
         for g in (self.fwd, self.bwd):
@@ -209,29 +267,21 @@ class ModuleGraph:
         self.static = None
         self.out_leaves, self.outputs = [], []
         self.grad_out, self.grad_in, self.grad_targets, self.param_aliases = [], [], [], []
+        self.param_grads, self.returned, self.hook_counts = [], [], []
         self.pending_backward = False
-
-
-def _grad_target(p: torch.Tensor) -> torch.Tensor:
-    """Where the backward graph accumulates ``p``'s gradient: ``main_grad`` or a persistent ``.grad``."""
-    target = getattr(p, "main_grad", None)
-    if target is not None:
-        return target
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return p.grad
 
 
 class GraphedFunction(torch.autograd.Function):
     """Replays a :class:`ModuleGraph`: forward graph in forward, backward graph in backward.
 
-    Called as ``apply(graph, anchor, spec, *leaves)`` with the flattened ``(args, kwargs)``;
+    Called as ``apply(graph, anchor, spec, n_leaves, *leaves, *returned_params)`` with the
+    flattened ``(args, kwargs)`` and the parameters whose gradients go back to autograd;
     returns the graph-owned tensor outputs (detached views), in order.
     """
 
     @staticmethod
-    def forward(ctx, graph: ModuleGraph, anchor: torch.Tensor, spec: Any, *leaves: Any) -> Any:
-        outputs = graph.replay_forward(tree_unflatten(list(leaves), spec))
+    def forward(ctx, graph: ModuleGraph, anchor: torch.Tensor, spec: Any, n_leaves: int, *inputs: Any) -> Any:
+        outputs = graph.replay_forward(tree_unflatten(list(inputs[:n_leaves]), spec))
         ctx.graph = graph
         result = tuple(o.detach() for o in outputs)
         ctx.mark_non_differentiable(*[r for r in result if not _differentiable(r)])
@@ -239,4 +289,12 @@ class GraphedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> Any:
-        return (None, None, None, *ctx.graph.replay_backward(grads))
+        grad_in, param_grads = ctx.graph.replay_backward(grads)
+        return (None, None, None, None, *grad_in, *param_grads)
+
+
+def apply_graphed(graph: ModuleGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``graph``'s module call by replaying its graphs (autograd-aware); returns the output pytree."""
+    leaves, spec = tree_flatten((args, kwargs))
+    outputs = GraphedFunction.apply(graph, graph.anchor, spec, len(leaves), *leaves, *graph.returned)
+    return graph.rebuild_output(outputs)

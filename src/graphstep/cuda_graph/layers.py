@@ -8,7 +8,7 @@ The engine patches the submodule's ``forward`` with a dispatcher:
 * warm-up (before capture): the original forward, eagerly, while recording
   the order of forward and backward calls, a sample of each module's inputs,
   and which module's output feeds which module's input;
-* after capture: ``GraphedFunction`` replays the graphs.
+* after capture: ``apply_graphed`` replays the graphs (parameter hooks still run).
 
 ``capture()`` captures every graph into the backend's one pool, in an order
 that depends on the semantics:
@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .backend import GiB, GraphBackend, default_generators
-from .graphed_module import GraphedFunction, ModuleGraph
+from .graphed_module import ModuleGraph, apply_graphed
 from .scopes import scope_modules
 
 log = logging.getLogger("graphstep")
@@ -104,8 +104,7 @@ class LayerGraphs:
             if not self.captured:
                 return self._warmup_call(index, args, kwargs)
             self.state = "replayed"
-            leaves, spec = tree_flatten((args, kwargs))
-            return graph.rebuild_output(GraphedFunction.apply(graph, graph.anchor, spec, *leaves))
+            return apply_graphed(graph, args, kwargs)
 
         return forward
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..cuda_graph.graphed_module import MAIN_GRAD_HOOK_FLAG
+
 
 class GradBuffers:
     """Persistent fp32 gradient buffers (``param.main_grad``) in one flat tensor."""
@@ -57,6 +59,11 @@ def _accumulate_main_grad(p: torch.Tensor) -> None:
     # copy alive and lets the next micro-batch start from None again.
     p.main_grad.add_(p.grad)
     p.grad = None
+
+
+# Per-layer graphs may add the gradient into main_grad inside the backward graph instead
+# of returning it to autograd: this hook does nothing else, so skipping it is unobservable.
+setattr(_accumulate_main_grad, MAIN_GRAD_HOOK_FLAG, True)
 
 
 @dataclass(frozen=True)
