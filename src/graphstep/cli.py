@@ -1,9 +1,18 @@
-"""``graphstep train | config show | config validate`` (and the commands other modules add).
+"""``graphstep train | config show | config validate | config fields`` (and the commands other modules add).
 
 Every command resolves a config the same way: the recipe (``--recipe``,
 default ``llama3_tiny``), then a YAML file (``--config``), then the
 perf-harness flags (``--cuda_graph_impl``, ``--cuda_graph_scope``), then the
-dotted overrides in order (``model.cuda_graph_impl=local``).
+dotted overrides in the order written (``model.cuda_graph_impl=local``).
+Overrides may stand before, between and after the options, as with Hydra.
+
+This module is the boundary where a user's mistake becomes one line: any
+:class:`~graphstep.config.ConfigError` (bad config, data, checkpoint or
+script -- the data, Hugging Face and doctor errors derive from it) or a
+missing corpus is printed as ``graphstep <command>: <what, where, fix>`` with
+exit code 2 and no traceback (``-v`` shows the traceback). Exit code 1 is
+left to a command's own findings (``graphstep doctor``: a line breaks
+capture), 130 to a run stopped by a signal.
 """
 
 from __future__ import annotations
@@ -70,6 +79,37 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def field_reference(section: str | None = None) -> str:
+    """Every config field (or one section's) with its type, default and help: ``graphstep config fields``."""
+    from .config import SECTIONS, _describe, field_type, iter_fields
+
+    if section is not None and section not in SECTIONS:
+        raise ConfigError(f"unknown section {section!r}; sections: {', '.join(SECTIONS)}")
+    lines, current = [], None
+    for sec, name, _value, default, help_text, unsupported in iter_fields():
+        if section is not None and sec != section:
+            continue
+        if sec != current:
+            current = sec
+            lines.append(f"{'' if not lines else chr(10)}{sec}:")
+        note = " [not implemented: only the default]" if unsupported else ""
+        help_text = help_text.replace(" Not implemented by graphstep: only the default is accepted.", "")
+        lines.append(f"  {sec}.{name} ({_describe(field_type(sec, name))}, default {dump_value(default)}): "
+                     f"{help_text}{note}")
+    return "\n".join(lines) + "\n"
+
+
+def dump_value(value: object) -> str:
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def cmd_config_fields(args: argparse.Namespace) -> int:
+    sys.stdout.write(field_reference(args.section))
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {}
 
 
@@ -94,12 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     pc = sub.add_parser("config", help="show or validate a resolved config")
     csub = pc.add_subparsers(dest="config_command", required=True)
-    p = csub.add_parser("show", help="print the resolved config as YAML")
+    p = csub.add_parser("show", help="print the resolved config as YAML", epilog="fields:\n" + field_reference(),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _config_args(p)
     p.set_defaults(fn=cmd_config_show)
     p = csub.add_parser("validate", help="check every CUDA-graph rule; exit 2 listing all violations")
     _config_args(p)
     p.set_defaults(fn=cmd_config_validate)
+    p = csub.add_parser("fields", help="list every config field with its type, default and meaning")
+    p.add_argument("section", nargs="?", help="only this section (model, train, optimizer, ...)")
+    p.set_defaults(fn=cmd_config_fields)
 
     _load_plugins()
     for add in COMMANDS.values():
@@ -118,14 +162,44 @@ def _load_plugins() -> None:
                 raise
 
 
+def _late_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
+    """Overrides written after an option (``train a=1 --recipe r b=2``) join the others, in order."""
+    if not extra:
+        return
+    stray = [e for e in extra if e.startswith("-") or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = list(args.overrides) + extra
+
+
+def one_line(exc: BaseException) -> str:
+    """A user error's message on one line (a list of rule violations keeps one line per violation)."""
+    from .cuda_graph.settings import ConfigValidationError
+
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, ConfigValidationError):
+        return text
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    from .data.corpus import CorpusNotFoundError
+
+    return isinstance(exc, (ConfigError, CorpusNotFoundError))
+
+
 def main(argv: list[str] | None = None) -> int:
     from .training.console import setup_logging
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    _late_overrides(parser, args, extra)
     setup_logging(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return args.fn(args)
-    except ConfigError as exc:
-        print(f"graphstep: config error: {exc}", file=sys.stderr)
+    except Exception as exc:
+        if args.verbose or not _is_user_error(exc):
+            raise
+        command = " ".join(c for c in (args.command, getattr(args, "config_command", None)) if c)
+        print(f"graphstep {command}: {one_line(exc)}", file=sys.stderr)
         return 2

@@ -362,17 +362,41 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"{key!r}: expected {_describe(hints[name])}, got {value!r} ({type(value).__name__})")
     setattr(sec, name, coerced)
+    cfg.__dict__.setdefault("_explicit_keys", set()).add(key)
+
+
+def explicit_keys(cfg: Config) -> frozenset[str]:
+    """The ``section.field`` keys set through :func:`set_value` (overrides, YAML): the user's own choices.
+
+    A recipe assigns attributes directly, so its values are not explicit; where the user's explicit
+    value and a recipe's disagree (the two RNG tracker flags), the explicit one wins.
+    """
+    return frozenset(cfg.__dict__.get("_explicit_keys", ()))
 
 
 def parse_value(text: str) -> Any:
-    """Parse an override value as YAML (``[a,b]``, ``true``, ``3``, ``1e-3``, ``null``)."""
+    """Parse an override value as YAML (``[a,b]``, ``true``, ``3``, ``1e-3``, ``null``).
+
+    A bracketed list YAML cannot read (``[attn,,mlp]``) is split on its commas;
+    an empty item there is a :class:`ConfigError` naming its position.
+    """
     try:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
-        return text
+        stripped = text.strip()
+        return _parse_list(stripped) if stripped.startswith("[") and stripped.endswith("]") else text
     if isinstance(value, (dict, set)):
         return text
     return value
+
+
+def _parse_list(text: str) -> list[Any]:
+    items = [item.strip() for item in text[1:-1].split(",")]
+    for position, item in enumerate(items, start=1):
+        if not item:
+            raise ConfigError(f"{text}: item {position} of the list is empty; write the items separated by "
+                              f"single commas, such as [{', '.join(i for i in items if i) or 'a, b'}]")
+    return [parse_value(item) if not item.startswith("[") else item for item in items]
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
@@ -382,7 +406,11 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
             raise ConfigError(f"override {item!r}: expected section.field=value")
         key, text = item.split("=", 1)
         key = key.strip().lstrip("+")
-        set_value(cfg, key, parse_value(text))
+        try:
+            value = parse_value(text)
+        except ConfigError as exc:
+            raise ConfigError(f"{key}={exc}") from None
+        set_value(cfg, key, value)
     return cfg
 
 
@@ -401,11 +429,43 @@ def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
     return cfg
 
 
-def load_yaml(path: str | Path, base: Config | None = None) -> Config:
-    with open(path) as fh:
-        data = yaml.safe_load(fh) or {}
+def read_yaml(path: str | Path) -> Any:
+    """The YAML document of ``path``; every way a file can be unreadable is a one-line ConfigError."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{path}: no such file; --config takes the path of a YAML file")
+    if p.is_dir():
+        raise ConfigError(f"{path}: is a directory; --config takes the path of a YAML file")
     try:
-        return from_dict(data, base)
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror}); check its permissions") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: byte 0x{raw[exc.start]:02x} is not UTF-8; save the file as UTF-8 "
+                          "text") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = " ".join(str(exc.problem or exc.context or "not valid YAML").split())
+        if exc.context and exc.context_mark is not None and exc.context_mark is not mark:
+            problem += f", {exc.context} that starts at line {exc.context_mark.line + 1}"
+        fix = ("YAML indents with spaces: replace the tab by spaces" if "\\t" in problem
+               else "correct the YAML there (a mapping of sections such as `model: {num_layers: 4}`)")
+        raise ConfigError(f"{where}: invalid YAML ({problem}); {fix}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML ({' '.join(str(exc).split())})") from None
+
+
+def load_yaml(path: str | Path, base: Config | None = None) -> Config:
+    """A config from a YAML file of sections, on top of ``base``; ConfigError names the file."""
+    data = read_yaml(path)
+    try:
+        return from_dict(data if data is not None else {}, base)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 

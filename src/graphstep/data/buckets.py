@@ -27,7 +27,7 @@ import torch
 from graphstep.config import Config, ConfigError
 
 
-class BucketError(ValueError):
+class BucketError(ConfigError):
     """A sample that no bucket holds."""
 
 

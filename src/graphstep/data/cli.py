@@ -33,30 +33,58 @@ from .tokenizer import Tokenizer, build_tokenizer
 log = logging.getLogger("graphstep")
 
 
-class PreprocessError(ValueError):
+class PreprocessError(ConfigError):
     """An input graphstep preprocess cannot turn into documents (names file:line)."""
+
+
+def _utf8(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise PreprocessError(f"{path}:{line}: byte 0x{raw[exc.start]:02x} is not UTF-8; graphstep preprocess "
+                              "reads UTF-8 text and jsonl files") from None
 
 
 def read_documents(path: Path, keys: list[str]) -> Iterator[dict[str, str]]:
     """The documents of one input: a dict key -> text per jsonl line, or the whole file as ``keys[0]``."""
+    text = _utf8(path)
     if path.suffix not in (".jsonl", ".json"):
-        yield {keys[0]: path.read_text(encoding="utf-8")}
+        yield {keys[0]: text}
         return
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PreprocessError(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
-            if missing:
-                raise PreprocessError(f"{path}:{number}: no {missing[0]!r} key (--json-keys {' '.join(keys)})")
-            bad = [k for k in keys if not isinstance(obj[k], str)]
-            if bad:
-                raise PreprocessError(f"{path}:{number}: {bad[0]!r} is a {type(obj[bad[0]]).__name__}, not a string")
-            yield {k: obj[k] for k in keys}
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PreprocessError(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
+        if missing:
+            raise PreprocessError(f"{path}:{number}: no {missing[0]!r} key (--json-keys {' '.join(keys)})")
+        bad = [k for k in keys if not isinstance(obj[k], str)]
+        if bad:
+            raise PreprocessError(f"{path}:{number}: {bad[0]!r} is a {type(obj[bad[0]]).__name__}, not a string")
+        yield {k: obj[k] for k in keys}
+
+
+def _add_documents(paths: list[Path], builders: dict[str, IndexedDatasetBuilder], tokenizer: Tokenizer,
+                   append_eod: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """Tokenize every document of every input into its key's builder; the counts per key."""
+    documents, tokens = dict.fromkeys(builders, 0), dict.fromkeys(builders, 0)
+    for path in paths:
+        for doc in read_documents(path, list(builders)):
+            for key, text in doc.items():
+                if not text:
+                    continue
+                ids = tokenizer.encode(text) + ([tokenizer.eod] if append_eod else [])
+                builders[key].add_document(ids)
+                documents[key] += 1
+                tokens[key] += len(ids)
+                if documents[key] % 100_000 == 0:
+                    log.info("%s: %d documents, %d tokens", key, documents[key], tokens[key])
+    return documents, tokens
 
 
 def preprocess(inputs: list[str | Path], output_prefix: str, tokenizer: Tokenizer, tokenizer_name: str, *,
@@ -68,19 +96,16 @@ def preprocess(inputs: list[str | Path], output_prefix: str, tokenizer: Tokenize
             raise PreprocessError(f"{p}: no such input file")
     dtype = optimal_dtype(tokenizer.vocab_size)
     builders = {k: IndexedDatasetBuilder(f"{output_prefix}_{k}_document", dtype) for k in json_keys}
-    documents = dict.fromkeys(json_keys, 0)
-    tokens = dict.fromkeys(json_keys, 0)
-    for path in paths:
-        for doc in read_documents(path, list(json_keys)):
-            for key, text in doc.items():
-                if not text:
-                    continue
-                ids = tokenizer.encode(text) + ([tokenizer.eod] if append_eod else [])
-                builders[key].add_document(ids)
-                documents[key] += 1
-                tokens[key] += len(ids)
-                if documents[key] % 100_000 == 0:
-                    log.info("%s: %d documents, %d tokens", key, documents[key], tokens[key])
+    try:
+        documents, tokens = _add_documents(paths, builders, tokenizer, append_eod)
+        empty = [key for key, count in documents.items() if count == 0]
+        if empty:
+            raise PreprocessError(f"{', '.join(map(str, paths))}: no document with text under {empty[0]!r} (empty "
+                                  "input); give files with text, or the jsonl key that holds it with --json-keys")
+    except BaseException:
+        for builder in builders.values():
+            builder.discard()  # no partial .bin left behind
+        raise
     prefixes = []
     for key, builder in builders.items():
         prefix = builder.finalize()

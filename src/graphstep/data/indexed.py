@@ -53,7 +53,7 @@ CODES = {np.dtype(t): c for c, t in DTYPES.items()}
 META_SUFFIX = ".graphstep.json"
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(ConfigError):
     """An indexed dataset that cannot be read as it is; the message names the file and the position."""
 
 
@@ -224,6 +224,11 @@ class IndexedDatasetBuilder:
         self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
         self.lengths.append(int(array.size))
         self.document_indices.append(len(self.lengths))
+
+    def discard(self) -> None:
+        """Close and delete the partial .bin (nothing was written worth keeping)."""
+        self._bin.close()
+        Path(self.prefix + ".bin").unlink(missing_ok=True)
 
     def finalize(self) -> str:
         """Close the .bin and write the .idx; returns the prefix."""

@@ -57,39 +57,54 @@ def _field(obj: dict, key: str, where: str) -> str:
     return value
 
 
+def _text_lines(path: Path) -> list[str]:
+    """The file's lines; a binary or non-UTF-8 file is an error naming the line of the first bad byte."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise SFTDataError(f"{path}:{line}: byte 0x{raw[exc.start]:02x} is not UTF-8: an SFT file is jsonl text "
+                           "(one {\"prompt\": ..., \"response\": ...} object per line)") from None
+    if "\x00" in text:
+        line = text[: text.index("\x00")].count("\n") + 1
+        raise SFTDataError(f"{path}:{line}: a NUL byte: this is a binary file, not jsonl text; data.data_path of "
+                           "data.dataset=sft takes a jsonl file ({\"prompt\": ..., \"response\": ...} per line)")
+    return text.split("\n")  # not splitlines(): JSON strings may hold U+2028
+
+
 def read_examples(path: str | Path, tokenizer: Tokenizer, *, max_tokens: int, truncate: bool) -> list[SFTExample]:
     """Every example of the file, tokenized and checked against ``max_tokens`` model positions."""
     path = Path(path)
     if not path.is_file():
         raise SFTDataError(f"data.data_path={str(path)!r}: no such SFT file (jsonl with prompt/response lines)")
     examples = []
-    with open(path, encoding="utf-8") as fh:
-        for number, text in enumerate(fh, start=1):
-            if not text.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise SFTDataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(obj, dict):
-                raise SFTDataError(f"{where}: expected a JSON object with prompt and response, got {type(obj).__name__}")
-            prompt = tokenizer.encode(_field(obj, "prompt", where))
-            response = tokenizer.encode(_field(obj, "response", where))
-            seq = np.asarray(prompt + response + [tokenizer.eod], dtype=np.int64)
-            if len(seq) - 1 > max_tokens:
-                if not truncate or len(prompt) > max_tokens:
-                    why = "its prompt alone fills" if truncate else "it does not fit"
-                    raise SFTDataError(
-                        f"{where}: the example is {len(seq) - 1} tokens (prompt {len(prompt)}, response "
-                        f"{len(response)} + eod) and {why} the padded width of {max_tokens} "
-                        "(model.seq_length, or the largest of data.seq_length_buckets); raise it, shorten the "
-                        "example, or set data.sft_truncate=true to cut long responses"
-                    )
-                seq = seq[: max_tokens + 1]
-            if len(seq) < 2:
-                raise SFTDataError(f"{where}: empty example (no prompt and no response tokens)")
-            examples.append(SFTExample(seq=seq, prompt_len=len(prompt), line=number))
+    for number, text in enumerate(_text_lines(path), start=1):
+        if not text.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SFTDataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(obj, dict):
+            raise SFTDataError(f"{where}: expected a JSON object with prompt and response, got {type(obj).__name__}")
+        prompt = tokenizer.encode(_field(obj, "prompt", where))
+        response = tokenizer.encode(_field(obj, "response", where))
+        seq = np.asarray(prompt + response + [tokenizer.eod], dtype=np.int64)
+        if len(seq) - 1 > max_tokens:
+            if not truncate or len(prompt) > max_tokens:
+                why = "its prompt alone fills" if truncate else "it does not fit"
+                raise SFTDataError(
+                    f"{where}: the example is {len(seq) - 1} tokens (prompt {len(prompt)}, response "
+                    f"{len(response)} + eod) and {why} the padded width of {max_tokens} "
+                    "(model.seq_length, or the largest of data.seq_length_buckets); raise it, shorten the "
+                    "example, or set data.sft_truncate=true to cut long responses"
+                )
+            seq = seq[: max_tokens + 1]
+        if len(seq) < 2:
+            raise SFTDataError(f"{where}: empty example (no prompt and no response tokens)")
+        examples.append(SFTExample(seq=seq, prompt_len=len(prompt), line=number))
     if not examples:
         raise SFTDataError(f"{path}: no examples (empty file)")
     return examples

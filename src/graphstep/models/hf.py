@@ -45,6 +45,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from graphstep.config import ConfigError
+
 log = logging.getLogger("graphstep")
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -53,7 +55,7 @@ SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class HFCheckpointError(ValueError):
+class HFCheckpointError(ConfigError):
     """A Hugging Face directory graphstep cannot load as it is (the message says what and where)."""
 
 
@@ -64,8 +66,19 @@ class HFCheckpointError(ValueError):
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise HFCheckpointError(f"{path}: no config.json; model.hf_path takes a local Hugging Face model directory")
-    return json.loads(file.read_text())
+        what = "no config.json (no such directory)" if not Path(path).is_dir() else "no config.json in this directory"
+        raise HFCheckpointError(f"model.hf_path={path}: {what}; model.hf_path takes a local Hugging Face model "
+                                "directory (config.json + model.safetensors)")
+    try:
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise HFCheckpointError(f"{file}: not UTF-8 text; config.json is a JSON object") from None
+    except json.JSONDecodeError as exc:
+        raise HFCheckpointError(f"{file}:{exc.lineno}:{exc.colno}: invalid JSON ({exc.msg}); correct config.json "
+                                "or download it again") from None
+    if not isinstance(data, dict):
+        raise HFCheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _rope_theta(hf: dict[str, Any], problems: list[str]) -> int:
@@ -98,7 +111,14 @@ def config_from_hf(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     where = "config.json" if isinstance(source, dict) else str(Path(source) / "config.json")
     kind = hf.get("model_type")
     if kind not in SUPPORTED:
-        raise HFCheckpointError(f"{where}: model_type={kind!r}; graphstep loads {', '.join(SUPPORTED)}")
+        raise HFCheckpointError(f"{where}: model_type={kind!r}; graphstep loads {', '.join(SUPPORTED)} (a model "
+                                "of another architecture cannot be loaded)")
+    required = ["num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"]
+    required += ["num_experts_per_tok", "moe_intermediate_size"] if kind == "qwen3_moe" else []
+    missing = [key for key in required if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool)]
+    if missing:
+        raise HFCheckpointError(f"{where}: {', '.join(missing)} missing or not an integer; a {kind} config.json "
+                                "sets them (download the model's config.json again)")
     problems: list[str] = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r}: graphstep's MLP is SwiGLU (silu)")
@@ -251,14 +271,29 @@ def _kinds(m: Any) -> list[list[str]]:
 # loading
 
 
-def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model.safetensors`` or of the shards its index lists."""
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    if not file.is_file():
+        raise HFCheckpointError(f"{file}: no such file (listed by model.safetensors.index.json)")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise HFCheckpointError(f"{file}: not a readable safetensors file ({' '.join(str(exc).split())}); "
+                                "download it again (a git-lfs pointer or a truncated download looks like this)") from None
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model.safetensors`` or of the shards its index lists."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise HFCheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map); "
+                                    "download it again") from None
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -266,7 +301,7 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
                                 "reads safetensors checkpoints only")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        tensors.update(load_file(str(path / name)))
+        tensors.update(_load_safetensors(path / name))
     return tensors
 
 
