@@ -9,6 +9,8 @@ The library API (docs/library.md)::
         loss = step(batch["x"], batch["y"])      # graph-owned: clone what you keep
 
     graphs = graphstep.graph_layers(hf_model, ["attn", "mlp"])   # per-layer graphs
+    with graphstep.capture_stream():                             # DDP/FSDP keep AccumulateGrad nodes:
+        model = DDP(model)                                       # build them on the capture stream
     ...
     graphstep.close_all()
 
@@ -16,8 +18,8 @@ The trainer (``graphstep train``) is built on the same mechanisms.
 """
 
 from .api import HF_SCOPE_MAPS, close_all, graph_layers, graph_step, parse_scope_map, scope_map_for
-from .cuda_graph.backend import get_backend
-from .cuda_graph.errors import CaptureError, ContractError
+from .cuda_graph.backend import capture_stream, get_backend
+from .cuda_graph.errors import CaptureError, ContractError, GraphstepError, GraphUsageError
 from .cuda_graph.full_iteration import GraphedStep
 from .cuda_graph.layers import LayerGraphs
 from .cuda_graph.rng import RNGTracker, get_rng_tracker, initialize_rng_tracker
@@ -27,10 +29,13 @@ __version__ = "0.1.0"
 __all__ = [
     "CaptureError",
     "ContractError",
+    "GraphUsageError",
     "GraphedStep",
+    "GraphstepError",
     "HF_SCOPE_MAPS",
     "LayerGraphs",
     "RNGTracker",
+    "capture_stream",
     "close_all",
     "get_backend",
     "get_rng_tracker",

@@ -8,7 +8,8 @@ Three entry points, in the shape of ``torch.cuda.graphs`` (docs/library.md):
   ``nn.Module``, picked by name pattern or scope map (built-in maps for
   Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Mixtral / Qwen3-MoE): the
   trainer's per-layer engine;
-* :func:`get_rng_tracker` / :class:`RNGTracker` and :func:`close_all`.
+* :func:`get_rng_tracker` / :class:`RNGTracker`, :func:`capture_stream`
+  (build DDP/FSDP under it) and :func:`close_all`.
 
 The same backends serve both: CUDA graphs on a GPU, the CPU replay backend
 elsewhere (or anywhere with ``backend="replay"``).
@@ -25,7 +26,7 @@ from torch import nn
 
 from .cuda_graph.backend import close_all_backends, get_backend
 from .cuda_graph.errors import ContractError
-from .cuda_graph.full_iteration import GraphedStep
+from .cuda_graph.full_iteration import GeneratorSource, GraphedStep, generator_source
 from .cuda_graph.layers import LayerGraphs
 from .cuda_graph.rng import get_rng_tracker
 
@@ -87,10 +88,10 @@ class _GuardedStep(GraphedStep):
         super().__init__(*args, **kwargs)
         self.guard = guard
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.captured:
             self.guard.check()
-        out = super().__call__(*args)
+        out = super().__call__(*args, **kwargs)
         if self.captured and self.guard.snapshot is None:
             self.guard.arm()
         return out
@@ -109,13 +110,14 @@ def graph_step(
     device: torch.device | str | None = None,
     backend: str = "auto",
     modules: Sequence[nn.Module] = (),
-    generators: Callable[[], Iterable[torch.Generator]] | None = None,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    generators: GeneratorSource = None,
     on_failure: str = "raise",
 ) -> GraphedStep:
     """Capture ``fn`` -- a whole training step -- as one graph after ``warmup_steps`` eager calls.
 
-    Call the result with the tensors that change each step (batches); they are
-    copied into static buffers and the graph is replayed. Everything else the
+    Call the result with the tensors that change each step (batches), positional
+    or by keyword; they are copied into static buffers and the graph is replayed. Everything else the
     step touches (parameters, gradients, optimizer state) must live at fixed
     addresses: update in place, zero gradients with ``set_to_none=False``.
 
@@ -126,8 +128,12 @@ def graph_step(
         backend: ``auto`` (CUDA graphs on a GPU, the CPU replay backend elsewhere),
             ``cuda``, or ``replay`` (a dry run on any device).
         modules: models whose parameters the step updates; checked before each
-            replay for parameters replaced instead of updated in place.
-        generators: the RNG generators to register (default: graphstep's RNG tracker).
+            replay for parameters replaced instead of updated in place, and at capture
+            for parameters or buffers the capture created.
+        optimizers: optimizers whose state the capture must not create (those the
+            step function refers to are found without being listed).
+        generators: the RNG generators to register: a callable returning them, or
+            an iterable of generators (default: graphstep's RNG tracker's).
         on_failure: ``raise``, or ``eager`` to keep running eagerly when capture fails.
 
     .. warning::
@@ -143,11 +149,22 @@ def graph_step(
     .. warning::
         torch optimizers must be constructed with ``capturable=True`` on CUDA
         (``fused=True`` on the CPU); the default ones read their step counter on the host.
+    .. warning::
+        Optimizer state (momentum, Adam moments) must exist before the capture:
+        with ``warmup_steps=0`` and a lazily created state the capture raises
+        ``CaptureError`` (category ``lazy_state``).
     """
     device = torch.device(device) if device is not None else _default_device()
-    gens = generators if generators is not None else (lambda: get_rng_tracker().generators())
     return _GuardedStep(fn, get_backend(device, backend), warmup_steps=warmup_steps, name=getattr(fn, "__name__", "step"),
-                        generators=gens, on_failure=on_failure, guard=ParamGuard(modules))
+                        generators=_generators(generators), on_failure=on_failure, guard=ParamGuard(modules),
+                        modules=modules, optimizers=optimizers)
+
+
+def _generators(generators: GeneratorSource) -> Callable[[], Iterable[torch.Generator]]:
+    """``generators=`` of the API as a callable; None: the RNG tracker's streams at capture time."""
+    if generators is None:
+        return lambda: get_rng_tracker().generators()
+    return generator_source(generators)
 
 
 def parse_scope_map(text: str) -> dict[str, str]:
@@ -172,8 +189,21 @@ def scope_map_for(model: nn.Module) -> dict[str, str]:
     return HF_SCOPE_MAPS[model_type]
 
 
+def _builtin_scopes(model: nn.Module) -> dict[str, str]:
+    try:
+        return scope_map_for(model)
+    except ValueError:
+        return {}
+
+
 def select_by_pattern(model: nn.Module, scopes: Sequence[str] | Mapping[str, str] | str) -> list[tuple[str, nn.Module]]:
-    """Submodules of ``model`` picked by scope names (with a scope map) or name patterns, in model order."""
+    """Submodules of ``model`` picked by module names, name patterns or scope names, in model order.
+
+    Each entry is, in this order: an exact submodule name (``"features"``,
+    ``"blocks.0.attn"``); a pattern (``"blocks.*.attn"``, anything with ``.``
+    or ``*``); else a scope name of the model's built-in scope map (``"attn"``
+    on a Hugging Face Llama). A mapping is a scope map: its values are patterns.
+    """
     if isinstance(scopes, str):
         scopes = parse_scope_map(scopes) if "->" in scopes else [s.strip() for s in scopes.split(",") if s.strip()]
     if isinstance(scopes, Mapping):
@@ -181,13 +211,17 @@ def select_by_pattern(model: nn.Module, scopes: Sequence[str] | Mapping[str, str
     else:
         builtin = None
         patterns = []
+        names = {name for name, _ in model.named_modules() if name}
         for s in scopes:
-            if "." in s or "*" in s:
+            if s in names or "." in s or "*" in s:
                 patterns.append(s)
             else:
-                builtin = builtin or scope_map_for(model)
+                builtin = builtin if builtin is not None else _builtin_scopes(model)
                 if s not in builtin:
-                    raise ValueError(f"scope {s!r} is not in the model's scope map ({', '.join(builtin)})")
+                    known = f"scopes of its scope map: {', '.join(builtin)}" if builtin else "no built-in scope map"
+                    raise ValueError(f"{s!r} is neither a submodule of {type(model).__name__} nor a built-in scope "
+                                     f"({known}); pass a module name, a pattern such as 'layers.*.attn' or a "
+                                     "scope map such as 'attn -> layers.*.attn'")
                 patterns.append(builtin[s])
     picked: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
@@ -208,14 +242,16 @@ def graph_layers(
     warmup_steps: int = 3,
     semantics: str = "local",
     backend: str = "auto",
-    generators: Callable[[], Iterable[torch.Generator]] | None = None,
+    generators: GeneratorSource = None,
     retain_graph: bool = False,
 ) -> LayerGraphs:
     """A forward and a backward graph per selected submodule of ``model``.
 
-    ``scopes`` are scope names of the model's built-in map (``["attn", "mlp"]``
-    for Hugging Face Llama/Qwen/Mistral), name patterns
-    (``"model.layers.*.mlp"``) or a scope map (``"attn -> model.layers.*.self_attn"``).
+    ``scopes`` are module names (``"features"``), name patterns
+    (``"model.layers.*.mlp"``), scope names of the model's built-in map
+    (``["attn", "mlp"]`` for Hugging Face Llama/Qwen/Mistral) or a scope map
+    (``"attn -> model.layers.*.self_attn"``). ``generators``: a callable
+    returning the RNG generators to register, or an iterable of them.
     The first ``warmup_steps`` training forwards (grad enabled, module in
     training mode) run eagerly and record the call order and input shapes; the
     next one captures every graph, then replays. Evaluation runs eagerly.
@@ -235,9 +271,8 @@ def graph_layers(
     if warmup_steps < 1:
         raise ValueError("graph_layers needs warmup_steps >= 1: an eager call records the call order and shapes")
     device = _model_device(model)
-    gens = generators if generators is not None else (lambda: get_rng_tracker().generators())
     return LayerGraphs(select_by_pattern(model, scopes), get_backend(device, backend), semantics=semantics,
-                       generators=gens, retain_graph=retain_graph, warmup_calls=warmup_steps)
+                       generators=_generators(generators), retain_graph=retain_graph, warmup_calls=warmup_steps)
 
 
 def close_all() -> None:

@@ -40,7 +40,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .errors import CaptureError  # noqa: F401  (re-exported)
+from .errors import ACCUMULATE_GRAD_WARNING, CaptureError, GraphUsageError, accumulate_grad_stream
 
 log = logging.getLogger("graphstep")
 
@@ -99,6 +99,7 @@ class GraphBackend(ABC):
         self.device = device
         self._graphs: list[weakref.ref[Graph]] = []
         self.reports: list[CaptureReport] = []
+        self.warmup_problem: CaptureError | None = None  # seen during warm-up, raised by the next capture
 
     @abstractmethod
     def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph: ...
@@ -109,7 +110,23 @@ class GraphBackend(ABC):
 
     def warmup(self) -> contextlib.AbstractContextManager:
         """Context manager for eager warm-up work (on the capture stream for CUDA)."""
-        return contextlib.nullcontext()
+        return self._watch_warmup()
+
+    @contextlib.contextmanager
+    def _watch_warmup(self) -> Iterator[None]:
+        """Keep what the warm-up tells about the coming capture (PyTorch's AccumulateGrad stream warning)."""
+        with _watch_warnings(ACCUMULATE_GRAD_WARNING) as seen:
+            yield
+        if seen and self.warmup_problem is None:
+            self.warmup_problem = accumulate_grad_stream(
+                "the next", f"the warm-up on the capture stream warned: {seen[0]}")
+
+    def take_warmup_problem(self, graph_name: str) -> CaptureError | None:
+        """The problem the warm-up found (once): a capture raises it instead of failing on the GPU."""
+        problem, self.warmup_problem = self.warmup_problem, None
+        if problem is not None:
+            problem.args = (str(problem).replace("graph 'the next'", f"graph {graph_name!r}"),)
+        return problem
 
     @abstractmethod
     def memory(self) -> tuple[int, int]:
@@ -132,6 +149,20 @@ class GraphBackend(ABC):
             if g is not None:
                 g.reset()
         self._graphs.clear()
+
+
+@contextlib.contextmanager
+def _watch_warnings(text: str) -> Iterator[list[str]]:
+    """Collect the warnings that contain ``text``; every other warning is shown as usual."""
+    seen: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # a once-only warning must reach us even if it was shown before
+        yield seen
+    for w in caught:
+        if text in str(w.message):
+            seen.append(str(w.message).splitlines()[0])
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 @contextlib.contextmanager
@@ -175,6 +206,35 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+@contextlib.contextmanager
+def capture_stream(device: torch.device | str | int | None = None) -> Iterator[None]:
+    """Run the block on graphstep's capture stream of ``device`` (a no-op without a CUDA device).
+
+    Construct DDP, FSDP or anything that keeps AccumulateGrad nodes inside
+    ``with graphstep.capture_stream():``: autograd accumulates a parameter's
+    gradient on the stream its AccumulateGrad node was made on, and a node made
+    on the default stream cannot join a graph captured on the capture stream.
+    The stream waits for the current one on entry, and the current one for it on exit.
+    """
+    if device is None:
+        if not torch.cuda.is_available():
+            yield
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        yield
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    stream = _capture_stream(device)
+    current = torch.cuda.current_stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield
+    current.wait_stream(stream)
+
+
 class CudaGraphBackend(GraphBackend):
     """``torch.cuda.CUDAGraph`` with one pool and one capture stream per process."""
 
@@ -193,15 +253,15 @@ class CudaGraphBackend(GraphBackend):
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[None]:
-        current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
+        with self._watch_warmup(), capture_stream(self.device):
             yield
-        current.wait_stream(self.stream)
 
     @contextlib.contextmanager
     def capture(self, graph: Graph, generators: Iterable[torch.Generator] = ()) -> Iterator[None]:
         assert isinstance(graph, _CudaGraph)
+        problem = self.take_warmup_problem(graph.name)
+        if problem is not None:  # a capture that would fail on the GPU: say why without trying
+            raise problem
         generators = list(generators)
         _register_generators(graph.cuda_graph, generators)
         torch.cuda.synchronize(self.device)
@@ -317,7 +377,8 @@ class _CudaGraph(Graph):
 
     def replay(self) -> None:
         if not self._captured or self.cuda_graph is None:
-            raise RuntimeError(f"graph {self.name!r} has not been captured (or was reset)")
+            raise GraphUsageError(f"graph {self.name!r} has not been captured (or was reset): capture it again "
+                                  "(reset() on the graphed step starts a new warm-up)")
         self.cuda_graph.replay()
 
     def reset(self) -> None:

@@ -9,6 +9,7 @@ machinery -- the line the user wrote.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import sysconfig
 import traceback
@@ -18,6 +19,8 @@ import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_DIR = os.path.dirname(__file__)
+# graphstep's library wrappers around the capture machinery: never the user's line
+_WRAPPER_FILES = {os.path.realpath(os.path.join(_THIS_DIR, os.pardir, "api.py"))}
 _STDLIB_DIRS = tuple(
     {os.path.realpath(p) for k in ("stdlib", "platstdlib") if (p := sysconfig.get_paths().get(k))}
 )
@@ -38,7 +41,7 @@ def _is_internal(filename: str) -> bool:
     if filename.startswith("<"):
         return True
     real = os.path.realpath(filename)
-    if real.startswith(_TORCH_DIR) or real.startswith(_THIS_DIR):
+    if real.startswith(_TORCH_DIR) or real.startswith(_THIS_DIR) or real in _WRAPPER_FILES:
         return True
     if "site-packages" in real:
         return False
@@ -55,11 +58,20 @@ def user_frame(skip_internal: bool = True) -> SourceLine | None:
     return None
 
 
-class CaptureError(RuntimeError):
+class GraphstepError(Exception):
+    """Base of every error graphstep raises on purpose (catch this to catch them all)."""
+
+
+class CaptureError(GraphstepError, RuntimeError):
     """A region cannot be captured (or a graph cannot be replayed) as asked.
 
-    ``op`` is the aten operator (or CUDA error) that broke the capture and
-    ``where`` the user's source line that led to it, when known.
+    ``op`` is the aten operator (or CUDA error) that broke the capture, ``where``
+    the user's source line that led to it, when known, and ``category`` what
+    kind of problem it is: ``host_sync``, ``dynamic_shape``, ``rng``,
+    ``optimizer``, ``lazy_state`` (persistent state created inside the
+    capture), ``oom`` (out of device memory), ``accumulate_grad_stream``
+    (retained AccumulateGrad nodes made on another stream) or ``cuda`` (any
+    other CUDA failure; the doctor re-runs the region to name the line).
     """
 
     def __init__(self, message: str, *, op: str | None = None, where: SourceLine | None = None, category: str = ""):
@@ -73,8 +85,13 @@ class CaptureError(RuntimeError):
 
     @classmethod
     def from_cuda(cls, exc: BaseException, graph_name: str) -> "CaptureError":
+        """The error a failed CUDA capture raises: known causes get their own message and fix."""
         if isinstance(exc, CaptureError):
             return exc
+        if is_out_of_memory(exc):
+            return out_of_memory(exc, graph_name)
+        if is_stream_capture_implicit(str(exc)):
+            return accumulate_grad_stream(graph_name, f"the capture failed with: {first_line(exc)}")
         return cls(
             f"capture of graph {graph_name!r} failed: {exc}. Run `graphstep doctor` (or "
             "graphstep.doctor.check) on this step to find the line that breaks capture.",
@@ -83,5 +100,72 @@ class CaptureError(RuntimeError):
         )
 
 
-class ContractError(ValueError):
+class ContractError(GraphstepError, ValueError):
     """A replay call differs from the captured one (shape, dtype, device, structure or value)."""
+
+
+class GraphUsageError(GraphstepError, RuntimeError):
+    """A graphed object was used out of order (forward twice before backward, replay before capture...)."""
+
+
+# --------------------------------------------------------------------------
+# known causes of a failed CUDA capture
+
+# cudaErrorStreamCaptureImplicit: work on the legacy default stream while another stream captures.
+_IMPLICIT_CAPTURE_TEXTS = ("cudaErrorStreamCaptureImplicit",
+                           "operation would make the legacy stream depend on a capturing blocking stream")
+# PyTorch's autograd warning when a retained AccumulateGrad node lives on another stream.
+ACCUMULATE_GRAD_WARNING = "The AccumulateGrad node's stream does not match the stream of the node that produced"
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def is_stream_capture_implicit(text: str) -> bool:
+    return any(t in text for t in _IMPLICIT_CAPTURE_TEXTS)
+
+
+def accumulate_grad_stream(graph_name: str, evidence: str) -> CaptureError:
+    """Parameters whose AccumulateGrad nodes were made (and kept, e.g. by DDP) on another stream."""
+    return CaptureError(
+        f"graph {graph_name!r} cannot be captured: {evidence}. Some parameters have AccumulateGrad nodes that "
+        "were created on another stream and are kept alive (torch DDP or FSDP, or a gradient hook on "
+        "p.expand_as(p).grad_fn.next_functions[0][0]), so their gradients would be accumulated outside the "
+        "capture stream. Build the wrapper on graphstep's capture stream: "
+        "`with graphstep.capture_stream(): model = DDP(model)`.",
+        op="AccumulateGrad", category="accumulate_grad_stream",
+    )
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return "out of memory" in text and ("CUDA" in text or "cudaErrorMemoryAllocation" in text)
+
+
+def out_of_memory(exc: BaseException, graph_name: str) -> CaptureError:
+    """What was asked for and what is free, and that nothing was graphed (never re-run to diagnose)."""
+    asked = re.search(r"Tried to allocate ([0-9.]+ ?[KMGTP]?i?B)", str(exc))
+    parts = [f"asked for {asked.group(1)}"] if asked else []
+    free = _free_device_memory()
+    if free:
+        parts.append(free)
+    detail = f" ({'; '.join(parts)})" if parts else ""
+    return CaptureError(
+        f"capture of graph {graph_name!r} ran out of device memory{detail}: nothing was graphed and the step did "
+        "not run. Make the step allocate less (a smaller micro-batch or sequence length) or free device memory "
+        "before the capture; a graph keeps what it allocates for as long as it lives.",
+        op="OutOfMemoryError", category="oom",
+    )
+
+
+def _free_device_memory() -> str:
+    if not torch.cuda.is_available():
+        return ""
+    try:
+        free, total = torch.cuda.mem_get_info()
+    except Exception:
+        return ""
+    return f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB"

@@ -1,11 +1,12 @@
 """Static input buffers and the contract a replay must keep.
 
 A graph reads its inputs from fixed addresses. :class:`StaticInputs` owns one
-buffer per tensor of the first call's arguments (any nesting of lists, tuples
-and dicts) and, on every later call, checks the new arguments against that
+buffer per tensor of the first call's arguments (positional and keyword, any
+nesting of lists, tuples and dicts) and, on every later call, checks the new arguments against that
 contract -- same structure, same shapes, dtypes and devices, same non-tensor
 values -- then copies the new tensors in. A difference raises
-:class:`ContractError` naming the argument (``[0]['tokens']``) and both values.
+:class:`ContractError` naming the argument (``[0]['tokens']`` for a positional
+argument, ``mask`` or ``batch['tokens']`` for a keyword one) and both values.
 
 The input contract of graphstep's graphs:
 
@@ -33,11 +34,14 @@ def _describe(x: Any) -> str:
 class StaticInputs:
     """Fixed-address copies of a call's tensor arguments, with the call's contract."""
 
-    def __init__(self, example: Any, device: torch.device | None = None, name: str = "graph") -> None:
+    def __init__(self, example: Any, device: torch.device | None = None, name: str = "graph",
+                 call: bool = False) -> None:
+        """``call=True``: ``example`` is a call's ``(args, kwargs)``, and messages name arguments as a call does."""
         self.name = name
         self.device = device
+        self.call = call
         leaves, self.spec = tree_flatten_with_path(example)
-        self.paths = [keystr(path) for path, _ in leaves]
+        self.paths = [_call_path(path) if call else keystr(path) for path, _ in leaves]
         self.leaves: list[Any] = []
         for _, value in leaves:
             if isinstance(value, torch.Tensor):
@@ -53,9 +57,11 @@ class StaticInputs:
         """The new call's leaves, after checking them against the contract."""
         leaves, spec = tree_flatten(value)  # the replay path: key paths only for messages (self.paths)
         if spec != self.spec:
+            captured = _call_shape(tree_unflatten(self.leaves, self.spec)) if self.call else str(self.spec)
+            now = _call_shape(value) if self.call else str(spec)
             raise ContractError(
-                f"{self.name}: the call's arguments have another structure than the captured call's.\n"
-                f"  captured: {self.spec}\n  now:      {spec}"
+                f"{self.name}: the call's arguments have another structure than the captured call's "
+                f"(pass the same arguments, by the same names, every call).\n  captured: {captured}\n  now:      {now}"
             )
         out = []
         for path, new, old in zip(self.paths, leaves, self.leaves):
@@ -65,8 +71,9 @@ class StaticInputs:
                 if new.shape != old.shape or new.dtype != old.dtype:
                     raise ContractError(
                         f"{self.name}: argument {path} differs from the captured call: "
-                        f"captured {_describe(old)}, now {_describe(new)}. Graphs need static shapes "
-                        "(pad to a fixed length, or use data.seq_length_buckets)."
+                        f"captured {_describe(old)}, now {_describe(new)}. A graph replays the captured shapes: "
+                        "pad inputs to a fixed shape (or drop the last partial batch), or capture one graph "
+                        "per shape."
                     )
                 if self.device is None and new.device != old.device:
                     raise ContractError(
@@ -85,6 +92,31 @@ class StaticInputs:
         for dst, src in zip(self.leaves, self.check(value)):
             if isinstance(dst, torch.Tensor) and not _same_memory(dst, src):
                 dst.copy_(src, non_blocking=True)
+
+
+def _call_shape(call: Any) -> str:
+    """``(args, kwargs)`` as a signature-like line: ``(tensor, [tensor, tensor], mask=tensor)``."""
+    args, kwargs = call
+
+    def shape(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return "tensor"
+        if isinstance(x, (list, tuple)):
+            inner = ", ".join(shape(v) for v in x)
+            return f"[{inner}]" if isinstance(x, list) else f"({inner})"
+        if isinstance(x, dict):
+            return "{" + ", ".join(f"{k!r}: {shape(v)}" for k, v in x.items()) + "}"
+        return type(x).__name__
+
+    return "(" + ", ".join([shape(a) for a in args] + [f"{k}={shape(v)}" for k, v in kwargs.items()]) + ")"
+
+
+def _call_path(path: tuple) -> str:
+    """``(args, kwargs)`` key paths as a call spells them: ``[1]['x']`` for args, ``mask['x']`` for kwargs."""
+    head, rest = path[0], path[1:]
+    if getattr(head, "idx", None) == 1 and rest:  # kwargs: the keyword's name, then the rest of the path
+        return f"{rest[0].key}{keystr(rest[1:])}"
+    return keystr(rest)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

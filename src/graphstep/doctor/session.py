@@ -227,15 +227,18 @@ def _module_params(roots: dict[str, Any]) -> list[torch.Tensor]:
 
 def analyze(step_fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
             generators: Iterable[torch.Generator] = (), calls: int = 2, restore: bool = True,
-            name: str | None = None) -> Report:
+            name: str | None = None, simulated: bool | None = None) -> Report:
     """Run ``step_fn(*args, **kwargs)`` as a graph would (warm-up call, then the captured call) and report.
 
     ``calls=1`` skips the warm-up (then stale inputs are not judged). ``generators``: extra generators
     the graph registers. With ``restore`` the tensors and RNG states the calls changed are put back.
+    ``simulated``: run a GPU step on the CPU (``device="cuda"`` moved to the host); by default only
+    when no tensor of the step is on an accelerator.
     """
     kwargs = dict(kwargs or {})
     roots = step_roots(step_fn, args, kwargs)
-    simulated = not step_device_is_real(args, kwargs, _module_params(roots))
+    if simulated is None:
+        simulated = not step_device_is_real(args, kwargs, _module_params(roots))
     report = Report(name or _describe(step_fn))
     if simulated:
         report.notes.append("tensors are on the CPU: the step is analysed as it would run on a GPU")
@@ -262,9 +265,13 @@ def check(step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
 
 
 def diagnose(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
-             generators: Iterable[torch.Generator] = ()) -> list[Finding]:
+             generators: Iterable[torch.Generator] = (), device: torch.device | str | None = None) -> list[Finding]:
     """Re-run a region whose capture failed under the analyzer: what broke it, and where.
 
-    One call, eager, on whatever device the tensors are; tensors and RNG states are restored after.
+    One call, eager, on the device the tensors are on; tensors and RNG states are restored after.
+    ``device`` is the failed graph's device: on a real accelerator the region is never simulated,
+    i.e. its device work (``torch.zeros(n, device="cuda")``) is never moved to the host.
     """
-    return analyze(fn, args, kwargs, generators=generators, calls=1, restore=True).findings
+    real = device is not None and torch.device(device).type not in ("cpu", "meta")
+    return analyze(fn, args, kwargs, generators=generators, calls=1, restore=True,
+                   simulated=False if real else None).findings
