@@ -1,4 +1,8 @@
-"""``graphstep bench --recipe R [overrides] [--rows a,b] [--iters N] [--out DIR]``."""
+"""``graphstep bench --recipe R [overrides] [--rows a,b] [--iters N] [--out DIR]``.
+
+Needs a CUDA GPU (every row is timed with CUDA events); without one the
+command stops with exit code 2 before building anything.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .run import default_rows, run_bench, split_rows, table, write_results
 
     cfg = resolve_config(args)
+    _need_gpu()
     rows = split_rows(args.rows) if args.rows else default_rows(cfg)
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -33,6 +38,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc))
     return 0
+
+
+def _need_gpu() -> None:
+    import torch
+
+    from ..config import ConfigError
+
+    if not torch.cuda.is_available():
+        raise ConfigError("no CUDA GPU is visible: graphstep bench times CUDA graphs on a GPU and has no CPU rows; "
+                          "run it on a GPU machine, or dry-run the capture here with `graphstep train "
+                          "model.cuda_graph_backend=replay` or `graphstep doctor --recipe NAME`")
 
 
 @register("bench")

@@ -10,8 +10,10 @@ with the arguments that ``--inputs`` (default: ``<function>_inputs`` when the
 script defines it) returns: a tuple of positional arguments, or a dict of
 keyword arguments; without one the function is called with no arguments.
 
-Exit status: 0 no finding, 1 a finding breaks capture, 2 a config rule is
-broken, 3 only findings that corrupt replays (see findings.py).
+Exit status: 0 no finding, 1 a finding breaks capture, 2 the doctor could
+not judge the step (a config rule is broken; no such script or function; the
+script does not import -- one line naming file:line), 3 only findings that
+corrupt replays (see findings.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ import sys
 from typing import Any
 
 from ..cli import _config_args, register, resolve_config
+from ..config import ConfigError
 from .findings import Report
+
+
+class ScriptError(ConfigError):
+    """A doctor target that cannot be judged: no such file or function, or a script that does not import."""
 
 
 @register("doctor")
@@ -45,8 +52,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     targets = [o for o in args.overrides if _is_target(o)]
     args.overrides = [o for o in args.overrides if not _is_target(o)]
     if len(targets) > 1:
-        print(f"graphstep doctor: one script target at a time, got {targets}", file=sys.stderr)
-        return 2
+        raise ScriptError(f"one script target at a time, got {' '.join(targets)}")
     if targets:
         report = check_script(targets[0], args.inputs)
     else:
@@ -70,18 +76,19 @@ def check_script(target: str, inputs: str | None = None) -> Report:
 
     path, _, fname = target.partition(":")
     if not fname:
-        raise SystemExit(f"graphstep doctor: name the step function: {path}:FUNCTION")
+        raise ScriptError(f"{path}: name the step function as {path}:FUNCTION")
     module = _import_script(path)
     fn = getattr(module, fname, None)
     if fn is None or not callable(fn):
-        raise SystemExit(f"graphstep doctor: {path} has no function {fname!r}")
+        raise ScriptError(f"{path}: no function {fname!r} (write {path}:FUNCTION with a function the script "
+                          "defines at module level)")
     call_args, call_kwargs = _inputs(module, fname, inputs)
     return analyze(fn, call_args, call_kwargs, name=target)
 
 
 def _import_script(path: str) -> Any:
     if not os.path.isfile(path):
-        raise SystemExit(f"graphstep doctor: no such file: {path}")
+        raise ScriptError(f"{path}: no such file")
     folder = os.path.dirname(os.path.abspath(path))
     if folder not in sys.path:
         sys.path.insert(0, folder)  # the script's own imports of its neighbours
@@ -89,8 +96,33 @@ def _import_script(path: str) -> Any:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as exc:
+        sys.modules.pop(name, None)
+        if not isinstance(exc, Exception):
+            raise
+        _import_failed(path, exc)
     return module
+
+
+def _import_failed(path: str, exc: Exception) -> None:
+    """Raise the one-line ScriptError for a script that does not import."""
+    if isinstance(exc, SyntaxError):
+        where = f"{exc.filename or path}:{exc.lineno or 0}"
+        raise ScriptError(f"{where}: SyntaxError: {exc.msg}; fix the script (python {path} shows the same)") from None
+    raise ScriptError(f"{_line_in(path, exc)}: importing the script raised {type(exc).__name__}: "
+                      f"{' '.join(str(exc).split())}; fix it (the doctor imports the script without running its "
+                      "__main__ block)") from None
+
+
+def _line_in(path: str, exc: BaseException) -> str:
+    """``path:line`` of the innermost frame of ``exc``'s traceback inside the script (``path`` alone if none)."""
+    import traceback
+
+    real = os.path.realpath(path)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.realpath(f.filename) == real]
+    return f"{path}:{frames[-1].lineno}" if frames else path
 
 
 def _inputs(module: Any, fname: str, inputs: str | None) -> tuple[tuple, dict]:
@@ -98,7 +130,7 @@ def _inputs(module: Any, fname: str, inputs: str | None) -> tuple[tuple, dict]:
     make = getattr(module, name, None)
     if make is None:
         if inputs:
-            raise SystemExit(f"graphstep doctor: the script has no function {inputs!r}")
+            raise ScriptError(f"{module.__file__}: no function {inputs!r} (--inputs names a function of the script)")
         return (), {}
     value = make()
     if isinstance(value, dict):
