@@ -474,3 +474,101 @@ def test_random_graph_fields_never_raise(values, env, capability, world_size) ->
         before = cfg.to_dict()
         normalize_cuda_graph_config(cfg)  # idempotent after resolve's own normalisation
         assert cfg.to_dict() == before
+
+
+# --------------------------------------------------------------------------
+# the numbered value rules V1-V11 and R19 (the two tracker flags)
+
+VALUE_CASES = {
+    "V1-lr": ("V1", ("optimizer.lr=-0.001",), "optimizer.lr=-0.001 is below 0", ("optimizer.lr=0.0",)),
+    "V1-min_lr": ("V1", ("optimizer.min_lr=-1",), "optimizer.min_lr=-1.0 is below 0", ("optimizer.min_lr=0",)),
+    "V2": ("V2", ("optimizer.clip_grad=-1",), "optimizer.clip_grad=-1.0 is below 0", ("optimizer.clip_grad=0",)),
+    "V3-beta1": ("V3", ("optimizer.adam_beta1=1.0",), "optimizer.adam_beta1=1.0 is not below 1",
+                 ("optimizer.adam_beta1=0.0",)),
+    "V3-beta2": ("V3", ("optimizer.adam_beta2=-0.1",), "optimizer.adam_beta2=-0.1 is below 0",
+                 ("optimizer.adam_beta2=0.999",)),
+    "V4": ("V4", ("optimizer.weight_decay=-0.1",), "optimizer.weight_decay=-0.1 is below 0",
+           ("optimizer.weight_decay=0",)),
+    "V5-attention": ("V5", ("model.attention_dropout=1.0",), "model.attention_dropout=1.0 is not below 1",
+                     ("model.attention_dropout=0.9",)),
+    "V5-hidden": ("V5", ("model.hidden_dropout=-0.1",), "model.hidden_dropout=-0.1 is below 0",
+                  ("model.hidden_dropout=0.1",)),
+    "V6-eval_iters": ("V6", ("train.eval_iters=-1",), "train.eval_iters=-1 is below 0", ("train.eval_iters=0",)),
+    "V6-warmup": ("V6", ("scheduler.lr_warmup_iters=-5",), "scheduler.lr_warmup_iters=-5 is below 0",
+                  ("scheduler.lr_warmup_iters=0",)),
+    "V6-init_std": ("V6", ("model.init_method_std=-0.02",), "model.init_method_std=-0.02 is below 0",
+                    ("model.init_method_std=0.01",)),
+    "V7-save_interval": ("V7", ("checkpoint.save_interval=0",), "checkpoint.save_interval=0 is below 1",
+                         ("checkpoint.save_interval=null",)),
+    "V7-corpus_max_bytes": ("V7", ("data.corpus_max_bytes=-1",), "data.corpus_max_bytes=-1 is below 1",
+                            ("data.corpus_max_bytes=1000",)),
+    "V8": ("V8", ("data.split=98,,x",), "data.split='98,,x' is not up to three non-negative weights",
+           ("data.split=98,2",)),
+    "V8-four": ("V8", ("data.split=1,1,1,1",), "is not up to three non-negative weights", ("data.split=1,1,1",)),
+    "V9": ("V9", ("model.vocab_size=255",), "model.vocab_size=255 is smaller than the vocabulary of "
+           "data.tokenizer=byte (256 ids)", ("model.vocab_size=256",)),
+    "V10": ("V10", ("model.kv_channels=0",), "model.kv_channels=0 is not a positive even number",
+            ("model.kv_channels=16",)),
+    "V10-odd": ("V10", ("model.kv_channels=3",), "model.kv_channels=3 is not a positive even number",
+                ("model.kv_channels=2",)),
+    "V10-derived": ("V10", ("model.hidden_size=12",), "model.hidden_size=12 / model.num_attention_heads=4 = 3 is not",
+                    ("model.hidden_size=16",)),
+    "V11": ("V11", ("model.hf_path=/nonexistent/hf-model",), "model.hf_path=/nonexistent/hf-model does not exist",
+            ("model.hf_path=null",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_CASES))
+def test_numbered_value_rule_reports_problem_and_fix(name: str) -> None:
+    rule, bad, message, good = VALUE_CASES[name]
+    found = [v for v in check(make(*bad)) if v.rule == rule]
+    assert len(found) == 1, format_violations(check(make(*bad)))
+    assert message in found[0].message and found[0].fix
+    assert bad[0].split("=")[0] in found[0].fields
+    assert rule not in rules(check(make(*good)))
+
+
+def test_every_numbered_value_rule_has_a_case() -> None:
+    assert {case[0] for case in VALUE_CASES.values()} == {f"V{i}" for i in range(1, 12)}
+
+
+def test_v11_directory_without_config_json(tmp_path) -> None:
+    (found,) = [v for v in check(make(f"model.hf_path={tmp_path}")) if v.rule == "V11"]
+    assert "has no config.json" in found.message
+    (tmp_path / "config.json").write_text("{}")
+    assert "V11" not in rules(check(make(f"model.hf_path={tmp_path}")))
+
+
+def test_v9_skips_mock_data_and_names_an_unreadable_tokenizer(tmp_path) -> None:
+    assert "V9" not in rules(check(make("model.vocab_size=8", "data.dataset=mock")))
+    (found,) = [v for v in check(make(f"data.tokenizer={tmp_path}/none.json")) if v.rule == "V9"]
+    assert "data.tokenizer" in found.fields and "no such file" in found.message
+
+
+def test_numbered_rules_stop_training_before_it_starts() -> None:
+    with pytest.raises(ConfigValidationError, match=r"V1 \[optimizer.lr\]"):
+        resolve_cuda_graph_settings(make("optimizer.lr=-1"), env={})
+
+
+def test_explicit_tracker_flag_wins_over_the_recipe() -> None:
+    from graphstep.recipes import get_recipe
+
+    cfg = get_recipe("llama3_tiny")  # the recipe turns both flags on
+    apply_overrides(cfg, ["model.cuda_graph_impl=none", "model.use_te_rng_tracker=false"])
+    normalize_cuda_graph_config(cfg)
+    assert cfg.model.use_te_rng_tracker is False and cfg.rng.te_rng_tracker is False
+    cfg = get_recipe("llama3_tiny")
+    apply_overrides(cfg, ["model.use_te_rng_tracker=false"])  # graphs stay on: R5, not a silent flip
+    assert "R5" in rules(check(cfg))
+    cfg = Config()
+    apply_overrides(cfg, ["rng.te_rng_tracker=true"])  # a default yields to the explicit value
+    normalize_cuda_graph_config(cfg)
+    assert cfg.model.use_te_rng_tracker is True
+
+
+def test_r19_two_explicit_tracker_values_disagree() -> None:
+    cfg = make("model.use_te_rng_tracker=true", "rng.te_rng_tracker=false")
+    (found,) = [v for v in check(cfg) if v.rule == "R19"]
+    assert "both set by you and disagree" in found.message
+    assert found.fields == ("model.use_te_rng_tracker", "rng.te_rng_tracker")
+    assert "R19" not in rules(check(make("model.use_te_rng_tracker=false", "rng.te_rng_tracker=false")))

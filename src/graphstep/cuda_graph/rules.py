@@ -1,11 +1,11 @@
-"""The validation rules R1-R18 (spec section 2) and the plain value checks ("V").
+"""The validation rules R1-R19 (spec section 2, and R19 for the two tracker flags) around the value checks.
 
 Every rule is a small function ``_rN(view) -> list[Violation]`` over a
 ``_View``: a normalised *copy* of the config (settings.py normalises) plus the
 facts derived from it (the valid impl or None, the coverage list, the field it
 came from). ``validate_cuda_graph_config`` runs them all and returns every
 violation at once, never raising; a rule that cannot even be evaluated
-reports itself. ``validate_config`` adds the value checks, and
+reports itself. ``validate_config`` adds the value checks (values.py), and
 ``resolve_cuda_graph_settings`` turns a clean config into the frozen
 ``CudaGraphSettings`` (or raises ``ConfigValidationError`` listing them all).
 
@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from graphstep.config import Config, ConfigError, iter_fields, set_value
+from graphstep.config import Config, explicit_keys, iter_fields
 
 from .settings import (
     IMPL_VALUES,
@@ -34,7 +34,6 @@ from .settings import (
     Violation,
     _fmt,
     _get,
-    _int,
     _names,
     _normalized_copy,
     _num,
@@ -42,6 +41,7 @@ from .settings import (
     _strs,
     normalize_cuda_graph_config,
 )
+from .values import _checked, _value_violations
 
 
 # --------------------------------------------------------------------------
@@ -358,6 +358,18 @@ def _r17(v: _View) -> list[Violation]:
                "or model.variable_seq_lengths=false.")]
 
 
+_TRACKERS = ("model.use_te_rng_tracker", "rng.te_rng_tracker")
+
+
+def _r19(v: _View) -> list[Violation]:
+    model, rng = v.cfg.model.use_te_rng_tracker, v.cfg.rng.te_rng_tracker
+    if model is rng or not explicit_keys(v.cfg) >= set(_TRACKERS):
+        return []
+    return [_v("R19", _TRACKERS, f"model.use_te_rng_tracker={_fmt(model)} and rng.te_rng_tracker={_fmt(rng)} are "
+               "both set by you and disagree: they are one switch (the graph-safe RNG tracker).",
+               "set both to the same value, or set only one (the other follows).")]
+
+
 def _differs(value: Any, default: Any) -> bool:
     try:
         return bool(value != default)
@@ -375,17 +387,8 @@ def _r18(v: _View) -> list[Violation]:
 _RULES: tuple[tuple[str, Callable[[_View], list[Violation]]], ...] = (
     ("R1", _r1), ("R2", _r2), ("R3", _r3), ("R4", _r4), ("R5", _r5), ("R6", _r6), ("R7", _r7), ("R8", _r8),
     ("R9", _r9), ("R10", _r10), ("R11", _r11), ("R12", _r12), ("R13", _r13), ("R14", _r14), ("R15", _r15),
-    ("R16", _r16), ("R17", _r17), ("R18", _r18),
+    ("R16", _r16), ("R17", _r17), ("R18", _r18), ("R19", _r19),
 )
-
-
-def _checked(rule: str, check: Callable[[_View], list[Violation]], view: _View) -> list[Violation]:
-    """Run one rule; a value so malformed that the rule cannot run is itself reported, never raised."""
-    try:
-        return check(view)
-    except Exception as exc:
-        return [_v(rule, [], f"could not check this rule ({type(exc).__name__}: {exc}).",
-                   "correct the types of the fields this rule reads (see the V violations).")]
 
 
 def _world_size(env: Mapping[str, str]) -> int:
@@ -398,140 +401,11 @@ def _world_size(env: Mapping[str, str]) -> int:
 def validate_cuda_graph_config(cfg: Config, *, env: Mapping[str, str] | None = None,
                                device_capability: tuple[int, int] | None = None,
                                world_size: int | None = None) -> list[Violation]:
-    """Every CUDA-graph rule R1-R18 on a normalised copy of ``cfg``; all violations, never an exception."""
+    """Every CUDA-graph rule R1-R19 on a normalised copy of ``cfg``; all violations, never an exception."""
     env = os.environ if env is None else env
     world = world_size if world_size is not None else _world_size(env)
     view = _view(_normalized_copy(cfg), cfg, env, device_capability, world)
     return [violation for rule, check in _RULES for violation in _checked(rule, check, view)]
-
-
-# --------------------------------------------------------------------------
-# plain value checks (rule "V")
-
-# Fields whose type the R rules already judge (a wrong type there is R1/R2, not V); fields with a
-# fixed set of values are judged by _choice_violations alone (any other value, of any type, is wrong).
-_GRAPH_TYPED = {"model.cuda_graph_impl", "model.cuda_graph_scope", "model.cuda_graph_modules"}
-
-_CHOICES: dict[str, tuple[str | None, ...]] = {
-    "model.cuda_graph_backend": ("auto", "cuda", "replay"),
-    "model.cuda_graph_on_failure": ("raise", "eager"),
-    "model.params_dtype": ("auto", "bf16", "fp32"),
-    "model.recompute_granularity": (None, "full", "selective"),
-    "model.moe_router_score_function": ("softmax", "sigmoid"),
-    "model.moe_router_load_balancing_type": ("aux_loss", "none"),
-    "model.normalization": ("RMSNorm",),
-    "model.position_embedding_type": ("rope",),
-    "scheduler.lr_decay_style": ("cosine", "linear", "constant"),
-    "optimizer.optimizer": ("adam",),
-    "data.dataset": ("corpus", "mock", "indexed", "sft"),
-    "train.device": ("auto", "cuda", "cpu"),
-}
-
-_MINIMUM: dict[str, int] = {
-    "model.cuda_graph_warmup_steps": 0, "model.num_layers": 1, "model.hidden_size": 1, "model.seq_length": 1,
-    "model.vocab_size": 1, "model.num_attention_heads": 1, "model.num_query_groups": 1, "model.num_moe_experts": 1,
-    "model.moe_router_topk": 1, "model.moe_layer_freq": 1, "train.micro_batch_size": 1, "train.global_batch_size": 1,
-    "train.train_iters": 0, "logger.log_interval": 1,
-}
-
-
-def _type_violations(cfg: Config) -> list[Violation]:
-    """Values of the wrong type (set by attribute assignment), judged by the same check as overrides."""
-    scratch, out = Config(), []
-    for section, name, value, default, _help, _unsupported in iter_fields(cfg):
-        key = f"{section}.{name}"
-        if key in _GRAPH_TYPED or key in _CHOICES or (type(value) is type(default) and not isinstance(value, list)):
-            continue  # same plain type as the default: nothing to check (set_value is slow, ~0.2 ms a field)
-        try:
-            set_value(scratch, key, value)
-        except ConfigError as exc:
-            out.append(_v("V", [key], f"{exc}.", f"set {key} to a value of that type."))
-        except Exception as exc:  # an annotation the type check does not know
-            out.append(_v("V", [key], f"{key}={_fmt(value)} cannot be checked ({exc}).", f"set {key} to its default."))
-    return out
-
-
-def _choice_violations(cfg: Config) -> list[Violation]:
-    out, defaults = [], Config()
-    for key, allowed in _CHOICES.items():
-        value, listed = _get(cfg, key), ", ".join(map(_fmt, allowed))
-        if not any(value is a or (isinstance(value, str) and value == a) for a in allowed):
-            out.append(_v("V", [key], f"{key}={_fmt(value)} is not one of {listed}.",
-                          f"set {key}={_fmt(_get(defaults, key))} (the default; allowed: {listed})."))
-    for module in _names(cfg.model.recompute_modules) or []:
-        if _str(module) not in ("core_attn", "mlp", "moe"):
-            out.append(_v("V", ["model.recompute_modules"], f"{_fmt(module)} in model.recompute_modules is not "
-                          "one of core_attn, mlp, moe.", f"remove {_fmt(module)} from model.recompute_modules."))
-    return out
-
-
-def _range_violations(cfg: Config) -> list[Violation]:
-    out = []
-    for key, low in _MINIMUM.items():
-        value = _int(_get(cfg, key))
-        if value is not None and value < low:
-            out.append(_v("V", [key], f"{key}={value} is below {low}.", f"set {key} to {low} or more."))
-    return out
-
-
-def _divisible(out: list[Violation], fields: list[str], a: Any, b: Any, what: str, fix: str) -> None:
-    a, b = _int(a), _int(b)
-    if a is not None and b is not None and b > 0 and a % b:
-        out.append(_v("V", fields, f"{what} ({a} is not a multiple of {b}).", fix))
-
-
-def _shape_violations(cfg: Config, world_size: int) -> list[Violation]:
-    m, t, out = cfg.model, cfg.train, []
-    mbs = _int(t.micro_batch_size)
-    ranks = max(world_size, 1)
-    _divisible(out, ["train.global_batch_size", "train.micro_batch_size"], t.global_batch_size,
-               mbs * ranks if mbs is not None else None,
-               f"train.global_batch_size must be a multiple of micro_batch_size x {ranks} rank(s)",
-               f"set train.global_batch_size={mbs * ranks if mbs else 1} or another multiple of it.")
-    if m.kv_channels is None:
-        _divisible(out, ["model.hidden_size", "model.num_attention_heads"], m.hidden_size, m.num_attention_heads,
-                   "model.hidden_size must split evenly over model.num_attention_heads",
-                   "change model.num_attention_heads to a divisor of model.hidden_size, or set model.kv_channels.")
-    if m.num_query_groups is not None:
-        _divisible(out, ["model.num_attention_heads", "model.num_query_groups"], m.num_attention_heads,
-                   m.num_query_groups, "model.num_attention_heads must be a multiple of model.num_query_groups",
-                   "set model.num_query_groups to a divisor of model.num_attention_heads.")
-    experts, topk = _int(m.num_moe_experts), _int(m.moe_router_topk)
-    if experts is not None and topk is not None and topk > experts:
-        out.append(_v("V", ["model.moe_router_topk", "model.num_moe_experts"], f"model.moe_router_topk={topk} "
-                      f"is more than model.num_moe_experts={experts}.",
-                      f"set model.moe_router_topk={experts} or less."))
-    return out + _pattern_violations(cfg)
-
-
-def _pattern_violations(cfg: Config) -> list[Violation]:
-    m, out = cfg.model, []
-    pattern, layers, key = _str(m.hybrid_override_pattern), _int(m.num_layers), "model.hybrid_override_pattern"
-    if m.hybrid_override_pattern is not None and pattern is None:
-        return [_v("V", [key], f"{key}={_fmt(m.hybrid_override_pattern)} is not a string.",
-                   f"write {key} as a string such as M*-E, one character per layer.")]
-    if pattern is None:
-        return out
-    bad = sorted(set(pattern) - set("M*-E"))
-    if bad:
-        out.append(_v("V", [key], f"{key}={_fmt(pattern)} has characters {''.join(bad)!r} outside M * - E.",
-                      f"write {key} with M (Mamba), * (attention), - (MLP) and E (MoE) only."))
-    if layers is not None and len(pattern) != layers:
-        out.append(_v("V", [key, "model.num_layers"], f"{key}={_fmt(pattern)} describes {len(pattern)} layers but "
-                      f"model.num_layers={layers}.",
-                      f"set model.num_layers={len(pattern)}, or write one character per layer."))
-    if "E" in pattern and m.num_moe_experts is None:
-        out.append(_v("V", [key, "model.num_moe_experts"], f"{key}={_fmt(pattern)} has E (MoE) layers but "
-                      "model.num_moe_experts=null.",
-                      "set model.num_moe_experts (e.g. 8), or remove E from the pattern."))
-    return out
-
-
-def _value_violations(cfg: Config, world_size: int) -> list[Violation]:
-    out = []
-    for check in (_type_violations, _choice_violations, _range_violations):
-        out += _checked("V", check, cfg)
-    return out + _checked("V", lambda c: _shape_violations(c, world_size), cfg)
 
 
 def validate_config(cfg: Config, *, env: Mapping[str, str] | None = None,

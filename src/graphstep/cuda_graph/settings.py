@@ -10,10 +10,11 @@ Three steps, always in this order:
    full-iteration graph is always stored as ``cuda_graph_impl=full_iteration``
    with ``cuda_graph_modules=[]``); ``none`` clears the coverage; the two RNG
    tracker flags are made equal; ``local`` captures ``moe_router`` and
-   ``moe_preprocess`` together. It never raises and is idempotent: anything it
+   ``moe_preprocess`` together (a tracker flag the user set wins over a
+   recipe's). It never raises and is idempotent: anything it
    cannot migrate without losing information (conflicting or malformed values)
    is left as it is, for validation to report.
-2. :func:`validate_cuda_graph_config` checks rules R1-R18 (spec section 2) on a
+2. :func:`validate_cuda_graph_config` checks rules R1-R19 (spec section 2) on a
    normalised *copy* and returns every violation at once, each naming the
    fields, the offending values and the fix. :func:`validate_config` adds the
    plain value checks (rule ``"V"``). Neither raises, whatever the values: a
@@ -40,7 +41,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from graphstep.config import Config, ConfigError
+from graphstep.config import Config, ConfigError, explicit_keys
 from graphstep.cuda_graph.scopes import SCOPES
 
 SCOPE_NAMES: tuple[str, ...] = SCOPES
@@ -189,13 +190,26 @@ def _copy(cfg: Config) -> Config:
 
 
 def _sync_trackers(cfg: Config) -> list[str]:
-    """Either RNG tracker flag on turns both on (Bridge keeps them equal)."""
+    """Make the two RNG tracker flags equal (Bridge keeps them so).
+
+    A value the user set (override or YAML: ``explicit_keys``) wins over a recipe's or a default; when
+    neither or both were set by the user, either flag on turns both on -- except that two explicit values
+    that disagree are left for rule R19 to report.
+    """
     model_on, rng_on = cfg.model.use_te_rng_tracker is True, cfg.rng.te_rng_tracker is True
-    if model_on == rng_on or not (model_on or rng_on):
+    if model_on == rng_on:
         return []
-    cfg.model.use_te_rng_tracker = cfg.rng.te_rng_tracker = True
-    other = "rng.te_rng_tracker" if model_on else "model.use_te_rng_tracker"
-    return [f"{other} set to true to match the other graph-safe RNG tracker flag"]
+    explicit = explicit_keys(cfg) & {"model.use_te_rng_tracker", "rng.te_rng_tracker"}
+    if len(explicit) == 2:
+        return []
+    if len(explicit) == 1:
+        (chosen,) = explicit
+        value = model_on if chosen == "model.use_te_rng_tracker" else rng_on
+    else:
+        chosen, value = ("model.use_te_rng_tracker" if model_on else "rng.te_rng_tracker"), True
+    cfg.model.use_te_rng_tracker = cfg.rng.te_rng_tracker = value
+    other = "rng.te_rng_tracker" if chosen == "model.use_te_rng_tracker" else "model.use_te_rng_tracker"
+    return [f"{other} set to {_fmt(value)} to match {chosen}={_fmt(value)} (one switch: the graph-safe RNG tracker)"]
 
 
 def _migrate_deprecated_flags(model: Any) -> list[str]:
