@@ -1,4 +1,4 @@
-# Sourced by scripts/train and scripts/test: find or make a Python that has
+# Sourced by scripts/train, scripts/test and scripts/graphstep: find or make a Python that has
 # graphstep's dependencies, and export GS_PY (the interpreter to use).
 #
 # 1. A Python that already imports torch and the other dependencies (the GPU
