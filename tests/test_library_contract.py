@@ -328,7 +328,7 @@ def test_out_of_memory_in_a_real_capture_keeps_host_memory_flat():
     step = graphstep.graph_step(lambda: torch.zeros(2**40, device="cuda"), warmup_steps=0)
     with pytest.raises(CaptureError, match="ran out of device memory") as info:
         step()
-    assert info.value.category == "oom" and "4.00 TiB" in str(info.value)
+    assert info.value.category == "oom" and "asked for 4096.00 GiB" in str(info.value)  # 2**40 fp32
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 2**20  # < 1 GiB more at peak
     eager, _ = _losses("cuda", 5)  # later graphs still capture, and equal eager
     graphed, step = _losses("cuda", 5, warmup_steps=1)
@@ -385,3 +385,129 @@ def test_accumulate_grad_warning_in_warmup_fails_the_capture_clearly(monkeypatch
         graphed(torch.ones(2))
     assert info.value.category == "accumulate_grad_stream" and "graph 'step'" in str(info.value)
     assert len(ran) == 1 and graphed.graph is None and reruns == []  # refused before capturing anything
+
+
+class _RetainAccumulators:
+    """Keeps every parameter's AccumulateGrad node alive with a hook, as torch DDP and Megatron's DDP do
+    (Megatron's test_ddp_grad_accumulators_share_full_cuda_graph_stream)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.nodes = []
+        for p in model.parameters():
+            acc = p.expand_as(p).grad_fn.next_functions[0][0]
+            acc.register_hook(lambda *grads: None)
+            self.nodes.append(acc)
+
+
+def _retaining_run(graphed: bool, on_capture_stream: bool, steps: int = 10) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1)).cuda()
+    with graphstep.capture_stream() if on_capture_stream else contextlib.nullcontext():
+        keeper = _RetainAccumulators(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        loss = F.mse_loss(model(x).squeeze(-1), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    fn = graphstep.graph_step(step, warmup_steps=2, modules=[model]) if graphed else step
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 32, generator=g).cuda(), torch.randn(16, generator=g).cuda()) for _ in range(steps)]
+    losses = [fn(x, y).clone() for x, y in batches]
+    assert len(keeper.nodes) == 4
+    return losses
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_retained_accumulators_built_on_the_capture_stream_graph_equal_to_eager():
+    eager = _retaining_run(graphed=False, on_capture_stream=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = _retaining_run(graphed=True, on_capture_stream=True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed)) and len(graphed) == 10
+    assert not [w for w in caught if "AccumulateGrad node's stream does not match" in str(w.message)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_retained_accumulators_built_elsewhere_name_capture_stream():
+    with pytest.raises(CaptureError, match=r"graphstep.capture_stream\(\)") as info:
+        _retaining_run(graphed=True, on_capture_stream=False)
+    assert info.value.category == "accumulate_grad_stream"
+    graphstep.close_all()  # the failed capture left nothing behind: the fixed model graphs and equals eager
+    eager, graphed = _retaining_run(False, False), _retaining_run(True, True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ddp_built_on_the_capture_stream_graphs_equal_to_eager_ddp(tmp_path, monkeypatch):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # PyTorch's advice for DDP under CUDA graphs
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            device_id=device)
+    try:
+        losses = {}
+        for graphed in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1)).to(device)
+            with graphstep.capture_stream() if graphed else contextlib.nullcontext():
+                ddp = DDP(model)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+            def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                opt.zero_grad(set_to_none=False)
+                loss = F.mse_loss(ddp(x).squeeze(-1), y)
+                loss.backward()
+                opt.step()
+                return loss.detach()
+
+            # PyTorch's CUDA-graph notes: 11 DDP-enabled eager iterations before the capture
+            fn = graphstep.graph_step(step, warmup_steps=11, modules=[model]) if graphed else step
+            g = torch.Generator().manual_seed(1)
+            batches = [(torch.randn(16, 32, generator=g).to(device), torch.randn(16, generator=g).to(device))
+                       for _ in range(16)]
+            losses[graphed] = [fn(x, y).clone() for x, y in batches]
+            if graphed:
+                assert fn.state == "replayed"
+            graphstep.close_all()
+        assert all(torch.equal(a, b) for a, b in zip(losses[False], losses[True]))
+    finally:
+        graphstep.close_all()
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------
+# teardown with 2 gloo ranks
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="torch 2.13 CPU under torchrun aborts at interpreter exit after "
+                   "destroy_process_group() ('terminate called without an active exception') about 1 run in 5, "
+                   "with or without a graph (measured 2026-12-01); not a reference graphstep keeps")
+def test_documented_teardown_exits_cleanly_on_two_gloo_ranks():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=f"{tests.parent / 'src'}{os.pathsep}{tests}", OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(tests / "library_teardown_worker.py")]
+    failures = []
+    for run in range(10):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            failures.append(f"run {run}: exit {proc.returncode}: {(proc.stderr or proc.stdout)[-400:]}")
+        else:
+            assert proc.stdout.count('"state": "eager"') == 2  # both ranks closed their step
+    assert not failures, "\n".join(failures)

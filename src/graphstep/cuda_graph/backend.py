@@ -310,7 +310,9 @@ class CudaGraphBackend(GraphBackend):
         """
         cg = graph.cuda_graph
         try:
-            cg.capture_end()  # a capture the error did not invalidate ends normally; reset() frees it
+            with warnings.catch_warnings():  # "The CUDA Graph is empty": the error came before any kernel
+                warnings.simplefilter("ignore")
+                cg.capture_end()  # a capture the error did not invalidate ends normally; reset() frees it
         except Exception:
             if _allocator_call(("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"), self.device, pool):
                 _allocator_call(("_cuda_releasePool",), self.device, pool)
