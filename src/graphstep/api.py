@@ -29,6 +29,7 @@ from .cuda_graph.errors import ContractError
 from .cuda_graph.full_iteration import GeneratorSource, GraphedStep, generator_source
 from .cuda_graph.layers import LayerGraphs
 from .cuda_graph.rng import get_rng_tracker
+from .integrations import transformers as _hf_decisions  # noqa: F401  (transformers' mask check, see there)
 
 log = logging.getLogger("graphstep")
 
@@ -264,9 +265,9 @@ def graph_layers(
         arguments (flags, ``None`` caches) are part of the captured contract.
         For Hugging Face models pass ``use_cache=False`` while training.
     .. warning::
-        Parameter gradients are added inside the backward graph into
-        ``param.main_grad`` if the parameter has one, else into ``param.grad``:
-        zero them with ``zero_grad(set_to_none=False)``.
+        Parameter gradients are returned to autograd (a copy per backward), so
+        ``.grad`` accumulation and every hook (DDP's, FSDP's, yours) run as eagerly;
+        graphstep's own ``main_grad`` buffers are accumulated inside the graph.
     """
     if warmup_steps < 1:
         raise ValueError("graph_layers needs warmup_steps >= 1: an eager call records the call order and shapes")

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .backend import Graph, GraphBackend
+from .decisions import DecisionLog
 from .errors import CaptureError
 from .persistent import PersistentState
 from .static_io import StaticInputs
@@ -119,6 +120,7 @@ class GraphedStep:
         self.state: str = EAGER
         self.failed: BaseException | None = None
         self.persistent = PersistentState(fn, modules, optimizers)
+        self.decisions = DecisionLog()  # host decisions of the eager calls, reused by the capture
 
     @property
     def captured(self) -> bool:
@@ -146,7 +148,7 @@ class GraphedStep:
         return self.fn(*args, **kwargs)
 
     def _eager(self) -> Any:
-        with self.backend.warmup():
+        with self.backend.warmup(), self.decisions.recording():
             return self._run()
 
     def _capture(self) -> Any:
@@ -156,7 +158,7 @@ class GraphedStep:
             if problem is not None:  # the warm-up showed that this capture cannot work
                 raise problem
             self.persistent.snapshot()
-            with self.backend.capture(self.graph, self.generators()):
+            with self.backend.capture(self.graph, self.generators()), self.decisions.replaying():
                 outputs = self._run()
             self._check_persistent_state()
         except CaptureError as exc:
@@ -171,6 +173,10 @@ class GraphedStep:
             self.failed = exc
             log.warning("capture of %r failed; continuing eagerly (cuda_graph_on_failure=eager): %s", self.name, exc)
             return self._eager()
+        if self.decisions.unfrozen:
+            log.warning("graph %r: %s decided differently across the warm-up calls; the graph takes the library's "
+                        "general path, which may differ from eager by rounding", self.name,
+                        ", ".join(self.decisions.unfrozen))
         # Capture executes nothing observable: run the step now.
         self.graph.replay()
         return outputs
