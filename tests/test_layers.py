@@ -8,7 +8,7 @@ from torch import nn
 
 from conftest import assert_same_run, eager, tiny_config
 from graphstep.cuda_graph.backend import get_backend
-from graphstep.cuda_graph.errors import ContractError
+from graphstep.cuda_graph.errors import ContractError, GraphUsageError
 from graphstep.cuda_graph.layers import LayerGraphs, select_modules
 from graphstep.cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
 from graphstep.models import build_model
@@ -180,7 +180,7 @@ def test_forward_twice_before_backward_is_an_error():
     model(x).sum().backward()
     graphs.capture()
     model(x)
-    with pytest.raises(RuntimeError, match="before the backward"):
+    with pytest.raises(GraphUsageError, match="before the backward"):
         model(x)
 
 

@@ -47,7 +47,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .backend import Graph, GraphBackend
-from .errors import ContractError
+from .errors import ContractError, GraphUsageError
 from .static_io import StaticInputs
 
 
@@ -154,7 +154,7 @@ class ModuleGraph:
                         aliases: dict[int, torch.Tensor]) -> None:
         """Capture the forward on the sample inputs (``aliases``: input leaf index -> another graph's output)."""
         if self.sample is None:
-            raise RuntimeError(f"{self.name}: no warm-up call was recorded; run the module once before capturing")
+            raise GraphUsageError(f"{self.name}: no warm-up call was recorded; run the module once before capturing")
         self.static = StaticInputs(self.sample, name=self.name)
         sample_leaves, _ = tree_flatten(self.sample)
         for i, tensor in aliases.items():  # reuse another graph's output as this graph's input buffer
@@ -211,7 +211,7 @@ class ModuleGraph:
     # ---- replay -------------------------------------------------------------
     def replay_forward(self, tree: Any) -> list[torch.Tensor]:
         if self.pending_backward:
-            raise RuntimeError(
+            raise GraphUsageError(
                 f"{self.name}: forward replayed again before the backward of the previous call. A graphed module "
                 "holds one micro-batch's activations: run backward before the next forward."
             )

@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .backend import GiB, GraphBackend, default_generators
+from .errors import GraphUsageError
 from .graphed_module import ModuleGraph, apply_graphed
 from .scopes import scope_modules
 
@@ -169,7 +170,7 @@ class LayerGraphs:
         """Capture every forward and backward graph, in the order of the semantics."""
         missing = [g.name for g in self.graphs if g.sample is None]
         if missing:
-            raise RuntimeError(f"cannot capture: no warm-up training call reached {', '.join(missing[:4])}")
+            raise GraphUsageError(f"cannot capture: no warm-up training call reached {', '.join(missing[:4])}")
         backend, gens = self.backend, list(self.generators())
         saved = _save_state(self.graphs, gens + default_generators(backend.device))
         alloc0, reserved0 = backend.memory()
