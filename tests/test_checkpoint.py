@@ -1,9 +1,10 @@
 """Checkpoints: exact resume after SIGKILL, atomic saves, the loader's choice, loading in place.
 
-The killed runs are real processes (``python -m graphstep train``) that kill
-themselves with SIGKILL through the test-only hooks
-``GRAPHSTEP_TEST_KILL_AT_ITER`` / ``GRAPHSTEP_TEST_KILL_IN_SAVE`` -- no
-``finally`` or handler runs, as with an OOM kill or a lost node.
+The killed runs are real processes (tests/kill_driver.py: ``train(cfg,
+hooks=RunHooks(...))`` on the config of ``graphstep train``'s arguments) that
+kill themselves with SIGKILL from a run hook -- after iteration N, or inside
+the save of iteration N before its rename -- so no ``finally`` or handler
+runs, as with an OOM kill or a lost node. The trainer has no kill switch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from conftest import TINY, eager, tiny_config
 from graphstep.training.checkpoint import TRACKER, find_checkpoint, iter_dir_name
 from graphstep.training.loop import train
 from graphstep.training.metrics import read_metrics
-from test_distributed import ROOT, exact_list, subprocess_env
+from test_distributed import HERE, ROOT, exact_list, subprocess_env
 
 RESUME = ["train.train_iters=20", "logger.log_interval=5"]
 
@@ -29,8 +30,10 @@ def run_cli(*overrides: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=subprocess_env(**env), capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
-def killed_at(iteration: int, *overrides: str, hook: str = "GRAPHSTEP_TEST_KILL_AT_ITER") -> str:
-    proc = run_cli(*overrides, **{hook: str(iteration)})
+def killed_at(iteration: int, *overrides: str, hook: str = "after_iteration") -> str:
+    """Train with ``graphstep train``'s config of ``overrides``; the ``hook`` of iteration N SIGKILLs the process."""
+    cmd = [sys.executable, str(HERE / "kill_driver.py"), hook, str(iteration), *TINY, *overrides]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-4000:]
     return proc.stderr
 
@@ -66,7 +69,7 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = ["train.train_iters=4", "logger.log_interval=1", "model.cuda_graph_impl=full_iteration",
               "model.cuda_graph_warmup_steps=1", f"checkpoint.save={ckpt}", "checkpoint.save_interval=2"]
-    killed_at(4, *common, "logger.metrics_path=null", hook="GRAPHSTEP_TEST_KILL_IN_SAVE")
+    killed_at(4, *common, "logger.metrics_path=null", hook="before_checkpoint_rename")
     partial = [p.name for p in ckpt.iterdir() if ".tmp-" in p.name]
     assert len(partial) == 1 and partial[0].startswith("iter_0000004.tmp-")  # written, never renamed
     assert (ckpt / partial[0] / ".metadata").exists()  # even complete files do not make it a checkpoint

@@ -200,40 +200,42 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_exits_without_hang(tmp
 @pytest.mark.parametrize("how", ["normal", "exception", "sigterm"])
 def test_graphs_are_freed_before_the_process_group_is_destroyed(monkeypatch, how):
     from conftest import tiny_config
-    from graphstep.cuda_graph.backend import get_backend
     from graphstep.training import loop, prepare
     from graphstep.training.distributed import DataParallel
 
     events: list[str] = []
+    graphs: list = []  # the run's captured graphs, seen just before it closes them
 
     class Recorded(DataParallel):
         def close(self) -> None:
-            events.append(f"process group destroyed; live graphs: {len(get_backend('cpu').live_graphs())}")
+            live = sum(g.captured for g in graphs)
+            events.append(f"process group destroyed; {len(graphs)} graphs of the run, still captured: {live}")
 
-    real_close, real_record = prepare.Runner.close, loop.MetricsRecorder.record
+    real_close = prepare.Runner.close
 
     def close(self) -> None:
+        graphs.extend(self.backend.live_graphs())
         real_close(self)
         events.append("graphs closed")
 
-    def record(self, it, *a, **k):
-        if it == 6 and how == "exception":
+    def fail_at_6(iteration: int) -> None:  # after iteration 6: the graphs were captured at 4
+        if iteration == 6 and how == "exception":
             raise RuntimeError("boom")
-        if it == 6 and how == "sigterm":
+        if iteration == 6 and how == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_record(self, it, *a, **k)
 
     monkeypatch.setattr(loop, "init_data_parallel", lambda cfg, settings: Recorded())
     monkeypatch.setattr(prepare.Runner, "close", close)
-    monkeypatch.setattr(loop.MetricsRecorder, "record", record)
     cfg = tiny_config("model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true",
                       "train.train_iters=8")
+    hooks = loop.RunHooks(after_iteration=fail_at_6)
     if how == "exception":
         with pytest.raises(RuntimeError, match="boom"):
-            loop.train(cfg)
+            loop.train(cfg, hooks=hooks)
     else:
-        assert loop.train(cfg).stopped_by_signal == (how == "sigterm")
-    assert events == ["graphs closed", "process group destroyed; live graphs: 0"]
+        result = loop.train(cfg, hooks=hooks)
+        assert result.stopped_by_signal == (how == "sigterm")
+    assert events == ["graphs closed", "process group destroyed; 2 graphs of the run, still captured: 0"]
 
 
 def test_grad_reducer_buckets_are_views_of_the_flat_buffer():

@@ -234,15 +234,15 @@ def test_stale_lock_of_a_dead_pid_is_taken_over(tmp_path, caplog):
     assert not (tmp_path / LOCK_NAME).exists()  # released at the end
 
 
-def test_lock_is_released_when_the_run_raises(tmp_path, monkeypatch):
-    from graphstep.training import loop
+def test_lock_is_released_when_the_run_raises(tmp_path):
+    from graphstep.training.loop import RunHooks
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("broken prepare")
+    def broken(iteration: int) -> None:
+        raise RuntimeError(f"broken at iteration {iteration}")
 
-    monkeypatch.setattr(loop, "prepare", broken)
-    with pytest.raises(RuntimeError, match="broken prepare"):
-        train(eager(tiny_config("train.train_iters=1", f"checkpoint.save={tmp_path}")))
+    with pytest.raises(RuntimeError, match="broken at iteration 1"):
+        train(eager(tiny_config("train.train_iters=1", f"checkpoint.save={tmp_path}")),
+              hooks=RunHooks(after_iteration=broken))
     assert not (tmp_path / LOCK_NAME).exists()
     with RunLock([tmp_path]):  # free again
         assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()

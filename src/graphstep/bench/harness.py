@@ -17,6 +17,10 @@ eager, graphstep's graph settings, and the peers a user would try instead
   per-stream workspaces cleared; what was still allocated at the start is
   recorded (``start_allocated_gib``).
 
+Every row's model, optimizer, steps and graphs are built by the trainer's
+own ``build_run`` (training/build.py), so a row measures what ``graphstep
+train`` runs (its RNG tracker setting, MoE hooks and non-finite checks
+included); the peers take their model and optimizer from the same build.
 Batches are generated once, pinned, and cycled, so data generation is not
 timed. Ratios (speed-up vs eager, step/floor) are computed within one run.
 """
@@ -33,13 +37,10 @@ import torch
 
 from ..config import Config, apply_overrides
 from ..cuda_graph.backend import close_all_backends
-from ..cuda_graph.rng import initialize_rng_tracker
-from ..cuda_graph.settings import resolve_cuda_graph_settings
 from ..data import build_data
-from ..models import build_model
-from ..training.optim import GradBuffers, build_optimizer
-from ..training.prepare import prepare
-from ..training.step import EvalStep, TrainStep
+from ..training.build import Run, build_run
+from ..training.optim import GradBuffers
+from ..training.step import TrainStep
 
 GiB = 1024**3
 
@@ -75,32 +76,54 @@ class Row:
 
 @dataclass
 class Workload:
-    """A fresh model, optimizer and pinned batches for one row."""
+    """A fresh run (model, optimizer, steps, graphs: ``build_run``) and pinned batches for one row."""
 
-    cfg: Config
-    device: torch.device
-    model: torch.nn.Module
-    grads: GradBuffers
-    optimizer: Any
-    train_step: TrainStep
+    run: Run
     batches: list[dict[str, torch.Tensor]]
-    num_micro_batches: int
+
+    @property
+    def cfg(self) -> Config:
+        return self.run.cfg
+
+    @property
+    def device(self) -> torch.device:
+        return self.run.device
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.run.model
+
+    @property
+    def grads(self) -> GradBuffers:
+        return self.run.grads
+
+    @property
+    def optimizer(self) -> Any:
+        return self.run.optimizer
+
+    @property
+    def train_step(self) -> TrainStep:
+        return self.run.train_step
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.run.num_micro_batches
 
     def data(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
             yield from self.batches
 
+    def close(self) -> None:
+        self.run.close()
 
-def make_workload(cfg: Config, device: torch.device, n_steps: int = 4) -> Workload:
-    initialize_rng_tracker(cfg.rng.seed, device, graph_safe=True)
-    model = build_model(cfg.model, device)
-    model.train()
-    grads = GradBuffers(model)
-    optimizer = build_optimizer(cfg, model, grads)
-    n_mb = cfg.train.global_batch_size // cfg.train.micro_batch_size
+
+def make_workload(cfg: Config, device: torch.device, n_steps: int = 4, *,
+                  compile_mode: str | None = None) -> Workload:
+    """The row's run, built as the trainer builds it (one rank), and ``n_steps`` iterations of pinned batches."""
+    run = build_run(cfg, device=device, compile_mode=compile_mode)
     it = build_data(cfg, split="train", pin_memory=device.type == "cuda")
-    batches = [next(it) for _ in range(n_steps * n_mb)]
-    return Workload(cfg, device, model, grads, optimizer, TrainStep(model, grads), batches, n_mb)
+    batches = [next(it) for _ in range(n_steps * run.num_micro_batches)]
+    return Workload(run, batches)
 
 
 def row_config(base: Config, overrides: list[str]) -> Config:
@@ -113,22 +136,14 @@ def row_config(base: Config, overrides: list[str]) -> Config:
 
 def graphstep_row(cfg: Config, device: torch.device, *, compile_mode: str | None = None,
                   ) -> tuple[Callable[[Iterator[Any]], Any], Workload, Any]:
-    """A row run through the trainer's own ``prepare``: the step function and its owner.
+    """A row run as the trainer runs it (``build_run``): the iteration function, the workload and its owner.
 
     ``compile_mode``: the step calls ``torch.compile(model, mode=compile_mode)``
-    (the graphs then capture Inductor's kernels).
+    (the graphs then capture Inductor's kernels). The owner's ``runner.reports``
+    are the row's own captures.
     """
-    settings = resolve_cuda_graph_settings(cfg)
-    w = make_workload(cfg, device)
-    if compile_mode is not None:
-        w.train_step = TrainStep(torch.compile(w.model, mode=compile_mode), w.grads)
-    runner = prepare(w.model, w.train_step, EvalStep(w.model, device), w.optimizer, settings, device=device,
-                     num_micro_batches=w.num_micro_batches, skip_on_nonfinite=cfg.train.skip_step_on_nan)
-
-    def step(it: Iterator[Any]) -> Any:
-        return runner.optimizer_step(runner.train_step(it))
-
-    return step, w, runner
+    w = make_workload(cfg, device, compile_mode=compile_mode)
+    return w.run.iteration, w, w.run.runner
 
 
 def time_steps(step: Callable[[Iterator[Any]], Any], data: Iterator[Any], *, warmup: int, iters: int,

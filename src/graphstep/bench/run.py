@@ -77,7 +77,7 @@ def _builder(name: str, base: Config, device: torch.device) -> Callable[[], tupl
 
         def build() -> tuple:
             step, w, runner = graphstep_row(cfg, device, compile_mode=compile_mode)
-            capture = (lambda: sum(r.seconds for r in runner.backend.reports)) if runner.backend else None
+            capture = (lambda: sum(r.seconds for r in runner.reports)) if runner.backend else None
             return step, w.data(), capture, runner
 
         return build

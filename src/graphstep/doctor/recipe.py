@@ -2,9 +2,12 @@
 
 1. Every validation rule (``validate_config``): violations are findings of
    category ``config`` and the step is not run.
-2. The model, data, optimizer, ``TrainStep`` and runner are built as
-   ``training/loop.py`` builds them (one rank, on the CPU, GPU simulated).
-3. The runner is prepared with :class:`DryBackend`: its captures run the
+2. The run is built by the trainer's own ``build_run`` (training/build.py:
+   model, optimizer, steps, RNG tracker and graphs exactly as
+   ``graphstep train`` builds them; one rank, on the CPU, GPU simulated),
+   with a few batches of the recipe's data.
+3. The run's graphs are captured through :class:`DryBackend`, handed to
+   ``build_run`` as its backend: its captures run the
    region once, eagerly, under the analyzer, and its replays do nothing (the
    region already ran). So exactly what the config captures is judged --
    the full iteration, the evaluation step, the optimizer step, or each
@@ -64,9 +67,9 @@ class DryBackend(GraphBackend):
 
     name = "doctor"
 
-    def __init__(self, device: torch.device, session: Session) -> None:
+    def __init__(self, device: torch.device, session: Session | None = None) -> None:
         super().__init__(device)
-        self.session = session
+        self.session = session  # set before the first capture (the session needs the built run)
 
     def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph:
         return self._track(_DryGraph(name))
@@ -172,66 +175,39 @@ def check_recipe(cfg: Config, *, name: str = "recipe", full_size: bool = False, 
     return report
 
 
-def _build(cfg: Config, settings: Any, device: torch.device) -> dict[str, Any]:
-    """What training/loop.py builds for one rank (kept in the same order)."""
-    from ..cuda_graph.rng import initialize_rng_tracker
+def _parts(run: Any, cfg: Config, settings: Any) -> dict[str, Any]:
+    """What the judged iterations use: the run's pieces and the recipe's data (one rank)."""
     from ..data import build_data
-    from ..models import build_model
-    from ..training.optim import GradBuffers, build_optimizer
-    from ..training.step import EvalStep, TrainStep
 
-    tr = cfg.train
-    initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker)
-    model = build_model(cfg.model, device)
-    model.train()
-    grads = GradBuffers(model)
-    optimizer = build_optimizer(cfg, model, grads)
-    data = build_data(cfg, split="train")
-    valid = build_data(cfg, split="valid") if tr.eval_iters > 0 and settings.full_iteration else None
-    step = TrainStep(model, grads, retain_graph=settings.retain_backward_graph)
-    return dict(model=model, grads=grads, optimizer=optimizer, data=data, valid=valid, train_step=step,
-                eval_step=EvalStep(model, device), num_mb=tr.global_batch_size // tr.micro_batch_size,
-                eval_iters=tr.eval_iters)
-
-
-@contextlib.contextmanager
-def _prepared_with(backend: GraphBackend) -> Iterator[None]:
-    # prepare() asks get_backend() for the process's backend; the doctor lends it its own.
-    from ..training import prepare as prepare_mod
-
-    saved = prepare_mod.get_backend
-    prepare_mod.get_backend = lambda device, kind="auto": backend
-    try:
-        yield
-    finally:
-        prepare_mod.get_backend = saved
+    valid = build_data(cfg, split="valid") if cfg.train.eval_iters > 0 and settings.full_iteration else None
+    return dict(model=run.model, optimizer=run.optimizer, train_step=run.train_step, eval_step=run.eval_step,
+                run=run, data=build_data(cfg, split="train"), valid=valid, num_mb=run.num_micro_batches,
+                eval_iters=cfg.train.eval_iters)
 
 
 def _run(cfg: Config, settings: Any, report: Report) -> None:
-    from ..training.prepare import prepare
+    from ..training.build import build_run
 
     device = torch.device("cpu")
-    parts = _build(cfg, settings, device)
-    roots = {k: parts[k] for k in ("model", "optimizer", "train_step", "eval_step")}
-    session = Session(report, simulated=True, roots=roots)
-    backend = DryBackend(device, session)
-    skip = cfg.train.skip_step_on_nan
-    with _prepared_with(backend):
-        runner = prepare(parts["model"], parts["train_step"], parts["eval_step"], parts["optimizer"], settings,
-                         device=device, num_micro_batches=parts["num_mb"], skip_on_nonfinite=skip)
-    report.notes.append(f"judged: {runner.describe if settings.enabled else 'the whole step (cuda_graph_impl=none)'}")
+    backend = DryBackend(device)
+    run = build_run(cfg, device=device, backend=backend, settings=settings)
     try:
+        parts = _parts(run, cfg, settings)
+        roots = {k: parts[k] for k in ("model", "optimizer", "train_step", "eval_step")}
+        session = backend.session = Session(report, simulated=True, roots=roots)
+        runner = run.runner
+        report.notes.append(f"judged: {runner.describe if settings.enabled else 'the whole step (cuda_graph_impl=none)'}")
         with session:
             try:
                 if settings.enabled:
                     _graphed(session, runner, parts)
                 else:
-                    _whole_step(session, parts, skip)
+                    _whole_step(session, parts)
             except Exception as exc:
                 session.error(exc)
     finally:
-        runner.close()
-    if settings.enabled and not backend.reports and not report.findings:
+        run.close()
+    if settings.enabled and not run.runner.reports and not report.findings:
         report.notes.append("no region was captured")
 
 
@@ -249,12 +225,14 @@ def _graphed(session: Session, runner: Any, parts: dict[str, Any]) -> None:
         iteration()
 
 
-def _whole_step(session: Session, parts: dict[str, Any], skip: bool) -> None:
+def _whole_step(session: Session, parts: dict[str, Any]) -> None:
+    # the run's training step on batches already where the graph's static buffers would be, then its optimizer
     step, optimizer, data = parts["train_step"], parts["optimizer"], parts["data"]
+    skip = parts["run"].cfg.train.skip_step_on_nan
 
     def run(batches: list[Any]) -> None:
         out = step(batches)
-        optimizer.step(out["nonfinite"] if skip else None)
+        optimizer.step(out.get("nonfinite") if skip else None)
 
     # the same batch tensors both times: a graph reads its static input buffers, copied in outside it
     batches = [next(data) for _ in range(parts["num_mb"])]

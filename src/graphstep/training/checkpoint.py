@@ -50,11 +50,10 @@ import random
 import re
 import secrets
 import shutil
-import signal
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -171,8 +170,11 @@ def _is_complete(path: Path) -> bool:
 
 
 def save_checkpoint(root: str | Path, iteration: int, state: TrainingState, dp: DataParallel,
-                    config: Config | None = None) -> Path:
-    """Write ``iter_<iteration>`` atomically (see the module docstring); every rank calls it."""
+                    config: Config | None = None, *, before_rename: Callable[[int], None] | None = None) -> Path:
+    """Write ``iter_<iteration>`` atomically (see the module docstring); every rank calls it.
+
+    ``before_rename(iteration)`` runs once this rank's files are written, before the rename (tests kill here).
+    """
     root = Path(root)
     final = root / iter_dir_name(iteration)
     tmp = root / dp.broadcast_object(f"{final.name}.tmp-{secrets.token_hex(3)}" if dp.is_main else None)
@@ -183,7 +185,8 @@ def save_checkpoint(root: str | Path, iteration: int, state: TrainingState, dp: 
         dcp.save(state.state_dict(iteration, dp), checkpoint_id=tmp, process_group=dp.control)
     if dp.is_main and config is not None:
         save_yaml(config, tmp / "config.yaml")
-    _kill_if_asked("GRAPHSTEP_TEST_KILL_IN_SAVE", iteration)  # tests: a kill before the rename
+    if before_rename is not None:
+        before_rename(iteration)
     dp.barrier()  # every rank's files are written
     if dp.is_main:
         _publish(root, tmp, final, iteration)
@@ -234,14 +237,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _kill_if_asked(var: str, iteration: int) -> None:
-    """Test hook: SIGKILL this process at ``iteration`` when ``var`` says so (no cleanup runs)."""
-    if os.environ.get(var) == str(iteration):
-        log.warning("%s=%d: killing this process with SIGKILL", var, iteration)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------
@@ -324,8 +319,10 @@ def _check_schedule(saved: dict[str, Any], optimizer: AdamW, path: Path) -> None
 class Checkpointer:
     """``checkpoint.*`` for the training loop: resume once, save every ``save_interval`` and at the end."""
 
-    def __init__(self, cfg: CheckpointConfig, dp: DataParallel, state: TrainingState, config: Config) -> None:
+    def __init__(self, cfg: CheckpointConfig, dp: DataParallel, state: TrainingState, config: Config, *,
+                 before_rename: Callable[[int], None] | None = None) -> None:
         self.cfg, self.dp, self.state, self.config = cfg, dp, state, config
+        self.before_rename = before_rename  # RunHooks.before_checkpoint_rename
         if cfg.save_interval is not None and cfg.save_interval < 1:
             raise ValueError(f"checkpoint.save_interval={cfg.save_interval}: must be at least 1 (or null)")
         self.last_saved: int | None = None
@@ -362,10 +359,6 @@ class Checkpointer:
             return
         interval = self.cfg.save_interval
         if last or (interval and iteration % interval == 0):
-            save_checkpoint(self.cfg.save, iteration, self.state, self.dp, self.config if self.dp.is_main else None)
+            save_checkpoint(self.cfg.save, iteration, self.state, self.dp, self.config if self.dp.is_main else None,
+                            before_rename=self.before_rename)
             self.last_saved = iteration
-
-
-def kill_at_iteration_if_asked(iteration: int) -> None:
-    """Test hook ``GRAPHSTEP_TEST_KILL_AT_ITER=<n>``: SIGKILL after iteration n (and its save, if any)."""
-    _kill_if_asked("GRAPHSTEP_TEST_KILL_AT_ITER", iteration)

@@ -9,24 +9,29 @@ The loop reads top to bottom:
    (training/rundir.py), that the run fits in the device's memory
    (training/memory.py), and lock the output directories against a second
    run -- each a one-line ``RunSetupError`` (exit 2) on every rank;
-2. seed (per rank, as Megatron does), build the model -- with
-   ``model.hf_path``, whose config.json set the shape in step 1, its weights
-   are copied in before the optimizer takes its fp32 master copy
-   (models/hf.py) -- gradient buffers, optimizer and this rank's shard of the
-   data; resume from ``checkpoint.load`` in place (training/checkpoint.py);
-3. ``prepare`` the runner (eager functions, per-layer graphs, full-iteration
-   graph, optimizer graph -- training/prepare.py); built after the resume, so
-   graphs warm up and capture counting from the resume iteration;
+2. this rank's shard of the data, then the run (``build_run``,
+   training/build.py -- the same build the doctor and the bench use): seed
+   (per rank, as Megatron does), the model (with ``model.hf_path``, its
+   weights copied in before the optimizer takes its fp32 master copy),
+   gradient buffers, optimizer; the resume from ``checkpoint.load`` in place
+   (training/checkpoint.py), before any graph exists;
+3. then the run's steps and graphs (``prepare``: per-layer graphs,
+   full-iteration graph, optimizer graph -- training/prepare.py), so graphs
+   warm up and capture counting from the resume iteration;
 4. per iteration: forward/backward of all micro-batches (gradients and loss
    averaged over ranks), optimizer step, per-iteration scalars queued on the
    device; on logging steps, one host read of the queued scalars, a log line
    and metrics rows (rank 0 writes them);
 5. evaluation every ``train.eval_interval``; a checkpoint every
    ``checkpoint.save_interval`` and at the end;
-6. teardown in ``finally``: graphs freed before anything else goes away --
+6. teardown in ``finally``: the run's graphs (and only them: a graph made
+   outside the run keeps replaying) freed before anything else goes away --
    at the normal end, after the final evaluation, on exceptions and on
    SIGINT/SIGTERM (which stop every rank after the same step) -- and the
    process group destroyed last, once no graph holds a collective.
+
+Tests and tools reach into a run through :class:`RunHooks` (e.g. a test that
+kills the process at iteration N); the loop itself reads no test switches.
 """
 
 from __future__ import annotations
@@ -38,32 +43,39 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..config import Config
-from ..cuda_graph.rng import initialize_rng_tracker
 from ..cuda_graph.settings import CudaGraphSettings, resolve_cuda_graph_settings
 from ..data import build_data
-from ..data.buckets import parse_buckets
-from ..models import build_model
-from ..models.hf import load_hf_weights, with_hf_shape
-from .checkpoint import Checkpointer, TrainingState, kill_at_iteration_if_asked
+from ..models.hf import with_hf_shape
+from .build import Run, build_run
+from .checkpoint import Checkpointer, TrainingState
 from .console import Console
 from .memory import check_memory_fits
 from .distributed import DataParallel, init_data_parallel
 from .metrics import MetricsRecorder
 from .moe_hooks import KEYS as MOE_KEYS
-from .moe_hooks import MoEHooks
-from .optim import GradBuffers, build_optimizer
-from .prepare import prepare
 from .rundir import RunLock, RunSetupError, check_outputs_writable, output_dirs
-from .step import EvalStep, TrainStep
 
 log = logging.getLogger("graphstep")
 
 GiB = 1024**3
+
+
+@dataclass
+class RunHooks:
+    """Callbacks into a run (tests use them to inject failures; tools, to observe). Each gets the iteration.
+
+    ``after_iteration(n)``: after iteration n is complete -- metrics recorded, evaluation and
+    checkpoint of n done. ``before_checkpoint_rename(n)``: inside the save of iteration n, every
+    file written, before the folder is renamed into place (see training/checkpoint.py).
+    """
+
+    after_iteration: Callable[[int], None] | None = None
+    before_checkpoint_rename: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -134,22 +146,23 @@ def _memory(device: torch.device) -> str:
     return f"rss {rss / GiB:.2f} GiB"
 
 
-def train(cfg: Config, *, keep_model: bool = False) -> TrainResult:
+def train(cfg: Config, *, keep_model: bool = False, hooks: RunHooks | None = None) -> TrainResult:
     """Train as ``cfg`` says; returns the metrics of every iteration (and the model if asked)."""
     cfg = with_hf_shape(cfg)  # model.hf_path: a copy of cfg with the checkpoint's shape, before any rule
     settings = resolve_cuda_graph_settings(cfg)  # 1: every rule, all violations at once
     dp = init_data_parallel(cfg, settings)  # one rank unless torchrun started us
     try:
-        return _train(cfg, settings, dp, keep_model)
+        return _train(cfg, settings, dp, keep_model, hooks or RunHooks())
     finally:
         dp.close()  # 6: last -- _train's own finally has freed every graph by now
 
 
-def _train(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model: bool) -> TrainResult:
+def _train(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model: bool,
+           hooks: RunHooks) -> TrainResult:
     device = pick_device(cfg.train.device)
     lock = _preflight(cfg, dp, device)
     try:
-        return _run(cfg, settings, dp, keep_model, device)
+        return _run(cfg, settings, dp, keep_model, device, hooks)
     finally:
         lock.release()  # on every exit: normal end, exception, SIGINT/SIGTERM (a clean stop)
 
@@ -172,61 +185,69 @@ def _preflight(cfg: Config, dp: DataParallel, device: torch.device) -> RunLock:
 
 
 def _run(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model: bool,
-         device: torch.device) -> TrainResult:
+         device: torch.device, hooks: RunHooks) -> TrainResult:
     tr = cfg.train
-    num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.world_size)
+    data, valid = _build_data(cfg, dp, device)
+    restore = _Restore(cfg, dp, data, valid, device, hooks)
+    run = build_run(cfg, device=device, dp=dp, settings=settings, restore=restore)  # 2, 3 (training/build.py)
+    try:
+        result = _iterate(cfg, run, data, valid, restore.checkpointer, hooks)  # 4, 5
+    finally:  # 6
+        run.close()
+    if keep_model:
+        result.model = run.model
+    return result
 
-    initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker, dp_rank=dp.rank,  # 2
-                           data_parallel_random_init=cfg.rng.data_parallel_random_init)
-    model = build_model(cfg.model, device)
-    if cfg.model.hf_path:
-        load_hf_weights(model, cfg.model.hf_path, cfg.model)  # in place, before the optimizer copies the weights
-    model.train()
-    if cfg.rng.data_parallel_random_init:
-        dp.broadcast_parameters(model)  # different seeds per rank, the same starting weights (Megatron)
-    grads = GradBuffers(model)
-    optimizer = build_optimizer(cfg, model, grads)
+
+def _build_data(cfg: Config, dp: DataParallel, device: torch.device) -> tuple[Any, Any]:
+    """This rank's training data, and its validation data when the run evaluates."""
     pin = device.type == "cuda"
     data = build_data(cfg, split="train", dp_rank=dp.rank, dp_size=dp.world_size, pin_memory=pin)
     valid = (build_data(cfg, split="valid", dp_rank=dp.rank, dp_size=dp.world_size, pin_memory=pin)
-             if tr.eval_iters > 0 else None)
-    ckpt = Checkpointer(cfg.checkpoint, dp, TrainingState(model, optimizer, data, valid, device), cfg)
-    start = ckpt.resume()  # in place, before any graph exists
-    moe = MoEHooks(model, num_mb)
-    step = TrainStep(model, grads, reduce_grads=dp.grad_reducer(grads, cfg.ddp), reduce_loss=dp.loss_reducer(),
-                     before_step=moe.before_step if moe.enabled else None,
-                     retain_graph=settings.retain_backward_graph)
-    runner = prepare(  # 3
-        model, step, EvalStep(model, device, reduce_loss=dp.loss_reducer()), optimizer, settings,
-        device=device, num_micro_batches=num_mb, skip_on_nonfinite=tr.skip_step_on_nan,
-        capture_barrier=dp.barrier if dp.enabled else None, buckets=parse_buckets(cfg),
-    )
-    keys = ["loss", "grad_norm", "lr", "nonfinite"] + (list(MOE_KEYS) if moe.enabled else [])
+             if cfg.train.eval_iters > 0 else None)
+    return data, valid
+
+
+class _Restore:
+    """``build_run``'s restore step: the checkpointer over the built model and optimizer, resumed in place."""
+
+    def __init__(self, cfg: Config, dp: DataParallel, data: Any, valid: Any, device: torch.device,
+                 hooks: RunHooks) -> None:
+        self.cfg, self.dp, self.data, self.valid, self.device, self.hooks = cfg, dp, data, valid, device, hooks
+        self.checkpointer: Checkpointer | None = None
+
+    def __call__(self, model: torch.nn.Module, optimizer: Any) -> int:
+        state = TrainingState(model, optimizer, self.data, self.valid, self.device)
+        self.checkpointer = Checkpointer(self.cfg.checkpoint, self.dp, state, self.cfg,
+                                         before_rename=self.hooks.before_checkpoint_rename)
+        return self.checkpointer.resume()
+
+
+def _iterate(cfg: Config, run: Run, data: Any, valid: Any, ckpt: Checkpointer, hooks: RunHooks) -> TrainResult:
+    tr, dp, device, runner = cfg.train, run.dp, run.device, run.runner
+    start = run.start_iteration
+    keys = ["loss", "grad_norm", "lr"] + (["nonfinite"] if run.checks_nonfinite else []) \
+        + (list(MOE_KEYS) if run.moe.enabled else [])
     recorder = MetricsRecorder(keys, device, cfg.logger.log_interval, cfg.logger.metrics_path if dp.is_main else None,
                                resume_after=start)
     console = Console(enabled=cfg.logger.progress_bar and sys.stderr.isatty() and dp.is_main,
                       total=max(0, tr.train_iters - start))
     result = TrainResult(describe=runner.describe, iterations=start)
     tokens_per_iter = tr.global_batch_size * cfg.model.seq_length
-    log.info("training %s: %d parameters, %s, device %s, graphs: %s%s", _name(cfg), _count(model),
-             next(model.parameters()).dtype, device, runner.describe,
-             f", {dp.world_size} data-parallel ranks ({step.reduce_grads.describe()})" if dp.enabled else "")
+    log.info("training %s: %d parameters, %s, device %s, graphs: %s%s", _name(cfg), _count(run.model),
+             next(run.model.parameters()).dtype, device, runner.describe,
+             f", {dp.world_size} data-parallel ranks ({run.train_step.reduce_grads.describe()})" if dp.enabled else "")
     try:
         with _StopFlag(tr.exit_signal_handler) as stop, console:
             t_log = time.perf_counter()
             for it in range(start + 1, tr.train_iters + 1):  # 4
-                out = runner.train_step(data)
-                opt = runner.optimizer_step(out)
-                if moe.enabled:
-                    moe.after_optimizer_step()
+                out, opt = run.iteration(data)
                 state = runner.state()
                 if state == "captured":
-                    _log_capture(runner, device)
-                nonfinite = torch.maximum(out["nonfinite"], opt["found_nonfinite"])
+                    _log_capture(runner)
                 if cfg.rerun_state_machine.check_for_nan_in_loss or cfg.ddp.check_for_nan_in_grad:
                     _host_nan_check(cfg, it, out["loss"], opt["grad_norm"])  # host syncs, eager only (R6)
-                recorder.record(it, state, {"loss": out["loss"], "grad_norm": opt["grad_norm"], "lr": opt["lr"],
-                                            "nonfinite": nonfinite, **(moe.metrics() if moe.enabled else {})})
+                recorder.record(it, state, _scalars(run, out, opt))
                 console.advance()
                 stopping = stop.enabled and dp.any(stop.set)  # every rank stops after the same step
                 last = it == tr.train_iters or stopping
@@ -241,23 +262,32 @@ def _run(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model:
                 if valid is not None and tr.eval_interval and it % tr.eval_interval == 0 and not last:
                     _evaluate(runner, valid, tr.eval_iters, it, console, result)  # 5
                 ckpt.after_iteration(it, last=last)
-                kill_at_iteration_if_asked(it)  # tests of exact resume (GRAPHSTEP_TEST_KILL_AT_ITER)
+                if hooks.after_iteration is not None:
+                    hooks.after_iteration(it)
                 result.iterations = it
                 if stopping:
                     result.stopped_by_signal = True
                     break
             if valid is not None and not result.stopped_by_signal:
                 _evaluate(runner, valid, tr.eval_iters, result.iterations, console, result)
-    finally:  # 6
+    finally:  # 6: the caller closes the run right after
         recorder.close()
-        result.graphs = len(runner.backend.reports) if runner.backend is not None else 0
-        result.capture_seconds = sum(r.seconds for r in runner.backend.reports) if runner.backend else 0.0
-        runner.close()
+        result.graphs = len(runner.reports)
+        result.capture_seconds = sum(r.seconds for r in runner.reports)
     if dp.is_main:
         console.summary(result, _memory(device), cfg.logger.metrics_path)
-    if keep_model:
-        result.model = model
     return result
+
+
+def _scalars(run: Run, out: dict[str, torch.Tensor], opt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The iteration's device scalars for the metrics (read on logging steps only)."""
+    scalars = {"loss": out["loss"], "grad_norm": opt["grad_norm"], "lr": opt["lr"]}
+    nonfinite = run.nonfinite(out, opt)
+    if nonfinite is not None:
+        scalars["nonfinite"] = nonfinite
+    if run.moe.enabled:
+        scalars.update(run.moe.metrics())
+    return scalars
 
 
 def _name(cfg: Config) -> str:
@@ -270,8 +300,8 @@ def _count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _log_capture(runner, device: torch.device) -> None:
-    reports = runner.backend.reports if runner.backend is not None else []
+def _log_capture(runner) -> None:
+    reports = runner.reports  # this run's captures
     if not reports:
         return
     seconds = sum(r.seconds for r in reports)
@@ -291,7 +321,7 @@ def _host_nan_check(cfg: Config, it: int, loss: torch.Tensor, grad_norm: torch.T
 
 def _report(console: Console, rows: list[dict], dt: float, tokens: int, device, total: int, result) -> None:
     last = rows[-1]
-    bad = [r["iteration"] for r in rows if r["nonfinite"]]
+    bad = [r["iteration"] for r in rows if r.get("nonfinite")]  # no flag without train.check_for_nan_on_device
     result.nonfinite_iterations += bad
     console.line(
         f"iter {last['iteration']:>6}/{total} | loss {_fmt(last['loss'])} | lr {last['lr']:.3e} | "

@@ -105,7 +105,9 @@ class AdamW:
     """AdamW over fp32 master weights; ``step()`` returns device tensors only.
 
     ``step()`` returns ``{"grad_norm", "lr", "found_nonfinite"}`` (device
-    tensors owned by the optimizer when it is captured in a graph).
+    tensors owned by the optimizer when it is captured in a graph);
+    ``found_nonfinite`` only with ``check_nonfinite`` (``train.check_for_nan_on_device``),
+    which skipping a non-finite update needs.
     """
 
     def __init__(
@@ -119,12 +121,14 @@ class AdamW:
         weight_decay: float = 0.0,
         clip_grad: float = 0.0,
         skip_on_nonfinite: bool = False,
+        check_nonfinite: bool = True,
         fused: bool | None = None,
     ) -> None:
         self.grads = grads
         self.schedule = schedule
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
-        self.clip_grad, self.skip_on_nonfinite = clip_grad, skip_on_nonfinite
+        self.clip_grad, self.check_nonfinite = clip_grad, check_nonfinite
+        self.skip_on_nonfinite = skip_on_nonfinite and check_nonfinite
         names = {id(p): n for n, p in model.named_parameters()}
         device = grads.flat.device
         self.fused = (device.type == "cuda") if fused is None else fused
@@ -168,10 +172,11 @@ class AdamW:
         grads = self.grads.grads
         norm = torch.linalg.vector_norm(self.grads.flat, 2.0)
         self.grad_norm.copy_(norm)
-        bad = ~torch.isfinite(norm)
-        if extra_nonfinite is not None:
-            bad = bad | (extra_nonfinite != 0)
-        self.found.copy_(bad.float())
+        if self.check_nonfinite:
+            bad = ~torch.isfinite(norm)
+            if extra_nonfinite is not None:
+                bad = bad | (extra_nonfinite != 0)
+            self.found.copy_(bad.float())
         if self.clip_grad > 0:
             coef = (self.clip_grad / (norm + 1e-6)).clamp(max=1.0)
             self.grads.flat.mul_(coef)
@@ -186,6 +191,8 @@ class AdamW:
                 self._update([self.master[i] for i in group], [grads[i] for i in group],
                              [self.exp_avg[i] for i in group], [self.exp_avg_sq[i] for i in group], wd, skip)
         self._copy_back()
+        if not self.check_nonfinite:
+            return {"grad_norm": self.grad_norm, "lr": self.lr_t}
         return {"grad_norm": self.grad_norm, "lr": self.lr_t, "found_nonfinite": self.found}
 
     def _copy_back(self) -> None:
@@ -238,4 +245,5 @@ def build_optimizer(cfg, model: nn.Module, grads: GradBuffers) -> AdamW:
     return AdamW(
         model, grads, schedule, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
         weight_decay=o.weight_decay, clip_grad=o.clip_grad, skip_on_nonfinite=cfg.train.skip_step_on_nan,
+        check_nonfinite=cfg.train.check_for_nan_on_device,
     )

@@ -15,6 +15,12 @@ captured into the shared pool the first time the bucket is past its warm-up.
 Evaluation batches are padded to the largest bucket: one evaluation graph.
 Per-layer graphs with buckets are refused (one set of layer graphs per bucket
 is not implemented).
+
+Ownership: ``prepare`` is handed the backend to capture with (the process's
+backend for the device, or the doctor's); every graph of the run is made
+through a :class:`RunBackend` view of it (training/run_backend.py), so the
+runner's ``close()`` frees this run's graphs and nothing else, and its
+``backend.reports`` are this run's captures.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..cuda_graph.backend import GraphBackend, get_backend
+from ..cuda_graph.backend import GraphBackend
+from ..cuda_graph.errors import GraphUsageError
 from ..cuda_graph.full_iteration import EAGER, FullIterationGraph, GraphedStep
 from ..cuda_graph.rng import get_rng_tracker
 from ..config import ConfigError
 from ..cuda_graph.settings import CudaGraphSettings, GraphImpl
 from .optim import AdamW
+from .run_backend import RunBackend, meeting_before_capture
 from .step import EvalStep, TrainStep
 
 log = logging.getLogger("graphstep")
@@ -39,12 +47,16 @@ log = logging.getLogger("graphstep")
 
 @dataclass
 class Runner:
-    """What the loop calls; owns every graph it made (``close()`` frees them)."""
+    """What the loop calls; owns every graph it made (``close()`` frees them, and only them).
+
+    ``backend`` is the run's view of the process backend (None without graphs):
+    ``backend.reports`` holds this run's capture reports.
+    """
 
     train_step: Callable[[Iterator[Any]], dict[str, torch.Tensor]]
     optimizer_step: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     evaluate: Callable[[Iterator[Any], int], torch.Tensor]
-    backend: GraphBackend | None
+    backend: RunBackend | None
     graphs: list[Any] = field(default_factory=list)
     describe: str = "eager"
 
@@ -56,8 +68,13 @@ class Runner:
                 return st
         return EAGER
 
+    @property
+    def reports(self) -> list[Any]:
+        """The capture reports of this run's graphs, in capture order."""
+        return list(self.backend.reports) if self.backend is not None else []
+
     def close(self) -> None:
-        """Free every graph and the pool; harmless to call twice."""
+        """Free every graph this run made (never another's); harmless to call twice."""
         for g in self.graphs:
             g.close()
         self.graphs.clear()
@@ -72,6 +89,7 @@ def prepare(
     optimizer: AdamW,
     settings: CudaGraphSettings,
     *,
+    backend: GraphBackend | None,
     device: torch.device,
     num_micro_batches: int,
     skip_on_nonfinite: bool,
@@ -95,6 +113,9 @@ def prepare(
 
     With ``buckets`` (the sorted ``data.seq_length_buckets``), step 2 makes one
     full-iteration graph per bucket (:class:`GraphPerBucket`).
+
+    ``backend`` captures every graph (required when ``settings.enabled``); the
+    runner sees it through a :class:`RunBackend` of its own.
     """
     if buckets and settings.per_layer:
         raise ConfigError(
@@ -102,7 +123,10 @@ def prepare(
             "each bucket would need its own set of layer graphs. Use model.cuda_graph_impl=full_iteration (one graph "
             "per bucket), model.cuda_graph_impl=none, or drop data.seq_length_buckets"
         )
-    backend = get_backend(device, settings.backend) if settings.enabled else None
+    if settings.enabled and backend is None:
+        raise GraphUsageError(f"prepare(): model.cuda_graph_impl={settings.impl.value} captures graphs but no backend "
+                              "was given: pass backend=graphstep.get_backend(device) (or build the run with build_run)")
+    run_backend = RunBackend(backend) if settings.enabled else None
     generators = get_rng_tracker().generators
     graphs: list[Any] = []
     describe = "eager"
@@ -110,7 +134,7 @@ def prepare(
     if settings.per_layer:  # 1
         from ..cuda_graph.layers import apply_layer_graphs
 
-        layer_graphs = apply_layer_graphs(model, settings, backend, generators=generators)
+        layer_graphs = apply_layer_graphs(model, settings, run_backend, generators=generators)
         graphs.append(layer_graphs)
         describe = layer_graphs.describe()
 
@@ -122,19 +146,19 @@ def prepare(
             on_failure=settings.on_failure, input_device=device,
         )
 
-        def train_graph_named(name: str) -> Any:
-            graph = FullIterationGraph(train_step, backend, num_micro_batches=num_micro_batches, name=name, **common)
-            return graph if capture_barrier is None else _BarrierBeforeCapture(graph, graph.step, capture_barrier)
+        # graphs holding collectives: the ranks meet before each capture (Megatron does the same)
+        collective = meeting_before_capture(run_backend, capture_barrier)
 
-        eval_graph = GraphedStep(eval_step, backend, name="eval", **common)
-        if capture_barrier is not None:
-            eval_graph = _BarrierBeforeCapture(eval_graph, eval_graph, capture_barrier)
+        def train_graph_named(name: str) -> Any:
+            return FullIterationGraph(train_step, collective, num_micro_batches=num_micro_batches, name=name, **common)
+
+        eval_graph = GraphedStep(eval_step, collective, name="eval", **common)
         if buckets:
             train_graph = GraphPerBucket(lambda width: train_graph_named(f"train[{width}]"), num_micro_batches)
-            describe = f"full iteration, a graph per bucket of {buckets} ({backend.name} backend)"
+            describe = f"full iteration, a graph per bucket of {buckets} ({run_backend.name} backend)"
         else:
             train_graph = train_graph_named("train")
-            describe = f"full iteration ({backend.name} backend)"
+            describe = f"full iteration ({run_backend.name} backend)"
         graphs += [train_graph, eval_graph]
         fwd_bwd, evaluate_batches = train_graph, eval_graph
     else:
@@ -150,12 +174,12 @@ def prepare(
             return eval_step([_to_device(b, device) for b in batches])
 
     def opt_fn(train_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return optimizer.step(train_out["nonfinite"] if skip_on_nonfinite else None)
+        return optimizer.step(train_out.get("nonfinite") if skip_on_nonfinite else None)
 
     optimizer_step: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = opt_fn
     if settings.optimizer_graph and settings.enabled:  # 3
         opt_graph = GraphedStep(
-            opt_fn, backend, warmup_steps=settings.warmup_steps, name="optimizer", generators=generators,
+            opt_fn, run_backend, warmup_steps=settings.warmup_steps, name="optimizer", generators=generators,
             shared_pool=settings.use_single_mempool, on_failure=settings.on_failure,
         )
         graphs.append(opt_graph)
@@ -172,7 +196,7 @@ def prepare(
     if settings.impl is GraphImpl.TRANSFORMER_ENGINE:
         log.info("cuda_graph_impl=transformer_engine: per-layer capture with Transformer Engine's semantics, "
                  "performed by graphstep's own engine (Transformer Engine is not used)")
-    return Runner(fwd_bwd, optimizer_step, evaluate, backend, graphs, describe)
+    return Runner(fwd_bwd, optimizer_step, evaluate, run_backend, graphs, describe)
 
 
 class _capture_after_warmup:
@@ -236,26 +260,6 @@ class GraphPerBucket:
         for graph in self.graphs.values():
             graph.close()
         self.graphs.clear()
-
-
-class _BarrierBeforeCapture:
-    """Every rank reaches the capture of a graph holding collectives together (a host barrier, once)."""
-
-    def __init__(self, graph: Any, step: GraphedStep, barrier: Callable[[], None]) -> None:
-        self.graph, self.step, self.barrier = graph, step, barrier
-
-    @property
-    def state(self) -> str | None:
-        return self.graph.state
-
-    def __call__(self, *args: Any) -> Any:
-        s = self.step
-        if s.failed is None and not s.captured and s.calls >= s.warmup_steps:
-            self.barrier()
-        return self.graph(*args)
-
-    def close(self) -> None:
-        self.graph.close()
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -3,7 +3,9 @@
 This is the function the full-iteration graph wraps, and exactly what runs
 eagerly with ``cuda_graph_impl=none`` -- the same ops in the same order, so
 graphed and eager losses are bit-identical. It never reads a device value on
-the host: the loss and its finiteness flag stay device tensors.
+the host: the loss and its finiteness flag stay device tensors. The flag
+(``nonfinite``, 1.0 when the step's loss is NaN/Inf) is computed only with
+``train.check_for_nan_on_device``; without it the step returns the loss alone.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class TrainStep:
             the non-finite flag are the same on every rank.
         before_step: model state reset at the start of every step (e.g. MoE statistics).
         retain_graph: ``model.cuda_graph_retain_backward_graph``.
+        check_nonfinite: ``train.check_for_nan_on_device``: also return ``nonfinite``, a device
+            flag of the loss (graph-safe: no host read).
     """
 
     def __init__(
@@ -42,6 +46,7 @@ class TrainStep:
         reduce_loss: Callable[[torch.Tensor], None] | None = None,
         before_step: Callable[[], None] | None = None,
         retain_graph: bool = False,
+        check_nonfinite: bool = True,
     ) -> None:
         self.model = model
         self.grads = grads
@@ -49,6 +54,7 @@ class TrainStep:
         self.reduce_loss = reduce_loss
         self.before_step = before_step
         self.retain_graph = retain_graph
+        self.check_nonfinite = check_nonfinite
 
     def forward_backward(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
         n = len(batches)
@@ -65,6 +71,8 @@ class TrainStep:
         mean = total / n
         if self.reduce_loss is not None:
             self.reduce_loss(mean)
+        if not self.check_nonfinite:
+            return {"loss": mean}
         return {"loss": mean, "nonfinite": (~torch.isfinite(mean)).float()}
 
     __call__ = forward_backward
