@@ -250,3 +250,66 @@ def test_skip_step_on_nan_without_the_device_check_is_refused():
     cfg = tiny_config(*FULL, "train.check_for_nan_on_device=false", "train.skip_step_on_nan=true")
     with pytest.raises(ConfigError, match="train.skip_step_on_nan=true needs .* train.check_for_nan_on_device=true"):
         build_run(cfg, device=CPU)
+
+
+# --------------------------------------------------------------------------
+# the same on a GPU (CudaGraphBackend, bf16): run by scripts/gpu-check
+
+GPU = ["train.device=cuda", "model.params_dtype=bf16"]
+
+
+@pytest.mark.parametrize("graphs, captured", [(FULL, 1), (LAYERS, 2 * 2 * 2)], ids=["full_iteration", "attn_mlp"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_two_runs_in_one_process_each_count_their_own_graphs(graphs, captured):
+    first = train(tiny_config(*GPU, *graphs, "train.train_iters=5"))
+    second = train(tiny_config(*GPU, *graphs, "train.train_iters=5"))
+    assert (first.graphs, second.graphs) == (captured, captured)
+    assert [r["state"] for r in second.rows] == ["eager"] * 3 + ["captured", "replayed"]
+    assert first.losses == second.losses
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graph_made_outside_a_run_still_replays_after_the_run_closed():
+    w = torch.arange(8, dtype=torch.float32, device="cuda")
+    outside = graphstep.graph_step(lambda x: (w * x).sum() + 1.0, warmup_steps=1, device="cuda")
+    for _ in range(2):
+        outside(torch.ones(8, device="cuda"))
+    assert outside.state == "captured"
+    train(tiny_config(*GPU, *FULL, "optimizer.optimizer_cuda_graph=true", "train.train_iters=5"))
+    x = torch.linspace(-1.0, 1.0, 8, device="cuda")
+    out = outside(x)
+    assert outside.state == "replayed"
+    assert torch.equal(out, (w * x).sum() + 1.0)
+
+
+@pytest.mark.parametrize("tracker", [True, False])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bench_workload_seeds_the_tracker_as_configured(tracker):
+    from graphstep.bench.harness import make_workload
+    from graphstep.cuda_graph.rng import get_rng_tracker
+
+    flags = [f"model.use_te_rng_tracker={str(tracker).lower()}", f"rng.te_rng_tracker={str(tracker).lower()}"]
+    w = make_workload(eager(tiny_config(*GPU, *flags)), torch.device("cuda", torch.cuda.current_device()), n_steps=1)
+    assert get_rng_tracker().graph_safe is tracker
+    w.close()
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_device_nan_check_on_and_off(monkeypatch, check):
+    _poison_iteration(monkeypatch, 5)
+    flags = ["train.check_for_nan_on_device=true", "train.skip_step_on_nan=true"] if check else \
+        ["train.check_for_nan_on_device=false"]
+    result = train(tiny_config(*GPU, *NAN_RUN, *flags), keep_model=True)
+    assert [r["state"] for r in result.rows][3:5] == ["captured", "replayed"]
+    finite = all(torch.isfinite(p).all() for p in result.model.parameters())
+    if check:
+        assert result.nonfinite_iterations == [5] and result.rows[4]["loss"] == "nan" and finite
+        assert all(isinstance(r["loss"], float) for r in result.rows[5:])
+    else:
+        assert all("nonfinite" not in r for r in result.rows) and result.nonfinite_iterations == []
+        assert [r["loss"] for r in result.rows][4:] == ["nan"] * 3 and not finite
