@@ -313,3 +313,19 @@ def test_gpu_device_nan_check_on_and_off(monkeypatch, check):
     else:
         assert all("nonfinite" not in r for r in result.rows) and result.nonfinite_iterations == []
         assert [r["loss"] for r in result.rows][4:] == ["nan"] * 3 and not finite
+
+
+def test_doctor_builds_a_hugging_face_run_as_the_trainer_does(tmp_path):
+    """model.hf_path: the doctor judges the checkpoint's shape with its weights, or a proxy from random weights."""
+    pytest.importorskip("transformers")
+    from graphstep.doctor import check_recipe
+    from test_hf import make_hf
+    from test_sft import sft_overrides, write_sft
+
+    make_hf("llama", tmp_path / "hf")
+    common = [*sft_overrides(write_sft(tmp_path / "sft.jsonl", n=24)), f"model.hf_path={tmp_path / 'hf'}", *FULL]
+    as_configured = check_recipe(tiny_config(*common), name="hf", proxy="never")
+    assert as_configured.ok and not any("random weights" in n for n in as_configured.notes), as_configured
+    proxy = check_recipe(tiny_config(*common), name="hf", proxy="always")
+    assert proxy.ok, proxy
+    assert any(n == f"the proxy starts from random weights, not model.hf_path={tmp_path / 'hf'}" for n in proxy.notes)

@@ -3,9 +3,10 @@
 1. Every validation rule (``validate_config``): violations are findings of
    category ``config`` and the step is not run.
 2. The run is built by the trainer's own ``build_run`` (training/build.py:
-   model, optimizer, steps, RNG tracker and graphs exactly as
-   ``graphstep train`` builds them; one rank, on the CPU, GPU simulated),
-   with a few batches of the recipe's data.
+   model -- with ``model.hf_path``, its shape and weights --, optimizer,
+   steps, RNG tracker and graphs exactly as ``graphstep train`` builds them;
+   one rank, on the CPU, GPU simulated), with a few batches of the recipe's
+   data.
 3. The run's graphs are captured through :class:`DryBackend`, handed to
    ``build_run`` as its backend: its captures run the
    region once, eagerly, under the analyzer, and its replays do nothing (the
@@ -21,7 +22,8 @@ Big recipes (llama3_8b ...) are too slow to build on a CPU: unless
 ``full_size``, the doctor shrinks widths, depth, vocabulary and micro-batches
 to a proxy of the same structure (same layer kinds, attention grouping,
 experts and routing, graph settings) and says so in the report. Fields the
-user overrode are kept.
+user overrode are kept; a proxy starts from random weights (never ``model.hf_path``'s,
+which have the recipe's shape).
 """
 
 from __future__ import annotations
@@ -151,7 +153,10 @@ def check_recipe(cfg: Config, *, name: str = "recipe", full_size: bool = False, 
     ``proxy``: "auto" (shrink big recipes unless ``full_size``), "always" or "never". ``keep``: dotted
     fields the user set, never shrunk.
     """
+    from ..models.hf import with_hf_shape
+
     report = Report(f"recipe {name}")
+    cfg = with_hf_shape(cfg)  # as the trainer does: model.hf_path's shape, before any rule
     for v in validate_config(cfg):
         report.add(Finding("config", v.rule, None, why=v.message, fix=v.fix, detail=", ".join(v.fields)))
     if report.findings:
@@ -165,6 +170,9 @@ def check_recipe(cfg: Config, *, name: str = "recipe", full_size: bool = False, 
                      "runs it as configured", name, ", ".join(changed))
             report.notes.append(f"proxy of the same structure (about {estimate_params(cfg) / 1e6:.1f}M parameters; "
                                 "--full-size runs the recipe as configured): " + ", ".join(changed))
+            if cfg.model.hf_path:  # its weights have the recipe's shape, not the proxy's
+                report.notes.append(f"the proxy starts from random weights, not model.hf_path={cfg.model.hf_path}")
+                cfg.model.hf_path = None
     cfg.train.device = "cpu"
     if cfg.model.cuda_graph_warmup_steps != 1:
         report.notes.append(f"one warm-up iteration instead of {cfg.model.cuda_graph_warmup_steps} "
