@@ -105,3 +105,56 @@ def test_docs_config_reference_is_current():
 
     path = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     assert path.read_text() == markdown_reference(), "regenerate: python -m graphstep.config > docs/config.md"
+
+
+def test_overrides_before_and_after_options(monkeypatch):
+    import graphstep.training.loop as loop
+
+    seen = {}
+
+    class Result:
+        stopped_by_signal = False
+
+    def fake_train(cfg):
+        seen["cfg"] = cfg
+        return Result()
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    assert main(["train", "train.train_iters=20", "--recipe", "qwen3_moe_tiny", "model.cuda_graph_impl=local",
+                 "--config", "/dev/null", "train.train_iters=21"]) == 0
+    cfg = seen["cfg"]
+    assert cfg.model.num_moe_experts == get_recipe("qwen3_moe_tiny").model.num_moe_experts
+    assert cfg.model.cuda_graph_impl == "local" and cfg.train.train_iters == 21  # applied in the order written
+
+
+def test_stray_option_is_still_refused():
+    with pytest.raises(SystemExit) as exc:
+        main(["config", "show", "model.num_layers=3", "--recipe", "llama3_tiny", "--nope"])
+    assert exc.value.code == 2
+
+
+def test_config_fields_lists_every_field_with_its_help(capsys):
+    from graphstep.config import iter_fields
+
+    assert main(["config", "fields"]) == 0
+    out = capsys.readouterr().out
+    for section, name, _value, _default, help_text, _unsupported in iter_fields():
+        line = next(line for line in out.splitlines() if line.strip().startswith(f"{section}.{name} ("))
+        assert help_text.split(" Not implemented")[0][:40] in line
+    assert main(["config", "fields", "rng"]) == 0
+    out = capsys.readouterr().out
+    assert "rng.seed (int, default 1234): Base seed" in out and "\n  model." not in out
+
+
+def test_config_show_help_lists_the_fields(capsys):
+    with pytest.raises(SystemExit):
+        main(["config", "show", "--help"])
+    out = capsys.readouterr().out
+    assert "optimizer.adam_beta2 (float, default 0.95): Adam beta2." in out
+
+
+def test_yaml_error_names_line_and_column(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  num_layers: 2\n  hidden_size: [64\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:4:1: invalid YAML"):
+        load_yaml(path)

@@ -2,8 +2,8 @@
 
 Field names, values and defaults follow Megatron Bridge / Megatron Core so a
 Bridge user can move an override line over unchanged. Every field carries its
-help text in ``metadata["help"]`` (shown by ``graphstep config show --help``
-and in docs/config.md). Fields that exist in Megatron but that graphstep does
+help text in ``metadata["help"]`` (listed by ``graphstep config fields
+[section]`` and ``graphstep config show --help``, and in docs/config.md). Fields that exist in Megatron but that graphstep does
 not implement are declared with ``unsupported(...)``: they keep Megatron's
 default, and any other value is rule R18 of the validation, never silently
 ignored.
@@ -11,7 +11,11 @@ ignored.
 Overrides use the Bridge/Hydra dotted form (``model.cuda_graph_impl=local``,
 lists as ``model.cuda_graph_scope=[attn,mlp]``). Values are parsed as YAML
 scalars and checked against the field's annotation; an unknown key or a wrong
-type raises :class:`ConfigError` naming the key and the expected type.
+type raises :class:`ConfigError` naming the key and the expected type. Keys
+set this way (overrides, YAML) are remembered as the user's own
+(:func:`explicit_keys`): where they disagree with a recipe's value, theirs wins.
+A YAML file that cannot be read or parsed is a one-line ConfigError naming
+file:line:column.
 
 CUDA-graph compatibility is checked by
 :func:`graphstep.cuda_graph.settings.validate_cuda_graph_config`, which reports
