@@ -477,7 +477,7 @@ def test_random_graph_fields_never_raise(values, env, capability, world_size) ->
 
 
 # --------------------------------------------------------------------------
-# the numbered value rules V1-V11 and R19 (the two tracker flags)
+# the numbered value rules V1-V12 and R19 (the two tracker flags)
 
 VALUE_CASES = {
     "V1-lr": ("V1", ("optimizer.lr=-0.001",), "optimizer.lr=-0.001 is below 0", ("optimizer.lr=0.0",)),
@@ -500,8 +500,10 @@ VALUE_CASES = {
                     ("model.init_method_std=0.01",)),
     "V7-save_interval": ("V7", ("checkpoint.save_interval=0",), "checkpoint.save_interval=0 is below 1",
                          ("checkpoint.save_interval=null",)),
-    "V7-corpus_max_bytes": ("V7", ("data.corpus_max_bytes=-1",), "data.corpus_max_bytes=-1 is below 1",
-                            ("data.corpus_max_bytes=1000",)),
+    "V7-eval_interval": ("V7", ("train.eval_interval=0",), "train.eval_interval=0 is below 1",
+                         ("train.eval_interval=null",)),
+    "V12": ("V12", ("data.corpus_max_bytes=-1",), "data.corpus_max_bytes=-1 is below 65536",
+            ("data.corpus_max_bytes=65536",)),
     "V8": ("V8", ("data.split=98,,x",), "data.split='98,,x' is not up to three non-negative weights",
            ("data.split=98,2",)),
     "V8-four": ("V8", ("data.split=1,1,1,1",), "is not up to three non-negative weights", ("data.split=1,1,1",)),
@@ -529,7 +531,7 @@ def test_numbered_value_rule_reports_problem_and_fix(name: str) -> None:
 
 
 def test_every_numbered_value_rule_has_a_case() -> None:
-    assert {case[0] for case in VALUE_CASES.values()} == {f"V{i}" for i in range(1, 12)}
+    assert {case[0] for case in VALUE_CASES.values()} == {f"V{i}" for i in range(1, 13)}
 
 
 def test_v11_directory_without_config_json(tmp_path) -> None:

@@ -1,11 +1,12 @@
-"""The plain value checks of a config: rule ``V`` and the numbered value rules ``V1``-``V11``.
+"""The plain value checks of a config: rule ``V`` and the numbered value rules ``V1``-``V12``.
 
 ``V`` (unnumbered) covers types, fixed choices, minimums and shapes;
-``V1``-``V11`` each guard one thing that training would refuse late (after
+``V1``-``V12`` each guard one thing that training would refuse late (after
 building the model and reading the data) or, worse, silently train wrong:
 negative rates and coefficients, probabilities outside their range, a zero
 save interval, a malformed split, a vocabulary smaller than the tokenizer's,
-an odd attention head width, a Hugging Face directory that is not there. Each check takes a normalised
+an odd attention head width, a Hugging Face directory that is not there, a
+corpus too small to split. Each check takes a normalised
 copy of the config, returns violations naming the field, its value and the
 fix, and never raises (``_checked`` turns a crash into a violation).
 rules.py runs them after the CUDA-graph rules; docs/rules.md lists them.
@@ -158,7 +159,7 @@ def _pattern_violations(cfg: Config) -> list[Violation]:
 
 
 # --------------------------------------------------------------------------
-# numbered value rules V1-V11
+# numbered value rules V1-V12
 
 # rule -> (fields, lowest allowed, highest allowed (exclusive) or None, why)
 _BOUNDS: dict[str, tuple[tuple[str, ...], float, float | None, str]] = {
@@ -170,8 +171,10 @@ _BOUNDS: dict[str, tuple[tuple[str, ...], float, float | None, str]] = {
     "V5": (("model.attention_dropout", "model.hidden_dropout"), 0, 1, "a dropout probability lies in [0, 1)"),
     "V6": (("train.eval_iters", "scheduler.lr_warmup_iters", "model.init_method_std", "rng.seed"), 0, None,
            "it counts iterations, scales the initial weights or seeds the data order"),
-    "V7": (("checkpoint.save_interval", "data.corpus_max_bytes", "train.eval_interval",
-            "scheduler.lr_decay_iters"), 1, None, "it is an interval or a size"),
+    "V7": (("checkpoint.save_interval", "train.eval_interval", "scheduler.lr_decay_iters"), 1, None,
+           "it is an interval of iterations"),
+    "V12": (("data.corpus_max_bytes",), 65536, None, "the embedded corpus needs room for whole source files "
+            "in each split"),
 }
 
 

@@ -140,7 +140,8 @@ def read_documents(root: Path, max_bytes: int) -> tuple[list[bytes], list[str]]:
         names.append(path.relative_to(root).as_posix())
         total += len(data) + 1
     if not docs:
-        raise ValueError(f"corpus max_bytes={max_bytes} is smaller than the first source file in {root}")
+        raise ConfigError(f"data.corpus_max_bytes={max_bytes} is smaller than the first source file in {root}; "
+                          "raise data.corpus_max_bytes (the default is 4000000)")
     return docs, names
 
 
@@ -171,7 +172,7 @@ def load_corpus(
     """
     root = str(root if root is not None else stdlib_dir())
     if max_bytes <= 0:
-        raise ValueError(f"corpus max_bytes must be positive, got {max_bytes}")
+        raise ConfigError(f"data.corpus_max_bytes={max_bytes}: must be positive (the default is 4000000)")
     if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
         return _byte_corpus(root, max_bytes)
     return _tokenized_corpus(root, max_bytes, tokenizer)
