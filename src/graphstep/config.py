@@ -29,7 +29,6 @@ import functools
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Union
 
 import yaml
@@ -433,57 +432,6 @@ def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
     return cfg
 
 
-def read_yaml(path: str | Path) -> Any:
-    """The YAML document of ``path``; every way a file can be unreadable is a one-line ConfigError."""
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"{path}: no such file; --config takes the path of a YAML file")
-    if p.is_dir():
-        raise ConfigError(f"{path}: is a directory; --config takes the path of a YAML file")
-    try:
-        raw = p.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot be read ({exc.strerror}); check its permissions") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: byte 0x{raw[exc.start]:02x} is not UTF-8; save the file as UTF-8 "
-                          "text") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        problem = " ".join(str(exc.problem or exc.context or "not valid YAML").split())
-        if exc.context and exc.context_mark is not None and exc.context_mark is not mark:
-            problem += f", {exc.context} that starts at line {exc.context_mark.line + 1}"
-        fix = ("YAML indents with spaces: replace the tab by spaces" if "\\t" in problem
-               else "correct the YAML there (a mapping of sections such as `model: {num_layers: 4}`)")
-        raise ConfigError(f"{where}: invalid YAML ({problem}); {fix}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML ({' '.join(str(exc).split())})") from None
-
-
-def load_yaml(path: str | Path, base: Config | None = None) -> Config:
-    """A config from a YAML file of sections, on top of ``base``; ConfigError names the file."""
-    data = read_yaml(path)
-    try:
-        return from_dict(data if data is not None else {}, base)
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-
-
-def save_yaml(cfg: Config, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
-
-
-def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-
-
 def iter_fields(cfg: Config | None = None):
     """Yield ``(section, name, value, default, help, unsupported)`` for every field."""
     cfg = cfg if cfg is not None else Config()
@@ -501,25 +449,21 @@ def iter_fields(cfg: Config | None = None):
             )
 
 
-def markdown_reference() -> str:
-    """docs/config.md: every field with its default and help (a test keeps the file equal to this)."""
-    out = ["# Configuration reference", "",
-           "Generated from `graphstep/config.py` (`python -m graphstep.config > docs/config.md`); a test keeps it",
-           "in sync. Fields marked *not implemented* exist for Megatron Bridge compatibility: any value other",
-           "than the default is rule R18 (see rules.md).", ""]
-    section = None
-    for sec, name, _value, default, help_text, unsupported_field in iter_fields():
-        if sec != section:
-            section = sec
-            out += ["", f"## `{sec}`", "", "| field | default | meaning |", "|---|---|---|"]
-        note = " *(not implemented)*" if unsupported_field else ""
-        text = help_text.replace(" Not implemented by graphstep: only the default is accepted.", "")
-        out.append(f"| `{sec}.{name}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` "
-                   f"| {text}{note} |")
-    return "\n".join(out) + "\n"
+_IN_CONFIG_FILES = ("dump_yaml", "load_yaml", "markdown_reference", "read_yaml", "save_yaml")
+
+
+def __getattr__(name: str) -> Any:
+    """YAML files and the Markdown reference live in config_files.py; they are importable from here too."""
+    if name in _IN_CONFIG_FILES:
+        from . import config_files
+
+        return getattr(config_files, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":
     import sys
+
+    from graphstep.config_files import markdown_reference
 
     sys.stdout.write(markdown_reference())
