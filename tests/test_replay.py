@@ -110,3 +110,38 @@ def test_nested_capture_is_refused():
         with backend.capture(outer):
             with backend.capture(inner):
                 pass
+
+
+def test_nested_host_callbacks_are_recorded_once():
+    log: list[str] = []
+
+    def inner():
+        log.append("inner")
+
+    def outer():
+        log.append("outer")
+        record_host_op(inner)  # runs inside the outer callback: part of it, not a second entry
+
+    graph, _ = _capture(lambda: record_host_op(outer))
+    assert log == ["outer", "inner"]
+    graph.replay()
+    assert log == ["outer", "inner", "outer", "inner"]
+
+
+def test_replay_keeps_each_recorded_grad_mode():
+    modes: list[bool] = []
+    x = torch.ones(2, requires_grad=True)
+
+    def body():
+        record_host_op(lambda: modes.append(torch.is_grad_enabled()))
+        with torch.no_grad():
+            y = x * 2
+            record_host_op(lambda: modes.append(torch.is_grad_enabled()))
+        return y
+
+    graph, out = _capture(body)
+    assert modes == [True, False]
+    x.data.fill_(3.0)
+    graph.replay()
+    assert modes == [True, False, True, False]
+    assert torch.equal(out, torch.full((2,), 6.0)) and x.grad is None  # replay builds no autograd graph

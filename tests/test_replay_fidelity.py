@@ -7,6 +7,7 @@ The ``cuda`` cases run the same comparison with CUDA graphs (scripts/gpu-check).
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import pytest
@@ -111,8 +112,11 @@ def test_rng_state_copies_replay_in_order():
 # 3. reseeding inside the step
 
 
+_SEEDS = itertools.count(100)
+
+
 def _reseeding_step(x: torch.Tensor) -> torch.Tensor:
-    torch.manual_seed(5)  # refused while capturing
+    torch.manual_seed(next(_SEEDS))  # refused while capturing (CUDA refuses a seed other than the current one)
     return F.dropout(x, 0.5)
 
 
@@ -243,3 +247,12 @@ def test_profiler_ranges_are_not_replayed():
             return x * 3
 
     _assert_equal_runs(lambda dev: (nn.Linear(1, 1), step))
+
+
+def test_doctor_restores_undeclared_writes():
+    from graphstep.doctor import check
+
+    bn = nn.BatchNorm1d(4)
+    check(lambda x: bn(x).sum(), torch.randn(8, 4))  # runs the step twice, then puts every tensor back
+    assert torch.equal(bn.running_mean, torch.zeros(4)) and torch.equal(bn.running_var, torch.ones(4))
+    assert bn.num_batches_tracked.item() == 0

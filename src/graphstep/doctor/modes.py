@@ -215,22 +215,8 @@ def _mark(dev, name: str, args: tuple, kwargs: dict, out: Any, self_t, move: str
 
 
 @functools.lru_cache(maxsize=None)
-def _written_args(func: torch._ops.OpOverload) -> tuple[tuple[int, str, bool], ...]:
-    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
-                 if a.alias_info is not None and a.alias_info.is_write)
-
-
-@functools.lru_cache(maxsize=None)
 def _returns_alias(func: torch._ops.OpOverload) -> bool:
     return any(r.alias_info is not None for r in func._schema.returns)
-
-
-def written_tensors(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    out = []
-    for i, name, kwarg_only in _written_args(func):
-        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
-        out += tensors(value)
-    return out
 
 
 def new_outputs(func, out: Any) -> list[torch.Tensor]:
@@ -250,8 +236,8 @@ class DispatchAnalyzer(TorchDispatchMode):
         s = self.s
         if not s.active:
             return func(*args, **kwargs)
-        if s.restore:
-            s.before_write(written_tensors(func, args, kwargs))
+        if s.restore:  # every argument: some ops write what their schema calls read-only (BatchNorm's stats)
+            s.before_write(tensors((args, kwargs)))
         if s.recording and not s.suppress:
             problem = classify_op(s, func, args, kwargs)
             if problem is not None:
