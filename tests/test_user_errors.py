@@ -18,6 +18,8 @@ import torch
 
 import graphstep
 
+pytestmark = pytest.mark.slow  # a Python process per case: about 4 s each on an idle core
+
 SRC = Path(graphstep.__file__).resolve().parents[1]
 QUICK_TRAIN = ["train.train_iters=1", "train.eval_iters=0", "logger.progress_bar=false", "logger.metrics_path=null",
                "data.corpus_max_bytes=200000"]
