@@ -1,61 +1,21 @@
-"""Errors of the capture machinery, and how they find the user's line.
+"""Errors of the capture machinery: what happened, where, and what to change.
 
-A capture error is only useful if it says *where*: every error raised while a
-region is captured or replayed names the first frame of the stack that is not
-inside PyTorch, the Python standard library or graphstep's own capture
-machinery -- the line the user wrote.
+Every error raised while a region is captured or replayed names the user's
+line (``where``), found by frames.py: the innermost frame that is not inside
+PyTorch, the Python standard library or graphstep's own machinery. Known
+causes of a failed CUDA capture (out of memory, AccumulateGrad nodes made on
+another stream) get their own message and fix.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import sys
-import sysconfig
-import traceback
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_THIS_DIR = os.path.dirname(__file__)
-# graphstep's library wrappers around the capture machinery: never the user's line
-_WRAPPER_FILES = {os.path.realpath(os.path.join(_THIS_DIR, os.pardir, "api.py"))}
-_STDLIB_DIRS = tuple(
-    {os.path.realpath(p) for k in ("stdlib", "platstdlib") if (p := sysconfig.get_paths().get(k))}
-)
-
-
-@dataclass(frozen=True)
-class SourceLine:
-    filename: str
-    lineno: int
-    function: str
-    line: str
-
-    def __str__(self) -> str:
-        return f"{self.filename}:{self.lineno} in {self.function}: {self.line.strip()}"
-
-
-def _is_internal(filename: str) -> bool:
-    if filename.startswith("<"):
-        return True
-    real = os.path.realpath(filename)
-    if real.startswith(_TORCH_DIR) or real.startswith(_THIS_DIR) or real in _WRAPPER_FILES:
-        return True
-    if "site-packages" in real:
-        return False
-    return real.startswith(_STDLIB_DIRS)
-
-
-def user_frame(skip_internal: bool = True) -> SourceLine | None:
-    """The innermost frame of the current stack that the user wrote."""
-    frames = traceback.extract_stack(sys._getframe(1))
-    for fr in reversed(frames):
-        if skip_internal and _is_internal(fr.filename):
-            continue
-        return SourceLine(fr.filename, fr.lineno or 0, fr.name, fr.line or "")
-    return None
+from .devices import GiB
+from .frames import SourceLine, user_frame  # noqa: F401  (replay.py and replay_host.py import them from here)
 
 
 class GraphstepError(Exception):
@@ -72,12 +32,14 @@ class CaptureError(GraphstepError, RuntimeError):
     capture), ``oom`` (out of device memory), ``accumulate_grad_stream``
     (retained AccumulateGrad nodes made on another stream) or ``cuda`` (any
     other CUDA failure; the doctor re-runs the region to name the line).
+    ``findings`` is what an ``on_capture_error`` hook found (the doctor's findings; empty without one).
     """
 
     def __init__(self, message: str, *, op: str | None = None, where: SourceLine | None = None, category: str = ""):
         self.op = op
         self.where = where
         self.category = category
+        self.findings: list[Any] = []
         text = message
         if where is not None:
             text += f"\n  at {where}"
@@ -168,4 +130,4 @@ def _free_device_memory() -> str:
         free, total = torch.cuda.mem_get_info()
     except Exception:
         return ""
-    return f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB"
+    return f"{free / GiB:.2f} GiB free of {total / GiB:.2f} GiB"

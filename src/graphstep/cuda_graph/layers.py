@@ -39,8 +39,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .backend import GiB, GraphBackend, default_generators
+from .backend import GraphBackend, default_generators
+from .backup import StateBackup
+from .devices import GiB
 from .errors import GraphUsageError
+from .graph_state import GraphState
 from .graphed_module import ModuleGraph, apply_graphed
 from .scopes import scope_modules
 
@@ -75,7 +78,7 @@ class LayerGraphs:
         # id(output tensor) -> (producer, output, tensor) during this micro-batch; holding the tensor keeps its id unique
         self._last_out: dict[int, tuple[int, int, torch.Tensor]] = {}
         self.training_calls = 0
-        self.state = "eager"
+        self.state = GraphState.EAGER
         self._capturing = False  # a graphed module inside another one runs as part of the outer capture
         for name, module in modules:
             if id(module) in self._by_module:
@@ -104,7 +107,7 @@ class LayerGraphs:
                 self._start_micro_batch()
             if not self.captured:
                 return self._warmup_call(index, args, kwargs)
-            self.state = "replayed"
+            self.state = GraphState.REPLAYED
             return apply_graphed(graph, args, kwargs)
 
         return forward
@@ -193,7 +196,7 @@ class LayerGraphs:
             raise
         finally:
             self._capturing = False
-            _restore_state(saved)
+            saved.restore()
         # The warm-up outputs (and, through their backward hooks, this object) are no longer needed:
         # holding them would keep a micro-batch of activations alive for the whole run.
         self._last_out.clear()
@@ -206,7 +209,7 @@ class LayerGraphs:
             "(+%.2f / +%.2f GiB)", len(reports), self.semantics, sum(r.seconds for r in reports),
             alloc1 / GiB, reserved1 / GiB, (alloc1 - alloc0) / GiB, (reserved1 - reserved0) / GiB,
         )
-        self.state = "captured"
+        self.state = GraphState.CAPTURED
 
     def _grad_aliases(self, index: int) -> dict[int, torch.Tensor]:
         """An output's gradient buffer is its consumer's input gradient when exactly one graph consumes it."""
@@ -237,26 +240,13 @@ class LayerGraphs:
         self.order.clear()
 
 
-def _save_state(graphs: list[ModuleGraph], gens: list[torch.Generator]) -> list[tuple[Any, Any]]:
-    saved: list[tuple[Any, Any]] = []
-    seen: set[int] = set()
+def _save_state(graphs: list[ModuleGraph], gens: list[torch.Generator]) -> StateBackup:
+    """The module buffers, the ``main_grad`` views and the RNG states a capture must leave as they were."""
+    saved = StateBackup()
     for g in graphs:
-        tensors = list(g.module.buffers()) + [getattr(p, "main_grad", None) for p in g.params]
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                saved.append((t, t.detach().clone()))
-    saved += [(gen, gen.get_state()) for gen in gens]
+        saved.save_tensors(list(g.module.buffers()) + [getattr(p, "main_grad", None) for p in g.params])
+    saved.save_generators(gens)
     return saved
-
-
-def _restore_state(saved: list[tuple[Any, Any]]) -> None:
-    with torch.no_grad():
-        for obj, value in saved:
-            if isinstance(obj, torch.Generator):
-                obj.set_state(value)
-            else:
-                obj.copy_(value)
 
 
 def select_modules(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, nn.Module]]:

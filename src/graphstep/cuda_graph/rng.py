@@ -36,7 +36,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .replay import record_host_op
+from .devices import normalize_device
+from .replay_host import record_host_op
 
 DATA_PARALLEL_RNG = "data-parallel-rng"
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -47,9 +48,7 @@ class RNGTracker:
     """Named generators and a ``fork`` context manager (Megatron's CudaRNGStatesTracker)."""
 
     def __init__(self, device: torch.device | str = "cpu", *, graph_safe: bool = True) -> None:
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = normalize_device(device)
         self.graph_safe = graph_safe and self.device.type == "cuda"
         self.states: dict[str, torch.Generator] = {}
         self.seeds: dict[str, int] = {}

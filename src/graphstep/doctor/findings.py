@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cuda_graph.errors import SourceLine
+from ..cuda_graph.frames import SourceLine
 
 CAPTURE, REPLAY = "capture", "replay"
 

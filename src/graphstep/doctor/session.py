@@ -16,7 +16,7 @@ Phases of a :class:`Session` (context managers):
 * ``region(name)`` -- a captured region: findings are recorded.
 
 With ``restore=True`` the session saves every pre-existing storage before
-its first write and the RNG states, and puts them back at the end: the
+its first write and the RNG states (cuda_graph/backup.py), and puts them back at the end: the
 analysed calls leave the tensors as they found them (not Python objects).
 """
 
@@ -29,19 +29,13 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from ..cuda_graph.backup import StateBackup, storage_key
 from .devices import DeviceModel, step_device_is_real
 from .findings import Finding, Report
 from .frames import code_line, traceback_user_frame, user_frame
 from .modes import DispatchAnalyzer, FunctionAnalyzer
 from .patches import patched
 from .state import LineTracer, changes, show, snapshot, step_roots, tensor_name
-
-
-def _ptr(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except Exception:
-        return 0
 
 
 def default_generators() -> list[torch.Generator]:
@@ -72,7 +66,7 @@ class Session:
         self.api: str | None = None
         self.api_frame: Any = None
         self.in_optimizer: list[int] = []
-        self.backups: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self.backup = StateBackup()  # with restore: pre-existing storages before their first write, RNG states
         self.created_all: set[int] = set()
         self.seen: set[int] = set()
         self.created_now: set[int] = set()
@@ -83,7 +77,8 @@ class Session:
 
     # ---- lifetime -----------------------------------------------------------
     def __enter__(self) -> "Session":
-        self._rng = [(g, g.get_state()) for g in self.gens] if self.restore else []
+        if self.restore:
+            self.backup.save_generators(self.gens)
         stack = contextlib.ExitStack()
         stack.enter_context(patched(self))
         stack.enter_context(FunctionAnalyzer(self))
@@ -96,13 +91,7 @@ class Session:
         self.active = self.recording = False
         assert self._stack is not None
         self._stack.close()
-        if self.restore:
-            with torch.no_grad():
-                for storage, saved in self.backups.values():
-                    storage.copy_(saved)
-            for g, state in self._rng:
-                g.set_state(state)
-        self.backups.clear()
+        self.backup.restore()  # empty without restore
 
     # ---- what the modes call ------------------------------------------------
     def found(self, category: str, op: str, *, detail: str = "", where: Any = None, why: str = "") -> None:
@@ -113,29 +102,22 @@ class Session:
         self.report.add(Finding(category, op, where, why=why, detail=detail))
 
     def before_write(self, written: list[torch.Tensor]) -> None:
-        for t in written:
-            try:
-                storage = t.untyped_storage()
-            except Exception:
-                continue
-            key = storage.data_ptr()
-            if key and key not in self.created_all and key not in self.backups:
-                self.backups[key] = (storage, storage.clone())
+        self.backup.save_storages(written, skip=self.created_all)
 
     def note_op(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         if self.restore:
-            self.created_all.update(_ptr(t) for t in outs)
+            self.created_all.update(storage_key(t) for t in outs)
         if self.tracking is None:
             return
         if self.tracking == "warmup":
-            self.seen.update(_ptr(t) for t in ins)
-            self.seen.update(_ptr(t) for t in outs)
+            self.seen.update(storage_key(t) for t in ins)
+            self.seen.update(storage_key(t) for t in outs)
             return
-        self.created_now.update(_ptr(t) for t in outs)
+        self.created_now.update(storage_key(t) for t in outs)
         if not (self.recording and self.baseline):
             return
         for t in ins:
-            p = _ptr(t)
+            p = storage_key(t)
             if p and p not in self.seen and p not in self.created_now and p not in self.new_reads:
                 self.new_reads[p] = (self.api, user_frame(), weakref.ref(t), tuple(t.shape))
 

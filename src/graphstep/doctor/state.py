@@ -31,8 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..cuda_graph.errors import SourceLine
-from .frames import is_internal
+from .frames import SourceLine, is_internal
 
 _MISSING = object()
 _LIMIT = 20000
