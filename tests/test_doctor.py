@@ -21,7 +21,7 @@ from graphstep.config import apply_overrides
 from graphstep.cuda_graph.backend import Graph, GraphBackend
 from graphstep.cuda_graph.errors import CaptureError
 from graphstep.cuda_graph.full_iteration import GraphedStep
-from graphstep.doctor import CATEGORIES, Finding, Report, check, check_recipe, diagnose
+from graphstep.doctor import CATEGORIES, Finding, Report, capture_error_hook, check, check_recipe, diagnose
 from graphstep.recipes import RECIPES, get_recipe
 
 HERE = pathlib.Path(__file__).parent
@@ -286,7 +286,7 @@ def test_failed_cuda_capture_is_diagnosed_then_on_failure_applies(on_failure):
         return [t for p in model.parameters() for t in (p, p.grad)]
 
     graphed = GraphedStep(_sync_step(model, opt), _FailingCudaBackend(torch.device("cpu"), state), warmup_steps=1,
-                          on_failure=on_failure)
+                          on_failure=on_failure, on_capture_error=capture_error_hook)
     eager = _sync_step(ref, ref_opt)
     xs = [torch.randn(3, 4) for _ in range(4)]
     graphed(xs[0]), eager(xs[0])

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from graphstep.cuda_graph.backend import get_backend
+from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.errors import CaptureError
 from graphstep.cuda_graph.full_iteration import GraphedStep
-from graphstep.doctor import check
+from graphstep.doctor import capture_error_hook, check
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -71,7 +71,7 @@ def test_failed_capture_is_freed_diagnosed_and_continues_eagerly():
     # stream's ones (forward and autograd's thread) before measuring, as any earlier step would have.
     _model(dev)(xs[0]).sum().backward()
     graphed = GraphedStep(_step(model, opt), get_backend(dev, "cuda"), warmup_steps=2, name="broken",
-                          on_failure="eager")
+                          on_failure="eager", on_capture_error=capture_error_hook)
 
     got, (alloc0, reserved0, alloc1, reserved1) = _run(graphed, xs, probe=2)  # call 2 tries the capture
     want, _ = _run(_step(ref, ref_opt), xs)
@@ -99,7 +99,8 @@ def test_raise_mode_reports_the_line_and_leaves_cuda_usable():
     dev = torch.device("cuda", torch.cuda.current_device())
     model = _model(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    graphed = GraphedStep(_step(model, opt), get_backend(dev, "cuda"), warmup_steps=1, name="broken")
+    graphed = GraphedStep(_step(model, opt), get_backend(dev, "cuda"), warmup_steps=1, name="broken",
+                          on_capture_error=capture_error_hook)
     x = torch.randn(64, 256, device=dev)
     graphed(x)
     with pytest.raises(CaptureError) as info:

@@ -20,6 +20,7 @@ from graphstep.api import select_by_pattern
 from graphstep.cuda_graph.backend import Graph, GraphBackend
 from graphstep.cuda_graph.errors import ACCUMULATE_GRAD_WARNING
 from graphstep.cuda_graph.full_iteration import GraphedStep
+from graphstep.doctor import capture_error_hook
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=CUDA)]
@@ -287,7 +288,8 @@ def _oom_step(x: torch.Tensor) -> torch.Tensor:
 
 def test_out_of_memory_in_capture_is_clear_and_not_rerun(monkeypatch):
     reruns = _spy_doctor(monkeypatch)
-    graphed = GraphedStep(_oom_step, _OomBackend(torch.device("cpu")), warmup_steps=0)
+    graphed = GraphedStep(_oom_step, _OomBackend(torch.device("cpu")), warmup_steps=0,
+                          on_capture_error=capture_error_hook)  # graph_step's hook: it never re-runs an OOM
     with pytest.raises(CaptureError, match=r"ran out of device memory \(asked for 4.00 TiB.*nothing was graphed") as info:
         graphed(torch.ones(2))
     assert info.value.category == "oom" and isinstance(info.value.__cause__, torch.OutOfMemoryError)
@@ -360,7 +362,7 @@ def test_implicit_stream_capture_failure_names_accumulate_grad_and_the_fix(monke
     def step(x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(text)
 
-    graphed = GraphedStep(step, _OomBackend(torch.device("cpu")), warmup_steps=0)
+    graphed = GraphedStep(step, _OomBackend(torch.device("cpu")), warmup_steps=0, on_capture_error=capture_error_hook)
     with pytest.raises(CaptureError, match=r"with graphstep.capture_stream\(\): model = DDP\(model\)") as info:
         graphed(torch.ones(2))
     assert info.value.category == "accumulate_grad_stream" and "AccumulateGrad" in str(info.value)

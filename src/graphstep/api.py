@@ -24,14 +24,18 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .cuda_graph.backend import close_all_backends, get_backend
-from .cuda_graph.errors import ContractError
-from .cuda_graph.full_iteration import GeneratorSource, GraphedStep, generator_source
+from .cuda_graph.devices import default_device, normalize_device
+from .cuda_graph.errors import CaptureError, ContractError
+from .cuda_graph.frames import mark_internal
+from .cuda_graph.full_iteration import FailedCapture, GeneratorSource, GraphedStep, generator_source
 from .cuda_graph.layers import LayerGraphs
+from .cuda_graph.registry import close_all_backends, get_backend
 from .cuda_graph.rng import get_rng_tracker
 from .integrations import transformers as _hf_decisions  # noqa: F401  (transformers' mask check, see there)
 
 log = logging.getLogger("graphstep")
+
+mark_internal(__file__)  # these wrappers are never the user's line in a capture error
 
 # Hugging Face decoder layouts: scope -> module name pattern.
 HF_SCOPE_MAPS: dict[str, dict[str, str]] = {
@@ -46,13 +50,16 @@ HF_SCOPE_MAPS: dict[str, dict[str, str]] = {
 }
 
 
-def _default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def _model_device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
-    return p.device if p is not None else _default_device()
+    return p.device if p is not None else default_device()
+
+
+def _diagnose_with_doctor(exc: CaptureError, failed: FailedCapture) -> None:
+    """graph_step's ``on_capture_error``: the doctor names the line (imported only when a capture fails)."""
+    from .doctor import capture_error_hook
+
+    capture_error_hook(exc, failed)
 
 
 class ParamGuard:
@@ -145,7 +152,8 @@ def graph_step(
         same non-tensor values; anything else raises ``ContractError``.
     .. warning::
         The step must not sync the host (``.item()``, ``.tolist()``, ``print(t)``,
-        data-dependent shapes): capture raises ``CaptureError`` naming the line.
+        data-dependent shapes): capture raises ``CaptureError`` naming the line; on a GPU,
+        where CUDA names no line, the doctor re-runs the step once to find it (``error.findings``).
         ``graphstep.doctor.check(fn, ...)`` lists every such line at once.
     .. warning::
         torch optimizers must be constructed with ``capturable=True`` on CUDA
@@ -155,10 +163,10 @@ def graph_step(
         with ``warmup_steps=0`` and a lazily created state the capture raises
         ``CaptureError`` (category ``lazy_state``).
     """
-    device = torch.device(device) if device is not None else _default_device()
+    device = normalize_device(device) if device is not None else default_device()
     return _GuardedStep(fn, get_backend(device, backend), warmup_steps=warmup_steps, name=getattr(fn, "__name__", "step"),
                         generators=_generators(generators), on_failure=on_failure, guard=ParamGuard(modules),
-                        modules=modules, optimizers=optimizers)
+                        modules=modules, optimizers=optimizers, on_capture_error=_diagnose_with_doctor)
 
 
 def _generators(generators: GeneratorSource) -> Callable[[], Iterable[torch.Generator]]:

@@ -2,7 +2,7 @@
 
 Every capture in graphstep goes through a :class:`GraphBackend`::
 
-    backend = get_backend(device)            # one per process and device
+    backend = get_backend(device)            # registry.py: one per process and device
     graph = backend.new_graph("train")
     with backend.warmup():                   # eager warm-up on the capture stream
         step(*static_inputs)
@@ -40,11 +40,10 @@ from typing import Iterable, Iterator
 
 import torch
 
+from .devices import normalize_device
 from .errors import ACCUMULATE_GRAD_WARNING, CaptureError, GraphUsageError, accumulate_grad_stream
 
 log = logging.getLogger("graphstep")
-
-GiB = 1024**3
 
 
 @dataclass
@@ -225,13 +224,11 @@ def capture_stream(device: torch.device | str | int | None = None) -> Iterator[N
         if not torch.cuda.is_available():
             yield
             return
-        device = torch.device("cuda", torch.cuda.current_device())
-    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        device = "cuda"
+    device = normalize_device(device)
     if device.type != "cuda":
         yield
         return
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     stream = _capture_stream(device)
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
@@ -427,45 +424,15 @@ def _register_generators(graph: torch.cuda.CUDAGraph, generators: Iterable[torch
                 register(gen)
 
 
-# --------------------------------------------------------------------------
-# process-wide backends
+def __getattr__(name: str):
+    """``backend.get_backend`` / ``backend.close_all_backends``: they live in registry.py now.
 
-_BACKENDS: dict[tuple[str, str], GraphBackend] = {}
-_ANNOUNCED: set[str] = set()
-
-
-def get_backend(device: torch.device | str, kind: str = "auto") -> GraphBackend:
-    """The process's backend for ``device``: CUDA graphs on a GPU, replay elsewhere.
-
-    ``kind`` is ``auto``, ``cuda`` or ``replay`` (a dry run on any device).
+    Kept for call sites that still import them from here: training/build.py,
+    bench/harness.py and tests (conftest, test_moe, test_mamba, test_replay,
+    test_replay_fidelity, test_build, test_optim, test_rng, test_cuda_graphs).
     """
-    from .replay import ReplayBackend
+    if name in ("get_backend", "close_all_backends"):
+        from . import registry
 
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if kind not in ("auto", "cuda", "replay"):
-        raise ValueError(f"graph backend must be auto, cuda or replay, got {kind!r}")
-    if kind == "auto":
-        kind = "cuda" if device.type == "cuda" else "replay"
-    if kind == "cuda" and device.type != "cuda":
-        raise ValueError(f"the cuda graph backend needs a CUDA device, the model is on {device}")
-    key = (kind, str(device))
-    backend = _BACKENDS.get(key)
-    if backend is None:
-        backend = CudaGraphBackend(device) if kind == "cuda" else ReplayBackend(device)
-        _BACKENDS[key] = backend
-        if kind == "replay" and key[1] not in _ANNOUNCED:
-            _ANNOUNCED.add(key[1])
-            if device.type == "cuda":
-                log.info("graph backend: CPU replay backend on %s (dry run) -- checks capture, gives no speed-up", device)
-            else:
-                log.info("no CUDA device: capturing with the CPU replay backend -- checks capture, gives no speed-up")
-    return backend
-
-
-def close_all_backends() -> None:
-    """Reset every graph of every backend of this process (harmless to repeat)."""
-    for backend in list(_BACKENDS.values()):
-        backend.close()
-    _BACKENDS.clear()
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,6 +13,17 @@ them into per-micro-batch static buffers and runs forward and backward of all
 of them (with gradient reduction) as one graph. Training and evaluation use
 separate instances, each with its own buffers and graph.
 
+Hooks (set by the caller; the mechanism decides nothing about them):
+
+* ``before_capture`` -- callables run right before a capture (e.g. a barrier
+  among data-parallel ranks, so no rank starts a captured all-reduce alone);
+  ``will_capture`` says whether the next call captures;
+* ``on_capture_error(error, failed)`` -- called when a capture fails, with the
+  :class:`CaptureError` and a :class:`FailedCapture` (the name, the function,
+  its static arguments, the generators, the device) so the hook can re-run the
+  region to say why (``graphstep.graph_step`` plugs the doctor in here). What
+  the hook raises is logged, never raised instead of the capture error.
+
 .. warning::
     The step must not read device values on the host, allocate inputs anew
     or replace parameters: it is recorded once and replayed on the same
@@ -23,20 +34,44 @@ from __future__ import annotations
 
 import logging
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .backend import Graph, GraphBackend
 from .decisions import DecisionLog
 from .errors import CaptureError
+from .graph_state import GraphState
 from .persistent import PersistentState
 from .static_io import StaticInputs
 
 log = logging.getLogger("graphstep")
 
-EAGER, CAPTURED, REPLAYED = "eager", "captured", "replayed"
+# the states as module constants, for call sites that import them from here (training/prepare.py)
+EAGER, CAPTURED, REPLAYED = GraphState.EAGER, GraphState.CAPTURED, GraphState.REPLAYED
+
+
+@dataclass(frozen=True)
+class FailedCapture:
+    """What an ``on_capture_error`` hook gets besides the error: enough to re-run the region."""
+
+    name: str
+    fn: Callable[..., Any]
+    call: Any  # (args, kwargs): the static input buffers the capture ran on
+    generators: Callable[[], Iterable[torch.Generator]]
+    device: torch.device
+
+    def copy_call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` with every tensor cloned: re-running on them leaves the static buffers as they are."""
+        args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.call)
+        return tuple(args), dict(kwargs)
+
+
+CaptureErrorHook = Callable[[CaptureError, FailedCapture], None]
+Hooks = Union[Callable[[], Any], Sequence[Callable[[], Any]], None]
 
 GeneratorSource = Union[Callable[[], Iterable[torch.Generator]], Iterable[torch.Generator], torch.Generator, None]
 
@@ -76,9 +111,12 @@ class GraphedStep:
             later calls may pass tensors from another device (e.g. pinned CPU batches), copied in.
         modules, optimizers: persistent state the capture must not create (see persistent.py); the
             optimizers the step function refers to are found by themselves.
+        before_capture: a callable, or a list of them, called (without arguments) right before each capture.
+        on_capture_error: called as ``hook(error, failed)`` when a capture fails (see :class:`FailedCapture`);
+            None (the default) diagnoses nothing.
 
-    ``state`` is ``"eager"`` until the capture, then ``"captured"`` (the call that captured) and
-    ``"replayed"``; ``"eager"`` again after ``reset()`` or a failed capture with ``on_failure="eager"``.
+    ``state`` (a :class:`GraphState`) is ``EAGER`` until the capture, then ``CAPTURED`` (the call that captured)
+    and ``REPLAYED``; ``EAGER`` again after ``reset()`` or a failed capture with ``on_failure="eager"``.
 
     .. warning::
         Outputs are graph-owned: the next call overwrites them.
@@ -100,6 +138,8 @@ class GraphedStep:
         input_device: torch.device | str | None = None,
         modules: Sequence[nn.Module] = (),
         optimizers: Iterable[torch.optim.Optimizer] = (),
+        before_capture: Hooks = None,
+        on_capture_error: CaptureErrorHook | None = None,
     ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
@@ -117,29 +157,38 @@ class GraphedStep:
         self.static: StaticInputs | None = None
         self.outputs: Any = None
         self.calls = 0
-        self.state: str = EAGER
+        self.state = GraphState.EAGER
         self.failed: BaseException | None = None
         self.persistent = PersistentState(fn, modules, optimizers)
         self.decisions = DecisionLog()  # host decisions of the eager calls, reused by the capture
+        self.before_capture: list[Callable[[], Any]] = _hook_list(before_capture)
+        self.on_capture_error = on_capture_error
 
     @property
     def captured(self) -> bool:
         return self.graph is not None and self.graph.captured
+
+    @property
+    def will_capture(self) -> bool:
+        """True when the next call captures: the warm-up is over, nothing is captured and no capture failed."""
+        return self.failed is None and not self.captured and self.calls >= self.warmup_steps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.static is None:
             self.static = StaticInputs((args, kwargs), device=self.input_device, name=self.name, call=True)
         else:
             self.static.copy_in((args, kwargs))
-        if self.failed is not None or self.calls < self.warmup_steps:
-            self.outputs = self._eager()
-            self.state = EAGER
-        elif not self.captured:
+        if self.will_capture:
+            for hook in self.before_capture:
+                hook()
             self.outputs = self._capture()
-            self.state = CAPTURED if self.captured else EAGER
-        else:
+            self.state = GraphState.CAPTURED if self.captured else GraphState.EAGER
+        elif self.captured:
             self.graph.replay()
-            self.state = REPLAYED
+            self.state = GraphState.REPLAYED
+        else:
+            self.outputs = self._eager()
+            self.state = GraphState.EAGER
         self.calls += 1
         return self.outputs
 
@@ -165,8 +214,7 @@ class GraphedStep:
             if self.graph is not None:
                 self.graph.reset()
             self.graph = None
-            if exc.category == "cuda":  # CUDA names no op and no line: re-run the region under the doctor
-                _diagnose(exc, self.name, self.fn, self.static.tree, self.generators, self.backend.device)
+            self._report_failure(exc)
             if self.on_failure != "eager":
                 raise
             _drop_frames(exc)  # what the failed capture allocated dies with the traceback's frames
@@ -180,6 +228,16 @@ class GraphedStep:
         # Capture executes nothing observable: run the step now.
         self.graph.replay()
         return outputs
+
+    def _report_failure(self, exc: CaptureError) -> None:
+        """Hand the failure to ``on_capture_error``; what the hook raises is logged, never raised instead."""
+        if self.on_capture_error is None:
+            return
+        failed = FailedCapture(self.name, self.fn, self.static.tree, self.generators, self.backend.device)
+        try:
+            self.on_capture_error(exc, failed)
+        except Exception as err:
+            log.warning("the on_capture_error hook failed on the capture error of %r: %s", self.name, err)
 
     def _check_persistent_state(self) -> None:
         created = self.persistent.created()
@@ -202,35 +260,22 @@ class GraphedStep:
         self.static = None
         self.outputs = None
         self.calls = 0
-        self.state = EAGER
+        self.state = GraphState.EAGER
 
     close = reset
 
 
-def _diagnose(exc: CaptureError, name: str, fn: Callable[..., Any], call: Any,
-              generators: Callable[[], Iterable[torch.Generator]], device: torch.device) -> None:
-    """Attach to ``exc`` (``exc.findings``, a note, the log) what broke the capture of ``fn`` and where.
-
-    The doctor re-runs the region once, eagerly, on a copy of the static inputs, on the graph's own
-    device (never simulated on the host), and restores every tensor and RNG state it changed: the
-    step's results are as if it had not run. Only for failures CUDA names no cause of (category
-    ``cuda``): an out-of-memory error, for one, is never re-run.
-    """
-    from torch.utils._pytree import tree_map
-
-    from ..doctor import diagnose
-
-    try:
-        args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, call)
-        findings = diagnose(fn, tuple(args), kwargs, generators=list(generators()), device=device)
-    except Exception as err:  # the diagnosis must never hide the capture error
-        log.warning("graphstep doctor could not diagnose the failed capture of %r: %s", name, err)
-        return
-    exc.findings = findings
-    text = "\n".join(f.format() for f in findings) or "graphstep doctor found nothing in the region."
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"graphstep doctor, re-running {name!r}:\n{text}")
-    log.error("capture of %r failed; graphstep doctor on the region:\n%s", name, text)
+def _hook_list(hooks: Hooks) -> list[Callable[[], Any]]:
+    """``before_capture=`` as a list: None, one callable or a sequence of callables."""
+    if hooks is None:
+        return []
+    if callable(hooks):
+        return [hooks]
+    out = list(hooks)
+    bad = [h for h in out if not callable(h)]
+    if bad:
+        raise TypeError(f"before_capture= takes a callable or a list of callables, got a {type(bad[0]).__name__}")
+    return out
 
 
 def _drop_frames(exc: BaseException | None) -> None:
@@ -262,21 +307,27 @@ class FullIterationGraph:
         input_device: torch.device | str | None = None,
         modules: Sequence[nn.Module] = (),
         optimizers: Iterable[torch.optim.Optimizer] = (),
+        before_capture: Hooks = None,
+        on_capture_error: CaptureErrorHook | None = None,
     ) -> None:
         self.num_micro_batches = num_micro_batches
         self.step = GraphedStep(
             forward_backward, backend, warmup_steps=warmup_steps, name=name, generators=generators,
             shared_pool=shared_pool, on_failure=on_failure, input_device=input_device, modules=modules,
-            optimizers=optimizers,
+            optimizers=optimizers, before_capture=before_capture, on_capture_error=on_capture_error,
         )
 
     @property
-    def state(self) -> str:
+    def state(self) -> GraphState:
         return self.step.state
 
     @property
     def captured(self) -> bool:
         return self.step.captured
+
+    @property
+    def will_capture(self) -> bool:
+        return self.step.will_capture
 
     def __call__(self, data_iterator: Iterator[Any]) -> Any:
         batches = [next(data_iterator) for _ in range(self.num_micro_batches)]
