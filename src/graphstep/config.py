@@ -260,6 +260,31 @@ class LoggerConfig:
     log_interval: int = opt(10, "Iterations between log lines (and reads of graph-owned losses).")
     metrics_path: str | None = opt("runs/metrics.jsonl", "JSONL file with one object per iteration; null = none.")
     progress_bar: bool = opt(True, "Show a progress bar on a terminal.")
+    tensorboard_dir: str | None = opt(
+        None, "Write TensorBoard event files (and profiler traces) here; null = none. Needs graphstep[tensorboard].")
+    tensorboard_log_interval: int = opt(
+        1, "Write every N-th iteration's metrics row to TensorBoard/W&B (rows are read on logging steps only).")
+    log_timers_to_tensorboard: bool = opt(False, "Also write step time and tokens/s to TensorBoard/W&B.")
+    log_memory_to_tensorboard: bool = opt(False, "Also write peak device memory (host RSS on the CPU).")
+    wandb_project: str | None = opt(None, "Weights & Biases project; null = no W&B. Needs graphstep[wandb].")
+    wandb_exp_name: str | None = opt(None, "Weights & Biases run name.")
+    wandb_save_dir: str | None = opt(
+        None, "Directory of the W&B run files; offline (WANDB_MODE=offline) unless WANDB_MODE is set.")
+
+
+@dataclass(kw_only=True)
+class ProfilingConfig:
+    """PyTorch profiler traces, nsys ranges and CUDA memory snapshots (Megatron Bridge's fields)."""
+
+    use_pytorch_profiler: bool = opt(False, "Trace iterations profile_step_start..profile_step_end (inclusive).")
+    use_nsys_profiler: bool = opt(
+        False, "cudaProfilerStart/Stop around those iterations, with NVTX ranges (run under nsys --capture-range).")
+    profile_step_start: int = opt(10, "First profiled iteration.")
+    profile_step_end: int = opt(12, "Last profiled iteration.")
+    profile_ranks: list[int] = opt([0], "Global ranks that profile.")
+    record_shapes: bool = opt(False, "Record operator input shapes in the PyTorch profiler trace.")
+    record_memory_history: bool = opt(False, "Record CUDA allocator history over the profiled iterations.")
+    memory_snapshot_path: str = opt("snapshot.pickle", "Where the memory history snapshot is written.")
 
 
 @dataclass(kw_only=True)
@@ -276,6 +301,7 @@ class Config:
     rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -21,7 +21,8 @@ The loop reads top to bottom:
 4. per iteration: forward/backward of all micro-batches (gradients and loss
    averaged over ranks), optimizer step, per-iteration scalars queued on the
    device; on logging steps, one host read of the queued scalars, a log line
-   and metrics rows (rank 0 writes them);
+   and metrics rows (rank 0 writes them, to TensorBoard and W&B too); the
+   profiling window and its phase ranges (observability/);
 5. evaluation every ``train.eval_interval``; a checkpoint every
    ``checkpoint.save_interval`` and at the end;
 6. teardown in ``finally``: the run's graphs (and only them: a graph made
@@ -51,6 +52,7 @@ from ..config import Config
 from ..cuda_graph.settings import CudaGraphSettings, resolve_cuda_graph_settings
 from ..data import build_data
 from ..models.hf import with_hf_shape
+from ..observability import MetricWriters, StepProfiler, check_setup, open_ranges
 from .build import Run, build_run
 from .checkpoint import Checkpointer, TrainingState
 from .console import Console
@@ -169,6 +171,7 @@ def _train(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_mode
 
 def _preflight(cfg: Config, dp: DataParallel, device: torch.device) -> RunLock:
     """Writable outputs, enough memory, the run lock (rank 0): every rank fails together, before building."""
+    check_setup(cfg)  # tensorboard/wandb installed when asked for, a sane profiling window: the same on every rank
     lock = RunLock([d for _, d in output_dirs(cfg)] if dp.is_main else [])
     error: RunSetupError | None = None
     try:
@@ -234,20 +237,32 @@ def _iterate(cfg: Config, run: Run, data: Any, valid: Any, ckpt: Checkpointer, h
                       total=max(0, tr.train_iters - start))
     result = TrainResult(describe=runner.describe, iterations=start)
     tokens_per_iter = tr.global_batch_size * cfg.model.seq_length
+    # observability: writers get the rows the recorder reads (no sync of their own); the profiler
+    # and the phase ranges act only inside the profiling window, on profile_ranks, when asked for
+    writers = MetricWriters(cfg, enabled=dp.is_main, tokens_per_iteration=tokens_per_iter, device=device)
+    profiler = StepProfiler(cfg, rank=dp.rank, device=device)
+    ranges = open_ranges(cfg, dp.rank)
+    if ranges is not None:
+        ranges.instrument(runner)
+        data = ranges.data(data)
     log.info("training %s: %d parameters, %s, device %s, graphs: %s%s", _name(cfg), _count(run.model),
              next(run.model.parameters()).dtype, device, runner.describe,
              f", {dp.world_size} data-parallel ranks ({run.train_step.reduce_grads.describe()})" if dp.enabled else "")
     try:
         with _StopFlag(tr.exit_signal_handler) as stop, console:
             t_log = time.perf_counter()
+            profiler.begin(start + 1)
             for it in range(start + 1, tr.train_iters + 1):  # 4
+                profiler.before(it)
                 out, opt = run.iteration(data)
                 state = runner.state()
                 if state == "captured":
                     _log_capture(runner)
+                    writers.capture(it, runner.reports)
                 if cfg.rerun_state_machine.check_for_nan_in_loss or cfg.ddp.check_for_nan_in_grad:
                     _host_nan_check(cfg, it, out["loss"], opt["grad_norm"])  # host syncs, eager only (R6)
                 recorder.record(it, state, _scalars(run, out, opt))
+                profiler.after(it)
                 console.advance()
                 stopping = stop.enabled and dp.any(stop.set)  # every rank stops after the same step
                 last = it == tr.train_iters or stopping
@@ -258,6 +273,8 @@ def _iterate(cfg: Config, run: Run, data: Any, valid: Any, ckpt: Checkpointer, h
                     for r in rows:
                         r["step_ms"] = dt * 1e3
                     result.rows += rows
+                    writers.write_rows(rows)
+                    writers.capture(it, runner.reports)  # evaluation graphs too
                     _report(console, rows, dt, tokens_per_iter, device, tr.train_iters, result)
                 if valid is not None and tr.eval_interval and it % tr.eval_interval == 0 and not last:
                     _evaluate(runner, valid, tr.eval_iters, it, console, result)  # 5
@@ -271,7 +288,9 @@ def _iterate(cfg: Config, run: Run, data: Any, valid: Any, ckpt: Checkpointer, h
             if valid is not None and not result.stopped_by_signal:
                 _evaluate(runner, valid, tr.eval_iters, result.iterations, console, result)
     finally:  # 6: the caller closes the run right after
+        profiler.close()
         recorder.close()
+        writers.close()
         result.graphs = len(runner.reports)
         result.capture_seconds = sum(r.seconds for r in runner.reports)
     if dp.is_main:
