@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from conftest import assert_same_run, eager, tiny_config
-from graphstep.cuda_graph.backend import get_backend
+from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.errors import ContractError, GraphUsageError
 from graphstep.cuda_graph.layers import LayerGraphs, select_modules
 from graphstep.cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
