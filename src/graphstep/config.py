@@ -236,6 +236,22 @@ class DDPConfig:
 
 
 @dataclass(kw_only=True)
+class CompileConfig:
+    """torch.compile (Inductor) inside the trainer's graphs (torchtitan's compile section)."""
+
+    enable: bool = opt(False, "Compile the components below with torch.compile; graphs then capture Inductor's kernels.")
+    components: list[str] = opt(
+        ["model"], "What to compile: model (the whole model with cuda_graph_impl none or full_iteration; the graphed "
+        "scope modules with local/transformer_engine). loss is refused: graphstep's models compute the loss inside "
+        "their forward, so model already compiles it."
+    )
+    mode: str = opt(
+        "default", "Inductor mode: default or max-autotune-no-cudagraphs; reduce-overhead and max-autotune use "
+        "Inductor's own CUDA graphs and need model.cuda_graph_impl=none."
+    )
+
+
+@dataclass(kw_only=True)
 class RerunStateMachineConfig:
     """Megatron's host-side loss checks."""
 
@@ -298,6 +314,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rng: RNGConfig = field(default_factory=RNGConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

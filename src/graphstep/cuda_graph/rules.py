@@ -1,4 +1,4 @@
-"""The validation rules R1-R19 (spec section 2, and R19 for the two tracker flags) around the value checks.
+"""The validation rules R1-R20 (spec section 2; R19 the tracker flags, R20 torch.compile) around the value checks.
 
 Every rule is a small function ``_rN(view) -> list[Violation]`` over a
 ``_View``: a normalised *copy* of the config (settings.py normalises) plus the
@@ -370,6 +370,48 @@ def _r19(v: _View) -> list[Violation]:
                "set both to the same value, or set only one (the other follows).")]
 
 
+COMPILE_COMPONENTS = ("model", "loss")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+_INDUCTOR_GRAPHS = ("reduce-overhead", "max-autotune")  # Inductor's own CUDA graphs
+
+
+def _r20(v: _View) -> list[Violation]:
+    """torch.compile: known components and mode; one owner of the graphs; a backend that can capture it."""
+    c, out = v.cfg.compile, []
+    names = _names(c.components)
+    for name in [n for n in (names if names is not None else [c.components]) if n != "model"]:
+        why = ("graphstep's models compute the loss inside their forward (GPTModel.forward), so there is no "
+               "separate loss function to compile; compile.components=[model] compiles it with the model"
+               if name == "loss" else f"{_fmt(name)} is not a component (components: model)")
+        out.append(_v("R20", ["compile.components"], f"compile.components has {_fmt(name)}: {why}.",
+                      "set compile.components=[model]."))
+    if c.mode not in COMPILE_MODES:
+        out.append(_v("R20", ["compile.mode"], f"compile.mode={_fmt(c.mode)} is not an Inductor mode.",
+                      "set compile.mode=default (or max-autotune-no-cudagraphs)."))
+    if c.enable is True and v.on and c.mode in _INDUCTOR_GRAPHS:
+        out.append(_v("R20", ["compile.mode", "model.cuda_graph_impl"], f"compile.mode={c.mode} captures Inductor's "
+                      f"own CUDA graphs and model.cuda_graph_impl={v.impl} captures graphstep's: two owners of the "
+                      "same kernels.", "set compile.mode=default (graphstep's graphs capture the compiled kernels), "
+                      "or model.cuda_graph_impl=none to let Inductor own the graphs."))
+    if c.enable is True and v.impl == "full_iteration" and _num(v.cfg.model.cuda_graph_warmup_steps) == 0:
+        out.append(_v("R20", ["compile.enable", "model.cuda_graph_warmup_steps"], "compile.enable=true with "
+                      "model.cuda_graph_warmup_steps=0: the model would be compiled inside the capture.",
+                      "set model.cuda_graph_warmup_steps=1 or more (the first eager iteration compiles)."))
+    backend, device = _str(v.cfg.model.cuda_graph_backend), _str(v.cfg.train.device)
+    if c.enable is True and v.on and (backend == "replay" or (backend == "auto" and device == "cpu")):
+        out.append(_v("R20", ["compile.enable", "model.cuda_graph_backend", "train.device"], REPLAY_COMPILE_REASON,
+                      "run the graphs on a GPU (model.cuda_graph_backend=cuda), or compile.enable=false for the "
+                      "CPU dry run, or model.cuda_graph_impl=none to train compiled without graphs."))
+    return out
+
+
+REPLAY_COMPILE_REASON = (
+    "compile.enable=true with graphs on the CPU replay backend: the backend records a capture with a "
+    "TorchDispatchMode, under which torch.compile runs the model uncompiled (Dynamo skips frames while a "
+    "dispatch mode is active) and Inductor's CPU kernels bypass the dispatcher anyway, so the replayed graph "
+    "would compute the uncompiled model while the warm-up ran the compiled one.")
+
+
 def _differs(value: Any, default: Any) -> bool:
     try:
         return bool(value != default)
@@ -387,7 +429,7 @@ def _r18(v: _View) -> list[Violation]:
 _RULES: tuple[tuple[str, Callable[[_View], list[Violation]]], ...] = (
     ("R1", _r1), ("R2", _r2), ("R3", _r3), ("R4", _r4), ("R5", _r5), ("R6", _r6), ("R7", _r7), ("R8", _r8),
     ("R9", _r9), ("R10", _r10), ("R11", _r11), ("R12", _r12), ("R13", _r13), ("R14", _r14), ("R15", _r15),
-    ("R16", _r16), ("R17", _r17), ("R18", _r18), ("R19", _r19),
+    ("R16", _r16), ("R17", _r17), ("R18", _r18), ("R19", _r19), ("R20", _r20),
 )
 
 
@@ -401,7 +443,7 @@ def _world_size(env: Mapping[str, str]) -> int:
 def validate_cuda_graph_config(cfg: Config, *, env: Mapping[str, str] | None = None,
                                device_capability: tuple[int, int] | None = None,
                                world_size: int | None = None) -> list[Violation]:
-    """Every CUDA-graph rule R1-R19 on a normalised copy of ``cfg``; all violations, never an exception."""
+    """Every CUDA-graph rule R1-R20 on a normalised copy of ``cfg``; all violations, never an exception."""
     env = os.environ if env is None else env
     world = world_size if world_size is not None else _world_size(env)
     view = _view(_normalized_copy(cfg), cfg, env, device_capability, world)

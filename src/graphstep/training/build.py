@@ -28,10 +28,12 @@ from torch import nn
 from ..config import Config, ConfigError
 from ..cuda_graph.backend import GraphBackend, get_backend
 from ..cuda_graph.rng import initialize_rng_tracker
+from ..cuda_graph.rules import REPLAY_COMPILE_REASON
 from ..cuda_graph.settings import CudaGraphSettings, resolve_cuda_graph_settings
 from ..data.buckets import parse_buckets
 from ..models import build_model
 from ..models.hf import load_hf_weights
+from .compile import CompileTimeReport, apply_compile, describe_compile
 from .distributed import DataParallel
 from .moe_hooks import MoEHooks
 from .optim import AdamW, GradBuffers, build_optimizer
@@ -104,7 +106,8 @@ def build_run(
     4. ``restore(model, optimizer)`` loads a checkpoint in place before any
        graph exists, so warm-up and capture count from the resume iteration;
     5. the training and evaluation steps (data-parallel reducers, MoE hooks,
-       the non-finite flag), optionally over ``torch.compile(model, mode=compile_mode)``;
+       the non-finite flag), over the compiled model with ``compile.enable``
+       (training/compile.py; ``compile_mode``, the bench's, enables it too);
     6. the graphs, through ``prepare`` with ``backend`` (default: the
        process's backend for ``device``); the run owns what it captures.
 
@@ -120,9 +123,13 @@ def build_run(
     start = restore(model, optimizer) if restore is not None else 0  # 4
     num_mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp.world_size)
     moe = MoEHooks(model, num_mb)  # 5
+    compile_mode = compile_mode if compile_mode is not None else (cfg.compile.mode if cfg.compile.enable else None)
     train_step, eval_step = _build_steps(cfg, settings, model, grads, moe, dp, device, compile_mode)
     if settings.enabled and backend is None:  # 6
         backend = get_backend(device, settings.backend)
+    if compile_mode is not None and settings.enabled and getattr(backend, "name", None) == "replay":
+        raise ConfigError(f"R20: {REPLAY_COMPILE_REASON} Fix: run the graphs on a GPU, or compile.enable=false "
+                          "for the CPU dry run, or model.cuda_graph_impl=none to train compiled without graphs")
     runner = prepare(
         model, train_step, eval_step, optimizer, settings, backend=backend, device=device,
         num_micro_batches=num_mb, skip_on_nonfinite=cfg.train.skip_step_on_nan,
@@ -153,10 +160,13 @@ def _build_model(cfg: Config, device: torch.device, dp: DataParallel) -> nn.Modu
 
 def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, grads: GradBuffers, moe: MoEHooks,
                  dp: DataParallel, device: torch.device, compile_mode: str | None) -> tuple[TrainStep, EvalStep]:
-    step_model = torch.compile(model, mode=compile_mode) if compile_mode is not None else model
+    step_model = apply_compile(model, compile_mode, settings) if compile_mode is not None else model
     train_step = TrainStep(
         step_model, grads, reduce_grads=dp.grad_reducer(grads, cfg.ddp), reduce_loss=dp.loss_reducer(),
         before_step=moe.before_step if moe.enabled else None, retain_graph=settings.retain_backward_graph,
         check_nonfinite=cfg.train.check_for_nan_on_device,
     )
-    return train_step, EvalStep(model, device, reduce_loss=dp.loss_reducer())
+    eval_step = EvalStep(step_model, device, reduce_loss=dp.loss_reducer())
+    if compile_mode is None:
+        return train_step, eval_step
+    return CompileTimeReport(train_step, describe_compile(compile_mode, settings)), eval_step
