@@ -133,7 +133,7 @@ def test_doctor_captures_through_its_own_backend_without_touching_prepare():
 
 
 # --------------------------------------------------------------------------
-# capture barrier: once per capture of a graph holding collectives
+# capture barrier (GraphedStep's before_capture hook): once per capture of a graph holding collectives
 
 
 def test_ranks_meet_once_before_each_capture_of_a_collective_graph():
@@ -157,6 +157,10 @@ def test_ranks_meet_once_before_each_capture_of_a_collective_graph():
         calls.append("eval")
     assert met == ["call 2", "call 6"]  # the evaluation graph's capture, at its third call
     assert [r.name for r in runner.reports] == ["train", "optimizer", "eval"]
+    from graphstep.doctor import capture_error_hook  # a capture failing without a cause is diagnosed
+
+    assert runner.train_step.step.on_capture_error is capture_error_hook
+    assert runner.optimizer_step.on_capture_error is capture_error_hook
     runner.close()
 
 

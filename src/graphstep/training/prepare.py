@@ -38,8 +38,9 @@ from ..cuda_graph.full_iteration import EAGER, FullIterationGraph, GraphedStep
 from ..cuda_graph.rng import get_rng_tracker
 from ..config import ConfigError
 from ..cuda_graph.settings import CudaGraphSettings, GraphImpl
+from ..doctor import capture_error_hook
 from .optim import AdamW
-from .run_backend import RunBackend, meeting_before_capture
+from .run_backend import RunBackend
 from .step import EvalStep, TrainStep
 
 log = logging.getLogger("graphstep")
@@ -107,8 +108,10 @@ def prepare(
 
     With data parallelism, ``train_step`` already holds the gradient and loss
     all-reduces (TrainStep's hooks), so the full-iteration graph captures
-    them; ``capture_barrier`` makes the ranks meet before each capture of a
-    graph with collectives (Megatron does the same). Per-layer graphs hold no
+    them; ``capture_barrier`` (GraphedStep's ``before_capture`` hook) makes the
+    ranks meet before each capture of a graph with collectives (Megatron does
+    the same). A capture that fails without a cause (a CUDA error) is
+    diagnosed by ``graphstep doctor`` (the ``on_capture_error`` hook). Per-layer graphs hold no
     collective: the reduction runs eagerly after the backward graphs.
 
     With ``buckets`` (the sorted ``data.seq_length_buckets``), step 2 makes one
@@ -141,18 +144,17 @@ def prepare(
     fwd_bwd: Callable[[Iterator[Any]], dict[str, torch.Tensor]]
     evaluate_batches: Callable[[list[Any]], dict[str, torch.Tensor]]
     if settings.full_iteration:  # 2
+        # graphs holding collectives: the ranks meet before each capture (Megatron does the same)
         common = dict(
             warmup_steps=settings.warmup_steps, generators=generators, shared_pool=settings.use_single_mempool,
-            on_failure=settings.on_failure, input_device=device,
+            on_failure=settings.on_failure, input_device=device, on_capture_error=capture_error_hook,
+            before_capture=capture_barrier,
         )
 
-        # graphs holding collectives: the ranks meet before each capture (Megatron does the same)
-        collective = meeting_before_capture(run_backend, capture_barrier)
-
         def train_graph_named(name: str) -> Any:
-            return FullIterationGraph(train_step, collective, num_micro_batches=num_micro_batches, name=name, **common)
+            return FullIterationGraph(train_step, run_backend, num_micro_batches=num_micro_batches, name=name, **common)
 
-        eval_graph = GraphedStep(eval_step, collective, name="eval", **common)
+        eval_graph = GraphedStep(eval_step, run_backend, name="eval", **common)
         if buckets:
             train_graph = GraphPerBucket(lambda width: train_graph_named(f"train[{width}]"), num_micro_batches)
             describe = f"full iteration, a graph per bucket of {buckets} ({run_backend.name} backend)"
@@ -181,6 +183,7 @@ def prepare(
         opt_graph = GraphedStep(
             opt_fn, run_backend, warmup_steps=settings.warmup_steps, name="optimizer", generators=generators,
             shared_pool=settings.use_single_mempool, on_failure=settings.on_failure,
+            on_capture_error=capture_error_hook,
         )
         graphs.append(opt_graph)
         optimizer_step = opt_graph

@@ -16,16 +16,12 @@ through. It is a :class:`GraphBackend` itself, so the mechanism
   keep replaying); ``warmup``, ``memory`` and the rest are the process
   backend's.
 
-:func:`meeting_before_capture` gives a second view for graphs that hold
-collectives: every data-parallel rank meets at a host barrier when such a
-graph is about to be captured -- the moment the mechanism asks the backend
-for a new graph -- so no rank starts a captured all-reduce alone.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -74,23 +70,3 @@ class RunBackend(GraphBackend):
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
-
-
-class _MeetBeforeCapture(RunBackend):
-    """A view whose every new graph (a capture about to start) first meets the other ranks."""
-
-    def __init__(self, run: RunBackend, meet: Callable[[], None]) -> None:
-        super().__init__(run)
-        self.meet = meet
-
-    def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph:
-        self.meet()
-        return super().new_graph(name, shared_pool=shared_pool)
-
-
-def meeting_before_capture(run: RunBackend, meet: Callable[[], None] | None) -> RunBackend:
-    """``run`` itself without ``meet``; else a view of it that calls ``meet()`` before each capture.
-
-    Graphs made through the view are still ``run``'s: counted in its reports, freed by its ``close()``.
-    """
-    return run if meet is None else _MeetBeforeCapture(run, meet)
