@@ -22,7 +22,7 @@ import graphstep
 from conftest import eager, tiny_config
 from graphstep.config import ConfigError
 from graphstep.cuda_graph.backend import get_backend
-from graphstep.cuda_graph.settings import resolve_cuda_graph_settings
+from graphstep.validation import resolve_cuda_graph_settings
 from graphstep.data import build_data
 from graphstep.training import build as build_mod
 from graphstep.training import loop

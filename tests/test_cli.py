@@ -36,7 +36,7 @@ def test_validate_clean_recipe_exits_0(capsys):
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_every_recipe_validates(name):
-    from graphstep.cuda_graph.settings import validate_config
+    from graphstep.validation import validate_config
 
     assert validate_config(get_recipe(name)) == []
 
@@ -54,7 +54,7 @@ def test_perf_flags_turn_on_the_tracker(capsys):
     assert code == 0
     assert data["model"]["use_te_rng_tracker"] is True and data["rng"]["te_rng_tracker"] is True
     assert data["model"]["cuda_graph_impl"] == "local" and data["model"]["cuda_graph_modules"] == ["attn", "mlp"]
-    from graphstep.cuda_graph.settings import apply_perf_flags
+    from graphstep.validation import apply_perf_flags
 
     cfg = Config()  # tracker off by default; the flags turn both fields on
     apply_perf_flags(cfg, "local", "attn,mlp")

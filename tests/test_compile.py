@@ -19,8 +19,7 @@ import torch
 
 from conftest import assert_same_run, eager, params_of, tiny_config
 from graphstep.config import Config, ConfigError, apply_overrides
-from graphstep.cuda_graph.rules import validate_config
-from graphstep.cuda_graph.settings import ConfigValidationError, resolve_cuda_graph_settings
+from graphstep.validation import ConfigValidationError, resolve_cuda_graph_settings, validate_config
 from graphstep.training.compile import apply_compile
 from graphstep.training.loop import train
 

@@ -251,7 +251,7 @@ def test_grad_reducer_buckets_are_views_of_the_flat_buffer():
 
 
 def test_collective_env_checks():
-    from graphstep.cuda_graph.settings import resolve_cuda_graph_settings
+    from graphstep.validation import resolve_cuda_graph_settings
     from graphstep.training.distributed import check_collective_env
 
     from conftest import tiny_config
@@ -267,7 +267,7 @@ def test_collective_env_checks():
 
 
 def test_r16_stops_a_data_parallel_nccl_run_before_the_process_group_exists():
-    from graphstep.cuda_graph.settings import ConfigValidationError, resolve_cuda_graph_settings
+    from graphstep.validation import ConfigValidationError, resolve_cuda_graph_settings
 
     from conftest import tiny_config
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from graphstep.cli import _late_overrides, build_parser, resolve_config
-from graphstep.cuda_graph.settings import validate_config
 from graphstep.recipes import RECIPES
+from graphstep.validation import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -1,4 +1,4 @@
-"""Rules R1-R18 and the V checks, the migrations, and resolution of the CUDA-graph settings.
+"""Rules R1-R24 (R20 in test_compile.py) and the V checks, the migrations, and resolution of the graph settings.
 
 Every rule has a case that breaks it (checked for the rule id, a distinctive
 part of the message and of the fix) and a close variant that is clean. Configs
@@ -16,12 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphstep.config import Config, ConfigError, apply_overrides, iter_fields
-from graphstep.cuda_graph import rules as cg_rules
+from graphstep.validation import graph_rules
 from graphstep.cuda_graph import settings as cg
-from graphstep.cuda_graph.settings import (
+from graphstep.cuda_graph.settings import CudaGraphSettings, GraphImpl
+from graphstep.validation import (
     ConfigValidationError,
-    CudaGraphSettings,
-    GraphImpl,
     Violation,
     apply_perf_flags,
     format_violations,
@@ -163,9 +162,14 @@ CASES = {
     "R16": Case("R16", ("model.cuda_graph_impl=transformer_engine",), "expandable_segments:True",
                 "export NCCL_GRAPH_REGISTER=0", ("model.cuda_graph_impl=transformer_engine",), MULTI_GPU_EXPANDABLE,
                 {**MULTI_GPU_EXPANDABLE, "NCCL_GRAPH_REGISTER": "0"}),
-    "R17": Case("R17", ("model.cuda_graph_impl=local", "model.variable_seq_lengths=true"),
+    "R17": Case("R17", ("model.cuda_graph_impl=full_iteration", "model.variable_seq_lengths=true"),
                 "no data.seq_length_buckets", "set data.seq_length_buckets",
-                ("model.cuda_graph_impl=local", "model.variable_seq_lengths=true", "data.seq_length_buckets=[64,128]")),
+                ("model.cuda_graph_impl=full_iteration", "model.variable_seq_lengths=true",
+                 "data.seq_length_buckets=[64,128]")),
+    "R17-layers": Case("R17", ("model.cuda_graph_impl=local", "model.variable_seq_lengths=true"),
+                       "no data.seq_length_buckets", "with model.cuda_graph_impl=full_iteration (one graph per bucket",
+                       ("model.cuda_graph_impl=full_iteration", "model.variable_seq_lengths=true",
+                        "data.seq_length_buckets=[64,128]")),
     "R18": Case("R18", ("model.tensor_model_parallel_size=2",),
                 "graphstep does not implement model.tensor_model_parallel_size (set to 2)",
                 "model.tensor_model_parallel_size=1 (its default)", ()),
@@ -173,8 +177,21 @@ CASES = {
                      "model.cuda_graph_warmup_steps to 0 or more", ("model.cuda_graph_warmup_steps=0",)),
     "V-backend": Case("V", ("model.cuda_graph_backend=gpu",), "model.cuda_graph_backend=gpu is not one of",
                       "model.cuda_graph_backend=auto", ("model.cuda_graph_backend=replay",)),
-    "V-batch": Case("V", ("train.global_batch_size=10",), "multiple of micro_batch_size", "train.global_batch_size=4",
-                    ("train.global_batch_size=12",)),
+    "R21": Case("R21", ("model.cuda_graph_impl=local", "data.seq_length_buckets=[64,128]"),
+                "data.seq_length_buckets=[64, 128] with per-layer graphs (model.cuda_graph_impl=local) is not "
+                "implemented", "set model.cuda_graph_impl=full_iteration (one graph per bucket)",
+                ("model.cuda_graph_impl=full_iteration", "data.seq_length_buckets=[64,128]")),
+    "R22": Case("R22", ("ddp.grad_reduce_in_fp32=false",), "ddp.grad_reduce_in_fp32=false with 2 data-parallel "
+                "ranks is not implemented", "set ddp.grad_reduce_in_fp32=true", (), {"WORLD_SIZE": "2"},
+                {"WORLD_SIZE": "1"}),
+    "R23": Case("R23", ("model.moe_token_dispatcher_type=flex",), "model.moe_token_dispatcher_type=flex is not "
+                "implemented", "set model.moe_token_dispatcher_type=allgather",
+                ("model.moe_token_dispatcher_type=alltoall",)),
+    "R23-garbage": Case("R23", ("model.moe_token_dispatcher_type=anything",), "=anything is not implemented",
+                        "or alltoall", ("model.moe_token_dispatcher_type=allgather",)),
+    "R24": Case("R24", ("train.skip_step_on_nan=true", "train.check_for_nan_on_device=false"),
+                "train.skip_step_on_nan=true needs the device-side flag it skips on",
+                "set train.check_for_nan_on_device=true", ("train.skip_step_on_nan=true",)),
     "V-pattern": Case("V", ("model.hybrid_override_pattern=M*-",), "describes 3 layers but model.num_layers=2",
                       "model.num_layers=3", ("model.hybrid_override_pattern=M*",)),
 }
@@ -193,7 +210,7 @@ def test_rule_reports_problem_and_fix(name: str) -> None:
 
 
 def test_every_rule_has_a_case() -> None:
-    assert {c.rule for c in CASES.values()} >= {f"R{i}" for i in range(1, 19)} | {"V"}
+    assert {c.rule for c in CASES.values()} >= {f"R{i}" for i in range(1, 25)} - {"R19", "R20"} | {"V"}
 
 
 def test_violation_str_names_rule_fields_and_fix() -> None:
@@ -209,7 +226,7 @@ def test_violation_str_names_rule_fields_and_fix() -> None:
     ((9, 0), "auto", True), ((10, 0), "auto", False), (None, "cuda", True), (None, "auto", False),
 ])
 def test_r16_local_depends_on_capability(monkeypatch, capability, device, expected) -> None:
-    monkeypatch.setattr(cg_rules, "_capability", lambda v: v.capability)  # no GPU probing in this test
+    monkeypatch.setattr(graph_rules, "_capability", lambda v: v.capability)  # no GPU probing in this test
     cfg = make("model.cuda_graph_impl=local", f"train.device={device}")
     found = rules(validate_cuda_graph_config(cfg, env=MULTI_GPU_EXPANDABLE, device_capability=capability))
     assert ("R16" in found) is expected
@@ -248,7 +265,8 @@ def test_value_checks_types_world_size_and_heads() -> None:
     cfg = make()
     cfg.model.num_layers = "two"
     assert any(v.rule == "V" and "expected int" in v.message for v in check(cfg))
-    assert "V" in rules(check(make("train.global_batch_size=8"), world_size=4))
+    (batch,) = [v for v in check(make("train.global_batch_size=8"), world_size=4) if v.rule == "V13"]
+    assert "x 4 data-parallel rank(s) = 16" in batch.message and "train.global_batch_size=16" in batch.fix
     assert "V" in rules(check(make("model.num_attention_heads=3")))
     assert "V" in rules(check(make("model.num_query_groups=3")))
     assert "V" in rules(check(make("model.num_moe_experts=1")))  # moe_router_topk=2 > 1 expert
@@ -517,6 +535,8 @@ VALUE_CASES = {
                     ("model.hidden_size=16",)),
     "V11": ("V11", ("model.hf_path=/nonexistent/hf-model",), "model.hf_path=/nonexistent/hf-model does not exist",
             ("model.hf_path=null",)),
+    "V13": ("V13", ("train.global_batch_size=10",), "train.global_batch_size=10 is not a multiple of "
+            "train.micro_batch_size=4 x 1 data-parallel rank(s) = 4", ("train.global_batch_size=12",)),
 }
 
 
@@ -531,7 +551,7 @@ def test_numbered_value_rule_reports_problem_and_fix(name: str) -> None:
 
 
 def test_every_numbered_value_rule_has_a_case() -> None:
-    assert {case[0] for case in VALUE_CASES.values()} == {f"V{i}" for i in range(1, 13)}
+    assert {case[0] for case in VALUE_CASES.values()} == {f"V{i}" for i in range(1, 14)}
 
 
 def test_v11_directory_without_config_json(tmp_path) -> None:

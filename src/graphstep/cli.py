@@ -39,7 +39,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
-    from .cuda_graph.settings import apply_perf_flags
+    from .validation import apply_perf_flags
 
     cfg = get_recipe(args.recipe)
     if args.config:
@@ -58,7 +58,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from .cuda_graph.settings import normalize_cuda_graph_config
+    from .validation import normalize_cuda_graph_config
 
     cfg = resolve_config(args)
     for note in normalize_cuda_graph_config(cfg):
@@ -68,7 +68,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    from .cuda_graph.settings import format_violations, validate_config
+    from .validation import format_violations, validate_config
 
     cfg = resolve_config(args)
     violations = validate_config(cfg)
@@ -174,7 +174,7 @@ def _late_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace, e
 
 def one_line(exc: BaseException) -> str:
     """A user error's message on one line (a list of rule violations keeps one line per violation)."""
-    from .cuda_graph.settings import ConfigValidationError
+    from .validation import ConfigValidationError
 
     text = str(exc).strip() or type(exc).__name__
     if isinstance(exc, ConfigValidationError):

@@ -17,9 +17,9 @@ set this way (overrides, YAML) are remembered as the user's own
 A YAML file that cannot be read or parsed is a one-line ConfigError naming
 file:line:column.
 
-CUDA-graph compatibility is checked by
-:func:`graphstep.cuda_graph.settings.validate_cuda_graph_config`, which reports
-every violation at once.
+Every rule (CUDA-graph compatibility, values, what the trainer implements)
+is checked by :func:`graphstep.validation.validate`, which reports every
+violation at once; this module only parses and type-checks.
 """
 
 from __future__ import annotations
@@ -97,7 +97,10 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: int | None = opt(None, "Width of the shared expert; null = none.")
     moe_expert_capacity_factor: float | None = opt(None, "Capacity factor; null = dropless.")
     moe_pad_expert_input_to_capacity: bool = opt(False, "Pad every expert's input to its capacity (drop-and-pad).")
-    moe_token_dispatcher_type: str = opt("allgather", "Token dispatcher; graphstep implements allgather (local).")
+    moe_token_dispatcher_type: str = opt(
+        "allgather", "Token dispatcher: allgather or alltoall, both a local dispatch on graphstep's one expert-parallel "
+        "rank; flex is not implemented (rule R23)."
+    )
     moe_sync_free: bool = opt(True, "Dropless MoE keeps group sizes on the device (no host sync; capturable).")
 
     # --- hybrid (Mamba) ----------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 
 from ..config import Config
 from ..cuda_graph.backend import CaptureReport, Graph, GraphBackend
-from ..cuda_graph.settings import resolve_cuda_graph_settings, validate_config
+from ..validation import resolve_cuda_graph_settings, validate_config
 from .findings import Finding, Report
 from .session import Session
 

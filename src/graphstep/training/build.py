@@ -28,11 +28,11 @@ from torch import nn
 from ..config import Config, ConfigError
 from ..cuda_graph.backend import GraphBackend, get_backend
 from ..cuda_graph.rng import initialize_rng_tracker
-from ..cuda_graph.rules import REPLAY_COMPILE_REASON
-from ..cuda_graph.settings import CudaGraphSettings, resolve_cuda_graph_settings
+from ..cuda_graph.settings import CudaGraphSettings
 from ..data.buckets import parse_buckets
 from ..models import build_model
 from ..models.hf import load_hf_weights
+from ..validation import REPLAY_COMPILE_REASON, resolve_cuda_graph_settings
 from .compile import CompileTimeReport, apply_compile, describe_compile
 from .distributed import DataParallel
 from .moe_hooks import MoEHooks

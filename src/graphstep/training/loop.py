@@ -49,7 +49,8 @@ from typing import Any, Callable
 import torch
 
 from ..config import Config
-from ..cuda_graph.settings import CudaGraphSettings, resolve_cuda_graph_settings
+from ..cuda_graph.settings import CudaGraphSettings
+from ..validation import resolve_cuda_graph_settings
 from ..data import build_data
 from ..models.hf import with_hf_shape
 from ..observability import MetricWriters, StepProfiler, check_setup, open_ranges

@@ -1,13 +1,11 @@
-"""The validation rules R1-R20 (spec section 2; R19 the tracker flags, R20 torch.compile) around the value checks.
+"""The CUDA-graph rules R1-R17 (spec section 2), each a small function over one view of the config.
 
-Every rule is a small function ``_rN(view) -> list[Violation]`` over a
-``_View``: a normalised *copy* of the config (settings.py normalises) plus the
-facts derived from it (the valid impl or None, the coverage list, the field it
-came from). ``validate_cuda_graph_config`` runs them all and returns every
-violation at once, never raising; a rule that cannot even be evaluated
-reports itself. ``validate_config`` adds the value checks (values.py), and
-``resolve_cuda_graph_settings`` turns a clean config into the frozen
-``CudaGraphSettings`` (or raises ``ConfigValidationError`` listing them all).
+Every rule is ``_rN(view) -> list[Violation]`` over a :class:`View`: the
+normalised config (normalize.py) plus the facts derived from it -- the valid
+impl or None, the coverage list, the field it came from (the one the user
+wrote) -- and the environment the run will see (env vars, the device's
+compute capability, the world size). Rules never raise; validation/__init__.py
+runs them all (``checked`` turns a crash into a violation).
 
 docs/rules.md describes every rule with an example override and its fix.
 """
@@ -15,42 +13,22 @@ docs/rules.md describes every rule with an example override and its fix.
 from __future__ import annotations
 
 import difflib
-import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
-from graphstep.config import Config, explicit_keys, iter_fields
+from graphstep.config import Config
+from graphstep.cuda_graph.settings import IMPL_VALUES, MOE_SCOPES, PER_LAYER, SCOPE_NAMES
 
-from .settings import (
-    IMPL_VALUES,
-    MOE_SCOPES,
-    PER_LAYER,
-    SCOPE_NAMES,
-    ConfigValidationError,
-    CudaGraphSettings,
-    GraphImpl,
-    Violation,
-    _fmt,
-    _get,
-    _names,
-    _normalized_copy,
-    _num,
-    _str,
-    _strs,
-    normalize_cuda_graph_config,
-)
-from .values import _checked, _value_violations
-
-
-# --------------------------------------------------------------------------
-# 2. the rules, evaluated on a normalised copy
+from .normalize import coverage_field
+from .report import Violation, as_num as _num, as_str as _str, fmt as _fmt, get as _get, names as _names, strs as _strs
+from .report import violation as _v
 
 
 @dataclass
-class _View:
-    """What the rules read: the normalised copy plus the facts derived from it."""
+class View:
+    """What the rules read: the normalised config plus the facts derived from it."""
 
     cfg: Config
     impl: str | None  # one of IMPL_VALUES, or None when model.cuda_graph_impl is not one
@@ -77,7 +55,7 @@ class _View:
         return self.per_layer and (self.names == [] or scope in _strs(self.names))
 
 
-def _view(cfg: Config, original: Config, env: Mapping[str, str], capability: Any, world_size: int) -> _View:
+def make_view(cfg: Config, env: Mapping[str, str], capability: Any, world_size: int) -> View:
     m = cfg.model
     impl = _str(m.cuda_graph_impl)
     scope_set = m.cuda_graph_scope is not None
@@ -87,20 +65,15 @@ def _view(cfg: Config, original: Config, env: Mapping[str, str], capability: Any
         cov = ("model.cuda_graph_scope", "model.cuda_graph_modules")
     else:
         names = modules
-        src = "scope" if original.model.cuda_graph_scope is not None else "modules"
-        cov = (f"model.cuda_graph_{src}",)
-    return _View(cfg, impl if impl in IMPL_VALUES else None, names, cov, scope_set, env, capability, world_size)
+        cov = (coverage_field(cfg),)
+    return View(cfg, impl if impl in IMPL_VALUES else None, names, cov, scope_set, env, capability, world_size)
 
 
-def _v(rule: str, fields: tuple[str, ...] | list[str], message: str, fix: str) -> Violation:
-    return Violation(rule, tuple(fields), message, fix)
-
-
-def _impl_f(v: _View) -> str:
+def _impl_f(v: View) -> str:
     return f"model.cuda_graph_impl={_fmt(v.cfg.model.cuda_graph_impl)}"
 
 
-def _r1(v: _View) -> list[Violation]:
+def _r1(v: View) -> list[Violation]:
     raw = v.cfg.model.cuda_graph_impl
     if v.impl is not None:
         return []
@@ -110,7 +83,7 @@ def _r1(v: _View) -> list[Violation]:
                f"{', '.join(IMPL_VALUES)}.", f"{fix} (local for per-layer graphs, full_iteration for the whole step).")]
 
 
-def _r2(v: _View) -> list[Violation]:
+def _r2(v: View) -> list[Violation]:
     m, out = v.cfg.model, []
     if v.scope_set and _names(m.cuda_graph_scope) is not None and _names(m.cuda_graph_modules):
         out.append(_v("R2", v.cov, f"model.cuda_graph_scope={_fmt(m.cuda_graph_scope)} and model.cuda_graph_modules="
@@ -134,7 +107,7 @@ def _r2(v: _View) -> list[Violation]:
     return out
 
 
-def _r3(v: _View) -> list[Violation]:
+def _r3(v: View) -> list[Violation]:
     m = v.cfg.model
     enable, external = m.enable_cuda_graph is True, m.external_cuda_graph is True
     fields = ["model.enable_cuda_graph", "model.external_cuda_graph", "model.cuda_graph_impl"]
@@ -149,7 +122,7 @@ def _r3(v: _View) -> list[Violation]:
                f"with {_impl_f(v)}.", f"set model.{flag}=false and keep {_impl_f(v)}.")]
 
 
-def _r4(v: _View) -> list[Violation]:
+def _r4(v: View) -> list[Violation]:
     names, out = _strs(v.names), []
     if "full_iteration" in names and len(v.names or []) > 1:
         out.append(_v("R4", ("model.cuda_graph_impl",) + v.cov, f"{v.cov[0]}={_fmt(v.names)} combines full_iteration "
@@ -166,7 +139,7 @@ def _r4(v: _View) -> list[Violation]:
     return out
 
 
-def _r5(v: _View) -> list[Violation]:
+def _r5(v: View) -> list[Violation]:
     if not v.on or v.cfg.model.use_te_rng_tracker is True:
         return []
     return [_v("R5", ["model.use_te_rng_tracker", "rng.te_rng_tracker", "model.cuda_graph_impl"],
@@ -175,7 +148,7 @@ def _r5(v: _View) -> list[Violation]:
                "set model.use_te_rng_tracker=true (rng.te_rng_tracker follows).")]
 
 
-def _r6(v: _View) -> list[Violation]:
+def _r6(v: View) -> list[Violation]:
     checks = ["rerun_state_machine.check_for_nan_in_loss", "ddp.check_for_nan_in_grad"]
     on = [f for f in checks if _get(v.cfg, f) is True]
     if v.impl != "full_iteration" or not on:
@@ -187,7 +160,7 @@ def _r6(v: _View) -> list[Violation]:
                "train.skip_step_on_nan=true to skip the update on NaN/Inf).")]
 
 
-def _r7(v: _View) -> list[Violation]:
+def _r7(v: View) -> list[Violation]:
     if not (v.has("moe") and v.has("moe_router")):
         return []
     return [_v("R7", v.cov, f"{v.cov[0]}={_fmt(v.names)} has moe (the whole MoE block, router included) and "
@@ -195,20 +168,20 @@ def _r7(v: _View) -> list[Violation]:
                f"keep one in {v.cov[-1]}: moe, or moe_router with moe_preprocess.")]
 
 
-def _r8(v: _View) -> list[Violation]:
+def _r8(v: View) -> list[Violation]:
     if v.impl != "transformer_engine" or not v.has("moe_preprocess") or v.has("moe_router"):
         return []
     return [_v("R8", v.cov, f"{v.cov[0]}={_fmt(v.names)} has moe_preprocess without moe_router.",
                f"add moe_router to {v.cov[-1]} (or remove moe_preprocess).")]
 
 
-def _experts(v: _View) -> bool:
+def _experts(v: View) -> bool:
     m = v.cfg.model
     pattern = _str(m.hybrid_override_pattern)
     return m.num_moe_experts is not None and (m.hybrid_override_pattern is None or "E" in (pattern or ""))
 
 
-def _r9(v: _View) -> list[Violation]:
+def _r9(v: View) -> list[Violation]:
     asked = [s for s in MOE_SCOPES if v.has(s)]
     if not asked or _experts(v):
         return []
@@ -220,7 +193,7 @@ def _r9(v: _View) -> list[Violation]:
                f"{v.cov[-1]}, or give the model experts (model.num_moe_experts).")]
 
 
-def _r10(v: _View) -> list[Violation]:
+def _r10(v: View) -> list[Violation]:
     m = v.cfg.model
     pattern = _str(m.hybrid_override_pattern)
     if not v.has("mlp"):
@@ -239,7 +212,7 @@ def _r10(v: _View) -> list[Violation]:
 _MOE_FIELDS = ("model.moe_expert_capacity_factor", "model.moe_pad_expert_input_to_capacity", "model.moe_sync_free")
 
 
-def _routing_syncs(v: _View) -> str | None:
+def _routing_syncs(v: View) -> str | None:
     """Why MoE token dispatch would copy to the host (None when it is capturable).
 
     graphstep's MoE layer lays tokens out in static shapes whenever a capacity
@@ -253,7 +226,7 @@ def _routing_syncs(v: _View) -> str | None:
     return None
 
 
-def _r11(v: _View) -> list[Violation]:
+def _r11(v: View) -> list[Violation]:
     whole_layer = v.per_layer and v.names == []
     if not (v.has("moe") or whole_layer) or not _experts(v) or (why := _routing_syncs(v)) is None:
         return []
@@ -263,7 +236,7 @@ def _r11(v: _View) -> list[Violation]:
                "set a capacity factor: model.moe_expert_capacity_factor=1.0 (drop-and-pad).")]
 
 
-def _r12(v: _View) -> list[Violation]:
+def _r12(v: View) -> list[Violation]:
     if not v.has("moe_preprocess") or not _experts(v) or (why := _routing_syncs(v)) is None:
         return []
     paired = " (local captures it with moe_router)" if v.impl == "local" else ""
@@ -273,7 +246,7 @@ def _r12(v: _View) -> list[Violation]:
                f"{' and moe_router' if paired else ''} from {v.cov[-1]}.")]
 
 
-def _r13(v: _View) -> list[Violation]:
+def _r13(v: View) -> list[Violation]:
     pattern = _str(v.cfg.model.hybrid_override_pattern)
     if not v.has("mamba") or (pattern is not None and "M" in pattern):
         return []
@@ -282,7 +255,7 @@ def _r13(v: _View) -> list[Violation]:
                f"remove mamba from {v.cov[-1]}, or set a hybrid_override_pattern with M layers.")]
 
 
-def _r14(v: _View) -> list[Violation]:
+def _r14(v: View) -> list[Violation]:
     if not v.per_layer or v.cfg.model.cpu_offloading is not True:
         return []
     return [_v("R14", ["model.cpu_offloading", "model.cuda_graph_impl"], f"model.cpu_offloading=true moves tensors "
@@ -290,7 +263,7 @@ def _r14(v: _View) -> list[Violation]:
                "set model.cpu_offloading=false, or use model.cuda_graph_impl=full_iteration.")]
 
 
-def _r15(v: _View) -> list[Violation]:
+def _r15(v: View) -> list[Violation]:
     m = v.cfg.model
     if not v.per_layer:
         return []
@@ -315,7 +288,7 @@ def _r15(v: _View) -> list[Violation]:
     return out
 
 
-def _alloc_conf(v: _View) -> str | None:
+def _alloc_conf(v: View) -> str | None:
     """The env var whose allocator settings turn on expandable_segments, if any."""
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         for item in str(v.env.get(var, "")).split(","):
@@ -325,7 +298,7 @@ def _alloc_conf(v: _View) -> str | None:
     return None
 
 
-def _capability(v: _View) -> tuple[int, int] | None:
+def _capability(v: View) -> tuple[int, int] | None:
     if v.capability is not None:
         return v.capability
     try:
@@ -334,7 +307,7 @@ def _capability(v: _View) -> tuple[int, int] | None:
         return None
 
 
-def _r16(v: _View) -> list[Violation]:
+def _r16(v: View) -> list[Violation]:
     if not v.on or v.world_size <= 1 or str(v.env.get("NCCL_GRAPH_REGISTER", "")) == "0":
         return []
     if v.cfg.train.device == "cpu" or (var := _alloc_conf(v)) is None:
@@ -349,145 +322,19 @@ def _r16(v: _View) -> list[Violation]:
                f"export NCCL_GRAPH_REGISTER=0 (or remove expandable_segments:True from {var}).")]
 
 
-def _r17(v: _View) -> list[Violation]:
+def _r17(v: View) -> list[Violation]:
     if not v.on or v.cfg.model.variable_seq_lengths is not True or v.cfg.data.seq_length_buckets:
         return []
+    buckets = ("set data.seq_length_buckets (e.g. [64,128]; one graph per bucket)" if not v.per_layer else
+               "set data.seq_length_buckets (e.g. [64,128]) with model.cuda_graph_impl=full_iteration (one graph per "
+               "bucket; per-layer graphs take no buckets: R21)")
     return [_v("R17", ["model.variable_seq_lengths", "data.seq_length_buckets"], f"model.variable_seq_lengths=true "
                f"with {_impl_f(v)} graphs and no data.seq_length_buckets: captured graphs need static shapes.",
-               "set data.seq_length_buckets (e.g. [64,128]; one graph per bucket), "
-               "or model.variable_seq_lengths=false.")]
+               f"{buckets}, or model.variable_seq_lengths=false.")]
 
 
-_TRACKERS = ("model.use_te_rng_tracker", "rng.te_rng_tracker")
-
-
-def _r19(v: _View) -> list[Violation]:
-    model, rng = v.cfg.model.use_te_rng_tracker, v.cfg.rng.te_rng_tracker
-    if model is rng or not explicit_keys(v.cfg) >= set(_TRACKERS):
-        return []
-    return [_v("R19", _TRACKERS, f"model.use_te_rng_tracker={_fmt(model)} and rng.te_rng_tracker={_fmt(rng)} are "
-               "both set by you and disagree: they are one switch (the graph-safe RNG tracker).",
-               "set both to the same value, or set only one (the other follows).")]
-
-
-COMPILE_COMPONENTS = ("model", "loss")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
-_INDUCTOR_GRAPHS = ("reduce-overhead", "max-autotune")  # Inductor's own CUDA graphs
-
-
-def _r20(v: _View) -> list[Violation]:
-    """torch.compile: known components and mode; one owner of the graphs; a backend that can capture it."""
-    c, out = v.cfg.compile, []
-    names = _names(c.components)
-    for name in [n for n in (names if names is not None else [c.components]) if n != "model"]:
-        why = ("graphstep's models compute the loss inside their forward (GPTModel.forward), so there is no "
-               "separate loss function to compile; compile.components=[model] compiles it with the model"
-               if name == "loss" else f"{_fmt(name)} is not a component (components: model)")
-        out.append(_v("R20", ["compile.components"], f"compile.components has {_fmt(name)}: {why}.",
-                      "set compile.components=[model]."))
-    if c.mode not in COMPILE_MODES:
-        out.append(_v("R20", ["compile.mode"], f"compile.mode={_fmt(c.mode)} is not an Inductor mode.",
-                      "set compile.mode=default (or max-autotune-no-cudagraphs)."))
-    if c.enable is True and v.on and c.mode in _INDUCTOR_GRAPHS:
-        out.append(_v("R20", ["compile.mode", "model.cuda_graph_impl"], f"compile.mode={c.mode} captures Inductor's "
-                      f"own CUDA graphs and model.cuda_graph_impl={v.impl} captures graphstep's: two owners of the "
-                      "same kernels.", "set compile.mode=default (graphstep's graphs capture the compiled kernels), "
-                      "or model.cuda_graph_impl=none to let Inductor own the graphs."))
-    if c.enable is True and v.impl == "full_iteration" and _num(v.cfg.model.cuda_graph_warmup_steps) == 0:
-        out.append(_v("R20", ["compile.enable", "model.cuda_graph_warmup_steps"], "compile.enable=true with "
-                      "model.cuda_graph_warmup_steps=0: the model would be compiled inside the capture.",
-                      "set model.cuda_graph_warmup_steps=1 or more (the first eager iteration compiles)."))
-    backend, device = _str(v.cfg.model.cuda_graph_backend), _str(v.cfg.train.device)
-    if c.enable is True and v.on and (backend == "replay" or (backend == "auto" and device == "cpu")):
-        out.append(_v("R20", ["compile.enable", "model.cuda_graph_backend", "train.device"], REPLAY_COMPILE_REASON,
-                      "run the graphs on a GPU (model.cuda_graph_backend=cuda), or compile.enable=false for the "
-                      "CPU dry run, or model.cuda_graph_impl=none to train compiled without graphs."))
-    return out
-
-
-REPLAY_COMPILE_REASON = (
-    "compile.enable=true with graphs on the CPU replay backend: the backend records a capture with a "
-    "TorchDispatchMode, under which torch.compile runs the model uncompiled (Dynamo skips frames while a "
-    "dispatch mode is active) and Inductor's CPU kernels bypass the dispatcher anyway, so the replayed graph "
-    "would compute the uncompiled model while the warm-up ran the compiled one.")
-
-
-def _differs(value: Any, default: Any) -> bool:
-    try:
-        return bool(value != default)
-    except Exception:
-        return True
-
-
-def _r18(v: _View) -> list[Violation]:
-    return [_v("R18", [f"{section}.{name}"], f"graphstep does not implement {section}.{name} (set to {_fmt(value)}).",
-               f"set {section}.{name}={_fmt(default)} (its default).")
-            for section, name, value, default, _help, unsupported in iter_fields(v.cfg)
-            if unsupported and _differs(value, default)]
-
-
-_RULES: tuple[tuple[str, Callable[[_View], list[Violation]]], ...] = (
+GRAPH_RULES = (
     ("R1", _r1), ("R2", _r2), ("R3", _r3), ("R4", _r4), ("R5", _r5), ("R6", _r6), ("R7", _r7), ("R8", _r8),
     ("R9", _r9), ("R10", _r10), ("R11", _r11), ("R12", _r12), ("R13", _r13), ("R14", _r14), ("R15", _r15),
-    ("R16", _r16), ("R17", _r17), ("R18", _r18), ("R19", _r19), ("R20", _r20),
+    ("R16", _r16), ("R17", _r17),
 )
-
-
-def _world_size(env: Mapping[str, str]) -> int:
-    try:
-        return int(env.get("WORLD_SIZE", "1"))
-    except (TypeError, ValueError):
-        return 1
-
-
-def validate_cuda_graph_config(cfg: Config, *, env: Mapping[str, str] | None = None,
-                               device_capability: tuple[int, int] | None = None,
-                               world_size: int | None = None) -> list[Violation]:
-    """Every CUDA-graph rule R1-R20 on a normalised copy of ``cfg``; all violations, never an exception."""
-    env = os.environ if env is None else env
-    world = world_size if world_size is not None else _world_size(env)
-    view = _view(_normalized_copy(cfg), cfg, env, device_capability, world)
-    return [violation for rule, check in _RULES for violation in _checked(rule, check, view)]
-
-
-def validate_config(cfg: Config, *, env: Mapping[str, str] | None = None,
-                    device_capability: tuple[int, int] | None = None,
-                    world_size: int | None = None) -> list[Violation]:
-    """The CUDA-graph rules plus the plain value checks (rule "V"); all violations, never an exception."""
-    env = os.environ if env is None else env
-    world = world_size if world_size is not None else _world_size(env)
-    violations = validate_cuda_graph_config(cfg, env=env, device_capability=device_capability, world_size=world)
-    return violations + _value_violations(_normalized_copy(cfg), world)
-
-
-# --------------------------------------------------------------------------
-# 3. resolution, and the perf-harness flags
-
-
-def _settings_from(cfg: Config) -> CudaGraphSettings:
-    m = cfg.model
-    impl = GraphImpl(m.cuda_graph_impl)
-    per_layer = impl in (GraphImpl.LOCAL, GraphImpl.TRANSFORMER_ENGINE)
-    return CudaGraphSettings(
-        impl=impl,
-        modules=tuple(m.cuda_graph_modules) if per_layer else (),
-        warmup_steps=m.cuda_graph_warmup_steps,
-        use_single_mempool=m.cuda_graph_use_single_mempool,
-        retain_backward_graph=m.cuda_graph_retain_backward_graph,
-        optimizer_graph=cfg.optimizer.optimizer_cuda_graph,
-        backend=m.cuda_graph_backend,
-        on_failure=m.cuda_graph_on_failure,
-    )
-
-
-def resolve_cuda_graph_settings(cfg: Config, *, env: Mapping[str, str] | None = None,
-                                device_capability: tuple[int, int] | None = None,
-                                world_size: int | None = None) -> CudaGraphSettings:
-    """Normalise ``cfg`` in place, validate it, and return its settings (ConfigValidationError lists every problem)."""
-    # Validate before normalising in place so that messages name the field the user wrote
-    # (cuda_graph_scope or cuda_graph_modules); the checks themselves run on a normalised copy.
-    violations = validate_config(cfg, env=env, device_capability=device_capability, world_size=world_size)
-    normalize_cuda_graph_config(cfg)
-    if violations:
-        raise ConfigValidationError(violations)
-    return _settings_from(cfg)

@@ -1,15 +1,16 @@
-"""The plain value checks of a config: rule ``V`` and the numbered value rules ``V1``-``V12``.
+"""The plain value checks of a config: rule ``V`` and the numbered value rules ``V1``-``V13``.
 
 ``V`` (unnumbered) covers types, fixed choices, minimums and shapes;
-``V1``-``V12`` each guard one thing that training would refuse late (after
+``V1``-``V13`` each guard one thing that training would refuse late (after
 building the model and reading the data) or, worse, silently train wrong:
 negative rates and coefficients, probabilities outside their range, a zero
 save interval, a malformed split, a vocabulary smaller than the tokenizer's,
 an odd attention head width, a Hugging Face directory that is not there, a
-corpus too small to split. Each check takes a normalised
-copy of the config, returns violations naming the field, its value and the
+corpus too small to split, a global batch that does not split into whole
+micro-batches over the data-parallel ranks. Each check takes the normalised
+config, returns violations naming the field, its value and the
 fix, and never raises (``_checked`` turns a crash into a violation).
-rules.py runs them after the CUDA-graph rules; docs/rules.md lists them.
+validation/__init__.py runs them after the R rules; docs/rules.md lists them.
 """
 
 from __future__ import annotations
@@ -20,20 +21,8 @@ from typing import Any, Callable
 
 from graphstep.config import Config, ConfigError, iter_fields, set_value
 
-from .settings import Violation, _fmt, _get, _int, _names, _num, _str
-
-
-def _v(rule: str, fields: tuple[str, ...] | list[str], message: str, fix: str) -> Violation:
-    return Violation(rule, tuple(fields), message, fix)
-
-
-def _checked(rule: str, check: Callable[[Any], list[Violation]], view: Any) -> list[Violation]:
-    """Run one rule; a value so malformed that the rule cannot run is itself reported, never raised."""
-    try:
-        return check(view)
-    except Exception as exc:
-        return [_v(rule, [], f"could not check this rule ({type(exc).__name__}: {exc}).",
-                   "correct the types of the fields this rule reads (see the V violations).")]
+from .report import Violation, as_int as _int, as_num as _num, as_str as _str, checked as _checked, fmt as _fmt
+from .report import get as _get, names as _names, violation as _v
 
 
 # --------------------------------------------------------------------------
@@ -59,7 +48,8 @@ _CHOICES: dict[str, tuple[str | None, ...]] = {
 }
 
 _MINIMUM: dict[str, int] = {
-    "model.cuda_graph_warmup_steps": 0, "model.num_layers": 1, "model.ffn_hidden_size": 1, "model.hidden_size": 1, "model.seq_length": 1,
+    "model.cuda_graph_warmup_steps": 0, "model.num_layers": 1, "model.ffn_hidden_size": 1, "model.hidden_size": 1,
+    "model.seq_length": 1,
     "model.vocab_size": 1, "model.num_attention_heads": 1, "model.num_query_groups": 1, "model.num_moe_experts": 1,
     "model.moe_router_topk": 1, "model.moe_layer_freq": 1, "train.micro_batch_size": 1, "train.global_batch_size": 1,
     "train.train_iters": 0, "logger.log_interval": 1,
@@ -111,14 +101,8 @@ def _divisible(out: list[Violation], fields: list[str], a: Any, b: Any, what: st
         out.append(_v("V", fields, f"{what} ({a} is not a multiple of {b}).", fix))
 
 
-def _shape_violations(cfg: Config, world_size: int) -> list[Violation]:
-    m, t, out = cfg.model, cfg.train, []
-    mbs = _int(t.micro_batch_size)
-    ranks = max(world_size, 1)
-    _divisible(out, ["train.global_batch_size", "train.micro_batch_size"], t.global_batch_size,
-               mbs * ranks if mbs is not None else None,
-               f"train.global_batch_size must be a multiple of micro_batch_size x {ranks} rank(s)",
-               f"set train.global_batch_size={mbs * ranks if mbs else 1} or another multiple of it.")
+def _shape_violations(cfg: Config) -> list[Violation]:
+    m, out = cfg.model, []
     if m.kv_channels is None:
         _divisible(out, ["model.hidden_size", "model.num_attention_heads"], m.hidden_size, m.num_attention_heads,
                    "model.hidden_size must split evenly over model.num_attention_heads",
@@ -159,7 +143,7 @@ def _pattern_violations(cfg: Config) -> list[Violation]:
 
 
 # --------------------------------------------------------------------------
-# numbered value rules V1-V12
+# numbered value rules V1-V13
 
 # rule -> (fields, lowest allowed, highest allowed (exclusive) or None, why)
 _BOUNDS: dict[str, tuple[tuple[str, ...], float, float | None, str]] = {
@@ -271,15 +255,28 @@ def _hf_path_violations(cfg: Config) -> list[Violation]:
                "(config.json + model.safetensors), or null.")]
 
 
+def _batch_violations(cfg: Config, world_size: int) -> list[Violation]:
+    """V13: the global batch splits into whole micro-batches on every data-parallel rank (data/loader.py)."""
+    t, ranks = cfg.train, max(world_size, 1)
+    gbs, mbs = _int(t.global_batch_size), _int(t.micro_batch_size)
+    if gbs is None or mbs is None or mbs < 1 or gbs < 1 or gbs % (mbs * ranks) == 0:
+        return []  # wrong types and values below 1: V reports them
+    return [_v("V13", ["train.global_batch_size", "train.micro_batch_size"], f"train.global_batch_size={gbs} is not "
+               f"a multiple of train.micro_batch_size={mbs} x {ranks} data-parallel rank(s) = {mbs * ranks}: each "
+               "rank runs a whole number of micro-batches per iteration.",
+               f"set train.global_batch_size={mbs * ranks} or another multiple of {mbs * ranks}.")]
+
+
 _NUMBERED: tuple[Callable[[Config], list[Violation]], ...] = (
     _bound_violations, _split_violations, _vocab_violations, _head_violations, _hf_path_violations,
 )
 
 
-def _value_violations(cfg: Config, world_size: int) -> list[Violation]:
+def value_violations(cfg: Config, world_size: int) -> list[Violation]:
     out = []
     for check in (_type_violations, _choice_violations, _range_violations):
         out += _checked("V", check, cfg)
-    out += _checked("V", lambda c: _shape_violations(c, world_size), cfg)
+    out += _checked("V", _shape_violations, cfg)
     numbered = [v for check in _NUMBERED for v in _checked("V", check, cfg)]
+    numbered += _checked("V13", lambda c: _batch_violations(c, world_size), cfg)
     return out + sorted(numbered, key=lambda v: int(v.rule[1:]) if v.rule[1:].isdigit() else 0)

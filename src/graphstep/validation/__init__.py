@@ -1,0 +1,115 @@
+"""Validation of a whole config: normalise once, check every rule at once, resolve the graph settings.
+
+Three steps, always in this order (``resolve`` runs all three):
+
+1. :func:`normalize` rewrites the config *in place* into its one canonical
+   form (normalize.py: the legacy and deprecated CUDA-graph fields, the RNG
+   tracker flags). :func:`apply_perf_flags` maps the perf-harness flags
+   onto the config before it.
+2. :func:`validate` checks every numbered rule -- R1-R17 (graph_rules.py),
+   R18-R24 (run_rules.py) -- and every value rule, ``V`` and V1-V13
+   (values.py), and returns all violations at once, each with its rule id,
+   the fields it names and the fix. It never raises, whatever the values: a
+   rule that cannot even be evaluated reports itself. Given a config that is
+   not normalised yet, it judges a normalised copy and leaves the config as
+   it is (``graphstep config validate``).
+3. :func:`resolve` normalises ``cfg`` in place, validates it (no copy),
+   raises :class:`ConfigValidationError` listing every violation, or returns
+   the frozen :class:`~graphstep.cuda_graph.settings.CudaGraphSettings` the
+   trainer reads. Strings become enums here, at the config edge, and nowhere
+   else. The trainer, the doctor and the bench resolve once per run and pass
+   the settings on (``build_run(..., settings=...)``).
+
+The mechanism (graphstep.cuda_graph) knows only the resolved settings; the
+trainer's checks made once a run has started are rules here too, so a
+validated config never reaches them. docs/rules.md describes every rule with
+an example override and its fix.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from graphstep.config import Config
+from graphstep.cuda_graph.settings import CudaGraphSettings, GraphImpl
+
+from .graph_rules import GRAPH_RULES, make_view
+from .normalize import apply_perf_flags, normalize, normalized_copy
+from .report import ConfigValidationError, Violation, checked, format_violations
+from .run_rules import REPLAY_COMPILE_REASON, RUN_RULES
+from .values import value_violations
+
+__all__ = [
+    "ConfigValidationError", "Violation", "REPLAY_COMPILE_REASON", "apply_perf_flags", "format_violations",
+    "normalize", "resolve", "settings_from", "validate",
+    # the names callers used before the package existed
+    "normalize_cuda_graph_config", "resolve_cuda_graph_settings", "validate_config", "validate_cuda_graph_config",
+]
+
+
+def _world_size(env: Mapping[str, str]) -> int:
+    try:
+        return int(env.get("WORLD_SIZE", "1"))
+    except (TypeError, ValueError):
+        return 1
+
+
+def _rule_violations(cfg: Config, env: Mapping[str, str], capability: tuple[int, int] | None,
+                     world: int) -> list[Violation]:
+    view = make_view(cfg, env, capability, world)
+    return [v for rule, check in GRAPH_RULES + RUN_RULES for v in checked(rule, check, view)]
+
+
+def validate(cfg: Config, *, env: Mapping[str, str] | None = None, device_capability: tuple[int, int] | None = None,
+             world_size: int | None = None, normalized: bool = False) -> list[Violation]:
+    """Every rule (R1-R24, V, V1-V13) on the normalised ``cfg``; all violations, never an exception.
+
+    ``normalized=True``: ``cfg`` was normalised in place already (``resolve``); otherwise a normalised
+    copy is judged. ``env`` (default ``os.environ``) gives ``WORLD_SIZE`` unless ``world_size`` is given.
+    """
+    env = os.environ if env is None else env
+    world = world_size if world_size is not None else _world_size(env)
+    work = cfg if normalized else normalized_copy(cfg)
+    return _rule_violations(work, env, device_capability, world) + value_violations(work, world)
+
+
+def validate_cuda_graph_config(cfg: Config, *, env: Mapping[str, str] | None = None,
+                               device_capability: tuple[int, int] | None = None,
+                               world_size: int | None = None) -> list[Violation]:
+    """The numbered R rules alone (no value rules), on a normalised copy of ``cfg``."""
+    env = os.environ if env is None else env
+    world = world_size if world_size is not None else _world_size(env)
+    return _rule_violations(normalized_copy(cfg), env, device_capability, world)
+
+
+def settings_from(cfg: Config) -> CudaGraphSettings:
+    """The resolved graph settings of a normalised, valid config."""
+    m = cfg.model
+    impl = GraphImpl(m.cuda_graph_impl)
+    per_layer = impl in (GraphImpl.LOCAL, GraphImpl.TRANSFORMER_ENGINE)
+    return CudaGraphSettings(
+        impl=impl,
+        modules=tuple(m.cuda_graph_modules) if per_layer else (),
+        warmup_steps=m.cuda_graph_warmup_steps,
+        use_single_mempool=m.cuda_graph_use_single_mempool,
+        retain_backward_graph=m.cuda_graph_retain_backward_graph,
+        optimizer_graph=cfg.optimizer.optimizer_cuda_graph,
+        backend=m.cuda_graph_backend,
+        on_failure=m.cuda_graph_on_failure,
+    )
+
+
+def resolve(cfg: Config, *, env: Mapping[str, str] | None = None, device_capability: tuple[int, int] | None = None,
+            world_size: int | None = None) -> CudaGraphSettings:
+    """Normalise ``cfg`` in place, validate it once, and return its settings (ConfigValidationError lists all)."""
+    normalize(cfg)  # records the coverage field the user wrote, so messages still name it
+    violations = validate(cfg, env=env, device_capability=device_capability, world_size=world_size, normalized=True)
+    if violations:
+        raise ConfigValidationError(violations)
+    return settings_from(cfg)
+
+
+normalize_cuda_graph_config = normalize
+validate_config = validate
+resolve_cuda_graph_settings = resolve

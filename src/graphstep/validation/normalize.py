@@ -1,0 +1,161 @@
+"""Normalisation: the one canonical form of a config, applied once, before any rule.
+
+:func:`normalize` rewrites the config *in place* (spec section 1,
+"Migrations"): the deprecated flags ``enable_cuda_graph`` /
+``external_cuda_graph`` become ``cuda_graph_impl``; the legacy
+``cuda_graph_scope`` (list, comma string or ``full``) moves into
+``cuda_graph_impl`` / ``cuda_graph_modules`` and is set to None (the
+full-iteration graph is always stored as ``cuda_graph_impl=full_iteration``
+with ``cuda_graph_modules=[]``); ``none`` clears the coverage; the two RNG
+tracker flags are made equal; ``local`` captures ``moe_router`` and
+``moe_preprocess`` together (a tracker flag the user set wins over a
+recipe's). It never raises and is idempotent: anything it cannot migrate
+without losing information (conflicting or malformed values) is left as it
+is, for validation to report. It remembers which coverage field the user
+wrote (``coverage_field``) so that messages name it after the migration.
+
+:func:`apply_perf_flags` maps the perf-harness flags onto the config before
+any of this.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from graphstep.config import Config, explicit_keys
+from graphstep.cuda_graph.settings import GraphImpl
+
+from .report import as_str, copy_config, fmt, names, only, strs
+
+_COVERAGE_KEY = "_coverage_field"
+
+
+def coverage_field(cfg: Config) -> str:
+    """The coverage field the user wrote: ``model.cuda_graph_scope`` (legacy) or ``model.cuda_graph_modules``."""
+    if cfg.model.cuda_graph_scope is not None:
+        return "model.cuda_graph_scope"
+    return cfg.__dict__.get(_COVERAGE_KEY, "model.cuda_graph_modules")
+
+
+def _sync_trackers(cfg: Config) -> list[str]:
+    """Make the two RNG tracker flags equal (Bridge keeps them so).
+
+    A value the user set (override or YAML: ``explicit_keys``) wins over a recipe's or a default; when
+    neither or both were set by the user, either flag on turns both on -- except that two explicit values
+    that disagree are left for rule R19 to report.
+    """
+    model_on, rng_on = cfg.model.use_te_rng_tracker is True, cfg.rng.te_rng_tracker is True
+    if model_on == rng_on:
+        return []
+    explicit = explicit_keys(cfg) & {"model.use_te_rng_tracker", "rng.te_rng_tracker"}
+    if len(explicit) == 2:
+        return []
+    if len(explicit) == 1:
+        (chosen,) = explicit
+        value = model_on if chosen == "model.use_te_rng_tracker" else rng_on
+    else:
+        chosen, value = ("model.use_te_rng_tracker" if model_on else "rng.te_rng_tracker"), True
+    cfg.model.use_te_rng_tracker = cfg.rng.te_rng_tracker = value
+    other = "rng.te_rng_tracker" if chosen == "model.use_te_rng_tracker" else "model.use_te_rng_tracker"
+    return [f"{other} set to {fmt(value)} to match {chosen}={fmt(value)} (one switch: the graph-safe RNG tracker)"]
+
+
+def _migrate_deprecated_flags(model: Any) -> list[str]:
+    """enable_cuda_graph -> local, external_cuda_graph -> transformer_engine (only with impl none; else R3)."""
+    enable, external = model.enable_cuda_graph is True, model.external_cuda_graph is True
+    if enable == external or as_str(model.cuda_graph_impl) != "none":
+        return []
+    flag, impl = ("enable_cuda_graph", "local") if enable else ("external_cuda_graph", "transformer_engine")
+    setattr(model, flag, False)
+    model.cuda_graph_impl = impl
+    return [f"model.{flag} is deprecated: use model.cuda_graph_impl={impl}"]
+
+
+def _clear_coverage(model: Any) -> list[str]:
+    """``cuda_graph_impl=none`` clears both coverage fields (a leftover full_iteration is not promoted)."""
+    had = model.cuda_graph_scope is not None or not (isinstance(model.cuda_graph_modules, list)
+                                                     and not model.cuda_graph_modules)
+    model.cuda_graph_scope, model.cuda_graph_modules = None, []
+    return ["model.cuda_graph_scope/cuda_graph_modules ignored: model.cuda_graph_impl=none"] if had else []
+
+
+def _migrate_coverage(model: Any) -> list[str]:
+    """Fold cuda_graph_scope into cuda_graph_impl/cuda_graph_modules; leave conflicts and garbage alone."""
+    impl, scope_raw = as_str(model.cuda_graph_impl), model.cuda_graph_scope
+    if isinstance(model.cuda_graph_impl, GraphImpl):
+        model.cuda_graph_impl = impl
+    if impl == "none":
+        return _clear_coverage(model)
+    scope, modules = (None if scope_raw is None else names(scope_raw)), names(model.cuda_graph_modules)
+    if (scope_raw is not None and scope is None) or modules is None or (scope is not None and modules):
+        return []  # malformed, or both fields set: R2 reports it
+    listed = scope if scope is not None else modules
+    if only(listed, "full"):
+        listed = []
+    if only(listed, "full_iteration") and impl in ("local", "full_iteration"):
+        listed, model.cuda_graph_impl = [], "full_iteration"
+    model.cuda_graph_scope, model.cuda_graph_modules = None, listed
+    if scope is None and model.cuda_graph_impl == impl:
+        return []
+    which, given = ("scope", scope_raw) if scope is not None else ("modules", modules)
+    return [f"model.cuda_graph_{which}={fmt(given)} with model.cuda_graph_impl={fmt(impl)} stored as "
+            f"model.cuda_graph_impl={model.cuda_graph_impl}, model.cuda_graph_modules={fmt(listed)}"]
+
+
+def _pair_router_preprocess(model: Any) -> list[str]:
+    """``local`` captures moe_router and moe_preprocess together, as Megatron Core does."""
+    modules = model.cuda_graph_modules
+    if as_str(model.cuda_graph_impl) != "local" or model.cuda_graph_scope is not None or not isinstance(modules, list):
+        return []
+    listed = strs(modules)
+    if ("moe_router" in listed) == ("moe_preprocess" in listed):
+        return []
+    if "moe_router" in listed:
+        added, at = "moe_preprocess", listed.index("moe_router") + 1
+    else:
+        added, at = "moe_router", listed.index("moe_preprocess")
+    model.cuda_graph_modules = modules[:at] + [added] + modules[at:]
+    return [f"model.cuda_graph_modules: {added} added (local captures moe_router and moe_preprocess together)"]
+
+
+def _normalize(cfg: Config, *, warn: bool) -> list[str]:
+    # Order matters: the deprecated flags decide the impl, the impl decides how the scope migrates,
+    # and the router/preprocess pairing needs the migrated modules.
+    if cfg.model.cuda_graph_scope is not None:
+        cfg.__dict__[_COVERAGE_KEY] = "model.cuda_graph_scope"
+    notes = _sync_trackers(cfg)
+    deprecated = _migrate_deprecated_flags(cfg.model)
+    notes += deprecated + _migrate_coverage(cfg.model) + _pair_router_preprocess(cfg.model)
+    if warn:
+        for note in deprecated:
+            warnings.warn(note, DeprecationWarning, stacklevel=3)
+    return notes
+
+
+def normalize(cfg: Config) -> list[str]:
+    """Apply the spec's migrations in place; return notes (deprecations warned as DeprecationWarning)."""
+    return _normalize(cfg, warn=True)
+
+
+def normalized_copy(cfg: Config) -> Config:
+    """A normalised copy; ``cfg`` itself is left as it is (no warnings: the caller's normalise gives them)."""
+    work = copy_config(cfg)
+    _normalize(work, warn=False)
+    return work
+
+
+def apply_perf_flags(cfg: Config, impl: str | None, scope: str | None) -> None:
+    """The perf-harness flags ``--cuda_graph_impl X --cuda_graph_scope a,b``, applied as Bridge's harness does.
+
+    The scope flag replaces the coverage (``cuda_graph_modules`` is reset so a recipe's modules cannot
+    conflict with it). Whenever graphs end up on, both RNG tracker flags are turned on.
+    """
+    if impl is not None:
+        cfg.model.cuda_graph_impl = impl
+    if scope is not None:
+        cfg.model.cuda_graph_scope = [part.strip() for part in str(scope).split(",") if part.strip()]
+        cfg.model.cuda_graph_modules = []
+    if as_str(normalized_copy(cfg).model.cuda_graph_impl) in ("local", "transformer_engine", "full_iteration"):
+        cfg.model.use_te_rng_tracker = True
+        cfg.rng.te_rng_tracker = True
