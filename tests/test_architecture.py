@@ -29,8 +29,6 @@ KNOWN_FOREIGN_IMPORTS_TO_REMOVE: set[tuple[str, str]] = set()
 
 # Import cycles, each as the set of its modules (a strongly connected component of the import graph).
 KNOWN_CYCLES_TO_REMOVE = {
-    # config.py and config_files.py import each other
-    frozenset({"graphstep.config", "graphstep.config_files"}),
     # backend.py re-exports get_backend / close_all_backends lazily from registry.py (which imports backend.py
     # and replay.py, and replay.py backend.py) for call sites that still import them from backend.py:
     # training/build.py, bench/harness.py, tests/conftest.py and tests of other areas. Removed with that alias.

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from graphstep.cli import main
-from graphstep.config import Config, ConfigError, apply_overrides, load_yaml, save_yaml
+from graphstep.config import Config, ConfigError, apply_overrides
+from graphstep.config_files import load_yaml, save_yaml
 from graphstep.recipes import RECIPES, get_recipe
 
 
@@ -101,10 +102,10 @@ def test_train_command_writes_metrics(tmp_path):
 def test_docs_config_reference_is_current():
     from pathlib import Path
 
-    from graphstep.config import markdown_reference
+    from graphstep.config_files import markdown_reference
 
     path = Path(__file__).resolve().parents[1] / "docs" / "config.md"
-    assert path.read_text() == markdown_reference(), "regenerate: python -m graphstep.config > docs/config.md"
+    assert path.read_text() == markdown_reference(), "regenerate: python -m graphstep.config_files > docs/config.md"
 
 
 def test_overrides_before_and_after_options(monkeypatch):

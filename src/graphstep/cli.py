@@ -22,7 +22,8 @@ import logging
 import sys
 from typing import Callable
 
-from .config import Config, ConfigError, apply_overrides, dump_yaml, load_yaml
+from .config import Config, ConfigError, apply_overrides
+from .config_files import dump_yaml, load_yaml
 from .recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 
 log = logging.getLogger("graphstep")

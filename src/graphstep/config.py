@@ -493,23 +493,3 @@ def iter_fields(cfg: Config | None = None):
                 f.metadata.get("help", ""),
                 bool(f.metadata.get("unsupported")),
             )
-
-
-_IN_CONFIG_FILES = ("dump_yaml", "load_yaml", "markdown_reference", "read_yaml", "save_yaml")
-
-
-def __getattr__(name: str) -> Any:
-    """YAML files and the Markdown reference live in config_files.py; they are importable from here too."""
-    if name in _IN_CONFIG_FILES:
-        from . import config_files
-
-        return getattr(config_files, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if __name__ == "__main__":
-    import sys
-
-    from graphstep.config_files import markdown_reference
-
-    sys.stdout.write(markdown_reference())

@@ -5,7 +5,9 @@ directory, unreadable, not UTF-8, not YAML -- into one :class:`ConfigError`
 line naming ``file:line:column`` and the fix; ``load_yaml`` applies the
 document on top of a base config through the same checks as overrides.
 ``markdown_reference`` renders every field with its default and help (a test
-keeps docs/config.md equal to it). Re-exported by graphstep.config.
+keeps docs/config.md equal to it; ``python -m graphstep.config_files >
+docs/config.md`` regenerates it). graphstep.config knows nothing of this
+module: import these functions from here.
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ def dump_yaml(cfg: Config) -> str:
 def markdown_reference() -> str:
     """docs/config.md: every field with its default and help (a test keeps the file equal to this)."""
     out = ["# Configuration reference", "",
-           "Generated from `graphstep/config.py` (`python -m graphstep.config > docs/config.md`); a test keeps it",
-           "in sync. Fields marked *not implemented* exist for Megatron Bridge compatibility: any value other",
+           "Generated from `graphstep/config.py` (`python -m graphstep.config_files > docs/config.md`); a test",
+           "keeps it in sync. Fields marked *not implemented* exist for Megatron Bridge compatibility: any value other",
            "than the default is rule R18 (see rules.md).", ""]
     section = None
     for sec, name, _value, default, help_text, unsupported_field in iter_fields():
@@ -85,3 +87,9 @@ def markdown_reference() -> str:
         out.append(f"| `{sec}.{name}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` "
                    f"| {text}{note} |")
     return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(markdown_reference())

@@ -60,7 +60,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
-from ..config import CheckpointConfig, Config, save_yaml
+from ..config import CheckpointConfig, Config
+from ..config_files import save_yaml
 from ..cuda_graph.rng import get_rng_tracker
 from .checkpoint_verify import ITER_DIR as _ITER_DIR
 from .checkpoint_verify import TRACKER, CheckpointError, choose_checkpoint
