@@ -642,3 +642,57 @@ def test_numeric_fields_cover_the_value_rules() -> None:
     keys = {key for key, _kind in NUMERIC_FIELDS}
     assert {"optimizer.lr", "optimizer.adam_beta2", "model.hidden_dropout", "checkpoint.save_interval",
             "data.corpus_max_bytes", "model.kv_channels", "scheduler.lr_warmup_iters"} <= keys
+
+
+# --- what training used to refuse late: `graphstep config validate` reports it --------------
+
+LATE_CHECKS = {
+    "R21": ["model.cuda_graph_impl=local", "data.seq_length_buckets=[32,64]"],
+    "R22": ["ddp.grad_reduce_in_fp32=false"],
+    "V7": ["checkpoint.save_interval=0"],
+    "V13": ["train.global_batch_size=12"],  # micro-batch 2 x 4 ranks = 8
+    "R23": ["model.moe_token_dispatcher_type=anything"],
+    "R24": ["train.skip_step_on_nan=true", "train.check_for_nan_on_device=false"],
+}
+
+
+@pytest.mark.parametrize("rule", sorted(LATE_CHECKS))
+def test_config_validate_reports_what_training_refused_late(rule, monkeypatch, capsys) -> None:
+    from graphstep.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    base = ["train.micro_batch_size=2", "train.global_batch_size=8"]
+    assert main(["config", "validate", *base]) == 0
+    capsys.readouterr()
+    assert main(["config", "validate", *base, *LATE_CHECKS[rule]]) == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith(rule + " ")]
+    assert len(lines) == 1 and "Fix: set " in lines[0], lines
+    with pytest.raises(ConfigValidationError, match=rf"{rule} \["):  # the trainer's first step: before any build
+        resolve_cuda_graph_settings(apply_overrides(Config(), base + LATE_CHECKS[rule]), env={"WORLD_SIZE": "4"})
+
+
+def test_a_run_normalises_and_validates_once(monkeypatch) -> None:
+    """loop.train resolves once and hands the settings to build_run: one normalisation, one validation, no copy."""
+    from conftest import tiny_config
+
+    import graphstep.validation as validation
+    from graphstep.validation import migrations as normalize_mod
+    from graphstep.training.loop import train
+
+    calls = {"normalize": 0, "validate": 0, "copy": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(normalize_mod, "_normalize", counted("normalize", normalize_mod._normalize))
+    monkeypatch.setattr(normalize_mod, "copy_config", counted("copy", normalize_mod.copy_config))
+    monkeypatch.setattr(validation, "validate", counted("validate", validation.validate))
+    cfg = tiny_config("model.cuda_graph_impl=full_iteration", "model.use_te_rng_tracker=true",
+                      "rerun_state_machine.check_for_nan_in_loss=false", "ddp.check_for_nan_in_grad=false",
+                      "model.cuda_graph_warmup_steps=1", "train.train_iters=3", "checkpoint.save=null")
+    result = train(cfg)
+    assert len(result.rows) == 3
+    assert calls == {"normalize": 1, "validate": 1, "copy": 0}

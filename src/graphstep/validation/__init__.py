@@ -3,7 +3,7 @@
 Three steps, always in this order (``resolve`` runs all three):
 
 1. :func:`normalize` rewrites the config *in place* into its one canonical
-   form (normalize.py: the legacy and deprecated CUDA-graph fields, the RNG
+   form (migrations.py: the legacy and deprecated CUDA-graph fields, the RNG
    tracker flags). :func:`apply_perf_flags` maps the perf-harness flags
    onto the config before it.
 2. :func:`validate` checks every numbered rule -- R1-R17 (graph_rules.py),
@@ -35,7 +35,7 @@ from graphstep.config import Config
 from graphstep.cuda_graph.settings import CudaGraphSettings, GraphImpl
 
 from .graph_rules import GRAPH_RULES, make_view
-from .normalize import apply_perf_flags, normalize, normalized_copy
+from .migrations import apply_perf_flags, normalize, normalized_copy
 from .report import ConfigValidationError, Violation, checked, format_violations
 from .run_rules import REPLAY_COMPILE_REASON, RUN_RULES
 from .values import value_violations

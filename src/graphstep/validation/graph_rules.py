@@ -1,7 +1,7 @@
 """The CUDA-graph rules R1-R17 (spec section 2), each a small function over one view of the config.
 
 Every rule is ``_rN(view) -> list[Violation]`` over a :class:`View`: the
-normalised config (normalize.py) plus the facts derived from it -- the valid
+normalised config (migrations.py) plus the facts derived from it -- the valid
 impl or None, the coverage list, the field it came from (the one the user
 wrote) -- and the environment the run will see (env vars, the device's
 compute capability, the world size). Rules never raise; validation/__init__.py
@@ -21,7 +21,7 @@ import torch
 from graphstep.config import Config
 from graphstep.cuda_graph.settings import IMPL_VALUES, MOE_SCOPES, PER_LAYER, SCOPE_NAMES
 
-from .normalize import coverage_field
+from .migrations import coverage_field
 from .report import Violation, as_num as _num, as_str as _str, fmt as _fmt, get as _get, names as _names, strs as _strs
 from .report import violation as _v
 
