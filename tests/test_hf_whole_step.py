@@ -125,3 +125,48 @@ def test_capture_calls_the_attention_kernels_eager_calls(monkeypatch):
     graphed(ids)  # the capture: the replay backend records the step, so the spy sees its calls
     assert eager_calls == [(True, True)] * 2  # two layers: no explicit mask, SDPA's causal kernel
     assert calls == eager_calls
+
+
+def _capture_sensitive(padding_mask, q_length: int, kv_length: int) -> bool:
+    """Like transformers 5.17's mask-skip check: never skips while a stream captures."""
+    try:
+        capturing = torch.cuda.is_current_stream_capturing()
+    except Exception:  # a CPU build of torch (transformers guards it the same way)
+        capturing = False
+    if capturing:
+        return False
+    return padding_mask is None and q_length == kv_length
+
+
+def test_mask_skip_decision_of_the_eager_calls_is_used_at_capture():
+    from graphstep.integrations.transformers import _wrap_mask_skip
+
+    ignore = _wrap_mask_skip(_capture_sensitive, key="mask-skip")
+    seen: list[bool] = []
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        seen.append(ignore(None, 4, 4))
+        return x * 2
+
+    graphed = graphstep.graph_step(step, warmup_steps=2, device="cpu", backend="replay")
+    for _ in range(3):
+        graphed(torch.ones(2))
+    assert seen == [True, True, True]  # the capture (third call) answers as the eager calls did
+    assert graphed.decisions.unfrozen == []
+
+
+def test_mask_skip_with_an_attention_mask_is_never_frozen_and_said():
+    from graphstep.integrations.transformers import _wrap_mask_skip
+
+    ignore = _wrap_mask_skip(_capture_sensitive, key="mask-skip")
+    seen: list[bool] = []
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        seen.append(ignore(torch.ones(2, 4, dtype=torch.bool), 4, 4))
+        return x * 2
+
+    graphed = graphstep.graph_step(step, warmup_steps=1, device="cpu", backend="replay")
+    for _ in range(2):
+        graphed(torch.ones(2))
+    assert seen == [False, False]  # transformers' own answer, also at capture
+    assert graphed.decisions.unfrozen == ["mask-skip (an attention_mask was passed)"]

@@ -18,7 +18,9 @@ library's decision function and call :func:`decide` in it:
   warm-up call are returned in order, so the captured graph takes eager's path;
 * when two warm-up calls decided differently, or the capture asks for more
   decisions than were recorded, the decision is data-dependent: the library's
-  general path runs and the log says so (``log.unfrozen``), once, at capture.
+  general path runs and the log says so (``log.unfrozen``), once, at capture;
+  so does a branch point the integration knows to read device data
+  (:func:`data_dependent`).
 
 Freezing is the graphs' usual contract (like shapes): a decision that eager
 would take differently on later data is not revisited by the replay.
@@ -101,6 +103,13 @@ class DecisionLog:
         if key not in self.unfrozen:
             self.unfrozen.append(key)
         return FOLLOW
+
+
+def data_dependent(key: str) -> None:
+    """A branch point whose answer reads device data: never frozen; at capture, noted in ``log.unfrozen``."""
+    log = getattr(_local, "log", None)
+    if log is not None and log._mode == "replay" and key not in log.unfrozen:
+        log.unfrozen.append(key)
 
 
 def decide(key: str, eager: Callable[[], Any]) -> Any:

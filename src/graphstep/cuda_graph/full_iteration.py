@@ -222,8 +222,9 @@ class GraphedStep:
             log.warning("capture of %r failed; continuing eagerly (cuda_graph_on_failure=eager): %s", self.name, exc)
             return self._eager()
         if self.decisions.unfrozen:
-            log.warning("graph %r: %s decided differently across the warm-up calls; the graph takes the library's "
-                        "general path, which may differ from eager by rounding", self.name,
+            log.warning("graph %r: %s could not be frozen at capture (it depends on the data, or changed between "
+                        "warm-up calls); the graph takes the library's general path, which may differ from eager by "
+                        "rounding", self.name,
                         ", ".join(self.decisions.unfrozen))
         # Capture executes nothing observable: run the step now.
         self.graph.replay()

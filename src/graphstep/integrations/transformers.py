@@ -1,52 +1,84 @@
-"""Hugging Face ``transformers``: the attention mask a graph builds is the one eager builds.
+"""Hugging Face ``transformers``: the attention a graph computes is the attention eager computes.
 
-Eagerly, ``transformers.masking_utils.find_packed_sequence_indices`` reads on
-the host whether the batch holds packed sequences and returns ``None`` when it
-does not; ``create_causal_mask`` then lets SDPA use its ``is_causal`` kernel.
-While a stream captures, transformers cannot read the device and assumes
-packing: an explicit mask, another SDPA kernel, other rounding -- and with
-attention dropout other random numbers. Graphs of a whole step then differed
-from eager from the first replay.
+Eagerly, transformers decides on the host how to build the attention mask:
 
-The wrapper below makes that check a decision point (cuda_graph/decisions.py):
-eager warm-up calls record transformers' own answer, and the capture reuses
-it. If warm-up calls disagreed (packing changes from batch to batch), the
-capture keeps transformers' general path and the graph says so.
+* ``find_packed_sequence_indices`` reads whether the batch holds packed
+  sequences and returns ``None`` when it does not;
+* ``_ignore_causal_mask_sdpa`` / ``_ignore_bidirectional_mask_sdpa`` say
+  whether the mask can be left to SDPA's ``is_causal`` (no explicit mask).
+
+While a stream captures, transformers cannot read the device and takes its
+general path: packing assumed, an explicit mask -- another SDPA kernel, other
+rounding (the forward happens to agree, the backward does not), and with
+attention dropout other random numbers. Whole-step graphs then differed from
+eager from the first replay.
+
+Each of these functions becomes a decision point (cuda_graph/decisions.py):
+eager warm-up calls record transformers' own answer and the capture reuses
+it. The mask-skip answer is frozen only when no attention mask was passed
+(then it depends on shapes alone); with an attention mask it depends on the
+data, so the capture keeps transformers' general path and the graph says so
+-- leave out an all-ones ``attention_mask`` to get eager's kernels.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+from typing import Any, Callable
 
 from ..cuda_graph import decisions
 
 MODULE = "transformers.masking_utils"
-KEY = "transformers.find_packed_sequence_indices"
+PACKED = "transformers.find_packed_sequence_indices"
+MASK_SKIPS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+
+
+def _decided(key: str, compute: Callable[[], Any]) -> Any:
+    """transformers' answer on eager calls (recorded); the recorded answer at capture; else its own."""
+    eager: list[Any] = []
+
+    def record() -> Any:
+        eager.append(compute())
+        return eager[0]
+
+    answer = decisions.decide(key, record)
+    if eager:
+        return eager[0]
+    return compute() if answer is decisions.FOLLOW else answer
+
+
+def _wrap_packed(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def find_packed_sequence_indices(position_ids):
+        packed = _decided(PACKED, lambda: original(position_ids) is not None)
+        return original(position_ids) if packed else None
+
+    return find_packed_sequence_indices
+
+
+def _wrap_mask_skip(original: Callable, key: str) -> Callable:
+    @functools.wraps(original)
+    def ignore_mask(padding_mask, *args, **kwargs):
+        if padding_mask is not None:  # the answer reads the mask's values: never frozen
+            decisions.data_dependent(f"{key} (an attention_mask was passed)")
+            return original(padding_mask, *args, **kwargs)
+        return _decided(key, lambda: original(padding_mask, *args, **kwargs))
+
+    return ignore_mask
 
 
 def _install() -> None:
     masks = sys.modules[MODULE]
-    original = getattr(masks, "find_packed_sequence_indices", None)
-    if original is None or getattr(original, "_graphstep_wrapped", False):
-        return
-    @functools.wraps(original)
-    def find_packed_sequence_indices(position_ids):
-        eager_result = []
-
-        def unpacked() -> bool:  # an eager call: transformers' own answer (it reads the device)
-            eager_result.append(original(position_ids))
-            return eager_result[0] is None
-
-        answer = decisions.decide(KEY, unpacked)
-        if eager_result:
-            return eager_result[0]
-        if answer is True:  # the capture of a region whose eager calls found no packing
-            return None
-        return original(position_ids)  # outside graphstep, or the general path
-
-    find_packed_sequence_indices._graphstep_wrapped = True
-    masks.find_packed_sequence_indices = find_packed_sequence_indices
+    wrappers = {"find_packed_sequence_indices": _wrap_packed}
+    wrappers.update({name: functools.partial(_wrap_mask_skip, key=f"transformers.{name}") for name in MASK_SKIPS})
+    for name, wrap in wrappers.items():
+        original = getattr(masks, name, None)
+        if original is None or getattr(original, "_graphstep_wrapped", False):
+            continue
+        wrapped = wrap(original)
+        wrapped._graphstep_wrapped = True
+        setattr(masks, name, wrapped)
 
 
 decisions.register(MODULE, _install)
