@@ -58,7 +58,6 @@ What is refused (:class:`CaptureError` naming the op and the user's line):
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -67,106 +66,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .backend import CaptureReport, Graph, GraphBackend, default_generators
+from .backup import StateBackup
 from .errors import CaptureError, user_frame
+from .ops import (
+    fresh_returns, generator_args, host_sync_reason, is_collective, returned_tensors, schema_kind,
+)
 from .replay_host import active_recorder, host_guards, record_host_op, set_recorder
 
 __all__ = ["ReplayBackend", "host_sync_reason", "record_host_op"]
 
 aten = torch.ops.aten
 
-_ALLOC_OPS = {
-    aten.empty,
-    aten.empty_strided,
-    aten.new_empty,
-    aten.new_empty_strided,
-    aten.empty_like,
-    aten.empty_permuted,
-}
-# Ops whose scalar result is metadata, not device data.
-_METADATA_OPS = {
-    aten.sym_size,
-    aten.sym_stride,
-    aten.sym_numel,
-    aten.sym_storage_offset,
-    aten.size,
-    aten.stride,
-    aten.dim,
-    aten.numel,
-    aten.is_same_size,
-    aten.is_coalesced,
-    aten._nnz,
-}
-_SCALAR_RETURNS = {"bool", "int", "float", "Scalar", "SymInt", "SymFloat", "SymBool", "complex"}
-# Namespaces whose ops only annotate the host timeline: a graph replays no profiler range.
-_HOST_ONLY_NAMESPACES = {"profiler"}
-
-
 def _active_recorder() -> "_Recorder | None":
     return active_recorder()
-
-
-# --------------------------------------------------------------------------
-# op classification
-
-
-@functools.lru_cache(maxsize=None)
-def _schema_kind(func: torch._ops.OpOverload) -> str:
-    """'view', 'alloc', 'inplace_view', 'mutating', 'mutating_fresh' (writes an argument and returns
-    a new tensor), 'functional' or 'host_only'."""
-    packet = func.overloadpacket
-    if packet in _ALLOC_OPS:
-        return "alloc"
-    if func.namespace in _HOST_ONLY_NAMESPACES:
-        return "host_only"
-    if _is_collective(func):
-        return "mutating"
-    if torch.Tag.inplace_view in func.tags:
-        return "inplace_view"
-    schema = func._schema
-    returns = schema.returns
-    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-        return "mutating_fresh" if _fresh_returns(func) else "mutating"
-    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
-        return "view"
-    return "functional"
-
-
-@functools.lru_cache(maxsize=None)
-def _fresh_returns(func: torch._ops.OpOverload) -> tuple[int, ...]:
-    """Positions of the schema's returns that are new tensors (not aliases of an argument)."""
-    return tuple(i for i, r in enumerate(func._schema.returns)
-                 if r.alias_info is None and ("Tensor" in str(r.type)))
-
-
-def _returned_tensors(func: torch._ops.OpOverload, out: Any, positions: tuple[int, ...]) -> list[torch.Tensor]:
-    values = out if len(func._schema.returns) > 1 else (out,)
-    return [t for i in positions for t in tree_leaves(values[i]) if isinstance(t, torch.Tensor)]
-
-
-def _has_bool_index(indices: Any) -> bool:
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
-
-
-def host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[str, str] | None:
-    """(category, reason) when ``func`` would read device data on the host during capture."""
-    packet = func.overloadpacket
-    if packet in _METADATA_OPS:
-        return None
-    if packet is aten._local_scalar_dense or torch.Tag.data_dependent_output in func.tags:
-        return "host_sync", "reads a device value on the host (a sync; not allowed while capturing)"
-    if any(str(r.type) in _SCALAR_RETURNS for r in func._schema.returns):
-        return "host_sync", "returns a Python value computed from device data (a sync)"
-    if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
-        if _has_bool_index(args[1] if len(args) > 1 else kwargs.get("indices")):
-            return "dynamic_shape", "boolean-mask indexing has a data-dependent shape (it calls nonzero)"
-        return None
-    if packet is aten.repeat_interleave:
-        if kwargs.get("output_size") is None:
-            return "dynamic_shape", "repeat_interleave without output_size has a data-dependent shape"
-        return None
-    if torch.Tag.dynamic_output_shape in func.tags:
-        return "dynamic_shape", "its output shape depends on the data (the host must read it)"
-    return None
 
 
 # --------------------------------------------------------------------------
@@ -233,10 +145,10 @@ _AUTOCAST_KEYS = _autocast_keys()
 
 def _refill_entry(func, args, kwargs, out, positions: tuple[int, ...]) -> Callable[[], None]:
     """Re-run ``func`` (its in-place writes happen again) and copy its new results into the recorded ones."""
-    recorded = _returned_tensors(func, out, positions)
+    recorded = returned_tensors(func, out, positions)
 
     def run() -> None:
-        fresh = _returned_tensors(func, func(*args, **kwargs), positions)
+        fresh = returned_tensors(func, func(*args, **kwargs), positions)
         for dst, src in zip(recorded, fresh):
             if dst is not src:
                 dst.copy_(src)
@@ -266,18 +178,7 @@ class _Recorder(TorchDispatchMode):
         self.generators = generators
         self.device = device
         self.created: set[int] = set()
-        self.backups: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
-
-    # memory that existed before the capture is restored when it ends
-    def _backup(self, tensors: Iterable[Any]) -> None:
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key == 0 or key in self.created or key in self.backups:
-                continue
-            self.backups[key] = (storage, storage.clone())
+        self.backup = StateBackup()  # memory that existed before the capture, restored when it ends
 
     def _note_created(self, out: Any) -> None:
         for t in tree_leaves(out):
@@ -285,9 +186,7 @@ class _Recorder(TorchDispatchMode):
                 self.created.add(t.untyped_storage().data_ptr())
 
     def restore(self) -> None:
-        for storage, saved in self.backups.values():
-            storage.copy_(saved)
-        self.backups.clear()
+        self.backup.restore()
 
     def _fail(self, func, category: str, reason: str) -> None:
         optimizer = _optimizer_in_stack()
@@ -312,10 +211,10 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._check(func, args, kwargs)
-        kind = _schema_kind(func)
+        kind = schema_kind(func)
         if kind in ("mutating", "mutating_fresh", "functional"):
             # Every argument, not only the (a!) ones: some ops write what their schema calls read-only.
-            self._backup(tree_leaves((args, kwargs)))
+            self.backup.save_storages(tree_leaves((args, kwargs)), skip=self.created)
         if kind == "inplace_view":
             return self._inplace_view(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -328,8 +227,8 @@ class _Recorder(TorchDispatchMode):
         elif kind == "mutating":
             tape.add(_mutating_entry(func, args, kwargs))
         else:
-            positions = _fresh_returns(func) if kind == "mutating_fresh" else tuple(range(len(func._schema.returns)))
-            self._note_created(_returned_tensors(func, out, positions))
+            positions = fresh_returns(func) if kind == "mutating_fresh" else tuple(range(len(func._schema.returns)))
+            self._note_created(returned_tensors(func, out, positions))
             tape.keep.append(out)
             tape.add(_refill_entry(func, args, kwargs, out, positions))
         return out
@@ -362,21 +261,9 @@ def _optimizer_in_stack() -> str | None:
     return None
 
 
-def _is_collective(func: torch._ops.OpOverload) -> bool:
-    # c10d's in-place collectives (allreduce_, broadcast_, allgather_, reduce_scatter_, ...) write
-    # into their first argument but their schemas carry no (a!) annotation, and they return a Work
-    # that must be waited: treat them as mutating ops on that argument.
-    return func.namespace == "c10d" and func._schema.name.endswith("_")
-
-
-@functools.lru_cache(maxsize=None)
-def _generator_args(func: torch._ops.OpOverload) -> tuple[tuple[int, str, bool], ...]:
-    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments) if "Generator" in str(a.type))
-
-
 def _generators(func, args: tuple, kwargs: dict) -> Iterator[torch.Generator]:
     """The explicit generators an op draws from (the default generator is always registered)."""
-    for i, name, kwarg_only in _generator_args(func):
+    for i, name, kwarg_only in generator_args(func):
         gen = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
         if isinstance(gen, torch.Generator):
             yield gen

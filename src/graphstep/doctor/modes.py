@@ -21,7 +21,6 @@ GPU), so one run reports every problem.
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..cuda_graph.replay import host_sync_reason
+from ..cuda_graph.ops import host_sync_reason, returns_alias
 from .devices import FACTORIES, tensors
 
 aten = torch.ops.aten
@@ -214,14 +213,9 @@ def _mark(dev, name: str, args: tuple, kwargs: dict, out: Any, self_t, move: str
             dev.mark_host(t)
 
 
-@functools.lru_cache(maxsize=None)
-def _returns_alias(func: torch._ops.OpOverload) -> bool:
-    return any(r.alias_info is not None for r in func._schema.returns)
-
-
 def new_outputs(func, out: Any) -> list[torch.Tensor]:
     """Tensors an op allocated (not views or ``out=`` aliases of its inputs)."""
-    return [] if _returns_alias(func) else tensors(out)
+    return [] if returns_alias(func) else tensors(out)
 
 
 class DispatchAnalyzer(TorchDispatchMode):

@@ -1,0 +1,130 @@
+"""What an aten op is, read from its schema and tags: one classification for the replay backend and the doctor.
+
+* :func:`schema_kind` -- how the replay backend re-runs an op: a view, an
+  allocation, an in-place metadata change, a mutating op (with or without a
+  new result), a functional op, or host-only annotation;
+* :func:`host_sync_reason` -- whether an op reads device data on the host (a
+  sync) or has a data-dependent shape: what breaks a CUDA capture, named
+  the same way by the replay backend's errors and the doctor's findings;
+* :func:`returns_alias`, :func:`fresh_returns`, :func:`is_collective`,
+  :func:`generator_args`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+aten = torch.ops.aten
+
+ALLOC_OPS = {
+    aten.empty,
+    aten.empty_strided,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten.empty_like,
+    aten.empty_permuted,
+}
+# Ops whose scalar result is metadata, not device data.
+METADATA_OPS = {
+    aten.sym_size,
+    aten.sym_stride,
+    aten.sym_numel,
+    aten.sym_storage_offset,
+    aten.size,
+    aten.stride,
+    aten.dim,
+    aten.numel,
+    aten.is_same_size,
+    aten.is_coalesced,
+    aten._nnz,
+}
+SCALAR_RETURNS = {"bool", "int", "float", "Scalar", "SymInt", "SymFloat", "SymBool", "complex"}
+# Namespaces whose ops only annotate the host timeline: a graph replays no profiler range.
+HOST_ONLY_NAMESPACES = {"profiler"}
+
+
+
+
+@functools.lru_cache(maxsize=None)
+def schema_kind(func: torch._ops.OpOverload) -> str:
+    """'view', 'alloc', 'inplace_view', 'mutating', 'mutating_fresh' (writes an argument and returns
+    a new tensor), 'functional' or 'host_only'."""
+    packet = func.overloadpacket
+    if packet in ALLOC_OPS:
+        return "alloc"
+    if func.namespace in HOST_ONLY_NAMESPACES:
+        return "host_only"
+    if is_collective(func):
+        return "mutating"
+    if torch.Tag.inplace_view in func.tags:
+        return "inplace_view"
+    schema = func._schema
+    returns = schema.returns
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return "mutating_fresh" if fresh_returns(func) else "mutating"
+    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        return "view"
+    return "functional"
+
+
+@functools.lru_cache(maxsize=None)
+def fresh_returns(func: torch._ops.OpOverload) -> tuple[int, ...]:
+    """Positions of the schema's returns that are new tensors (not aliases of an argument)."""
+    return tuple(i for i, r in enumerate(func._schema.returns)
+                 if r.alias_info is None and ("Tensor" in str(r.type)))
+
+
+def returned_tensors(func: torch._ops.OpOverload, out: Any, positions: tuple[int, ...]) -> list[torch.Tensor]:
+    values = out if len(func._schema.returns) > 1 else (out,)
+    return [t for i in positions for t in tree_leaves(values[i]) if isinstance(t, torch.Tensor)]
+
+
+def _has_bool_index(indices: Any) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+
+
+def host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """(category, reason) when ``func`` would read device data on the host during capture."""
+    packet = func.overloadpacket
+    if packet in METADATA_OPS:
+        return None
+    if packet is aten._local_scalar_dense or torch.Tag.data_dependent_output in func.tags:
+        return "host_sync", "reads a device value on the host (a sync; not allowed while capturing)"
+    if any(str(r.type) in SCALAR_RETURNS for r in func._schema.returns):
+        return "host_sync", "returns a Python value computed from device data (a sync)"
+    if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
+        if _has_bool_index(args[1] if len(args) > 1 else kwargs.get("indices")):
+            return "dynamic_shape", "boolean-mask indexing has a data-dependent shape (it calls nonzero)"
+        return None
+    if packet is aten.repeat_interleave:
+        if kwargs.get("output_size") is None:
+            return "dynamic_shape", "repeat_interleave without output_size has a data-dependent shape"
+        return None
+    if torch.Tag.dynamic_output_shape in func.tags:
+        return "dynamic_shape", "its output shape depends on the data (the host must read it)"
+    return None
+
+
+
+def is_collective(func: torch._ops.OpOverload) -> bool:
+    # c10d's in-place collectives (allreduce_, broadcast_, allgather_, reduce_scatter_, ...) write
+    # into their first argument but their schemas carry no (a!) annotation, and they return a Work
+    # that must be waited: treat them as mutating ops on that argument.
+    return func.namespace == "c10d" and func._schema.name.endswith("_")
+
+
+@functools.lru_cache(maxsize=None)
+def generator_args(func: torch._ops.OpOverload) -> tuple[tuple[int, str, bool], ...]:
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments) if "Generator" in str(a.type))
+
+
+
+
+@functools.lru_cache(maxsize=None)
+def returns_alias(func: torch._ops.OpOverload) -> bool:
+    """Whether any of the op's results aliases an argument (a view or an ``out=``/in-place result)."""
+    return any(r.alias_info is not None for r in func._schema.returns)
