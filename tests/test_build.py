@@ -21,7 +21,7 @@ import torch
 import graphstep
 from conftest import eager, tiny_config
 from graphstep.config import ConfigError
-from graphstep.cuda_graph.backend import get_backend
+from graphstep.cuda_graph.registry import get_backend
 from graphstep.validation import resolve_cuda_graph_settings
 from graphstep.data import build_data
 from graphstep.training import build as build_mod
@@ -139,13 +139,15 @@ def test_doctor_captures_through_its_own_backend_without_touching_prepare():
 def test_ranks_meet_once_before_each_capture_of_a_collective_graph():
     cfg = tiny_config(*FULL, "optimizer.optimizer_cuda_graph=true", "model.cuda_graph_warmup_steps=2",
                       "train.eval_iters=2")
+    from graphstep.doctor import capture_error_hook
+
     settings = resolve_cuda_graph_settings(cfg)
     run = build_run(eager(tiny_config("train.eval_iters=2")), device=CPU)  # the parts, eager
     met: list[str] = []
     calls: list[str] = []
     runner = prepare(run.model, run.train_step, run.eval_step, run.optimizer, settings, backend=get_backend(CPU),
                      device=CPU, num_micro_batches=run.num_micro_batches, skip_on_nonfinite=False,
-                     capture_barrier=lambda: met.append(f"call {len(calls)}"))
+                     capture_barrier=lambda: met.append(f"call {len(calls)}"), on_capture_error=capture_error_hook)
     data, valid = build_data(cfg, split="train"), build_data(cfg, split="valid")
     for _ in range(4):
         runner.optimizer_step(runner.train_step(data))
@@ -157,8 +159,7 @@ def test_ranks_meet_once_before_each_capture_of_a_collective_graph():
         calls.append("eval")
     assert met == ["call 2", "call 6"]  # the evaluation graph's capture, at its third call
     assert [r.name for r in runner.reports] == ["train", "optimizer", "eval"]
-    from graphstep.doctor import capture_error_hook  # a capture failing without a cause is diagnosed
-
+    # the hook the trainer passes (training/loop.py: a failed capture is diagnosed by the doctor) reaches every graph
     assert runner.train_step.step.on_capture_error is capture_error_hook
     assert runner.optimizer_step.on_capture_error is capture_error_hook
     runner.close()

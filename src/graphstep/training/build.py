@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from ..config import Config, ConfigError
-from ..cuda_graph.backend import GraphBackend, get_backend
+from ..cuda_graph.backend import GraphBackend
+from ..cuda_graph.registry import get_backend
 from ..cuda_graph.rng import initialize_rng_tracker
 from ..cuda_graph.settings import CudaGraphSettings
 from ..data.buckets import parse_buckets
@@ -92,6 +93,7 @@ def build_run(
     settings: CudaGraphSettings | None = None,
     restore: Restore | None = None,
     compile_mode: str | None = None,
+    on_capture_error: Callable[..., None] | None = None,
 ) -> Run:
     """Build one rank's run of ``cfg`` on ``device``.
 
@@ -134,6 +136,7 @@ def build_run(
         model, train_step, eval_step, optimizer, settings, backend=backend, device=device,
         num_micro_batches=num_mb, skip_on_nonfinite=cfg.train.skip_step_on_nan,
         capture_barrier=dp.barrier if dp.enabled else None, buckets=parse_buckets(cfg),
+        on_capture_error=on_capture_error,
     )
     return Run(cfg, settings, device, dp, model, grads, optimizer, train_step, eval_step, moe, runner, num_mb, start)
 

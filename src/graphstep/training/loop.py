@@ -52,6 +52,7 @@ from ..config import Config
 from ..cuda_graph.settings import CudaGraphSettings
 from ..validation import resolve_cuda_graph_settings
 from ..data import build_data
+from ..doctor import capture_error_hook
 from ..models.hf import with_hf_shape
 from ..observability import MetricWriters, StepProfiler, check_setup, open_ranges
 from .build import Run, build_run
@@ -193,7 +194,8 @@ def _run(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model:
     tr = cfg.train
     data, valid = _build_data(cfg, dp, device)
     restore = _Restore(cfg, dp, data, valid, device, hooks)
-    run = build_run(cfg, device=device, dp=dp, settings=settings, restore=restore)  # 2, 3 (training/build.py)
+    run = build_run(cfg, device=device, dp=dp, settings=settings, restore=restore,  # 2, 3 (training/build.py)
+                    on_capture_error=capture_error_hook)  # a failed capture is diagnosed by the doctor
     try:
         result = _iterate(cfg, run, data, valid, restore.checkpointer, hooks)  # 4, 5
     finally:  # 6

@@ -38,7 +38,6 @@ from ..cuda_graph.full_iteration import EAGER, FullIterationGraph, GraphedStep
 from ..cuda_graph.rng import get_rng_tracker
 from ..config import ConfigError
 from ..cuda_graph.settings import CudaGraphSettings, GraphImpl
-from ..doctor import capture_error_hook
 from .optim import AdamW
 from .run_backend import RunBackend
 from .step import EvalStep, TrainStep
@@ -96,6 +95,7 @@ def prepare(
     skip_on_nonfinite: bool,
     capture_barrier: Callable[[], None] | None = None,
     buckets: list[int] | None = None,
+    on_capture_error: Callable[..., None] | None = None,
 ) -> Runner:
     """Build the runner. The order is fixed:
 
@@ -147,7 +147,7 @@ def prepare(
         # graphs holding collectives: the ranks meet before each capture (Megatron does the same)
         common = dict(
             warmup_steps=settings.warmup_steps, generators=generators, shared_pool=settings.use_single_mempool,
-            on_failure=settings.on_failure, input_device=device, on_capture_error=capture_error_hook,
+            on_failure=settings.on_failure, input_device=device, on_capture_error=on_capture_error,
             before_capture=capture_barrier,
         )
 
@@ -183,7 +183,7 @@ def prepare(
         opt_graph = GraphedStep(
             opt_fn, run_backend, warmup_steps=settings.warmup_steps, name="optimizer", generators=generators,
             shared_pool=settings.use_single_mempool, on_failure=settings.on_failure,
-            on_capture_error=capture_error_hook,
+            on_capture_error=on_capture_error,
         )
         graphs.append(opt_graph)
         optimizer_step = opt_graph
