@@ -64,7 +64,7 @@ def assert_same_run(a, b) -> None:
 @pytest.fixture(autouse=True)
 def _fresh_backends():
     """Each test starts and ends without graphs alive."""
-    from graphstep.cuda_graph.backend import close_all_backends
+    from graphstep.cuda_graph.registry import close_all_backends
 
     yield
     close_all_backends()

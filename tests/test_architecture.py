@@ -28,17 +28,10 @@ MAX_LINES = 450
 KNOWN_FOREIGN_IMPORTS_TO_REMOVE: set[tuple[str, str]] = set()
 
 # Import cycles, each as the set of its modules (a strongly connected component of the import graph).
-KNOWN_CYCLES_TO_REMOVE = {
-    # backend.py re-exports get_backend / close_all_backends lazily from registry.py (which imports backend.py
-    # and replay.py, and replay.py backend.py) for call sites that still import them from backend.py:
-    # training/build.py, bench/harness.py, tests/conftest.py and tests of other areas. Removed with that alias.
-    frozenset({"graphstep.cuda_graph.backend", "graphstep.cuda_graph.registry", "graphstep.cuda_graph.replay"}),
-}
+KNOWN_CYCLES_TO_REMOVE: set[frozenset[str]] = set()
 
 # Files over MAX_LINES lines: each is split by its owner.
-KNOWN_LONG_FILES_TO_SPLIT = {
-    "graphstep/config.py",
-}
+KNOWN_LONG_FILES_TO_SPLIT: set[str] = set()
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -208,7 +201,6 @@ def test_import_cycles_are_exactly_the_known_ones():
     assert not gone, f"cycle(s) removed: drop them from KNOWN_CYCLES_TO_REMOVE: {[sorted(c) for c in gone]}"
 
 
-@pytest.mark.xfail(strict=True, reason="the cycles in KNOWN_CYCLES_TO_REMOVE (files of other areas) remain")
 def test_no_import_cycle():
     graph = import_graph()
     cycles = set(import_cycles(graph))
@@ -223,6 +215,5 @@ def test_long_files_are_exactly_the_known_ones():
     assert not gone, f"now at most {MAX_LINES} lines: remove them from KNOWN_LONG_FILES_TO_SPLIT: {gone}"
 
 
-@pytest.mark.xfail(strict=True, reason="the files in KNOWN_LONG_FILES_TO_SPLIT (files of other areas) remain")
 def test_no_file_over_the_limit():
     assert not long_files()

@@ -2,7 +2,7 @@
 
 A field *acts* when code outside the config and validation modules reads it:
 an attribute access ``.<name>`` (or ``getattr(x, "<name>")``) somewhere in
-src/graphstep other than config.py, config_files.py and validation/. The
+src/graphstep other than config.py, config_sections.py, config_files.py and validation/. The
 search is by name, not by section (``cfg.model.seq_length`` and
 ``m.seq_length`` read the same way), so a field whose name is also some other
 attribute could pass by coincidence; the exceptions below are listed with
@@ -25,7 +25,7 @@ from graphstep.config import Config, apply_overrides, iter_fields
 from graphstep.validation import normalize, validate
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "src" / "graphstep"
-CONFIG_CODE = ("config.py", "config_files.py", "validation/")
+CONFIG_CODE = ("config.py", "config_sections.py", "config_files.py", "validation/")
 
 # field -> the CudaGraphSettings attribute that carries it to the trainer
 THROUGH_SETTINGS = {

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import FULL_ITERATION_IDS, FULL_ITERATION_SETTINGS, assert_same_run, eager, tiny_config
-from graphstep.cuda_graph.backend import CudaGraphBackend, get_backend
+from graphstep.cuda_graph.backend import CudaGraphBackend
+from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.full_iteration import GraphedStep
 from graphstep.training.loop import train
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphstep.config import ModelConfig
-from graphstep.cuda_graph.backend import get_backend
+from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.rng import get_rng_tracker
 from graphstep.models import build_model, mamba
 from graphstep.models.hybrid import layer_kinds

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from graphstep.config import ModelConfig
-from graphstep.cuda_graph.backend import get_backend
+from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.errors import CaptureError
 from graphstep.cuda_graph.rng import get_rng_tracker
 from graphstep.models import build_model

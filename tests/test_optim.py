@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from graphstep.cuda_graph.backend import get_backend
+from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.full_iteration import GraphedStep
 from graphstep.training.optim import AdamW, GradBuffers, LRSchedule
 

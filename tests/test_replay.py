@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphstep.cuda_graph.backend import get_backend
+from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.errors import CaptureError
 from graphstep.cuda_graph.replay import record_host_op
 

@@ -173,7 +173,7 @@ def test_batch_norm_running_stats_equal_eager_cuda(device):
 def test_capture_leaves_undeclared_writes_undone():
     bn = nn.BatchNorm1d(4)
     x = torch.randn(8, 4)
-    backend = graphstep.cuda_graph.backend.get_backend("cpu")
+    backend = graphstep.cuda_graph.registry.get_backend("cpu")
     graph = backend.new_graph("bn")
     with backend.capture(graph):
         bn(x)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphstep.cuda_graph.backend import get_backend
+from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.full_iteration import GraphedStep
 from graphstep.cuda_graph.rng import (
     DATA_PARALLEL_RNG,

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import Config, apply_overrides
-from ..cuda_graph.backend import close_all_backends
+from ..cuda_graph.registry import close_all_backends
 from ..data import build_data
 from ..training.build import Run, build_run
 from ..training.optim import GradBuffers

@@ -422,17 +422,3 @@ def _register_generators(graph: torch.cuda.CUDAGraph, generators: Iterable[torch
         for gen in generators:
             if gen.device.type == "cuda":
                 register(gen)
-
-
-def __getattr__(name: str):
-    """``backend.get_backend`` / ``backend.close_all_backends``: they live in registry.py now.
-
-    Kept for call sites that still import them from here: training/build.py,
-    bench/harness.py and tests (conftest, test_moe, test_mamba, test_replay,
-    test_replay_fidelity, test_build, test_optim, test_rng, test_cuda_graphs).
-    """
-    if name in ("get_backend", "close_all_backends"):
-        from . import registry
-
-        return getattr(registry, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
