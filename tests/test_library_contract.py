@@ -491,10 +491,15 @@ def test_ddp_built_on_the_capture_stream_graphs_equal_to_eager_ddp(tmp_path, mon
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="torch 2.13 CPU under torchrun aborts at interpreter exit after "
-                   "destroy_process_group() ('terminate called without an active exception') about 1 run in 5, "
-                   "with or without a graph (measured 2026-12-01); not a reference graphstep keeps")
-def test_documented_teardown_exits_cleanly_on_two_gloo_ranks():
+def test_documented_teardown_completes_on_two_gloo_ranks():
+    """close(), close_all(), destroy_process_group() on 2 gloo ranks with a graph that all-reduces.
+
+    Every rank must get through the whole documented teardown (its last line printed). What torch 2.13 CPU
+    under torchrun does afterwards, at interpreter exit, is outside graphstep: about 1 launch in 5 aborts
+    there ('terminate called without an active exception', SIGABRT) with or without a graph (measured
+    2026-12-01, 1 of 8 eager launches). Such an abort is accepted only after both ranks finished; any other
+    failure fails the test.
+    """
     import os
     import subprocess
     import sys
@@ -506,10 +511,10 @@ def test_documented_teardown_exits_cleanly_on_two_gloo_ranks():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(tests / "library_teardown_worker.py")]
     failures = []
-    for run in range(10):
+    for run in range(6):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
+        finished = proc.stdout.count('"state": "eager"') == 2  # both ranks closed their step and the group
+        exit_abort = "terminate called without an active exception" in proc.stderr
+        if not finished or (proc.returncode != 0 and not exit_abort):
             failures.append(f"run {run}: exit {proc.returncode}: {(proc.stderr or proc.stdout)[-400:]}")
-        else:
-            assert proc.stdout.count('"state": "eager"') == 2  # both ranks closed their step
     assert not failures, "\n".join(failures)
