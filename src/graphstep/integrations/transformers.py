@@ -51,8 +51,18 @@ def _decided(key: str, compute: Callable[[], Any]) -> Any:
 def _wrap_packed(original: Callable) -> Callable:
     @functools.wraps(original)
     def find_packed_sequence_indices(position_ids):
-        packed = _decided(PACKED, lambda: original(position_ids) is not None)
-        return original(position_ids) if packed else None
+        eager: list[Any] = []
+
+        def packed() -> bool:  # an eager call: transformers' own answer (it reads the device), computed once
+            eager.append(original(position_ids))
+            return eager[0] is not None
+
+        answer = decisions.decide(PACKED, packed)
+        if eager:
+            return eager[0]
+        if answer is decisions.FOLLOW:  # outside graphstep, or not frozen: transformers' own path
+            return original(position_ids)
+        return original(position_ids) if answer else None
 
     return find_packed_sequence_indices
 
