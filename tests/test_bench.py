@@ -87,3 +87,21 @@ def test_table_markdown_and_chart(tmp_path):
     png = path.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert path.with_suffix(".md").read_text() == md
+
+
+def test_host_sync_counter_counts_synchronizing_calls_not_the_prototype_notice(monkeypatch):
+    """Switching sync debug mode on warns once per process that it is a prototype: not a sync of the step."""
+    import warnings
+
+    from graphstep.bench import harness
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: warnings.warn(
+        "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations")
+        if mode == "warn" else None)
+
+    def step(data):
+        warnings.warn("called a synchronizing CUDA operation")  # what the mode says for each sync
+
+    assert harness.count_host_syncs(step, iter(())) == 1
+    assert harness.count_host_syncs(lambda data: None, iter(())) == 0
