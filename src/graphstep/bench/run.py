@@ -27,8 +27,8 @@ from .peers import compiled, make_graphed, manual_graph
 
 DENSE_ROWS = [
     "eager", "full_iteration", "full_iteration+optimizer", "local[attn]", "local[mlp]", "local[attn,mlp]",
-    "local[]", "te[attn,mlp]", "manual_graph", "make_graphed_callables", "compile[reduce-overhead]",
-    "compile+full_iteration", "megatron_full_cuda_graph",
+    "local[]", "te[attn,mlp]", "manual_graph", "make_graphed_callables", "compile[reduce-overhead]", "compile",
+    "compile+full_iteration", "compile+local[attn,mlp]", "megatron_full_cuda_graph",
 ]
 MOE_ROWS = [
     "eager", "full_iteration", "full_iteration+optimizer", "local[attn,moe_router,moe_preprocess]",
@@ -59,8 +59,9 @@ def row_overrides(name: str) -> list[str] | None:
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration"]
     if name == "full_iteration+optimizer":
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
-    if name == "compile+full_iteration":
-        return NO_GRAPH + ["model.cuda_graph_impl=full_iteration"]
+    if name.startswith("compile+") or name == "compile":  # the trainer's compile section (compile.enable)
+        inner = row_overrides(name[len("compile+"):]) if name != "compile" else NO_GRAPH
+        return None if inner is None else inner + ["compile.enable=true"]
     m = re.fullmatch(r"(local|te)\[([a-z_,]*)\]", name)
     if m:
         impl = "local" if m.group(1) == "local" else "transformer_engine"
@@ -73,7 +74,7 @@ def _builder(name: str, base: Config, device: torch.device) -> Callable[[], tupl
     if overrides is not None:
         cfg = row_config(base, overrides)
 
-        compile_mode = "default" if name.startswith("compile+") else None
+        compile_mode = "default" if name.startswith("compile+") or name == "compile" else None
 
         def build() -> tuple:
             step, w, runner = graphstep_row(cfg, device, compile_mode=compile_mode)
