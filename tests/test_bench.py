@@ -105,3 +105,27 @@ def test_host_sync_counter_counts_synchronizing_calls_not_the_prototype_notice(m
 
     assert harness.count_host_syncs(step, iter(())) == 1
     assert harness.count_host_syncs(lambda data: None, iter(())) == 0
+
+
+def test_bench_rows_as_tensorboard_scalars_side_by_side(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from graphstep.bench.tensorboard import write_tensorboard
+
+    from graphstep.bench.harness import Row
+
+    rows = [Row("eager", step_ms=15.745, busy_ms=2.518, kernels=565),
+            Row("full_iteration", step_ms=2.755, busy_ms=2.525, capture_s=0.02), Row("broken", error="capture failed")]
+    doc = {"recipe": "small_dense_bench", "bench_format": 1, "bf16_matmul_tflops": 767.0,
+           "environment": {"gpu": "NVIDIA H200", "date": "2026-12-01", "torch": "2.11.0", "cuda": "13.0"},
+           "rows": [r.as_dict() for r in rows]}
+    first = write_tensorboard(doc, tmp_path)
+    second = write_tensorboard(doc, tmp_path)  # another run of the same day: its own folder beside the first
+    assert first.name == "small_dense_bench_NVIDIA-H200_2026-12-01" and second.name == first.name + "_2"
+    events = EventAccumulator(str(first))
+    events.Reload()
+    scalars = {tag: events.Scalars(tag)[0].value for tag in events.Tags()["scalars"]}
+    assert scalars == pytest.approx({"step_ms/eager": 15.745, "busy_ms/eager": 2.518, "kernels/eager": 565,
+                                     "step_ms/full_iteration": 2.755, "busy_ms/full_iteration": 2.525,
+                                     "capture_s/full_iteration": 0.02})

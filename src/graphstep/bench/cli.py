@@ -20,6 +20,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .run import default_rows, run_bench, split_rows, table, write_results
 
     cfg = resolve_config(args)
+    if args.tensorboard_dir:  # before a long run, not after it
+        from ..observability.writers import _require
+
+        _require("tensorboard", "tensorboard", "graphstep bench --tensorboard-dir")
     _need_gpu()
     rows = split_rows(args.rows) if args.rows else default_rows(cfg)
     console = Console(stderr=True)
@@ -33,6 +37,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         doc = run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup, progress=progress)
         bar.update(task, completed=len(rows), description=f"{args.recipe}: done")
     path = write_results(doc, args.out)
+    if args.tensorboard_dir:
+        from .tensorboard import write_tensorboard
+
+        print(f"tensorboard: {write_tensorboard(doc, args.tensorboard_dir)}")
     Console(width=max(160, Console().width)).print(table(doc))
     print(f"results: {path}")
     if args.json:
@@ -60,4 +68,5 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=8, help="untimed iterations per row (capture included)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON results")
     p.add_argument("--json", action="store_true", help="also print the result document")
+    p.add_argument("--tensorboard-dir", help="also write the rows as TensorBoard scalars (a run folder under it)")
     p.set_defaults(fn=cmd_bench)
