@@ -79,6 +79,13 @@ def test_tensorboard_scalars_equal_the_jsonl_rows_and_hold_the_capture(tmp_path)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     for it, value in scalars["tokens-per-sec"]:
         assert value == pytest.approx(tokens / (step_ms[it] / 1e3), rel=1e-5)
+    from graphstep.models import build_model
+    from graphstep.training.flops import flops_per_step
+
+    flops = flops_per_step(cfg, build_model(cfg.model, "cpu"))  # one rank: the model FLOPs of the iteration
+    for it, value in scalars["throughput-tflops-per-gpu"]:
+        assert value == pytest.approx(flops / (step_ms[it] / 1e3) / 1e12, rel=1e-5)
+    assert "mfu" not in scalars  # no known peak for a CPU
     assert [s for s, _ in scalars["memory/max-rss-gib"]] == list(range(1, 9))
     assert all(v > 0 for _, v in scalars["memory/max-rss-gib"])
     capture = [r["iteration"] for r in rows if r["state"] == "captured"]

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import Config, apply_overrides
+from ..training.flops import flops_per_step  # noqa: F401  (run.py imports it from here)
 from ..cuda_graph.registry import close_all_backends
 from ..data import build_data
 from ..training.build import Run, build_run
@@ -258,21 +259,6 @@ def finish(rows: list[Row], *, tokens_per_step: int, flops_per_step: float, peak
             r.speedup = eager.step_ms / r.step_ms
             if eager.peak_allocated_gib:
                 r.memory_vs_eager = r.peak_allocated_gib / eager.peak_allocated_gib
-
-
-def flops_per_step(cfg: Config, model: torch.nn.Module) -> float:
-    """Training FLOPs of one iteration: 6 x matmul params x tokens + attention + output layer."""
-    m = cfg.model
-    tokens = cfg.train.global_batch_size * m.seq_length
-    embed = m.vocab_size * m.hidden_size
-    matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2) - embed
-    if m.num_moe_experts:  # only top-k of the experts run per token
-        expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-        matmul_params -= expert * (1 - m.moe_router_topk / m.num_moe_experts)
-    attn = 12 * m.num_layers * m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
-    attn *= m.seq_length / 2  # causal
-    per_token = 6 * matmul_params + attn + 6 * embed  # the output layer reads the (tied) embedding
-    return per_token * tokens
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:

@@ -70,12 +70,14 @@ def check_setup(cfg: Config) -> None:
 class MetricWriters:
     """TensorBoard and W&B for one rank (the main one); every method is a no-op without either."""
 
-    def __init__(self, cfg: Config, *, enabled: bool, tokens_per_iteration: int, device: torch.device) -> None:
+    def __init__(self, cfg: Config, *, enabled: bool, tokens_per_iteration: int, device: torch.device,
+                 flops_per_iteration: float | None = None, peak_tflops: float | None = None) -> None:
         lg = cfg.logger
         self.device = device
         self.interval = lg.tensorboard_log_interval
         self.timers, self.memory = lg.log_timers_to_tensorboard, lg.log_memory_to_tensorboard
         self.tokens = tokens_per_iteration
+        self.flops, self.peak = flops_per_iteration, peak_tflops  # this rank's model FLOPs; its peak, if known
         self.nonfinite = 0
         self.captures = 0  # capture reports written so far
         self.tb = self.wandb = None
@@ -108,6 +110,11 @@ class MetricWriters:
         if self.timers and "step_ms" in row:
             scalars["step-time-ms"] = row["step_ms"]
             scalars["tokens-per-sec"] = self.tokens / (row["step_ms"] / 1e3) if row["step_ms"] > 0 else 0.0
+            if self.flops and row["step_ms"] > 0:
+                tflops = self.flops / (row["step_ms"] / 1e3) / 1e12
+                scalars["throughput-tflops-per-gpu"] = tflops
+                if self.peak:
+                    scalars["mfu"] = tflops / self.peak
         return scalars
 
     def capture(self, iteration: int, reports: list[Any]) -> None:

@@ -60,6 +60,7 @@ from .checkpoint import Checkpointer, TrainingState
 from .console import Console
 from .memory import check_memory_fits
 from .distributed import DataParallel, init_data_parallel
+from .flops import flops_per_step, peak_tflops
 from .metrics import MetricsRecorder
 from .moe_hooks import KEYS as MOE_KEYS
 from .rundir import RunLock, RunSetupError, check_outputs_writable, output_dirs
@@ -242,7 +243,9 @@ def _iterate(cfg: Config, run: Run, data: Any, valid: Any, ckpt: Checkpointer, h
     tokens_per_iter = tr.global_batch_size * cfg.model.seq_length
     # observability: writers get the rows the recorder reads (no sync of their own); the profiler
     # and the phase ranges act only inside the profiling window, on profile_ranks, when asked for
-    writers = MetricWriters(cfg, enabled=dp.is_main, tokens_per_iteration=tokens_per_iter, device=device)
+    writers = MetricWriters(cfg, enabled=dp.is_main, tokens_per_iteration=tokens_per_iter, device=device,
+                            flops_per_iteration=flops_per_step(cfg, run.model) / dp.world_size,
+                            peak_tflops=peak_tflops(device))
     profiler = StepProfiler(cfg, rank=dp.rank, device=device)
     ranges = open_ranges(cfg, dp.rank)
     if ranges is not None:
