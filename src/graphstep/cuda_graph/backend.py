@@ -98,7 +98,7 @@ class GraphBackend(ABC):
         self.device = device
         self._graphs: list[weakref.ref[Graph]] = []
         self.reports: list[CaptureReport] = []
-        self.warmup_problem: CaptureError | None = None  # seen during warm-up, raised by the next capture
+        self.warmup_warning: str | None = None  # what the warm-up said about the coming capture (raised by it)
 
     @abstractmethod
     def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph: ...
@@ -116,16 +116,15 @@ class GraphBackend(ABC):
         """Keep what the warm-up tells about the coming capture (PyTorch's AccumulateGrad stream warning)."""
         with _watch_warnings(ACCUMULATE_GRAD_WARNING) as seen:
             yield
-        if seen and self.warmup_problem is None:
-            self.warmup_problem = accumulate_grad_stream(
-                "the next", f"the warm-up on the capture stream warned: {seen[0]}")
+        if seen and self.warmup_warning is None:
+            self.warmup_warning = seen[0]
 
-    def take_warmup_problem(self, graph_name: str) -> CaptureError | None:
-        """The problem the warm-up found (once): a capture raises it instead of failing on the GPU."""
-        problem, self.warmup_problem = self.warmup_problem, None
-        if problem is not None:
-            problem.args = (str(problem).replace("graph 'the next'", f"graph {graph_name!r}"),)
-        return problem
+    def raise_warmup_problem(self, graph_name: str) -> None:
+        """Every backend's ``capture`` starts here: what the warm-up showed cannot be captured is raised
+        (once) with its cause, instead of a capture that fails on the GPU without one."""
+        warning, self.warmup_warning = self.warmup_warning, None
+        if warning is not None:
+            raise accumulate_grad_stream(graph_name, f"the warm-up on the capture stream warned: {warning}")
 
     @abstractmethod
     def memory(self) -> tuple[int, int]:
@@ -261,9 +260,7 @@ class CudaGraphBackend(GraphBackend):
     @contextlib.contextmanager
     def capture(self, graph: Graph, generators: Iterable[torch.Generator] = ()) -> Iterator[None]:
         assert isinstance(graph, _CudaGraph)
-        problem = self.take_warmup_problem(graph.name)
-        if problem is not None:  # a capture that would fail on the GPU: say why without trying
-            raise problem
+        self.raise_warmup_problem(graph.name)  # a capture that would fail on the GPU: say why without trying
         generators = list(generators)
         _register_generators(graph.cuda_graph, generators)
         torch.cuda.synchronize(self.device)

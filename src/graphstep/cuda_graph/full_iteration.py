@@ -178,14 +178,14 @@ class GraphedStep:
             self.static = StaticInputs((args, kwargs), device=self.input_device, name=self.name, call=True)
         else:
             self.static.copy_in((args, kwargs))
-        if self.will_capture:
+        if self.captured:  # the replay path first: one check per call
+            self.graph.replay()
+            self.state = GraphState.REPLAYED
+        elif self.will_capture:
             for hook in self.before_capture:
                 hook()
             self.outputs = self._capture()
             self.state = GraphState.CAPTURED if self.captured else GraphState.EAGER
-        elif self.captured:
-            self.graph.replay()
-            self.state = GraphState.REPLAYED
         else:
             self.outputs = self._eager()
             self.state = GraphState.EAGER
@@ -203,9 +203,6 @@ class GraphedStep:
     def _capture(self) -> Any:
         self.graph = self.backend.new_graph(self.name, shared_pool=self.shared_pool)
         try:
-            problem = self.backend.take_warmup_problem(self.name)
-            if problem is not None:  # the warm-up showed that this capture cannot work
-                raise problem
             self.persistent.snapshot()
             with self.backend.capture(self.graph, self.generators()), self.decisions.replaying():
                 outputs = self._run()

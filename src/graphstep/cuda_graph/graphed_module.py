@@ -103,7 +103,8 @@ class ModuleGraph:
         self.grad_targets: list[torch.Tensor | None] = []  # per param: main_grad (in-graph) or None (returned)
         self.param_grads: list[torch.Tensor | None] = []  # per returned param: its graph-owned gradient
         self.returned: list[torch.Tensor] = []  # the parameters whose gradients autograd receives
-        self.hook_counts: list[tuple[int, int]] = []  # of the in-graph parameters, at capture
+        # the in-graph parameters with their buffer and hook counts at capture: checked before every backward replay
+        self.in_graph: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = []
         self.param_aliases: list[torch.Tensor] = []
         self.pending_backward = False
         # Autograd calls a Function's backward only when an input requires grad; a
@@ -178,7 +179,7 @@ class ModuleGraph:
         inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         self.grad_targets = [p.main_grad if accumulates_in_graph(p) else None for p in self.params]
         self.returned = [p for p, t in zip(self.params, self.grad_targets) if t is None]
-        self.hook_counts = [_hook_count(p) for p, t in zip(self.params, self.grad_targets) if t is not None]
+        self.in_graph = [(p, t, _hook_count(p)) for p, t in zip(self.params, self.grad_targets) if t is not None]
         self.param_grads = [None] * len(self.returned)
         self.grad_in = [None] * len(leaves)
         if not diff_out or not (inputs or self.params):
@@ -245,8 +246,7 @@ class ModuleGraph:
         return tuple(self.grad_in), param_grads
 
     def _check_in_graph_params(self) -> None:
-        in_graph = [p for p, t in zip(self.params, self.grad_targets) if t is not None]
-        for p, target, counts in zip(in_graph, [t for t in self.grad_targets if t is not None], self.hook_counts):
+        for p, target, counts in self.in_graph:
             if getattr(p, "main_grad", None) is not target and p.grad is not target:
                 raise ContractError(
                     f"{self.name}: the gradient buffer of a parameter was replaced after capture; the backward graph "
@@ -267,7 +267,7 @@ class ModuleGraph:
         self.static = None
         self.out_leaves, self.outputs = [], []
         self.grad_out, self.grad_in, self.grad_targets, self.param_aliases = [], [], [], []
-        self.param_grads, self.returned, self.hook_counts = [], [], []
+        self.param_grads, self.returned, self.in_graph = [], [], []
         self.pending_backward = False
 
 

@@ -67,7 +67,7 @@ from torch.utils._pytree import tree_leaves
 
 from .backend import CaptureReport, Graph, GraphBackend, default_generators
 from .backup import StateBackup
-from .errors import CaptureError, user_frame
+from .errors import CaptureError, GraphUsageError, user_frame
 from .ops import (
     fresh_returns, generator_args, host_sync_reason, is_collective, returned_tensors, schema_kind,
 )
@@ -101,21 +101,15 @@ class _Tape(Graph):
     def captured(self) -> bool:
         return self._captured
 
-    @property
-    def entries(self) -> list[Callable[[], None]]:
-        return [e for _, run in self.runs for e in run]
-
     def add(self, entry: Callable[[], None]) -> None:
         grad = torch.is_grad_enabled()
         if not self.runs or self.runs[-1][0] != grad:
             self.runs.append((grad, []))
         self.runs[-1][1].append(entry)
 
-    add_host = add
-
     def replay(self) -> None:
         if not self._captured:
-            raise RuntimeError(f"graph {self.name!r} has not been captured (or was reset)")
+            raise GraphUsageError(f"graph {self.name!r} has not been captured (or was reset)")
         # Below autograd (nothing is recorded for backward, in-place writes to leaves are legal), outside
         # autocast (the casts were recorded), and in each op's recorded grad mode: the kernels take the
         # paths they took when recorded.
@@ -285,6 +279,7 @@ class ReplayBackend(GraphBackend):
     @contextlib.contextmanager
     def capture(self, graph: Graph, generators: Iterable[torch.Generator] = ()) -> Iterator[None]:
         assert isinstance(graph, _Tape)
+        self.raise_warmup_problem(graph.name)
         if _active_recorder() is not None:
             raise CaptureError(f"cannot capture graph {graph.name!r} while another capture is recording")
         gens = list(generators) + default_generators(self.device)

@@ -63,7 +63,7 @@ def record_host_op(fn: Callable[[], None]) -> None:
         _local.in_host_op = outer
     rec = active_recorder()
     if rec is not None and not outer:
-        rec.tape.add_host(fn)
+        rec.tape.add(fn)
 
 
 # --------------------------------------------------------------------------

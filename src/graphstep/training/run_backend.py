@@ -50,9 +50,6 @@ class RunBackend(GraphBackend):
     def warmup(self) -> contextlib.AbstractContextManager:
         return self.inner.warmup()
 
-    def take_warmup_problem(self, graph_name: str) -> Any:
-        return self.inner.take_warmup_problem(graph_name)
-
     def memory(self) -> tuple[int, int]:
         return self.inner.memory()
 
