@@ -34,35 +34,27 @@ PACKED = "transformers.find_packed_sequence_indices"
 MASK_SKIPS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 
 
-def _decided(key: str, compute: Callable[[], Any]) -> Any:
-    """transformers' answer on eager calls (recorded); the recorded answer at capture; else its own."""
+def _decided(key: str, compute: Callable[[], Any], decision: Callable[[Any], Any] = lambda r: r,
+             replay: Callable[[Any], Any] = lambda d: d) -> Any:
+    """transformers' own result on eager calls (its ``decision`` recorded, computed once); at capture,
+    ``replay(recorded decision)``; outside graphstep or when not frozen, transformers' own path."""
     eager: list[Any] = []
 
     def record() -> Any:
         eager.append(compute())
-        return eager[0]
+        return decision(eager[0])
 
     answer = decisions.decide(key, record)
     if eager:
         return eager[0]
-    return compute() if answer is decisions.FOLLOW else answer
+    return compute() if answer is decisions.FOLLOW else replay(answer)
 
 
 def _wrap_packed(original: Callable) -> Callable:
     @functools.wraps(original)
     def find_packed_sequence_indices(position_ids):
-        eager: list[Any] = []
-
-        def packed() -> bool:  # an eager call: transformers' own answer (it reads the device), computed once
-            eager.append(original(position_ids))
-            return eager[0] is not None
-
-        answer = decisions.decide(PACKED, packed)
-        if eager:
-            return eager[0]
-        if answer is decisions.FOLLOW:  # outside graphstep, or not frozen: transformers' own path
-            return original(position_ids)
-        return original(position_ids) if answer else None
+        return _decided(PACKED, lambda: original(position_ids), decision=lambda r: r is not None,
+                        replay=lambda packed: original(position_ids) if packed else None)
 
     return find_packed_sequence_indices
 
