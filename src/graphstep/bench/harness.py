@@ -36,14 +36,13 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import Config, apply_overrides
-from ..training.flops import flops_per_step  # noqa: F401  (run.py imports it from here)
+from ..cuda_graph.devices import GiB
 from ..cuda_graph.registry import close_all_backends
 from ..data import build_data
 from ..training.build import Run, build_run
 from ..training.optim import GradBuffers
 from ..training.step import TrainStep
 
-GiB = 1024**3
 
 
 @dataclass

@@ -22,7 +22,9 @@ from typing import Any, Callable
 import torch
 
 from ..config import Config
-from .harness import Row, finish, flops_per_step, graphstep_row, make_workload, matmul_tflops, measure, row_config
+from ..cuda_graph.devices import GiB, normalize_device
+from ..training.flops import flops_per_step
+from .harness import Row, finish, graphstep_row, make_workload, matmul_tflops, measure, row_config
 from .peers import compiled, make_graphed, manual_graph
 
 DENSE_ROWS = [
@@ -106,7 +108,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     return {
         "date": datetime.date.today().isoformat(),
         "gpu": props.name,
-        "gpu_memory_gib": round(props.total_memory / 1024**3, 1),
+        "gpu_memory_gib": round(props.total_memory / GiB, 1),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
@@ -121,7 +123,7 @@ def run_bench(cfg: Config, rows: list[str], *, recipe: str, iters: int = 50, war
     """
     if not torch.cuda.is_available():
         raise RuntimeError("graphstep bench measures CUDA graphs: it needs a CUDA GPU")
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = normalize_device("cuda")
     peak = matmul_tflops(device)
     probe = make_workload(row_config(cfg, NO_GRAPH), device, n_steps=1)
     flops = flops_per_step(cfg, probe.model)

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from ..config import Config, ConfigError
+from ..cuda_graph.devices import GiB
 
 log = logging.getLogger("graphstep")
 
-GiB = 1024**3
 
 # Megatron's TensorBoard tags for the columns it logs too; other columns keep their name.
 TAGS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm"}

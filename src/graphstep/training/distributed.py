@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import Config, ConfigError, DDPConfig
+from ..cuda_graph.devices import normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
 from .optim import GradBuffers
 
@@ -222,8 +223,7 @@ def init_data_parallel(cfg: Config, settings: CudaGraphSettings, *,
 def _finish(dp: DataParallel, settings: CudaGraphSettings, device_id: torch.device | None) -> DataParallel:
     if dp.backend == "nccl":
         dp.control = dist.new_group(backend="gloo")  # host-side agreement never waits on the GPU stream
-    device = device_id or (torch.device("cuda", torch.cuda.current_device()) if dp.backend == "nccl"
-                           else torch.device("cpu"))
+    device = device_id or (normalize_device("cuda") if dp.backend == "nccl" else torch.device("cpu"))
     # One collective before any capture: NCCL creates a communicator at the
     # first collective on a group, and that cannot happen inside a capture.
     warm = torch.ones(1, device=device)

@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import Config
+from ..cuda_graph.devices import GiB, default_device, normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
 from ..validation import resolve_cuda_graph_settings
 from ..data import build_data
@@ -67,7 +68,6 @@ from .rundir import RunLock, RunSetupError, check_outputs_writable, output_dirs
 
 log = logging.getLogger("graphstep")
 
-GiB = 1024**3
 
 
 @dataclass
@@ -104,14 +104,11 @@ class TrainResult:
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return default_device()
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RunSetupError(f"train.device={name} but this machine has no CUDA device; "
                             "use train.device=cpu or auto")
-    dev = torch.device(name)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
+    return normalize_device(name)
 
 
 class _StopFlag:

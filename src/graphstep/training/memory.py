@@ -41,13 +41,13 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
+from ..cuda_graph.devices import GiB
 from ..models import build_model, resolve_dtype
 from ..models.hybrid import layer_kinds
 from .rundir import RunSetupError
 
 log = logging.getLogger("graphstep")
 
-GiB = 1024**3
 HEADROOM = 0.95  # refuse only when the estimate exceeds this share of the free memory
 SKIP_ENV = "GRAPHSTEP_SKIP_MEMORY_CHECK"
 
