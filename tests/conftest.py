@@ -84,3 +84,29 @@ def pytest_collection_modifyitems(config, items):
         node = item.nodeid
         if node in slow or node.split("[", 1)[0] in slow or node.split("::", 1)[0] in slow:
             item.add_marker(pytest.mark.slow)
+
+
+def poison_iteration(monkeypatch, bad: int) -> None:
+    """Every micro-batch of iteration ``bad`` gets a NaN loss mask (the loss is NaN)."""
+    from graphstep.training import loop
+
+    real = loop.build_data
+
+    def poisoned(cfg, split="train", **kw):
+        it = real(cfg, split=split, **kw)
+        if split != "train":
+            return it
+        n = cfg.train.global_batch_size // cfg.train.micro_batch_size
+
+        def gen():
+            k = 0
+            while True:
+                mb = next(it)
+                if k // n == bad - 1:
+                    mb = dict(mb, loss_mask=torch.full_like(mb["loss_mask"], float("nan")))
+                k += 1
+                yield mb
+
+        return gen()
+
+    monkeypatch.setattr(loop, "build_data", poisoned)

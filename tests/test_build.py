@@ -19,13 +19,12 @@ import pytest
 import torch
 
 import graphstep
-from conftest import eager, tiny_config
+from conftest import eager, poison_iteration, tiny_config
 from graphstep.config import ConfigError
 from graphstep.cuda_graph.registry import get_backend
 from graphstep.validation import resolve_cuda_graph_settings
 from graphstep.data import build_data
 from graphstep.training import build as build_mod
-from graphstep.training import loop
 from graphstep.training.build import build_run
 from graphstep.training.loop import RunHooks, train
 from graphstep.training.prepare import prepare
@@ -189,35 +188,11 @@ def test_run_hooks_see_every_iteration_and_every_save_before_its_rename(tmp_path
 # train.check_for_nan_on_device
 
 
-def _poison_iteration(monkeypatch, bad: int) -> None:
-    """Every micro-batch of iteration ``bad`` gets a NaN loss mask (the loss is NaN)."""
-    real = loop.build_data
-
-    def poisoned(cfg, split="train", **kw):
-        it = real(cfg, split=split, **kw)
-        if split != "train":
-            return it
-        n = cfg.train.global_batch_size // cfg.train.micro_batch_size
-
-        def gen():
-            k = 0
-            while True:
-                mb = next(it)
-                if k // n == bad - 1:
-                    mb = dict(mb, loss_mask=torch.full_like(mb["loss_mask"], float("nan")))
-                k += 1
-                yield mb
-
-        return gen()
-
-    monkeypatch.setattr(loop, "build_data", poisoned)
-
-
 NAN_RUN = FULL + ["optimizer.optimizer_cuda_graph=true", "train.train_iters=7"]
 
 
 def test_device_nan_check_on_flags_and_skips_the_poisoned_step(monkeypatch):
-    _poison_iteration(monkeypatch, 5)
+    poison_iteration(monkeypatch, 5)
     result = train(tiny_config(*NAN_RUN, "train.check_for_nan_on_device=true", "train.skip_step_on_nan=true"),
                    keep_model=True)
     assert [r["state"] for r in result.rows][3:5] == ["captured", "replayed"]
@@ -229,7 +204,7 @@ def test_device_nan_check_on_flags_and_skips_the_poisoned_step(monkeypatch):
 
 
 def test_device_nan_check_off_has_no_flag_and_skips_nothing(monkeypatch):
-    _poison_iteration(monkeypatch, 5)
+    poison_iteration(monkeypatch, 5)
     result = train(tiny_config(*NAN_RUN, "train.check_for_nan_on_device=false"), keep_model=True)
     assert [r["state"] for r in result.rows][3:5] == ["captured", "replayed"]
     assert all("nonfinite" not in r for r in result.rows)
@@ -306,7 +281,7 @@ def test_gpu_bench_workload_seeds_the_tracker_as_configured(tracker):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_device_nan_check_on_and_off(monkeypatch, check):
-    _poison_iteration(monkeypatch, 5)
+    poison_iteration(monkeypatch, 5)
     flags = ["train.check_for_nan_on_device=true", "train.skip_step_on_nan=true"] if check else \
         ["train.check_for_nan_on_device=false"]
     result = train(tiny_config(*GPU, *NAN_RUN, *flags), keep_model=True)

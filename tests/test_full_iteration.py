@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from conftest import FULL_ITERATION_IDS, FULL_ITERATION_SETTINGS, assert_same_run, eager, tiny_config
+from conftest import FULL_ITERATION_IDS, FULL_ITERATION_SETTINGS, assert_same_run, eager, poison_iteration, tiny_config
 from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.errors import CaptureError, ContractError
 from graphstep.cuda_graph.full_iteration import GraphedStep
@@ -159,26 +159,7 @@ def test_teardown_on_exception_and_signal(monkeypatch):
 
 def test_nonfinite_flag_inside_graph_and_skip(monkeypatch):
     """A NaN in the loss at iteration 6 is flagged from inside the graph; with skip the update is skipped."""
-    real_build = loop.build_data
-
-    def poisoned(cfg, split="train", **kw):
-        it = real_build(cfg, split=split, **kw)
-        if split != "train":
-            return it
-        n = cfg.train.global_batch_size // cfg.train.micro_batch_size
-
-        def gen():
-            k = 0
-            while True:
-                mb = next(it)
-                if k // n == 5:  # every micro-batch of iteration 6
-                    mb = dict(mb, loss_mask=torch.full_like(mb["loss_mask"], float("nan")))
-                k += 1
-                yield mb
-
-        return gen()
-
-    monkeypatch.setattr(loop, "build_data", poisoned)
+    poison_iteration(monkeypatch, 6)  # every micro-batch of iteration 6
     common = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true", "train.train_iters=9"]
     flagged = train(tiny_config(*common), keep_model=True)
     # without skipping, iteration 6 writes NaN into the weights and every later loss is NaN too
