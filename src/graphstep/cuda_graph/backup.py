@@ -73,6 +73,8 @@ class StateBackup:
         """Write every saved copy back and forget them."""
         with torch.no_grad():
             for storage, saved in self._storages.values():
+                if storage.nbytes() != saved.nbytes():  # freed or regrown since saved (FSDP2's resharding)
+                    storage.resize_(saved.nbytes())
                 storage.copy_(saved)
             for t, saved in self._tensors:
                 t.copy_(saved)

@@ -60,6 +60,10 @@ def schema_kind(func: torch._ops.OpOverload) -> str:
         return "host_only"
     if is_collective(func):
         return "mutating"
+    if func.namespace == FUNCTIONAL_COLLECTIVES and func._schema.name.split("::")[-1] in FUNCOL_IDENTITIES:
+        # wait_tensor/_wrap_tensor_autograd hand back the tensor they are given: replay waits on the
+        # collective it re-runs instead (see is_functional_collective).
+        return "view"
     if torch.Tag.inplace_view in func.tags:
         return "inplace_view"
     schema = func._schema
@@ -87,6 +91,17 @@ def _has_bool_index(indices: Any) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
+def _is_masked_fill(args: tuple, kwargs: dict) -> bool:
+    """``t[mask] = scalar``: one boolean mask on ``t``'s device and a one-element CPU value, which
+    ``index_put_`` turns into ``masked_fill_`` (no nonzero, no sync; ATen's can_dispatch_to_masked_fill)."""
+    self, indices = args[0], args[1] if len(args) > 1 else kwargs.get("indices")
+    values = args[2] if len(args) > 2 else kwargs.get("values")
+    masks = [i for i in indices or () if i is not None]
+    return (isinstance(values, torch.Tensor) and values.numel() == 1 and values.device.type == "cpu"
+            and len(masks) == 1 and masks[0].device == self.device and not kwargs.get("accumulate", False)
+            and not (len(args) > 3 and args[3]))
+
+
 def host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[str, str] | None:
     """(category, reason) when ``func`` would read device data on the host during capture."""
     packet = func.overloadpacket
@@ -97,7 +112,8 @@ def host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
     if any(str(r.type) in SCALAR_RETURNS for r in func._schema.returns):
         return "host_sync", "returns a Python value computed from device data (a sync)"
     if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
-        if _has_bool_index(args[1] if len(args) > 1 else kwargs.get("indices")):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices")
+        if _has_bool_index(indices) and not (packet is not aten.index and _is_masked_fill(args, kwargs)):
             return "dynamic_shape", "boolean-mask indexing has a data-dependent shape (it calls nonzero)"
         return None
     if packet is aten.repeat_interleave:
@@ -108,6 +124,16 @@ def host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
         return "dynamic_shape", "its output shape depends on the data (the host must read it)"
     return None
 
+
+
+FUNCTIONAL_COLLECTIVES = "_c10d_functional"
+FUNCOL_IDENTITIES = {"wait_tensor", "_wrap_tensor_autograd"}
+
+
+def is_functional_collective(func: torch._ops.OpOverload) -> bool:
+    """A functional collective (``_c10d_functional``, what DTensor redistributes with): its result
+    is pending until ``wait_tensor``, so a replay waits on it before reading it."""
+    return func.namespace == FUNCTIONAL_COLLECTIVES and func._schema.name.split("::")[-1] not in FUNCOL_IDENTITIES
 
 
 def is_collective(func: torch._ops.OpOverload) -> bool:

@@ -62,16 +62,18 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .backend import CaptureReport, Graph, GraphBackend, default_generators
-from .backup import StateBackup
+from .backup import StateBackup, storage_key
 from .errors import CaptureError, GraphUsageError, user_frame
 from .ops import (
-    fresh_returns, generator_args, host_sync_reason, is_collective, returned_tensors, schema_kind,
+    fresh_returns, generator_args, host_sync_reason, is_collective, is_functional_collective, returned_tensors,
+    schema_kind,
 )
-from .replay_host import active_recorder, host_guards, record_host_op, set_recorder
+from .replay_host import active_recorder, host_guards, in_collective_wait, record_host_op, set_recorder
 
 __all__ = ["ReplayBackend", "host_sync_reason", "record_host_op"]
 
@@ -140,9 +142,12 @@ _AUTOCAST_KEYS = _autocast_keys()
 def _refill_entry(func, args, kwargs, out, positions: tuple[int, ...]) -> Callable[[], None]:
     """Re-run ``func`` (its in-place writes happen again) and copy its new results into the recorded ones."""
     recorded = returned_tensors(func, out, positions)
+    wait = _wait_tensor if is_functional_collective(func) else None
 
     def run() -> None:
         fresh = returned_tensors(func, func(*args, **kwargs), positions)
+        if wait is not None:  # the collective's result is pending until waited
+            fresh = [wait(t) for t in fresh]
         for dst, src in zip(recorded, fresh):
             if dst is not src:
                 dst.copy_(src)
@@ -150,13 +155,28 @@ def _refill_entry(func, args, kwargs, out, positions: tuple[int, ...]) -> Callab
     return run
 
 
+def _wait_tensor(t: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
+def _wait_works(result: Any) -> None:
+    for item in tree_leaves(result):
+        wait = getattr(item, "wait", None)  # the c10d Work of a collective
+        if wait is not None and not isinstance(item, torch.Tensor):
+            wait()
+
+
 def _mutating_entry(func, args, kwargs) -> Callable[[], None]:
+    funcol = is_functional_collective(func)
+
     def run() -> None:
         result = func(*args, **kwargs)
-        for item in tree_leaves(result):
-            wait = getattr(item, "wait", None)  # c10d Work of a recorded collective
-            if wait is not None and not isinstance(item, torch.Tensor):
-                wait()
+        if funcol:  # an in-place functional collective: done when waited
+            for t in tree_leaves(result):
+                if isinstance(t, torch.Tensor):
+                    _wait_tensor(t)
+            return
+        _wait_works(result)
 
     return run
 
@@ -177,7 +197,7 @@ class _Recorder(TorchDispatchMode):
     def _note_created(self, out: Any) -> None:
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.created.add(t.untyped_storage().data_ptr())
+                self.created.add(storage_key(t))
 
     def restore(self) -> None:
         self.backup.restore()
@@ -204,6 +224,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if in_collective_wait():  # a collective's own completion (gloo copies out in wait()): replay re-waits
+            return func(*args, **kwargs)
+        if any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types):
+            return self._subclass_op(func, types, args, kwargs)
         self._check(func, args, kwargs)
         kind = schema_kind(func)
         if kind in ("mutating", "mutating_fresh", "functional"):
@@ -226,6 +250,23 @@ class _Recorder(TorchDispatchMode):
             tape.keep.append(out)
             tape.add(_refill_entry(func, args, kwargs, out, positions))
         return out
+
+    def _subclass_op(self, func, types, args: tuple, kwargs: dict) -> Any:
+        """An op on a tensor subclass: record what it runs on plain tensors, not the op itself.
+
+        A wrapper subclass (DTensor, a functional collective's AsyncCollectiveTensor)
+        unwraps to plain tensors and calls ops on them: returning NotImplemented
+        hands the op to the subclass, whose inner ops come back here, plain.
+        Replay then refills the local tensors the wrappers hold. A fake tensor
+        (DTensor's sharding propagation) computes metadata only: it runs, unrecorded.
+        """
+        if any(issubclass(t, FakeTensor) for t in types):
+            return func(*args, **kwargs)
+        return NotImplemented
+
+    def note_storage(self, storage: torch.UntypedStorage) -> None:
+        """A storage (re)allocated by the captured work itself: never backed up or restored."""
+        self.created.add(storage.data_ptr())
 
     def _inplace_view(self, func, args: tuple, kwargs: dict) -> Any:
         target = args[0] if args else next(iter(kwargs.values()))
@@ -311,7 +352,7 @@ class ReplayBackend(GraphBackend):
 def _held_bytes(objs: list[Any]) -> int:
     seen: dict[int, int] = {}
     for t in tree_leaves(objs):
-        if isinstance(t, torch.Tensor):
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
+        key = storage_key(t) if isinstance(t, torch.Tensor) else 0
+        if key:
+            seen[key] = t.untyped_storage().nbytes()
     return sum(seen.values())

@@ -17,6 +17,14 @@ capture (on the recording thread only; other threads call the originals):
   as host callbacks: a state read refills the *same* tensor on every replay
   (a static address, as ``graphsafe_get_state`` gives on a GPU) and a state
   write re-applies whatever that tensor holds then;
+* storage resizes (``UntypedStorage.resize_``, as FSDP2 allocates and frees
+  its unsharded parameters around each use) are recorded as host callbacks:
+  replay reallocates and frees at the same points, and the recorded ops
+  refill the tensors that view the storage; memory a resize allocates is
+  the capture's own, never backed up or restored;
+* a collective's ``Work.wait()`` runs unrecorded: what a backend does there
+  (gloo copies a reduce-scatter's result out on every wait) belongs to the
+  collective, which replay re-runs and waits itself;
 * ``torch.cuda.is_current_stream_capturing()`` answers True.
 
 Host callbacks (:func:`record_host_op`) run in recording order between the
@@ -137,6 +145,34 @@ def _recorded_set_state(original: Callable[..., Any]) -> Callable[..., Any]:
     return set_state
 
 
+def _recorded_resize(original: Callable[..., Any]) -> Callable[..., Any]:
+    def resize_(self: torch.UntypedStorage, size: int) -> Any:
+        if not _recording():
+            return original(self, size)
+        record_host_op(lambda: original(self, size))
+        active_recorder().note_storage(self)
+        return self
+
+    return resize_
+
+
+def in_collective_wait() -> bool:
+    """True inside a collective's ``Work.wait()`` on this thread (its ops are the collective's, not the step's)."""
+    return getattr(_local, "in_wait", False)
+
+
+def _unrecorded_wait(original: Callable[..., Any]) -> Callable[..., Any]:
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = in_collective_wait()
+        _local.in_wait = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _local.in_wait = outer
+
+    return wait
+
+
 def _wrappers() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
     out: list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]] = []
     for name in _DIRECT_READS:
@@ -146,6 +182,9 @@ def _wrappers() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[
             out.append((owner, name, lambda old, q=f"torch.{name}": _refuse_seed(q, old)))
         out.append((owner, "get_rng_state", _recorded_get_state))
         out.append((owner, "set_rng_state", _recorded_set_state))
+    out.append((torch.UntypedStorage, "resize_", _recorded_resize))
+    if torch.distributed.is_available():
+        out.append((torch.distributed.Work, "wait", _unrecorded_wait))
     if torch.cuda.is_available():
         for name in _CUDA_SEEDING:
             out.append((torch.cuda, name, lambda old, q=f"torch.cuda.{name}": _refuse_seed(q, old)))

@@ -176,9 +176,15 @@ def initialize_rng_tracker(
     graph_safe: bool = True,
     pp_rank: int = 0,
     dp_rank: int = 0,
+    tp_rank: int = 0,
     data_parallel_random_init: bool = False,
 ) -> RNGTracker:
-    """Seed Python, torch and the tracker as Megatron's ``_set_random_seed`` does."""
+    """Seed Python, torch and the tracker as Megatron's ``_set_random_seed`` does.
+
+    The data-parallel stream is the same on every tensor-parallel rank of a
+    replica (they hold the same activations); the model-parallel stream
+    differs per tensor-parallel rank (``seed + 2718 + tp_rank``).
+    """
     global _TRACKER
     seed = seed + 100 * pp_rank
     if data_parallel_random_init:
@@ -186,6 +192,6 @@ def initialize_rng_tracker(
     random.seed(seed)
     torch.manual_seed(seed)
     tracker = RNGTracker(device, graph_safe=graph_safe)
-    _seed_streams(tracker, seed)
+    _seed_streams(tracker, seed, tp_rank=tp_rank)
     _TRACKER = tracker
     return tracker
