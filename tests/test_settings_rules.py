@@ -170,9 +170,9 @@ CASES = {
                        "no data.seq_length_buckets", "with model.cuda_graph_impl=full_iteration (one graph per bucket",
                        ("model.cuda_graph_impl=full_iteration", "model.variable_seq_lengths=true",
                         "data.seq_length_buckets=[64,128]")),
-    "R18": Case("R18", ("model.tensor_model_parallel_size=2",),
-                "graphstep does not implement model.tensor_model_parallel_size (set to 2)",
-                "model.tensor_model_parallel_size=1 (its default)", ()),
+    "R18": Case("R18", ("model.pipeline_model_parallel_size=2",),
+                "graphstep does not implement model.pipeline_model_parallel_size (set to 2)",
+                "model.pipeline_model_parallel_size=1 (its default)", ()),
     "V-warmup": Case("V", ("model.cuda_graph_warmup_steps=-1",), "model.cuda_graph_warmup_steps=-1 is below 0",
                      "model.cuda_graph_warmup_steps to 0 or more", ("model.cuda_graph_warmup_steps=0",)),
     "V-backend": Case("V", ("model.cuda_graph_backend=gpu",), "model.cuda_graph_backend=gpu is not one of",
@@ -192,6 +192,33 @@ CASES = {
     "R24": Case("R24", ("train.skip_step_on_nan=true", "train.check_for_nan_on_device=false"),
                 "train.skip_step_on_nan=true needs the device-side flag it skips on",
                 "set train.check_for_nan_on_device=true", ("train.skip_step_on_nan=true",)),
+    "R25-world": Case("R25", ("model.tensor_model_parallel_size=2",), "model.tensor_model_parallel_size=2 does not "
+                      "divide the world size 3", "launch a multiple of 2 processes", ("model.tensor_model_parallel_size=1",),
+                      {"WORLD_SIZE": "3"}, {"WORLD_SIZE": "2"}),
+    "R25-heads": Case("R25", ("model.tensor_model_parallel_size=2", "model.num_attention_heads=3",
+                              "model.hidden_size=96"), "model.num_attention_heads=3 does not divide over "
+                      "model.tensor_model_parallel_size=2 ranks", "set model.tensor_model_parallel_size to a divisor "
+                      "of 3", ("model.tensor_model_parallel_size=2", "model.num_attention_heads=4"), {"WORLD_SIZE": "2"}),
+    "R25-sp": Case("R25", ("model.sequence_parallel=true",), "model.tensor_model_parallel_size=1",
+                   "model.sequence_parallel=false", ("model.sequence_parallel=false",)),
+    "R26": Case("R26", ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim"),
+                "ddp.data_parallel_sharding_strategy=optim is not implemented: optim (ZeRO-1) keeps gradients whole",
+                "set ddp.data_parallel_sharding_strategy=optim_grads (ZeRO-2)",
+                ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads")),
+    "R27-layers": Case("R27", ("ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=local",
+                               "model.use_te_rng_tracker=true"),
+                       "FSDP2 (ddp.use_distributed_optimizer=true) with per-layer graphs (model.cuda_graph_impl=local) "
+                       "is not implemented", "set model.cuda_graph_impl=full_iteration",
+                       ("ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=full_iteration",
+                        "model.use_te_rng_tracker=true")),
+    "R27-moe": Case("R27", ("model.tensor_model_parallel_size=2", "model.num_moe_experts=4"),
+                    "model.tensor_model_parallel_size=2 with model.num_moe_experts=4 (an MoE model) is not implemented",
+                    "train MoE models with replicated data parallel", ("model.num_moe_experts=4",), {"WORLD_SIZE": "2"}),
+    "R27-checkpoint": Case("R27", ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads",
+                                   "checkpoint.save=/tmp/ckpt"), "with checkpoint.save=/tmp/ckpt (sharded checkpoints) "
+                           "is not implemented", "set checkpoint.save=null",
+                           ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=no_shard",
+                            "checkpoint.save=/tmp/ckpt")),
     "V-pattern": Case("V", ("model.hybrid_override_pattern=M*-",), "describes 3 layers but model.num_layers=2",
                       "model.num_layers=3", ("model.hybrid_override_pattern=M*",)),
 }
@@ -210,7 +237,7 @@ def test_rule_reports_problem_and_fix(name: str) -> None:
 
 
 def test_every_rule_has_a_case() -> None:
-    assert {c.rule for c in CASES.values()} >= {f"R{i}" for i in range(1, 25)} - {"R19", "R20"} | {"V"}
+    assert {c.rule for c in CASES.values()} >= {f"R{i}" for i in range(1, 28)} - {"R19", "R20"} | {"V"}
 
 
 def test_violation_str_names_rule_fields_and_fix() -> None:

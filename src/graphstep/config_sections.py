@@ -120,11 +120,17 @@ class ModelConfig:
     external_cuda_graph: bool = opt(False, "Deprecated: = cuda_graph_impl=transformer_engine.")
 
     # --- Megatron features graphstep does not implement --------------------
-    tensor_model_parallel_size: int = unsupported(1, "Tensor parallelism.")
+    tensor_model_parallel_size: int = opt(
+        1, "Tensor-parallel ranks: DTensor colwise/rowwise sharding of attention, MLP and the vocabulary over the "
+        "tp dimension of the device mesh; world size = data-parallel x tensor-parallel ranks (rules R25-R27)."
+    )
     pipeline_model_parallel_size: int = unsupported(1, "Pipeline parallelism.")
     context_parallel_size: int = unsupported(1, "Context parallelism.")
     expert_model_parallel_size: int = unsupported(1, "Expert parallelism.")
-    sequence_parallel: bool = unsupported(False, "Sequence parallelism.")
+    sequence_parallel: bool = opt(
+        False, "With tensor parallelism: norms, dropout and residuals run on sequence shards (DTensor "
+        "SequenceParallel); needs tensor_model_parallel_size > 1 (R25)."
+    )
     fp8: str | None = unsupported(None, "FP8 training.")
     variable_seq_lengths: bool = opt(False, "Samples of different lengths (needs data.seq_length_buckets with graphs).")
 
@@ -160,7 +166,10 @@ class OptimizerConfig:
     adam_eps: float = opt(1e-8, "Adam epsilon.")
     clip_grad: float = opt(1.0, "Clip the global gradient norm to this value; 0 = off.")
     optimizer_cuda_graph: bool = opt(False, "Capture clipping, the LR schedule and the optimizer step too.")
-    use_distributed_optimizer: bool = unsupported(False, "ZeRO-1 distributed optimizer.")
+    use_distributed_optimizer: bool = opt(
+        False, "Megatron keeps this flag in both the optimizer and the ddp section: either turns on "
+        "ddp.use_distributed_optimizer (optimizer state sharded with FSDP2)."
+    )
     fp16: bool = unsupported(False, "fp16 with loss scaling.")
 
 
@@ -215,6 +224,20 @@ class DDPConfig:
     grad_reduce_in_fp32: bool = opt(True, "Reduce gradients in fp32 (graphstep's buffers are fp32).")
     bucket_size: int | None = opt(None, "Elements per all-reduce bucket; null = 40M.")
     average_in_collective: bool = opt(False, "Average inside the collective instead of pre-scaling.")
+    use_megatron_fsdp: bool = opt(
+        False, "Shard parameters, gradients and optimizer state over the data-parallel ranks with torch's FSDP2 "
+        "(fully_shard per decoder layer and on the model), as data_parallel_sharding_strategy says."
+    )
+    data_parallel_sharding_strategy: str = opt(
+        "no_shard", "With use_megatron_fsdp: optim_grads_params (ZeRO-3: parameters resharded after forward and "
+        "all-gathered again for backward), optim_grads (ZeRO-2: parameters kept from forward to backward), or "
+        "no_shard (replicated data parallel); optim (ZeRO-1) is not implemented (R26)."
+    )
+    use_distributed_optimizer: bool = opt(
+        False, "Shard the optimizer state and fp32 main parameters over the data-parallel ranks; graphstep does "
+        "this with FSDP2 as use_megatron_fsdp=true with optim_grads (gradients reduce-scattered, parameters "
+        "all-gathered before use)."
+    )
     overlap_grad_reduce: bool = unsupported(False, "Overlap reduction with backward.")
     overlap_param_gather: bool = unsupported(False, "Overlap the parameter all-gather.")
 

@@ -39,8 +39,11 @@ from ..config import Config, apply_overrides
 from ..cuda_graph.devices import GiB
 from ..cuda_graph.registry import close_all_backends
 from ..data import build_data
+from ..validation import resolve_cuda_graph_settings
 from ..training.build import Run, build_run
+from ..training.distributed import DataParallel, init_data_parallel
 from ..training.optim import GradBuffers
+from ..training.parallel import Layout
 from ..training.step import TrainStep
 
 
@@ -80,6 +83,7 @@ class Workload:
 
     run: Run
     batches: list[dict[str, torch.Tensor]]
+    dp: DataParallel | None = None  # the one-rank group of an FSDP2 row (closed with the workload)
 
     @property
     def cfg(self) -> Config:
@@ -115,15 +119,20 @@ class Workload:
 
     def close(self) -> None:
         self.run.close()
+        if self.dp is not None:
+            self.dp.close()  # after the graphs: none may hold a collective when the group goes
 
 
 def make_workload(cfg: Config, device: torch.device, n_steps: int = 4, *,
                   compile_mode: str | None = None) -> Workload:
     """The row's run, built as the trainer builds it (one rank), and ``n_steps`` iterations of pinned batches."""
-    run = build_run(cfg, device=device, compile_mode=compile_mode)
+    dp = None
+    if Layout.from_config(cfg, 1).needs_mesh:  # FSDP2 on one GPU: the trainer's one-rank group and mesh
+        dp = init_data_parallel(cfg, resolve_cuda_graph_settings(cfg), env={})
+    run = build_run(cfg, device=device, compile_mode=compile_mode, dp=dp)
     it = build_data(cfg, split="train", pin_memory=device.type == "cuda")
     batches = [next(it) for _ in range(n_steps * run.num_micro_batches)]
-    return Workload(run, batches)
+    return Workload(run, batches, dp)
 
 
 def row_config(base: Config, overrides: list[str]) -> Config:

@@ -48,6 +48,9 @@ def default_rows(cfg: Config) -> list[str]:
     return DENSE_ROWS
 
 
+FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
+
+
 def split_rows(text: str) -> list[str]:
     """``eager,local[attn,mlp],manual_graph`` -> the three rows (commas inside brackets stay)."""
     return [r for r in re.split(r",(?![^\[]*\])", text) if r]
@@ -61,6 +64,9 @@ def row_overrides(name: str) -> list[str] | None:
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration"]
     if name == "full_iteration+optimizer":
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+    if name.startswith("fsdp_"):  # FSDP2 (ZeRO-3) on this one GPU: a one-rank mesh, as the trainer builds it
+        inner = row_overrides(name[len("fsdp_"):])
+        return None if inner is None else inner + FSDP
     if name.startswith("compile+") or name == "compile":  # the trainer's compile section (compile.enable)
         inner = row_overrides(name[len("compile+"):]) if name != "compile" else NO_GRAPH
         return None if inner is None else inner + ["compile.enable=true"]

@@ -19,8 +19,8 @@ def resolve_dtype(params_dtype: str, device: torch.device) -> torch.dtype:
     return table[params_dtype]
 
 
-def build_model(model_cfg, device: torch.device | str = "cpu") -> nn.Module:
-    """The model a ``ModelConfig`` describes, on ``device`` in its parameter dtype.
+def build_model(model_cfg, device: torch.device | str = "cpu", *, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model a ``ModelConfig`` describes, on ``device`` in its parameter dtype (or ``dtype``).
 
     Weights are initialised in fp32 on the CPU from torch's current seed (so
     every device starts from the same numbers), then moved and cast.
@@ -30,4 +30,4 @@ def build_model(model_cfg, device: torch.device | str = "cpu") -> nn.Module:
         model = build_layered_model(model_cfg)
     else:
         model = GPTModel(ModelShape.from_config(model_cfg))
-    return model.to(device=device, dtype=resolve_dtype(model_cfg.params_dtype, device))
+    return model.to(device=device, dtype=dtype or resolve_dtype(model_cfg.params_dtype, device))

@@ -12,7 +12,10 @@ blocks (models/moe.py, models/mamba.py) plug into :class:`DecoderLayer` in the
 same way.
 
 All dropout draws from the graph-safe RNG tracker: attention dropout from
-``model-parallel-rng``, hidden dropout from ``data-parallel-rng``.
+``model-parallel-rng``, hidden dropout from ``data-parallel-rng`` (from
+``model-parallel-rng`` under sequence parallelism). Tensor parallelism
+(training/parallel.py) shards the projections with DTensor and tells the
+model how many heads it holds and how its final hidden state is laid out.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from ..cuda_graph.rng import DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, get_rng_tracker
@@ -102,11 +106,12 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def hidden_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout on a block output, drawn from the tracker's data-parallel stream."""
+def hidden_dropout(x: torch.Tensor, p: float, training: bool, stream: str = DATA_PARALLEL_RNG) -> torch.Tensor:
+    """Dropout on a block output, drawn from the tracker's data-parallel stream (model-parallel with
+    sequence parallelism, where each tensor-parallel rank holds other tokens: training/parallel.py)."""
     if p == 0.0 or not training:
         return x
-    with get_rng_tracker().fork(DATA_PARALLEL_RNG):
+    with get_rng_tracker().fork(stream):
         return F.dropout(x, p, True)
 
 
@@ -157,8 +162,8 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
         qkv = self.linear_qkv(x)
+        b, t, _ = qkv.shape  # the whole sequence: under sequence parallelism x holds a shard of it
         q, k, v = qkv.split([self.heads * self.head_dim, self.groups * self.head_dim, self.groups * self.head_dim], -1)
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.groups, self.head_dim).transpose(1, 2)
@@ -193,9 +198,11 @@ class AttentionBlock(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.eps)
         self.self_attention = Attention(s)
         self.dropout = s.hidden_dropout
+        self.dropout_rng = DATA_PARALLEL_RNG
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + hidden_dropout(self.self_attention(self.input_layernorm(x)), self.dropout, self.training)
+        y = self.self_attention(self.input_layernorm(x))
+        return x + hidden_dropout(y, self.dropout, self.training, self.dropout_rng)
 
 
 class MLPBlock(nn.Module):
@@ -206,6 +213,7 @@ class MLPBlock(nn.Module):
         self.pre_mlp_layernorm = RMSNorm(s.hidden_size, s.eps)
         self.mlp = SwiGLU(s.hidden_size, s.ffn_hidden_size)
         self.dropout = s.hidden_dropout
+        self.dropout_rng = DATA_PARALLEL_RNG
         self.recompute = s.recompute_mlp
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -216,7 +224,7 @@ class MLPBlock(nn.Module):
             y = checkpoint(self._mlp, x, use_reentrant=False, preserve_rng_state=False)
         else:
             y = self._mlp(x)
-        return x + hidden_dropout(y, self.dropout, self.training)
+        return x + hidden_dropout(y, self.dropout, self.training, self.dropout_rng)
 
 
 class DecoderLayer(nn.Module):
@@ -240,6 +248,15 @@ class DecoderLayer(nn.Module):
         return x
 
 
+def _vocab_parallel_logits(h: torch.Tensor, weight: DTensor, placement: Placement) -> torch.Tensor:
+    """Full logits from this rank's hidden state (sequence-sharded or replicated) and a vocabulary-sharded weight."""
+    mesh = weight.device_mesh
+    hidden = DTensor.from_local(h, mesh, [placement], run_check=False)
+    if not placement.is_replicate():
+        hidden = hidden.redistribute(mesh, [Replicate()])
+    return F.linear(hidden, weight).full_tensor()
+
+
 class GPTModel(nn.Module):
     """Embedding -> decoder layers -> final norm -> output layer; returns the mean token loss."""
 
@@ -252,6 +269,7 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = RMSNorm(s.hidden_size, s.eps)
         self.output_layer = None if s.tie_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.hidden_placement: Placement = Replicate()  # Shard(1) under sequence parallelism
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -274,6 +292,8 @@ class GPTModel(nn.Module):
             h = layer(h)
         h = self.final_layernorm(h)
         weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
+        if isinstance(weight, DTensor):  # tensor parallel: the vocabulary is sharded (training/parallel.py)
+            return _vocab_parallel_logits(h, weight, self.hidden_placement)
         return F.linear(h, weight)
 
     def forward(

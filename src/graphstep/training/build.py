@@ -20,6 +20,7 @@ update), ``run.close()`` frees the run's graphs -- and only them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -31,13 +32,14 @@ from ..cuda_graph.registry import get_backend
 from ..cuda_graph.rng import initialize_rng_tracker
 from ..cuda_graph.settings import CudaGraphSettings
 from ..data.buckets import parse_buckets
-from ..models import build_model
+from ..models import build_model, resolve_dtype
 from ..models.hf import load_hf_weights
 from ..validation import REPLAY_COMPILE_REASON, resolve_cuda_graph_settings
 from .compile import CompileTimeReport, apply_compile, describe_compile
 from .distributed import DataParallel
 from .moe_hooks import MoEHooks
 from .optim import AdamW, GradBuffers, build_optimizer
+from .parallel import parallelize, reshard_all
 from .prepare import Runner, prepare
 from .step import EvalStep, TrainStep
 
@@ -120,10 +122,10 @@ def build_run(
     dp = dp if dp is not None else DataParallel()
     _check_nonfinite_settings(cfg)
     model = _build_model(cfg, device, dp)  # 1, 2
-    grads = GradBuffers(model)  # 3
+    grads = GradBuffers(model, dp.mesh)  # 3
     optimizer = build_optimizer(cfg, model, grads)
     start = restore(model, optimizer) if restore is not None else 0  # 4
-    num_mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp.world_size)
+    num_mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp.dp_size)
     moe = MoEHooks(model, num_mb)  # 5
     compile_mode = compile_mode if compile_mode is not None else (cfg.compile.mode if cfg.compile.enable else None)
     train_step, eval_step = _build_steps(cfg, settings, model, grads, moe, dp, device, compile_mode)
@@ -150,15 +152,17 @@ def _check_nonfinite_settings(cfg: Config) -> None:
 
 
 def _build_model(cfg: Config, device: torch.device, dp: DataParallel) -> nn.Module:
-    initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker, dp_rank=dp.rank,
-                           data_parallel_random_init=cfg.rng.data_parallel_random_init)
-    model = build_model(cfg.model, device)
+    initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker, dp_rank=dp.dp_rank,
+                           tp_rank=dp.tp_rank, data_parallel_random_init=cfg.rng.data_parallel_random_init)
+    dtype = resolve_dtype(cfg.model.params_dtype, device)
+    # FSDP2 keeps fp32 shards (the optimizer's main weights) and casts to the model dtype when it gathers them.
+    model = build_model(cfg.model, device, dtype=torch.float32 if dp.layout.fsdp else dtype)
     if cfg.model.hf_path:
         load_hf_weights(model, cfg.model.hf_path, cfg.model)  # in place, before the optimizer copies the weights
     model.train()
     if cfg.rng.data_parallel_random_init:
         dp.broadcast_parameters(model)  # different seeds per rank, the same starting weights (Megatron)
-    return model
+    return parallelize(model, dp.layout, dp.mesh, dtype)  # tensor parallel, FSDP2 (training/parallel.py)
 
 
 def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, grads: GradBuffers, moe: MoEHooks,
@@ -169,7 +173,8 @@ def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, gra
         before_step=moe.before_step if moe.enabled else None, retain_graph=settings.retain_backward_graph,
         check_nonfinite=cfg.train.check_for_nan_on_device,
     )
-    eval_step = EvalStep(step_model, device, reduce_loss=dp.loss_reducer())
+    eval_step = EvalStep(step_model, device, reduce_loss=dp.loss_reducer(),
+                         release=partial(reshard_all, model) if dp.layout.fsdp is not None else None)
     if compile_mode is None:
         return train_step, eval_step
     return CompileTimeReport(train_step, describe_compile(compile_mode, settings)), eval_step

@@ -51,6 +51,7 @@ from ..config import Config, ConfigError, DDPConfig
 from ..cuda_graph.devices import normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
 from .optim import GradBuffers
+from .parallel import DP, Layout, build_mesh
 
 log = logging.getLogger("graphstep")
 
@@ -67,6 +68,8 @@ class DataParallel:
     backend: str | None = None  # "nccl", "gloo", or None without a process group
     owns_group: bool = False  # created here, so destroyed here
     control: Any = None  # a gloo group for host-side agreement (None: the default group)
+    layout: Layout = field(default_factory=Layout)  # data-parallel x tensor-parallel ranks (training/parallel.py)
+    mesh: Any = None  # the (dp, tp) DeviceMesh when the layout needs one
     _log_filter: logging.Filter | None = field(default=None, repr=False)
     _log_level: int | None = field(default=None, repr=False)
 
@@ -78,21 +81,41 @@ class DataParallel:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    # ---- this rank's place in the layout ---------------------------------------
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas (each reads its own shard of the data): the world over the tp ranks."""
+        return self.world_size // self.layout.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.layout.tp  # the mesh is (dp, tp) in rank order
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.layout.tp
+
+    @property
+    def dp_group(self) -> Any:
+        """The data-parallel ranks of this tensor-parallel rank (None: the default group)."""
+        return self.mesh.get_group(DP) if self.mesh is not None and self.layout.tp > 1 else None
+
     # ---- gradient and loss reduction ------------------------------------------
     def grad_reducer(self, grads: GradBuffers, ddp: DDPConfig) -> "GradReducer | None":
-        """The bucketed all-reduce of ``grads.flat`` (None with one rank)."""
-        if not self.enabled:
+        """The bucketed all-reduce of ``grads.flat`` over data-parallel replicas (None with one, or with
+        FSDP2, which reduce-scatters in the backward)."""
+        if self.dp_size <= 1 or self.layout.fsdp is not None:
             return None
-        return GradReducer(grads.flat, self.world_size, bucket_size=ddp.bucket_size,
-                           average_in_collective=ddp.average_in_collective, backend=self.backend)
+        return GradReducer(grads.flat, self.dp_size, bucket_size=ddp.bucket_size,
+                           average_in_collective=ddp.average_in_collective, backend=self.backend, group=self.dp_group)
 
     def loss_reducer(self) -> Callable[[torch.Tensor], None] | None:
-        return self.mean_ if self.enabled else None
+        return self.mean_ if self.dp_size > 1 else None  # tensor-parallel ranks compute the same loss
 
     def mean_(self, t: torch.Tensor) -> None:
-        """Average ``t`` over ranks in place: a device all-reduce, capturable, no host read."""
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        t.div_(self.world_size)
+        """Average ``t`` over data-parallel replicas in place: a device all-reduce, capturable, no host read."""
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
+        t.div_(self.dp_size)
 
     def broadcast_parameters(self, model: nn.Module) -> None:
         """Rank 0's parameters and buffers everywhere (Megatron does this with data_parallel_random_init)."""
@@ -158,7 +181,7 @@ class GradReducer:
     """
 
     def __init__(self, flat: torch.Tensor, world_size: int, *, bucket_size: int | None = None,
-                 average_in_collective: bool = False, backend: str | None = None) -> None:
+                 average_in_collective: bool = False, backend: str | None = None, group: Any = None) -> None:
         size = bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * world_size)  # Megatron's default
         if size < 1:
             raise ConfigError(f"ddp.bucket_size={bucket_size}: must be at least 1 element (or null for 40M)")
@@ -170,12 +193,13 @@ class GradReducer:
             log.info("ddp.average_in_collective=true: the %s backend has no ReduceOp.AVG; pre-dividing the "
                      "gradients by %d instead", backend, world_size)
         self.op = dist.ReduceOp.AVG if self.in_collective else dist.ReduceOp.SUM
+        self.group = group
 
     def __call__(self) -> None:
         if not self.in_collective:
             self.flat.div_(self.world_size)
         for bucket in self.buckets:
-            dist.all_reduce(bucket, op=self.op)
+            dist.all_reduce(bucket, op=self.op, group=self.group)
 
     def describe(self) -> str:
         how = "ReduceOp.AVG" if self.in_collective else f"pre-divided by {self.world_size}, summed"
@@ -191,13 +215,15 @@ def init_data_parallel(cfg: Config, settings: CudaGraphSettings, *,
     """Join torchrun's process group (or run as one rank); see the module docstring for the order."""
     env = os.environ if env is None else env
     if dist.is_available() and dist.is_initialized():  # the caller made the group: use it, leave it
-        dp = DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                          local_rank=int(env.get("LOCAL_RANK", 0)), backend=dist.get_backend())
+        world = dist.get_world_size()
+        dp = DataParallel(rank=dist.get_rank(), world_size=world, local_rank=int(env.get("LOCAL_RANK", 0)),
+                          backend=dist.get_backend(), layout=Layout.from_config(cfg, world))
         _check_ddp(cfg, dp)
         return _finish(dp, settings, device_id=None)
     world_size = _int_env(env, "WORLD_SIZE", 1)
+    layout = Layout.from_config(cfg, world_size)
     if world_size <= 1:
-        return DataParallel()
+        return _one_rank(cfg, layout) if layout.needs_mesh else DataParallel()
     if not dist.is_available():
         raise RuntimeError(f"WORLD_SIZE={world_size} but this PyTorch has no torch.distributed")
     rank, local_rank = _int_env(env, "RANK", 0), _int_env(env, "LOCAL_RANK", 0)
@@ -212,7 +238,7 @@ def init_data_parallel(cfg: Config, settings: CudaGraphSettings, *,
         torch.cuda.set_device(local_rank)
         device_id = torch.device("cuda", local_rank)
     dp = DataParallel(rank=rank, world_size=world_size, local_rank=local_rank,
-                      backend="nccl" if use_cuda else "gloo", owns_group=True)
+                      backend="nccl" if use_cuda else "gloo", owns_group=True, layout=layout)
     _check_ddp(cfg, dp)
     for note in check_collective_env(dp.backend, settings, world_size):  # before NCCL reads it
         log.info(note)
@@ -220,17 +246,30 @@ def init_data_parallel(cfg: Config, settings: CudaGraphSettings, *,
     return _finish(dp, settings, device_id)
 
 
+def _one_rank(cfg: Config, layout: Layout) -> DataParallel:
+    """One process with a layout that needs a device mesh (FSDP2 on one rank): a one-rank process group."""
+    use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+    backend = "nccl" if use_cuda else "gloo"
+    device_id = normalize_device("cuda") if use_cuda else None
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+    dp = DataParallel(backend=backend, owns_group=True, layout=layout)
+    dp.mesh = build_mesh(layout, "cuda" if use_cuda else "cpu")
+    return dp
+
+
 def _finish(dp: DataParallel, settings: CudaGraphSettings, device_id: torch.device | None) -> DataParallel:
     if dp.backend == "nccl":
         dp.control = dist.new_group(backend="gloo")  # host-side agreement never waits on the GPU stream
     device = device_id or (normalize_device("cuda") if dp.backend == "nccl" else torch.device("cpu"))
+    if dp.layout.needs_mesh:
+        dp.mesh = build_mesh(dp.layout, device.type)
     # One collective before any capture: NCCL creates a communicator at the
     # first collective on a group, and that cannot happen inside a capture.
     warm = torch.ones(1, device=device)
     dist.all_reduce(warm)
     dp.barrier()
     _rank_zero_logging(dp)
-    log.info("data parallel: %d ranks, %s backend (rank %d on %s), %s", dp.world_size, dp.backend, dp.rank,
+    log.info("data parallel: %s, %s backend (rank %d on %s), %s", dp.layout.describe(), dp.backend, dp.rank,
              device, "full-iteration graphs capture the gradient all-reduce" if settings.full_iteration
              else ("gradients all-reduced eagerly after the backward graphs" if settings.per_layer
                    else "gradients all-reduced after the backward"))

@@ -206,8 +206,8 @@ def _run(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model:
 def _build_data(cfg: Config, dp: DataParallel, device: torch.device) -> tuple[Any, Any]:
     """This rank's training data, and its validation data when the run evaluates."""
     pin = device.type == "cuda"
-    data = build_data(cfg, split="train", dp_rank=dp.rank, dp_size=dp.world_size, pin_memory=pin)
-    valid = (build_data(cfg, split="valid", dp_rank=dp.rank, dp_size=dp.world_size, pin_memory=pin)
+    data = build_data(cfg, split="train", dp_rank=dp.dp_rank, dp_size=dp.dp_size, pin_memory=pin)
+    valid = (build_data(cfg, split="valid", dp_rank=dp.dp_rank, dp_size=dp.dp_size, pin_memory=pin)
              if cfg.train.eval_iters > 0 else None)
     return data, valid
 
@@ -248,9 +248,11 @@ def _iterate(cfg: Config, run: Run, data: Any, valid: Any, ckpt: Checkpointer, h
     if ranges is not None:
         ranges.instrument(runner)
         data = ranges.data(data)
+    reducer = getattr(run.train_step, "reduce_grads", None)
     log.info("training %s: %d parameters, %s, device %s, graphs: %s%s", _name(cfg), _count(run.model),
              next(run.model.parameters()).dtype, device, runner.describe,
-             f", {dp.world_size} data-parallel ranks ({run.train_step.reduce_grads.describe()})" if dp.enabled else "")
+             f", {dp.layout.describe()}" + (f" ({reducer.describe()})" if reducer is not None else "")
+             if dp.enabled or dp.layout.needs_mesh else "")
     try:
         with _StopFlag(tr.exit_signal_handler) as stop, console:
             t_log = time.perf_counter()

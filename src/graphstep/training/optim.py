@@ -22,31 +22,59 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ..cuda_graph.graphed_module import MAIN_GRAD_HOOK_FLAG
+from .parallel import counted_here, local_tensor
 
 
 class GradBuffers:
-    """Persistent fp32 gradient buffers (``param.main_grad``) in one flat tensor."""
+    """Persistent fp32 gradient buffers (``param.main_grad``) in one flat tensor.
 
-    def __init__(self, model: nn.Module) -> None:
+    With tensor parallelism or FSDP2 (training/parallel.py) a parameter is a
+    DTensor: the buffer holds this rank's part of each gradient, ``main_grad``
+    is a DTensor over that part (so accumulating a sharded or partial gradient
+    into it is DTensor's business, e.g. the all-reduce of a sequence-parallel
+    norm's gradient), and ``grads`` are the plain local views the optimizer
+    updates with. ``mesh`` (None: one replica of every gradient per rank)
+    makes :meth:`norm` the norm over the whole mesh, each element counted once.
+    """
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh | None = None) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
-        device = self.params[0].device
-        total = sum(p.numel() for p in self.params)
+        self.locals = [local_tensor(p) for p in self.params]
+        device = self.locals[0].device
+        total = sum(t.numel() for t in self.locals)
         self.flat = torch.zeros(total, dtype=torch.float32, device=device)
         self.grads: list[torch.Tensor] = []
         offset = 0
         self._hooks = []
-        for p in self.params:
-            view = self.flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-            p.main_grad = view
+        for p, local in zip(self.params, self.locals):
+            view = self.flat[offset : offset + local.numel()].view_as(local)
+            offset += local.numel()
+            p.main_grad = view if p is local else DTensor.from_local(
+                view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
             self.grads.append(view)
             self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
+        self.mesh = mesh
+        self.counted = [g for p, g in zip(self.params, self.grads) if counted_here(p, mesh)]
 
     def zero(self) -> None:
         self.flat.zero_()
+
+    def norm(self) -> torch.Tensor:
+        """The L2 norm of the whole gradient: this rank's buffer, or summed over the mesh (no host read)."""
+        if self.mesh is None:
+            return torch.linalg.vector_norm(self.flat, 2.0)
+        if self.counted:
+            square = torch.stack(torch._foreach_norm(self.counted, 2.0)).square().sum()
+        else:
+            square = torch.zeros((), dtype=torch.float32, device=self.flat.device)
+        dist.all_reduce(square, op=dist.ReduceOp.SUM)  # every rank of the mesh: the default group
+        return square.sqrt()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -132,7 +160,7 @@ class AdamW:
         names = {id(p): n for n, p in model.named_parameters()}
         device = grads.flat.device
         self.fused = (device.type == "cuda") if fused is None else fused
-        self.model_params = grads.params
+        self.model_params = grads.locals  # this rank's part of each parameter (itself when not sharded)
         self.master = [p.detach() if p.dtype == torch.float32 else p.detach().float() for p in self.model_params]
         self.needs_copy_back = [m is not p for m, p in zip(self.master, self.model_params)]
         self.exp_avg = [torch.zeros_like(m) for m in self.master]
@@ -141,7 +169,7 @@ class AdamW:
         self.lr_t = torch.zeros((), dtype=torch.float32, device=device)
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
         self.found = torch.zeros((), dtype=torch.float32, device=device)
-        decay = [not _no_decay(names.get(id(p), ""), p) for p in self.model_params]
+        decay = [not _no_decay(names.get(id(p), ""), p) for p in grads.params]
         self.groups = [
             [i for i, d in enumerate(decay) if d],
             [i for i, d in enumerate(decay) if not d],
@@ -170,7 +198,7 @@ class AdamW:
     def step(self, extra_nonfinite: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Clip, schedule and update; no host sync anywhere."""
         grads = self.grads.grads
-        norm = torch.linalg.vector_norm(self.grads.flat, 2.0)
+        norm = self.grads.norm()
         self.grad_norm.copy_(norm)
         if self.check_nonfinite:
             bad = ~torch.isfinite(norm)

@@ -79,18 +79,28 @@ class TrainStep:
 
 
 class EvalStep:
-    """Mean loss over evaluation micro-batches, without gradients."""
+    """Mean loss over evaluation micro-batches, without gradients.
 
-    def __init__(self, model: nn.Module, device: torch.device, reduce_loss: Callable[[torch.Tensor], Any] | None = None):
+    ``release``: called after the last forward, to free what a forward keeps
+    for a backward that never comes -- FSDP2's unsharded parameters
+    (training/parallel.py), so every step, graphed or not, ends with the
+    parameters sharded, as a training step does.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, reduce_loss: Callable[[torch.Tensor], Any] | None = None,
+                 release: Callable[[], None] | None = None):
         self.model = model
         self.device = device
         self.reduce_loss = reduce_loss
+        self.release = release
 
     @torch.no_grad()
     def __call__(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for mb in batches:
             total.add_(self.model(mb["tokens"], mb["labels"], mb.get("loss_mask")))
+        if self.release is not None:
+            self.release()
         mean = total / len(batches)
         if self.reduce_loss is not None:
             self.reduce_loss(mean)

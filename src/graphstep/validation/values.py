@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from graphstep.config import Config, ConfigError, iter_fields, set_value
 
+from .parallel_rules import data_parallel_size
 from .report import Violation, as_int as _int, as_num as _num, as_str as _str, checked as _checked, fmt as _fmt
 from .report import get as _get, names as _names, violation as _v
 
@@ -257,7 +258,7 @@ def _hf_path_violations(cfg: Config) -> list[Violation]:
 
 def _batch_violations(cfg: Config, world_size: int) -> list[Violation]:
     """V13: the global batch splits into whole micro-batches on every data-parallel rank (data/loader.py)."""
-    t, ranks = cfg.train, max(world_size, 1)
+    t, ranks = cfg.train, data_parallel_size(cfg, world_size)
     gbs, mbs = _int(t.global_batch_size), _int(t.micro_batch_size)
     if gbs is None or mbs is None or mbs < 1 or gbs < 1 or gbs % (mbs * ranks) == 0:
         return []  # wrong types and values below 1: V reports them

@@ -1,0 +1,155 @@
+"""Tensor/sequence parallel (DTensor) and FSDP2 under torchrun: graphed runs equal eager, bit for bit.
+
+One torchrun launch of 2 ranks runs this file as its worker (``__main__``
+below). Each rank trains every layout of ``LAYOUTS`` twice -- eagerly and with
+the full-iteration, optimizer and evaluation graphs -- and writes, per run,
+the per-iteration losses, the evaluation losses and a digest of the
+parameters it holds (its shard). On the CPU, the graphs run on the replay
+backend over gloo (the collectives DTensor and FSDP2 issue are recorded and
+re-run); with ``cuda`` (2 GPUs, scripts/gpu-check) they are CUDA graphs over
+NCCL. Dropout is on: attention dropout draws from the model-parallel stream,
+hidden dropout from the data-parallel one (model-parallel with sequence
+parallelism).
+
+A second set of runs with dropout off compares layouts with each other: a
+tensor-parallel or FSDP2 run computes what one process computes with the same
+global batch, up to the order of floating-point sums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from test_distributed import subprocess_env, torchrun  # noqa: E402
+
+ITERS = 10
+COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
+          "train.eval_iters=2", "train.eval_interval=5", "model.use_te_rng_tracker=true"]
+GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+LAYOUTS = {
+    "tp2_sp": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
+    "tp2": ["model.tensor_model_parallel_size=2"],
+    "fsdp_zero3": ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    "fsdp_zero2": ["ddp.use_distributed_optimizer=true"],
+}
+NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+
+
+def shard_digest(model: torch.nn.Module) -> str:
+    """This rank's part of every parameter (the local tensor of a DTensor)."""
+    from graphstep.training.parallel import local_tensor
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(local_tensor(p).detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _worker(out: Path, device: str) -> None:
+    import torch.distributed as dist
+
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    report: dict[str, dict] = {}
+    try:
+        runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else [])]
+                for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
+        runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT] for name, layout in LAYOUTS.items()})
+        runs["dp2/nodrop"] = NO_DROPOUT
+        for name, overrides in runs.items():
+            result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
+            report[name] = {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
+                            "eval": result.eval_losses, "shard": shard_digest(result.model)}
+    finally:
+        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+def run_layouts(tmp: Path, device: str, timeout: float) -> list[dict]:
+    cmd = torchrun(2, str(Path(__file__).resolve()), str(tmp), device)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("layouts"), "cpu", timeout=600)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_graphed_layout_equals_eager_bit_for_bit(reports, layout):
+    for report in reports:
+        eager, graphed = report[f"{layout}/eager"], report[f"{layout}/graphed"]
+        assert len(eager["losses"]) == ITERS and len(eager["eval"]) == 2
+        assert graphed["losses"] == eager["losses"]  # JSON floats: the exact bits
+        assert graphed["eval"] == eager["eval"]
+        assert graphed["shard"] == eager["shard"]
+        assert graphed["states"][1:4] == ["eager", "captured", "replayed"]
+        assert eager["losses"][-1] < eager["losses"][0]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_ranks_agree_on_the_logged_losses(reports, layout):
+    for mode in ("eager", "graphed"):
+        assert reports[0][f"{layout}/{mode}"]["losses"] == reports[1][f"{layout}/{mode}"]["losses"]
+        assert reports[0][f"{layout}/{mode}"]["eval"] == reports[1][f"{layout}/{mode}"]["eval"]
+
+
+def test_shards_differ_between_ranks(reports):
+    """Each rank holds its own part of the parameters (not a replica) in every sharded layout."""
+    for layout in LAYOUTS:
+        assert reports[0][f"{layout}/eager"]["shard"] != reports[1][f"{layout}/eager"]["shard"], layout
+    assert reports[0]["dp2/nodrop"]["shard"] == reports[1]["dp2/nodrop"]["shard"]  # replicas
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    return train(tiny_config(*COMMON, *NO_DROPOUT))
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "dp2"])
+def test_layout_computes_what_one_process_computes(reports, one_process, layout):
+    """Dropout off: the same global batch and weights, so only the order of sums differs."""
+    two = torch.tensor(reports[0][f"{layout}/nodrop"]["losses"], dtype=torch.float64)
+    one = torch.tensor(one_process.losses, dtype=torch.float64)
+    assert two.shape == one.shape == (ITERS,)
+    torch.testing.assert_close(two, one, rtol=2e-5, atol=0)
+    if not layout.startswith("tp2"):
+        return  # 2 data-parallel ranks each evaluate eval_iters batches of their own: other batches
+    ev2 = torch.tensor([v for _, v in reports[0][f"{layout}/nodrop"]["eval"]], dtype=torch.float64)
+    ev1 = torch.tensor([v for _, v in one_process.eval_losses], dtype=torch.float64)
+    torch.testing.assert_close(ev2, ev1, rtol=2e-5, atol=0)
+
+
+@pytest.mark.cuda
+def test_layouts_on_two_gpus_graphed_equal_eager(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine)")
+    reports = run_layouts(tmp_path, "cuda", timeout=900)
+    for layout in LAYOUTS:
+        for report in reports:
+            assert report[f"{layout}/graphed"]["losses"] == report[f"{layout}/eager"]["losses"], layout
+            assert report[f"{layout}/graphed"]["shard"] == report[f"{layout}/eager"]["shard"], layout
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,173 @@
+"""The pieces under tensor parallel and FSDP2, in one process: what the replay backend must record, the
+one-rank mesh the trainer builds for FSDP2, the RNG streams per tensor-parallel rank, and a DTensor model
+captured as a graph (the ``cuda`` twins run the same on a GPU through scripts/gpu-check).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import graphstep
+from graphstep import CaptureError
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def _steps(fn, n: int = 6, shape=(4, 8), device: str = "cpu") -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [fn(torch.randn(*shape, generator=g).to(device)).clone() for _ in range(n)]
+
+
+def test_storage_resizes_are_replayed_in_order(monkeypatch):
+    """FSDP2 allocates and frees its unsharded parameters by resizing storages: replay must do the same
+    (otherwise the replayed ops write into freed memory, which may even read back right by chance)."""
+    resizes: list[int] = []
+    real = torch.UntypedStorage.resize_
+
+    def counted(self, size):
+        resizes.append(size)
+        return real(self, size)
+
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", counted)
+
+    def make():
+        w = torch.arange(8.0)
+        full = torch.empty(8)
+        full.untyped_storage().resize_(0)  # freed between steps, as FSDP2's unsharded parameter is
+
+        def step(x):
+            full.untyped_storage().resize_(8 * 4)
+            full.copy_(w * 2)
+            y = (x * full).sum(-1)
+            w.add_(0.5)
+            full.untyped_storage().resize_(0)
+            return y
+
+        return step, w
+
+    eager_step, w_eager = make()
+    eager = _steps(eager_step)
+    graphed_step, w_graphed = make()
+    resizes.clear()
+    graphed = _steps(graphstep.graph_step(graphed_step, warmup_steps=2, backend="replay"))
+    graphstep.close_all()
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
+    assert torch.equal(w_eager, w_graphed)
+    # 2 eager calls, the capture (which runs the step), then 4 replays: allocate and free each time
+    assert resizes == [32, 0] * (2 + 1 + 4)
+
+
+def test_scalar_fill_through_a_boolean_mask_is_captured_but_a_tensor_through_it_is_refused():
+    """``t[mask] = 0`` is masked_fill_ (no sync); ``t[mask] = values`` needs the mask's count."""
+
+    def fill(x):
+        y = x.clone()
+        y[y < 0] = 0
+        return y
+
+    assert all(torch.equal(a, b) for a, b in zip(_steps(fill), _steps(graphstep.graph_step(fill, warmup_steps=1,
+                                                                                              backend="replay"))))
+
+    def scatter(x):
+        y = x.clone()
+        y[y < 0] = x[:1].expand_as(x)[y < 0]
+        return y
+
+    step = graphstep.graph_step(scatter, warmup_steps=1, backend="replay")
+    step(torch.randn(4, 8))
+    with pytest.raises(CaptureError, match="boolean-mask"):
+        step(torch.randn(4, 8))
+    graphstep.close_all()
+
+
+def test_tensor_parallel_streams_differ_per_rank_and_data_parallel_streams_do_not():
+    from graphstep.cuda_graph.rng import DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, initialize_rng_tracker
+
+    def draws(tp_rank: int) -> dict[str, torch.Tensor]:
+        tracker = initialize_rng_tracker(1234, "cpu", tp_rank=tp_rank)
+        out = {}
+        for name in (DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG):
+            with tracker.fork(name):
+                out[name] = torch.rand(16)
+        return out
+
+    r0, r1 = draws(0), draws(1)
+    assert torch.equal(r0[DATA_PARALLEL_RNG], r1[DATA_PARALLEL_RNG])  # the same activations on every tp rank
+    assert not torch.equal(r0[MODEL_PARALLEL_RNG], r1[MODEL_PARALLEL_RNG])  # their own heads / tokens
+
+
+@pytest.fixture
+def one_rank_group(request):
+    device = request.node.callspec.params.get("device", "cpu") if hasattr(request.node, "callspec") else "cpu"
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    yield device
+    graphstep.close_all()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequence_parallel_model_on_a_one_rank_mesh_graphs_equal_eager(one_rank_group, device):
+    """GPTModel through the tensor-parallel plan (DTensor parameters, SequenceParallel norms, the
+    vocabulary-parallel logits) captured whole with its AdamW-free SGD step: equal to eager, bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graphstep.models.transformer import GPTModel, ModelShape
+    from graphstep.config import ModelConfig
+    from graphstep.training.parallel import apply_tensor_parallel, local_tensor
+
+    def make():
+        torch.manual_seed(0)
+        model = GPTModel(ModelShape.from_config(ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64,
+                                                            num_attention_heads=4, seq_length=16, vocab_size=64)))
+        model.to(device)
+        apply_tensor_parallel(model, init_device_mesh(device, (1,)), sequence_parallel=True)
+        params = list(model.parameters())
+        for p in params:
+            p.grad = torch.zeros_like(p)
+
+        def step(tokens):
+            for p in params:
+                p.grad.zero_()
+            loss = model(tokens, tokens)
+            loss.backward()
+            with torch.no_grad():
+                for p in params:
+                    local_tensor(p).sub_(0.1 * local_tensor(p.grad))
+            return loss.detach()
+
+        return model, step
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 64, (2, 16), generator=g).to(device) for _ in range(6)]
+    model, step = make()
+    eager = [step(b).clone() for b in batches]
+    eager_params = [local_tensor(p).detach().clone() for p in model.parameters()]
+    model, step = make()
+    graphed_step = graphstep.graph_step(step, warmup_steps=2, device=device)
+    graphed = [graphed_step(b).clone() for b in batches]
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed)), (eager, graphed)
+    assert all(torch.equal(a, local_tensor(p).detach()) for a, p in zip(eager_params, model.parameters()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fsdp_on_one_rank_trains_graphed_equal_to_eager(device):
+    """ddp.use_megatron_fsdp in one process: the trainer makes a one-rank group and mesh, shards with FSDP2,
+    and the full-iteration, optimizer and evaluation graphs equal the eager run bit for bit."""
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    common = ["train.train_iters=8", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2", "train.eval_iters=2",
+              "train.eval_interval=4", "model.use_te_rng_tracker=true", f"train.device={device}",
+              "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
+    eager = train(tiny_config(*common))
+    assert not dist.is_initialized()  # the run's own group is gone with the run
+    graphed = train(tiny_config(*common, "model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"))
+    assert graphed.losses == eager.losses and graphed.eval_losses == eager.eval_losses
+    assert [r["state"] for r in graphed.rows][1:4] == ["eager", "captured", "replayed"]
+    assert eager.losses[-1] < eager.losses[0]
