@@ -44,6 +44,12 @@ LAYOUTS = {
     "fsdp_zero2": ["ddp.use_distributed_optimizer=true"],
 }
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+# 4 ranks: 2 data-parallel x 2 tensor-parallel, the data-parallel dimension sharded by FSDP2 or replicated
+LAYOUTS_2D = {
+    "tp2_sp_fsdp2": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
+                     "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    "tp2_dp2": ["model.tensor_model_parallel_size=2"],
+}
 
 
 def shard_digest(model: torch.nn.Module) -> str:
@@ -56,7 +62,7 @@ def shard_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _worker(out: Path, device: str) -> None:
+def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool) -> None:
     import torch.distributed as dist
 
     from conftest import tiny_config
@@ -68,9 +74,10 @@ def _worker(out: Path, device: str) -> None:
     report: dict[str, dict] = {}
     try:
         runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else [])]
-                for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
-        runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT] for name, layout in LAYOUTS.items()})
-        runs["dp2/nodrop"] = NO_DROPOUT
+                for name, layout in layouts.items() for mode in ("eager", "graphed")}
+        if compare:
+            runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT] for name, layout in layouts.items()})
+            runs["dp2/nodrop"] = NO_DROPOUT
         for name, overrides in runs.items():
             result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
             report[name] = {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
@@ -80,16 +87,32 @@ def _worker(out: Path, device: str) -> None:
         dist.destroy_process_group()
 
 
-def run_layouts(tmp: Path, device: str, timeout: float) -> list[dict]:
-    cmd = torchrun(2, str(Path(__file__).resolve()), str(tmp), device)
+def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
+    cmd = torchrun(nproc, str(Path(__file__).resolve()), str(tmp), device, layouts)
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     return run_layouts(tmp_path_factory.mktemp("layouts"), "cpu", timeout=600)
+
+
+def test_two_dimensional_layouts_on_four_ranks_equal_eager(tmp_path):
+    """dp2 x tp2: FSDP2 over tensor-parallel DTensors (2-D shards), and replicated data parallel whose gradient
+    all-reduce runs over each tensor-parallel rank's data-parallel group."""
+    reports = run_layouts(tmp_path, "cpu", timeout=600, nproc=4, layouts="LAYOUTS_2D")
+    for layout in LAYOUTS_2D:
+        for report in reports:
+            eager, graphed = report[f"{layout}/eager"], report[f"{layout}/graphed"]
+            assert len(eager["losses"]) == ITERS and eager["losses"][-1] < eager["losses"][0]
+            assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"], layout
+            assert graphed["shard"] == eager["shard"], layout
+        assert all(r[f"{layout}/eager"]["losses"] == reports[0][f"{layout}/eager"]["losses"] for r in reports)
+        shards = [r[f"{layout}/eager"]["shard"] for r in reports]  # ranks 0, 1 = tp ranks of replica 0
+        assert shards[0] != shards[1]
+        assert (shards[0] == shards[2]) == (layout == "tp2_dp2")  # replicas agree; FSDP2 shards differ
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -152,4 +175,4 @@ def test_layouts_on_two_gpus_graphed_equal_eager(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), sys.argv[2])
+    _worker(Path(sys.argv[1]), sys.argv[2], globals()[sys.argv[3]], compare=sys.argv[3] == "LAYOUTS")
