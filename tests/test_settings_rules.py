@@ -214,11 +214,6 @@ CASES = {
     "R27-moe": Case("R27", ("model.tensor_model_parallel_size=2", "model.num_moe_experts=4"),
                     "model.tensor_model_parallel_size=2 with model.num_moe_experts=4 (an MoE model) is not implemented",
                     "train MoE models with replicated data parallel", ("model.num_moe_experts=4",), {"WORLD_SIZE": "2"}),
-    "R27-checkpoint": Case("R27", ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads",
-                                   "checkpoint.save=/tmp/ckpt"), "with checkpoint.save=/tmp/ckpt (sharded checkpoints) "
-                           "is not implemented", "set checkpoint.save=null",
-                           ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=no_shard",
-                            "checkpoint.save=/tmp/ckpt")),
     "V-pattern": Case("V", ("model.hybrid_override_pattern=M*-",), "describes 3 layers but model.num_layers=2",
                       "model.num_layers=3", ("model.hybrid_override_pattern=M*",)),
 }

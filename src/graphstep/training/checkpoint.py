@@ -29,6 +29,9 @@ one iteration to the next, so a resumed run's losses are bit-identical:
 * ``model.*``: parameters and persistent buffers (e.g. MoE expert biases);
 * ``optimizer.*``: the step counter (the LR is computed from it on the
   device), fp32 master weights, ``exp_avg``, ``exp_avg_sq``, by parameter name;
+  under tensor parallelism or FSDP2 (training/parallel.py) both are DTensors
+  in the parameters' natural layout (training/checkpoint_layout.py), so a run
+  of another layout -- or one GPU -- loads them, DCP resharding;
 * ``scheduler.*``: the LR schedule's settings (checked on resume);
 * ``rng.rank<r>.*``: every RNG-tracker stream, torch's CPU and CUDA default
   generators and Python's ``random``, per rank;
@@ -63,10 +66,12 @@ from torch import nn
 from ..config import CheckpointConfig, Config
 from ..config_files import save_yaml
 from ..cuda_graph.rng import get_rng_tracker
+from .checkpoint_layout import LayoutEntries
 from .checkpoint_verify import ITER_DIR as _ITER_DIR
 from .checkpoint_verify import TRACKER, CheckpointError, choose_checkpoint
 from .distributed import DataParallel
 from .optim import AdamW
+from .parallel import fused_parts
 
 log = logging.getLogger("graphstep")
 
@@ -89,23 +94,40 @@ class TrainingState:
     valid: Any = None
     device: torch.device = torch.device("cpu")
 
-    def _param_names(self) -> list[str]:
+    def __post_init__(self) -> None:
+        self._layout = LayoutEntries()
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The model's entries (any layout loads them: training/checkpoint_layout.py)."""
+        return self._layout.model(self.model)
+
+    def finish_load(self) -> None:
+        """After ``dcp.load`` filled a state dict of this object: the fused tensor-parallel shards, in place."""
+        self._layout.finish_load()
+
+    def finish_save(self) -> None:
+        """After ``dcp.save``: drop the gathered copies the state dict held."""
+        self._layout = LayoutEntries()
+
+    def _optimizer_state(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        params = self.optimizer.grads.params  # the model's parameters (DTensors when sharded)
         names = {id(p): n for n, p in self.model.named_parameters()}
-        return [names[id(p)] for p in self.optimizer.model_params]
+        parts = {id(p): fused_parts(m) for m in self.model.modules() for p in m.parameters(recurse=False)}
+        return {names[id(p)]: self._layout.entry(t, p, parts.get(id(p))) for p, t in zip(params, tensors)}
 
     def state_dict(self, iteration: int, dp: DataParallel) -> dict[str, Any]:
         """The DCP state dict: live tensors (saved as they are, loaded into in place) and host values."""
         opt = self.optimizer
-        names = self._param_names()
         sched = opt.schedule
+        self._layout = LayoutEntries()
         state: dict[str, Any] = {
             "iteration": iteration,
-            "model": self.model.state_dict(),
+            "model": self.model_state(),
             "optimizer": {
                 "step": opt.step_t,
-                "master": dict(zip(names, opt.master)),
-                "exp_avg": dict(zip(names, opt.exp_avg)),
-                "exp_avg_sq": dict(zip(names, opt.exp_avg_sq)),
+                "master": self._optimizer_state(opt.master),
+                "exp_avg": self._optimizer_state(opt.exp_avg),
+                "exp_avg_sq": self._optimizer_state(opt.exp_avg_sq),
             },
             "scheduler": {"max_lr": sched.max_lr, "min_lr": sched.min_lr, "warmup_iters": sched.warmup_iters,
                           "decay_iters": sched.decay_iters, "style": sched.style},
@@ -184,6 +206,7 @@ def save_checkpoint(root: str | Path, iteration: int, state: TrainingState, dp: 
     dp.barrier()
     with _single_process_quiet():
         dcp.save(state.state_dict(iteration, dp), checkpoint_id=tmp, process_group=dp.control)
+    state.finish_save()
     if dp.is_main and config is not None:
         save_yaml(config, tmp / "config.yaml")
     if before_rename is not None:
@@ -247,8 +270,9 @@ def _fsync_dir(path: Path) -> None:
 def load_checkpoint(path: Path, state: TrainingState, dp: DataParallel, *, finetune: bool = False) -> int:
     """Load ``path`` into ``state`` in place; returns the iteration to continue after (0 with finetune)."""
     if finetune:  # weights only: a fresh optimizer, schedule, data order and iteration count
-        template: dict[str, Any] = {"model": state.model.state_dict()}
+        template: dict[str, Any] = {"model": state.model_state()}
         _dcp_load(template, path, dp)
+        state.finish_load()
         with torch.no_grad():
             for master, p in zip(state.optimizer.master, state.optimizer.model_params):
                 if master.data_ptr() != p.data_ptr():
@@ -267,6 +291,7 @@ def load_checkpoint(path: Path, state: TrainingState, dp: DataParallel, *, finet
     if "valid" in template["data"] and not _has_key(path, "data.valid."):  # saved by a run without evaluation
         del template["data"]["valid"]
     _dcp_load(template, path, dp)
+    state.finish_load()
     _check_schedule(template["scheduler"], state.optimizer, path)
     _set_rng_state(template["rng"][f"rank{rng_rank}"], state.device)
     state.data.load_state_dict(template["data"]["train"])

@@ -11,8 +11,8 @@ training/parallel.py; these rules say which configurations it takes:
   ``sequence_parallel`` needs tensor parallelism;
 * R26 -- the data-parallel sharding strategy is one FSDP2 implements;
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE and
-  hybrid (Mamba) models, per-layer graphs, checkpoints, torch.compile and
-  activation recompute. Each is refused by name, never ignored.
+  hybrid (Mamba) models, per-layer graphs, torch.compile and activation
+  recompute. Each is refused by name, never ignored.
 
 docs/rules.md describes every rule with an example override and its fix.
 """
@@ -113,10 +113,6 @@ def _r27(v: View) -> list[Violation]:
     if v.per_layer:
         refuse("model.cuda_graph_impl", f"per-layer graphs ({_impl_f(v)})", "set model.cuda_graph_impl=full_iteration "
                "(the whole iteration in one graph, collectives included) or none.")
-    for field in ("checkpoint.save", "checkpoint.load"):
-        value = getattr(cfg.checkpoint, field.split(".")[1])
-        if value:
-            refuse(field, f"{field}={_fmt(value)} (sharded checkpoints)", f"set {field}=null.")
     if cfg.compile.enable is True:
         refuse("compile.enable", "compile.enable=true", "set compile.enable=false.")
     if m.recompute_granularity is not None:

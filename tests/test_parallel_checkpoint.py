@@ -1,0 +1,131 @@
+"""Checkpoints of sharded runs: exact resume at the same layout, and resharding to and from one process.
+
+A torchrun launch of 2 gloo ranks (this file's ``__main__``) trains each
+layout of ``LAYOUTS`` for 6 iterations with the full-iteration graph, saving
+at iteration 3 and 6; resumes from its own iteration-3 checkpoint; and
+resumes from a checkpoint a single process saved at iteration 3. The single
+process (the test itself) then resumes from each layout's iteration-3
+checkpoint, and loads each layout's final checkpoint to compare weights.
+Dropout is off, so runs of different layouts compute the same thing up to
+the order of floating-point sums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from test_distributed import subprocess_env, torchrun  # noqa: E402
+
+LAYOUTS = {
+    "tp2_sp": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
+    "fsdp_zero3": ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+}
+COMMON = ["train.train_iters=6", "logger.log_interval=1", "model.attention_dropout=0.0", "model.hidden_dropout=0.0",
+          "checkpoint.save_interval=3", "model.use_te_rng_tracker=true"]
+GRAPHED = ["model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1"]
+
+
+def natural_digest(model: torch.nn.Module) -> str:
+    """The parameters in their natural layout (gathered when sharded), hashed in order."""
+    from graphstep.training.checkpoint_layout import LayoutEntries
+
+    h = hashlib.sha256()
+    for key, t in sorted(LayoutEntries().model(model).items()):
+        whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+        h.update(key.encode() + whole.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _worker(out: Path, one_ckpt: str) -> None:
+    import torch.distributed as dist
+
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    dist.init_process_group("gloo")
+    report: dict[str, dict] = {}
+    try:
+        for name, layout in LAYOUTS.items():
+            save = out / name
+            whole = train(tiny_config(*COMMON, *GRAPHED, *layout, f"checkpoint.save={save}"), keep_model=True)
+            own = train(tiny_config(*COMMON, *GRAPHED, *layout, f"checkpoint.load={save}/iter_0000003",
+                                    f"checkpoint.save={out / (name + '-own')}"))
+            other = train(tiny_config(*COMMON, *GRAPHED, *layout, f"checkpoint.load={one_ckpt}",
+                                      f"checkpoint.save={out / (name + '-from-one')}"))
+            report[name] = {"whole": whole.losses, "own": own.losses, "from_one": other.losses,
+                            "digest": natural_digest(whole.model)}
+    finally:
+        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    tmp = tmp_path_factory.mktemp("ckpt")
+    one = train(tiny_config(*COMMON, f"checkpoint.save={tmp / 'one'}"))
+    cmd = torchrun(2, str(Path(__file__).resolve()), str(tmp), str(tmp / "one" / "iter_0000003"))
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    reports = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return tmp, one, reports
+
+
+def _close(a: list[float], b: list[float]) -> None:
+    torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
+                               rtol=2e-5, atol=0)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_at_the_same_layout_is_exact(runs, layout):
+    _, _, reports = runs
+    for report in reports:
+        case = report[layout]
+        assert len(case["whole"]) == 6 and len(case["own"]) == 3
+        assert case["own"] == case["whole"][3:]  # bit for bit, graphed
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sharded_run_resumes_from_a_one_process_checkpoint(runs, layout):
+    _, one, reports = runs
+    _close(reports[0][layout]["from_one"], one.losses[3:])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_one_process_resumes_from_a_sharded_checkpoint(runs, layout):
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    tmp, _, reports = runs
+    resumed = train(tiny_config(*COMMON, f"checkpoint.load={tmp / layout}/iter_0000003",
+                                f"checkpoint.save={tmp / (layout + '-to-one')}"))
+    _close(resumed.losses, reports[0][layout]["whole"][3:])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_one_process_loads_the_sharded_weights_bit_for_bit(runs, layout):
+    """The final checkpoint of a sharded run, loaded by one process: the same weights as the run ended with."""
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    tmp, _, reports = runs
+    loaded = train(tiny_config(*COMMON, f"checkpoint.load={tmp / layout}/iter_0000006",
+                               "checkpoint.save_interval=null"), keep_model=True)
+    assert loaded.losses == []  # resumed at its last iteration: nothing left to train
+    assert natural_digest(loaded.model) == reports[0][layout]["digest"] == reports[1][layout]["digest"]
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), sys.argv[2])
