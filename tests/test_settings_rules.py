@@ -214,6 +214,12 @@ CASES = {
     "R27-moe": Case("R27", ("model.tensor_model_parallel_size=2", "model.num_moe_experts=4"),
                     "model.tensor_model_parallel_size=2 with model.num_moe_experts=4 (an MoE model) is not implemented",
                     "train MoE models with replicated data parallel", ("model.num_moe_experts=4",), {"WORLD_SIZE": "2"}),
+    "R27-warmup": Case("R27", ("model.tensor_model_parallel_size=2", "model.cuda_graph_impl=full_iteration",
+                               "model.use_te_rng_tracker=true", "model.cuda_graph_warmup_steps=0"),
+                       "model.cuda_graph_warmup_steps=0 (the first iteration would be captured",
+                       "set model.cuda_graph_warmup_steps=1 or more", ("model.tensor_model_parallel_size=2",
+                       "model.cuda_graph_impl=full_iteration", "model.use_te_rng_tracker=true",
+                       "model.cuda_graph_warmup_steps=1"), {"WORLD_SIZE": "2"}),
     "V-pattern": Case("V", ("model.hybrid_override_pattern=M*-",), "describes 3 layers but model.num_layers=2",
                       "model.num_layers=3", ("model.hybrid_override_pattern=M*",)),
 }

@@ -12,7 +12,8 @@ training/parallel.py; these rules say which configurations it takes:
 * R26 -- the data-parallel sharding strategy is one FSDP2 implements;
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE and
   hybrid (Mamba) models, per-layer graphs, torch.compile and activation
-  recompute. Each is refused by name, never ignored.
+  recompute; and a capture of the very first iteration (no warm-up step).
+  Each is refused by name, never ignored.
 
 docs/rules.md describes every rule with an example override and its fix.
 """
@@ -113,6 +114,11 @@ def _r27(v: View) -> list[Violation]:
     if v.per_layer:
         refuse("model.cuda_graph_impl", f"per-layer graphs ({_impl_f(v)})", "set model.cuda_graph_impl=full_iteration "
                "(the whole iteration in one graph, collectives included) or none.")
+    warmup = _int(m.cuda_graph_warmup_steps)
+    if v.impl == "full_iteration" and warmup == 0:
+        refuse("model.cuda_graph_warmup_steps", "model.cuda_graph_warmup_steps=0 (the first iteration would be "
+               "captured: FSDP2 initialises lazily and DTensor builds its sharding plans on the first step, and "
+               "neither may happen inside a capture)", "set model.cuda_graph_warmup_steps=1 or more.")
     if cfg.compile.enable is True:
         refuse("compile.enable", "compile.enable=true", "set compile.enable=false.")
     if m.recompute_granularity is not None:
