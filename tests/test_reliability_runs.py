@@ -280,7 +280,7 @@ def test_run_that_does_not_fit_is_refused_with_what_would(monkeypatch):
     with pytest.raises(RunSetupError, match=r"needs about .* fp32 gradients .* train.micro_batch_size=1 would fit"):
         train(cfg)
     monkeypatch.setattr(memory, "available_memory", lambda device: est.static // 2)
-    with pytest.raises(RunSetupError, match=r"optimizer state alone need .* FSDP sharding \(not yet available"):
+    with pytest.raises(RunSetupError, match=r"optimizer state alone need .*_sharding_strategy=optim_grads_params"):
         check_memory_fits(cfg, torch.device("cpu"))
     monkeypatch.setattr(memory, "available_memory", lambda device: est.total * 2)
     assert check_memory_fits(cfg, torch.device("cpu")) == est

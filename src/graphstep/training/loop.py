@@ -177,7 +177,7 @@ def _preflight(cfg: Config, dp: DataParallel, device: torch.device) -> RunLock:
     try:
         check_outputs_writable(cfg, metrics=dp.is_main)
         replicas = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1  # ranks share RAM
-        check_memory_fits(cfg, device, replicas=replicas)
+        check_memory_fits(cfg, device, replicas=replicas, layout=dp.layout)
         lock.__enter__()
     except RunSetupError as exc:
         error = exc

@@ -1,39 +1,60 @@
-"""Will the run fit? A memory estimate before anything is built.
+"""Will the run fit? A memory estimate per rank, before anything is built.
 
-``estimate_memory(cfg, device)`` counts the parameters exactly by building
-the model on PyTorch's ``meta`` device (shapes only, no storage), then adds
-what graphstep keeps per parameter and what one micro-batch keeps for its
-backward. With ``P`` parameters, ``B`` buffer elements and ``e`` bytes per
-element of the parameter dtype (2 for bf16, 4 for fp32)::
+``estimate_memory(cfg, device, layout)`` counts the parameters exactly by
+building the model on PyTorch's ``meta`` device (shapes only, no storage),
+then adds what one rank of the run's layout (training/parallel.py: ``dp``
+data-parallel x ``tp`` tensor-parallel ranks, FSDP2 or not) keeps per
+parameter and what one micro-batch keeps for its backward. ``layout=None``
+is one unsharded replica. With ``P`` parameters, ``B`` buffer elements and
+``e`` bytes per element of the parameter dtype (2 for bf16, 4 for fp32)::
 
-    weights      P * e  +  B * e
-    gradients    P * 4                 fp32 main_grad buffer (training/optim.py)
-    optimizer    P * 8  (+ P * 4)      Adam exp_avg and exp_avg_sq in fp32, plus an
-                                       fp32 master copy when the weights are not fp32
+                 replicated data parallel          FSDP2 (p = P / (tp * dp))
+    weights      P/tp * e  +  B * e                p * 4  +  G * e  +  B * e
+    gradients    P/tp * 4                          p * 4
+    optimizer    P/tp * 8  (+ P/tp * 4)            p * 8
     activations  b * s * (sum over layers of the block terms + logits)
 
-per token (``b`` = micro-batch, ``s`` = sequence, ``h`` = hidden, ``f`` = FFN
-width, ``kv`` = key/value width, masks 1 byte per element)::
+Gradients are graphstep's fp32 ``main_grad`` buffer (training/optim.py), the
+optimizer Adam's exp_avg and exp_avg_sq in fp32, plus an fp32 master copy
+when replicated weights are not fp32. Under FSDP2 the fp32 shards are the
+master weights themselves, and ``G`` is the compute copy gathered in the
+model dtype: with ``optim_grads_params`` (ZeRO-3) the largest decoder layer
+plus the root module's parameters (embedding, final norm, output layer),
+which FSDP2 keeps gathered from forward to backward, divided by ``tp``; with
+``optim_grads`` (ZeRO-2) every layer stays gathered to its backward:
+``P/tp``. Every parameter counts as split over the tensor-parallel ranks;
+the norm weights, which are replicated, are small enough to ignore.
 
-    attn   e * (5h + 3kv) + h           norms, qkv, RoPE'd q/k, attention output, dropout mask
-    mlp    e * (2h + 4f) + h            norm, SwiGLU fc1 (2f), SiLU and product (2f), dropout mask
-    moe    e * (2h + k * (h + 4f_e)) + 4 * E   top-k routed copies through the experts, router logits
-    mamba  e * (2h + 8h) + 4 * heads * chunk   in_proj, conv, gate (d_inner = 2h), SSD chunk matrices (fp32)
-    logits V * (e + 8)                  logits, fp32 log-softmax and its gradient
+Per token (``b`` = micro-batch, ``s`` = sequence, ``h`` = hidden, ``f`` = FFN
+width, ``kv`` = key/value width, masks 1 byte per element), each block keeps
+residual-stream terms ``r`` and inner terms ``i``, ``r + i/tp`` on a rank
+(``(r + i)/tp`` with ``sequence_parallel``, which splits the sequence)::
+
+    attn   r = e * 2h + h        i = e * (3h + 3kv)       norm in/out, dropout mask | qkv, RoPE'd q/k, attention out
+    mlp    r = e * 2h + h        i = e * 4f               norm in/out, dropout mask | SwiGLU fc1 (2f), SiLU, product
+    moe    r = e * 2h + 4 * E    i = e * k * (h + 4f_e)   router logits | top-k routed copies through the experts
+    mamba  r = e * 2h            i = e * 8h + 4 * heads * chunk   in_proj, conv, gate (d_inner = 2h), SSD chunks
+    logits V * (e + 8)           logits, fp32 log-softmax and its gradient: gathered whole on every rank
 
 With ``model.recompute_granularity=full`` a layer keeps only its input
-(``e * h`` per token) plus one layer's full terms during its recompute. On
-the CPU with attention dropout, PyTorch's math attention also keeps the
-scores: ``b * heads * s^2 * (e + 1)`` per layer. The estimate is a lower
-bound of what a step uses -- allocator fragmentation, workspaces and graph
-pools come on top -- so ``check_memory_fits`` refuses only when it exceeds
-95% of the memory the device has free (``torch.cuda.mem_get_info`` on a
-GPU, ``MemAvailable`` of ``/proc/meminfo`` on the CPU).
+(``e * h`` per token, a residual term) plus one layer's full terms during its
+recompute. On the CPU with attention dropout, PyTorch's math attention also
+keeps the scores, an inner term: ``b * heads * s^2 * (e + 1)`` per layer.
+The estimate is a lower bound of what a step uses -- allocator
+fragmentation, workspaces, graph pools, FSDP2's prefetched layer and its
+unsharded gradients come on top -- so ``check_memory_fits`` refuses only
+when it exceeds 95% of the memory the device has free
+(``torch.cuda.mem_get_info`` on a GPU, ``MemAvailable`` of
+``/proc/meminfo`` on the CPU). When it refuses because the weights, their
+gradients and optimizer state, or one sample's activations do not fit, it
+names the smallest FSDP2 ZeRO-3 layout (``dp`` x ``tp`` ranks, at most 1024)
+whose per-rank estimate fits the same device: see ``suggest_layout``.
 ``GRAPHSTEP_SKIP_MEMORY_CHECK=1`` skips the check.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from dataclasses import dataclass
@@ -44,17 +65,32 @@ from ..config import Config
 from ..cuda_graph.devices import GiB
 from ..models import build_model, resolve_dtype
 from ..models.hybrid import layer_kinds
+from .parallel import Layout
 from .rundir import RunSetupError
 
 log = logging.getLogger("graphstep")
 
 HEADROOM = 0.95  # refuse only when the estimate exceeds this share of the free memory
 SKIP_ENV = "GRAPHSTEP_SKIP_MEMORY_CHECK"
+ZERO3 = "optim_grads_params"
+ZERO3_OVERRIDES = f"ddp.use_megatron_fsdp=true ddp.data_parallel_sharding_strategy={ZERO3}"
+MAX_RANKS = 1024  # the largest layout suggest_layout tries
+TP_SIZES = (1, 2, 4, 8)  # tensor-parallel ranks stay inside one node
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameter and buffer elements of a model, and the parts FSDP2 gathers one at a time."""
+
+    parameters: int
+    buffers: int
+    largest_layer: int  # parameters of the largest decoder layer
+    root: int  # parameters outside the decoder layers: embedding, final norm, output layer
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a run needs on one device, by kind (see the module docstring)."""
+    """Bytes a run needs on one rank, by kind (see the module docstring)."""
 
     parameters: int
     weights: int
@@ -62,6 +98,7 @@ class MemoryEstimate:
     optimizer: int
     activations_per_sample: int
     micro_batch_size: int
+    layout: Layout = Layout()
 
     @property
     def static(self) -> int:
@@ -85,26 +122,80 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def count_parameters(cfg: Config) -> tuple[int, int]:
-    """``(parameters, buffer elements)`` of the model ``cfg.model`` describes, built on the meta device."""
+def _split(n: int, ways: int) -> int:
+    """One rank's share of ``n`` over ``ways`` ranks (rounded up)."""
+    return -(-n // ways)
+
+
+def parameter_counts(cfg: Config) -> ParameterCounts:
+    """The counts of the model ``cfg.model`` describes, built on the meta device."""
     with torch.device("meta"):
         model = build_model(cfg.model, "meta")
-    return sum(p.numel() for p in model.parameters()), sum(b.numel() for b in model.buffers())
+    params = sum(p.numel() for p in model.parameters())
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in getattr(model, "layers", [])]
+    return ParameterCounts(parameters=params, buffers=sum(b.numel() for b in model.buffers()),
+                           largest_layer=max(layers, default=0), root=params - sum(layers))
 
 
-def estimate_memory(cfg: Config, device: torch.device) -> MemoryEstimate:
-    """The memory ``cfg`` needs on ``device`` (one data-parallel replica)."""
-    params, buffers = count_parameters(cfg)
-    e = torch.empty((), dtype=resolve_dtype(cfg.model.params_dtype, device)).element_size()
-    master = 0 if e == 4 else params * 4  # fp32 weights serve as their own master copy
+def count_parameters(cfg: Config) -> tuple[int, int]:
+    """``(parameters, buffer elements)`` of the model ``cfg.model`` describes."""
+    counts = parameter_counts(cfg)
+    return counts.parameters, counts.buffers
+
+
+def element_size(cfg: Config, device: torch.device) -> int:
+    """Bytes per element of the parameter dtype on ``device``, without allocating there."""
+    return resolve_dtype(cfg.model.params_dtype, device).itemsize
+
+
+def estimate_memory(cfg: Config, device: torch.device, layout: Layout | None = None) -> MemoryEstimate:
+    """The memory ``cfg`` needs on one rank of ``layout`` on ``device`` (None: one unsharded replica)."""
+    return _estimate(cfg, device, layout or Layout(), parameter_counts(cfg))
+
+
+def _estimate(cfg: Config, device: torch.device, layout: Layout, counts: ParameterCounts) -> MemoryEstimate:
+    e = element_size(cfg, device)
+    weights, gradients, optimizer = static_bytes(counts, e, layout)
     return MemoryEstimate(
-        parameters=params, weights=(params + buffers) * e, gradients=params * 4, optimizer=params * 8 + master,
-        activations_per_sample=activation_bytes_per_sample(cfg, e, device), micro_batch_size=cfg.train.micro_batch_size,
+        parameters=counts.parameters, weights=weights, gradients=gradients, optimizer=optimizer,
+        activations_per_sample=activation_bytes_per_sample(cfg, e, device, layout),
+        micro_batch_size=cfg.train.micro_batch_size, layout=layout,
     )
 
 
-def activation_bytes_per_sample(cfg: Config, e: int, device: torch.device) -> int:
-    """Bytes one sample keeps for its backward (the block terms of the module docstring)."""
+def static_bytes(counts: ParameterCounts, e: int, layout: Layout) -> tuple[int, int, int]:
+    """``(weights, gradients, optimizer)`` bytes on one rank of ``layout`` (the table of the module docstring)."""
+    tp = layout.tp
+    buffers = counts.buffers * e
+    if layout.fsdp is None:
+        local = _split(counts.parameters, tp)
+        master = 0 if e == 4 else local * 4  # fp32 weights serve as their own master copy
+        return local * e + buffers, local * 4, local * 8 + master
+    shard = _split(counts.parameters, tp * layout.dp)
+    gathered = counts.largest_layer + counts.root if layout.fsdp == ZERO3 else counts.parameters
+    return shard * 4 + _split(gathered, tp) * e + buffers, shard * 4, shard * 8
+
+
+def activation_bytes_per_sample(cfg: Config, e: int, device: torch.device, layout: Layout | None = None) -> int:
+    """Bytes one sample keeps for its backward on one rank of ``layout`` (the block terms of the module docstring)."""
+    layout = layout or Layout()
+    m = cfg.model
+    blocks = _block_terms(cfg, e, device)
+    tp, sp = layout.tp, layout.sequence_parallel and layout.tp > 1
+
+    def on_rank(residual: int, inner: int) -> int:
+        return _split(residual + inner, tp) if sp else residual + _split(inner, tp)
+
+    layers = [on_rank(sum(blocks[k][0] for k in kinds), sum(blocks[k][1] for k in kinds)) for kinds in layer_kinds(m)]
+    if m.recompute_granularity == "full":
+        per_token = on_rank(e * m.hidden_size, 0) * len(layers) + max(layers)
+    else:
+        per_token = sum(layers)
+    return m.seq_length * (per_token + m.vocab_size * (e + 8))
+
+
+def _block_terms(cfg: Config, e: int, device: torch.device) -> dict[str, tuple[int, int]]:
+    """Per-token ``(residual, inner)`` bytes of each block kind (the module docstring's table)."""
     m = cfg.model
     s, h = m.seq_length, m.hidden_size
     heads = m.num_attention_heads
@@ -114,18 +205,12 @@ def activation_bytes_per_sample(cfg: Config, e: int, device: torch.device) -> in
     expert_ffn = (m.moe_ffn_hidden_size or ffn) + (m.moe_shared_expert_intermediate_size or 0)
     mamba_heads = 2 * h // max(1, m.mamba_head_dim)
     scores = heads * s * (e + 1) if device.type != "cuda" and m.attention_dropout > 0 else 0
-    block = {
-        "attn": e * (5 * h + 3 * kv) + h + scores,
-        "mlp": e * (2 * h + 4 * ffn) + h,
-        "moe": e * (2 * h + m.moe_router_topk * (h + 4 * expert_ffn)) + 4 * (m.num_moe_experts or 0),
-        "mamba": e * 10 * h + 4 * mamba_heads * m.mamba_chunk_size,
+    return {
+        "attn": (e * 2 * h + h, e * (3 * h + 3 * kv) + scores),
+        "mlp": (e * 2 * h + h, e * 4 * ffn),
+        "moe": (e * 2 * h + 4 * (m.num_moe_experts or 0), e * m.moe_router_topk * (h + 4 * expert_ffn)),
+        "mamba": (e * 2 * h, e * 8 * h + 4 * mamba_heads * m.mamba_chunk_size),
     }
-    layers = [sum(block[k] for k in kinds) for kinds in layer_kinds(m)]
-    if m.recompute_granularity == "full":
-        per_token = e * h * len(layers) + max(layers)
-    else:
-        per_token = sum(layers)
-    return s * (per_token + m.vocab_size * (e + 8))
 
 
 def available_memory(device: torch.device) -> int:
@@ -143,15 +228,19 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_memory_fits(cfg: Config, device: torch.device, *, replicas: int = 1) -> MemoryEstimate | None:
-    """Raise ``RunSetupError`` when the estimate clearly exceeds the device's free memory.
+def check_memory_fits(cfg: Config, device: torch.device, *, replicas: int = 1,
+                      layout: Layout | None = None) -> MemoryEstimate | None:
+    """Raise ``RunSetupError`` when one rank's estimate clearly exceeds the device's free memory.
 
     ``replicas``: ranks sharing this device's memory (CPU ranks of one host); each gets an equal share.
+    ``layout``: the run's data-parallel x tensor-parallel layout (None: one unsharded replica).
     """
     if os.environ.get(SKIP_ENV) == "1":
         return None
+    layout = layout or Layout()
     try:
-        estimate = estimate_memory(cfg, device)
+        counts = parameter_counts(cfg)
+        estimate = _estimate(cfg, device, layout, counts)
     except Exception as exc:  # a shape the meta build cannot take: the real build will say why
         log.debug("no memory estimate (%s: %s)", type(exc).__name__, exc)
         return None
@@ -162,21 +251,105 @@ def check_memory_fits(cfg: Config, device: torch.device, *, replicas: int = 1) -
     where = "GPU memory free" if device.type == "cuda" else "RAM available"
     if replicas > 1:
         where += f" per rank ({replicas} ranks share it)"
-    raise RunSetupError(f"the run needs about {_gib(estimate.total)} on {device} but {_gib(free)} of {where}: "
-                        f"{estimate.breakdown()}; {_what_fits(estimate, budget)} ({SKIP_ENV}=1 skips this check)")
+    raise RunSetupError(f"the run needs about {_gib(estimate.total)} per rank on {device} as {layout.describe()} "
+                        f"but {_gib(free)} of {where}: {estimate.breakdown()}; "
+                        f"{_what_fits(cfg, device, estimate, budget, counts)} ({SKIP_ENV}=1 skips this check)")
 
 
-def _what_fits(estimate: MemoryEstimate, budget: float) -> str:
+def _what_fits(cfg: Config, device: torch.device, estimate: MemoryEstimate, budget: float,
+               counts: ParameterCounts) -> str:
     per = max(1, estimate.activations_per_sample)
     room = budget - estimate.static
+    recompute = "" if estimate.layout.needs_mesh else "model.recompute_granularity=full or "  # R27 with a mesh
     if room >= per:
         return (f"train.micro_batch_size={int(room // per)} would fit (more micro-batches keep "
-                "train.global_batch_size), or model.recompute_granularity=full")
+                f"train.global_batch_size), or {recompute}a shorter model.seq_length")
     if room > 0:
-        return ("one sample's activations do not fit beside the weights and optimizer state: "
-                "model.recompute_granularity=full or a shorter model.seq_length")
-    if budget <= per:
-        return "even one sample's activations alone do not fit: use a device with more memory or a smaller model"
-    devices = max(2, -(-estimate.static // int(budget - per)))
-    return (f"weights, gradients and optimizer state alone need {_gib(estimate.static)}: about {devices} such "
-            "devices with FSDP sharding (not yet available in graphstep), or a smaller model")
+        why = ("one sample's activations do not fit beside the weights and optimizer state: "
+               f"{recompute}a shorter model.seq_length")
+    elif budget <= per:
+        why = f"one sample's activations alone need {_gib(per)}"
+    else:
+        why = f"weights, gradients and optimizer state alone need {_gib(estimate.static)}"
+    return f"{why}; {_layout_advice(cfg, device, budget, counts)}"
+
+
+def candidate_layouts(cfg: Config) -> list[Layout]:
+    """FSDP2 ZeRO-3 layouts the model takes (rule R25), fewest ranks first, then fewest tensor-parallel ranks.
+
+    ``dp`` >= 2 data-parallel ranks; ``tp`` must divide the heads, query
+    groups, MLP width and vocabulary; sequence parallel whenever ``tp`` > 1
+    and the sequence divides too (it splits the residual-stream activations).
+    """
+    m = cfg.model
+    sizes = (m.num_attention_heads, m.num_query_groups or m.num_attention_heads, m.ffn_hidden_size, m.vocab_size)
+    tps = [tp for tp in TP_SIZES if all(n % tp == 0 for n in sizes)]
+    out = []
+    ranks = 2
+    while ranks <= MAX_RANKS:
+        out += [Layout(dp=ranks // tp, tp=tp, sequence_parallel=tp > 1 and m.seq_length % tp == 0, fsdp=ZERO3)
+                for tp in tps if ranks // tp >= 2]
+        ranks *= 2
+    return out
+
+
+def shardable(cfg: Config) -> bool:
+    """Whether FSDP2 and tensor parallel take the model: not MoE or hybrid (Mamba) ones yet (rule R27)."""
+    return cfg.model.num_moe_experts is None and cfg.model.hybrid_override_pattern is None
+
+
+def suggest_layout(cfg: Config, device: torch.device, budget: float,
+                   counts: ParameterCounts | None = None) -> tuple[Layout, MemoryEstimate] | None:
+    """The first of ``candidate_layouts`` whose per-rank estimate fits ``budget`` bytes, with that estimate.
+
+    None for MoE and hybrid models, which FSDP2 and tensor parallel do not take yet (rule R27).
+    Activation recompute is left out of the estimate: R27 refuses it with these layouts.
+    """
+    if not shardable(cfg):
+        return None
+    counts = counts or parameter_counts(cfg)
+    plain = copy.deepcopy(cfg)
+    plain.model.recompute_granularity = None
+    for layout in candidate_layouts(cfg):
+        estimate = _estimate(plain, device, layout, counts)
+        if estimate.total <= budget:
+            return layout, estimate
+    return None
+
+
+def layout_overrides(cfg: Config, layout: Layout) -> list[str]:
+    """The overrides that ask for ``layout`` (an FSDP2 ZeRO-3 layout from ``candidate_layouts``)."""
+    out = ZERO3_OVERRIDES.split()
+    if layout.tp > 1:
+        out.append(f"model.tensor_model_parallel_size={layout.tp}")
+    if layout.sequence_parallel:
+        out.append("model.sequence_parallel=true")
+    if cfg.model.recompute_granularity is not None:
+        out.append("model.recompute_granularity=null")
+    per_step = cfg.train.micro_batch_size * layout.dp
+    if cfg.train.global_batch_size % per_step:  # rule V13: every data-parallel rank takes whole micro-batches
+        out.append(f"train.global_batch_size={_split(cfg.train.global_batch_size, per_step) * per_step}")
+    return out
+
+
+def launch(ranks: int, device: torch.device) -> str:
+    """How to start ``ranks`` processes: one node of up to 8 GPUs, nodes of 8 beyond, one CPU rank per host."""
+    if device.type != "cuda":
+        return f"launch on {ranks} hosts like this one (torchrun --nnodes {ranks} --nproc_per_node 1)"
+    if ranks <= 8:
+        return f"launch with torchrun --nproc_per_node {ranks}"
+    return f"launch on {ranks} GPUs, {ranks // 8} nodes x 8 (torchrun --nnodes {ranks // 8} --nproc_per_node 8)"
+
+
+def _layout_advice(cfg: Config, device: torch.device, budget: float, counts: ParameterCounts) -> str:
+    """One sentence: the smallest FSDP2 ZeRO-3 layout that fits, how to ask for it, or why there is none."""
+    if not shardable(cfg):
+        return ("FSDP2 and tensor parallel do not take MoE or hybrid models yet (rule R27): a device with more "
+                "memory or a smaller model")
+    found = suggest_layout(cfg, device, budget, counts)
+    if found is None:
+        return (f"no FSDP2 layout of up to {MAX_RANKS} such devices fits either: a smaller model or a shorter "
+                "model.seq_length")
+    layout, estimate = found
+    return (f"as {layout.describe()} it needs about {_gib(estimate.total)} per rank: "
+            f"add {' '.join(layout_overrides(cfg, layout))} and {launch(layout.dp * layout.tp, device)}")

@@ -1,0 +1,160 @@
+"""The memory check per rank of a layout (training/memory.py): FSDP2 and tensor parallel shrink the
+estimate as the module docstring's formula says, and a run too large for one device is told the
+smallest FSDP2 layout that fits. Shapes only (meta device): no GPU, no processes, no training."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from graphstep.config import apply_overrides
+from graphstep.recipes import get_recipe
+from graphstep.training import memory
+from graphstep.training.memory import (
+    GiB, HEADROOM, ZERO3, candidate_layouts, check_memory_fits, estimate_memory, parameter_counts,
+)
+from graphstep.training.parallel import Layout
+from graphstep.training.rundir import RunSetupError
+from graphstep.validation import validate
+
+CUDA = torch.device("cuda")  # never touched: the estimate needs only the dtype's element size
+H200 = 141 * GiB
+BF16 = 2
+ZERO3_ARGS = ["ddp.use_megatron_fsdp=true", f"ddp.data_parallel_sharding_strategy={ZERO3}"]
+
+
+def ceil_div(n: int, k: int) -> int:
+    return -(-n // k)
+
+
+@pytest.fixture(scope="module")
+def llama3_8b():
+    return get_recipe("llama3_8b")
+
+
+@pytest.fixture(scope="module")
+def counts(llama3_8b):
+    return parameter_counts(llama3_8b)
+
+
+def logits_bytes(cfg, e: int) -> int:
+    """The logits term of one sample: gathered whole on every rank."""
+    return cfg.model.seq_length * cfg.model.vocab_size * (e + 8)
+
+
+def test_parameter_counts_split_into_layers_and_root(llama3_8b, counts):
+    m = llama3_8b.model
+    assert counts.root == 2 * m.vocab_size * m.hidden_size + m.hidden_size  # embedding, output layer, final norm
+    assert counts.root + m.num_layers * counts.largest_layer == counts.parameters
+
+
+def test_fsdp_zero3_on_8_ranks_shards_the_static_memory(llama3_8b, counts):
+    cfg = get_recipe("llama3_8b")
+    apply_overrides(cfg, ZERO3_ARGS)
+    one, eight = Layout.from_config(cfg, 1), Layout.from_config(cfg, 8)
+    assert eight == Layout(dp=8, fsdp=ZERO3) and one == Layout(dp=1, fsdp=ZERO3)
+    p, b = counts.parameters, counts.buffers
+    gathered = (counts.largest_layer + counts.root) * BF16  # one layer and the root module, gathered in bf16
+    est = estimate_memory(cfg, CUDA, eight)
+    shard = ceil_div(p, 8)
+    assert (est.weights, est.gradients, est.optimizer) == (shard * 4 + gathered + b * BF16, shard * 4, shard * 8)
+    # against the same ZeRO-3 layout on one rank: the fp32 shards shrink 8-fold, the gathered copy does not
+    single = estimate_memory(cfg, CUDA, one)
+    fixed = gathered + b * BF16
+    assert single.static - fixed == 16 * p and est.static - fixed == 16 * shard
+    # against one unsharded replica: bf16 weights + fp32 grads + master, m, v
+    replica = estimate_memory(cfg, CUDA)
+    assert replica.static == p * (BF16 + 4 + 12) + b * BF16
+    assert replica.static / est.static == pytest.approx((p * 18 + b * BF16) / (shard * 16 + fixed))
+    assert est.activations_per_sample == replica.activations_per_sample  # data parallel leaves activations alone
+
+
+def test_fsdp_zero2_keeps_every_layer_gathered(llama3_8b, counts):
+    est = estimate_memory(llama3_8b, CUDA, Layout(dp=8, fsdp="optim_grads"))
+    shard = ceil_div(counts.parameters, 8)
+    assert est.weights == shard * 4 + counts.parameters * BF16 + counts.buffers * BF16
+
+
+def test_tensor_parallel_2_halves_the_static_memory(llama3_8b, counts):
+    p, b = counts.parameters, counts.buffers
+    assert p % 2 == 0
+    one = estimate_memory(llama3_8b, CUDA)
+    two = estimate_memory(llama3_8b, CUDA, Layout(tp=2))
+    assert (two.gradients, two.optimizer) == (one.gradients // 2, one.optimizer // 2)
+    assert two.static - b * BF16 == (one.static - b * BF16) // 2  # buffers (RoPE tables) are not split
+    fsdp1, fsdp2 = (estimate_memory(llama3_8b, CUDA, Layout(dp=4, tp=tp, fsdp=ZERO3)) for tp in (1, 2))
+    assert fsdp2.static - b * BF16 == ceil_div(fsdp1.static - b * BF16, 2)
+
+
+def test_sequence_parallel_halves_the_block_activations_not_the_logits(llama3_8b):
+    logits = logits_bytes(llama3_8b, BF16)
+    one = estimate_memory(llama3_8b, CUDA).activations_per_sample
+    sp = estimate_memory(llama3_8b, CUDA, Layout(tp=2, sequence_parallel=True)).activations_per_sample
+    no_sp = estimate_memory(llama3_8b, CUDA, Layout(tp=2)).activations_per_sample
+    assert sp - logits == (one - logits) // 2
+    assert sp < no_sp < one  # without sequence parallel the residual stream stays whole
+
+
+def _suggested(message: str) -> tuple[Layout, list[str], int]:
+    """The layout, overrides and rank count a refusal names."""
+    overrides = re.search(r"add (.*?) and launch", message).group(1).split()
+    ranks = int(re.search(r"--nproc_per_node (\d+)", message).group(1))
+    tp = next((int(o.split("=")[1]) for o in overrides if o.startswith("model.tensor_model_parallel_size=")), 1)
+    layout = Layout(dp=ranks // tp, tp=tp, sequence_parallel="model.sequence_parallel=true" in overrides, fsdp=ZERO3)
+    return layout, overrides, ranks
+
+
+def test_llama3_8b_on_one_h200_is_told_the_smallest_layout_that_fits(monkeypatch, llama3_8b):
+    monkeypatch.setattr(memory, "available_memory", lambda device: H200)
+    budget = HEADROOM * H200
+    with pytest.raises(RunSetupError) as info:
+        check_memory_fits(llama3_8b, CUDA)
+    message = str(info.value)
+    assert Layout().describe() in message and "per rank" in message
+    assert f"data_parallel_sharding_strategy={ZERO3}" in message and "nproc_per_node" in message
+    assert "not yet available" not in message
+    layout, _overrides, ranks = _suggested(message)
+    assert layout.describe() in message
+    assert estimate_memory(llama3_8b, CUDA, layout).total <= budget
+    smaller = [c for c in candidate_layouts(llama3_8b) if c.dp * c.tp < ranks]
+    assert all(estimate_memory(llama3_8b, CUDA, c).total > budget for c in smaller)
+    assert not torch.cuda.is_initialized()
+
+
+def test_the_suggested_layout_passes_the_check_and_the_layout_rules(monkeypatch, llama3_8b):
+    monkeypatch.setattr(memory, "available_memory", lambda device: H200)
+    with pytest.raises(RunSetupError) as info:
+        check_memory_fits(llama3_8b, CUDA)
+    layout, overrides, ranks = _suggested(str(info.value))
+    cfg = get_recipe("llama3_8b")
+    apply_overrides(cfg, overrides)
+    assert Layout.from_config(cfg, ranks) == layout
+    estimate = check_memory_fits(cfg, CUDA, layout=layout)
+    assert estimate is not None and estimate.layout == layout
+    layout_rules = {"R25", "R26", "R27", "V13"}
+    assert [v for v in validate(cfg, env={}, world_size=ranks) if v.rule in layout_rules] == []
+
+
+def test_nothing_fits_says_so(monkeypatch, llama3_8b):
+    monkeypatch.setattr(memory, "available_memory", lambda device: GiB)  # not even sharded 1024 ways
+    with pytest.raises(RunSetupError, match=r"no FSDP2 layout of up to 1024 such devices fits"):
+        check_memory_fits(llama3_8b, CUDA)
+
+
+def test_more_than_8_ranks_are_nodes_of_8(monkeypatch, llama3_8b):
+    sixteen = [c for c in candidate_layouts(llama3_8b) if c.dp * c.tp == 16]
+    budget = min(estimate_memory(llama3_8b, CUDA, c).total for c in sixteen)  # the best 16-rank layout just fits
+    monkeypatch.setattr(memory, "available_memory", lambda device: int(budget / HEADROOM) + 1)
+    with pytest.raises(RunSetupError) as info:
+        check_memory_fits(llama3_8b, CUDA)
+    assert "launch on 16 GPUs, 2 nodes x 8 (torchrun --nnodes 2 --nproc_per_node 8)" in str(info.value)
+
+
+def test_moe_models_are_not_offered_a_sharded_layout(monkeypatch):
+    cfg = get_recipe("qwen3_moe_tiny")
+    estimate = estimate_memory(cfg, CUDA)
+    monkeypatch.setattr(memory, "available_memory", lambda device: estimate.static // 2)
+    with pytest.raises(RunSetupError, match=r"do not take MoE or hybrid models yet \(rule R27\)"):
+        check_memory_fits(cfg, CUDA)
