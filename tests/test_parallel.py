@@ -42,6 +42,9 @@ LAYOUTS = {
     "tp2": ["model.tensor_model_parallel_size=2"],
     "fsdp_zero3": ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
     "fsdp_zero2": ["ddp.use_distributed_optimizer=true"],
+    "fsdp_zero3_prefetch": ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
+                            "ddp.overlap_param_gather=true"],
+    "dp2_overlap": ["ddp.overlap_grad_reduce=true", "ddp.bucket_size=5000"],  # replicated, several buckets
 }
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
 # 4 ranks: 2 data-parallel x 2 tensor-parallel, the data-parallel dimension sharded by FSDP2 or replicated
@@ -137,8 +140,16 @@ def test_ranks_agree_on_the_logged_losses(reports, layout):
 def test_shards_differ_between_ranks(reports):
     """Each rank holds its own part of the parameters (not a replica) in every sharded layout."""
     for layout in LAYOUTS:
-        assert reports[0][f"{layout}/eager"]["shard"] != reports[1][f"{layout}/eager"]["shard"], layout
+        replicas = layout.startswith("dp2")
+        assert (reports[0][f"{layout}/eager"]["shard"] == reports[1][f"{layout}/eager"]["shard"]) == replicas, layout
     assert reports[0]["dp2/nodrop"]["shard"] == reports[1]["dp2/nodrop"]["shard"]  # replicas
+
+
+def test_overlapped_reduction_computes_the_same_bits(reports):
+    """ddp.overlap_grad_reduce reduces the same buckets, pre-divided the same way: the same losses and weights."""
+    for report in reports:
+        assert report["dp2_overlap/nodrop"]["losses"] == report["dp2/nodrop"]["losses"]
+        assert report["dp2_overlap/nodrop"]["shard"] == report["dp2/nodrop"]["shard"]
 
 
 @pytest.fixture(scope="module")

@@ -205,6 +205,9 @@ CASES = {
                 "ddp.data_parallel_sharding_strategy=optim is not implemented: optim (ZeRO-1) keeps gradients whole",
                 "set ddp.data_parallel_sharding_strategy=optim_grads (ZeRO-2)",
                 ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads")),
+    "R26-gather": Case("R26", ("ddp.overlap_param_gather=true",), "ddp.overlap_param_gather=true overlaps the "
+                       "all-gather of sharded parameters", "set ddp.use_distributed_optimizer=true",
+                       ("ddp.overlap_param_gather=true", "ddp.use_distributed_optimizer=true")),
     "R27-layers": Case("R27", ("ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=local",
                                "model.use_te_rng_tracker=true"),
                        "FSDP2 (ddp.use_distributed_optimizer=true) with per-layer graphs (model.cuda_graph_impl=local) "

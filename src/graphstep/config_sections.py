@@ -238,8 +238,15 @@ class DDPConfig:
         "this with FSDP2 as use_megatron_fsdp=true with optim_grads (gradients reduce-scattered, parameters "
         "all-gathered before use)."
     )
-    overlap_grad_reduce: bool = unsupported(False, "Overlap reduction with backward.")
-    overlap_param_gather: bool = unsupported(False, "Overlap the parameter all-gather.")
+    overlap_grad_reduce: bool = opt(
+        False, "Replicated data parallel: each gradient bucket's all-reduce starts during the last micro-batch's "
+        "backward, as soon as the bucket is complete (inside the full-iteration graph too). FSDP2 reduce-scatters "
+        "each layer during the backward on its own stream whatever this says."
+    )
+    overlap_param_gather: bool = opt(
+        False, "FSDP2: each decoder layer prefetches the next layer's parameter all-gather explicitly before its "
+        "forward (false: FSDP2's implicit prefetch); needs sharded data parallel (R26)."
+    )
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,7 @@ module reads. :func:`init_data_parallel` then:
 5. leaves logging to rank 0 (other ranks keep warnings, tagged with their
    rank).
 
-Gradient reduction (:class:`GradReducer`) is one all-reduce per bucket of
+Gradient reduction (:class:`GradReducer`, training/grad_reduce.py) is one all-reduce per bucket of
 the flat fp32 gradient buffer (``ddp.bucket_size`` elements), averaging by
 pre-dividing (Megatron's gradient scaling factor) or with ``ReduceOp.AVG``
 when ``ddp.average_in_collective`` and NCCL allow it. TrainStep calls it after
@@ -50,13 +50,11 @@ from torch import nn
 from ..config import Config, ConfigError, DDPConfig
 from ..cuda_graph.devices import normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
+from .grad_reduce import GradReducer, OverlappedGradReducer
 from .optim import GradBuffers
 from .parallel import DP, Layout, build_mesh
 
 log = logging.getLogger("graphstep")
-
-DEFAULT_BUCKET_ELEMENTS = 40_000_000
-
 
 @dataclass
 class DataParallel:
@@ -106,8 +104,11 @@ class DataParallel:
         FSDP2, which reduce-scatters in the backward)."""
         if self.dp_size <= 1 or self.layout.fsdp is not None:
             return None
-        return GradReducer(grads.flat, self.dp_size, bucket_size=ddp.bucket_size,
-                           average_in_collective=ddp.average_in_collective, backend=self.backend, group=self.dp_group)
+        kwargs = dict(bucket_size=ddp.bucket_size, average_in_collective=ddp.average_in_collective,
+                      backend=self.backend, group=self.dp_group)
+        if ddp.overlap_grad_reduce:
+            return OverlappedGradReducer(grads, self.dp_size, **kwargs)
+        return GradReducer(grads.flat, self.dp_size, **kwargs)
 
     def loss_reducer(self) -> Callable[[torch.Tensor], None] | None:
         return self.mean_ if self.dp_size > 1 else None  # tensor-parallel ranks compute the same loss
@@ -168,42 +169,6 @@ class DataParallel:
             if self._log_level is not None:
                 logger.setLevel(self._log_level)
             self._log_filter = self._log_level = None
-
-
-class GradReducer:
-    """Average the flat fp32 gradient buffer over ranks: one all-reduce per bucket.
-
-    The buckets are fixed views of the buffer, so the collectives capture
-    into a graph at static addresses. Averaging pre-divides the buffer by the
-    number of ranks (exact for powers of two) and sums, unless
-    ``average_in_collective`` asks for ``ReduceOp.AVG`` and the backend has it
-    (NCCL does; gloo does not, and pre-divides instead).
-    """
-
-    def __init__(self, flat: torch.Tensor, world_size: int, *, bucket_size: int | None = None,
-                 average_in_collective: bool = False, backend: str | None = None, group: Any = None) -> None:
-        size = bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * world_size)  # Megatron's default
-        if size < 1:
-            raise ConfigError(f"ddp.bucket_size={bucket_size}: must be at least 1 element (or null for 40M)")
-        self.flat = flat
-        self.world_size = world_size
-        self.buckets = [flat[i : i + size] for i in range(0, flat.numel(), size)]
-        self.in_collective = average_in_collective and backend == "nccl"
-        if average_in_collective and not self.in_collective:
-            log.info("ddp.average_in_collective=true: the %s backend has no ReduceOp.AVG; pre-dividing the "
-                     "gradients by %d instead", backend, world_size)
-        self.op = dist.ReduceOp.AVG if self.in_collective else dist.ReduceOp.SUM
-        self.group = group
-
-    def __call__(self) -> None:
-        if not self.in_collective:
-            self.flat.div_(self.world_size)
-        for bucket in self.buckets:
-            dist.all_reduce(bucket, op=self.op, group=self.group)
-
-    def describe(self) -> str:
-        how = "ReduceOp.AVG" if self.in_collective else f"pre-divided by {self.world_size}, summed"
-        return f"{len(self.buckets)} bucket(s) of up to {self.buckets[0].numel():,} fp32 elements, {how}"
 
 
 # --------------------------------------------------------------------------

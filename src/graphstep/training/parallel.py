@@ -70,6 +70,7 @@ class Layout:
     tp: int = 1
     sequence_parallel: bool = False
     fsdp: str | None = None  # None (replicated), "optim_grads" (ZeRO-2) or "optim_grads_params" (ZeRO-3)
+    prefetch: bool = False  # FSDP2 explicit forward prefetch (ddp.overlap_param_gather)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "Layout":
@@ -79,7 +80,8 @@ class Layout:
             fsdp = None if d.data_parallel_sharding_strategy == "no_shard" else d.data_parallel_sharding_strategy
         else:
             fsdp = "optim_grads" if d.use_distributed_optimizer or cfg.optimizer.use_distributed_optimizer else None
-        return cls(dp=max(1, world_size // tp), tp=tp, sequence_parallel=cfg.model.sequence_parallel, fsdp=fsdp)
+        return cls(dp=max(1, world_size // tp), tp=tp, sequence_parallel=cfg.model.sequence_parallel, fsdp=fsdp,
+                   prefetch=d.overlap_param_gather)
 
     @property
     def needs_mesh(self) -> bool:
@@ -167,15 +169,24 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
 # FSDP2
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype) -> None:
-    """``fully_shard`` every decoder layer, then the model, on ``mesh`` (the dp dimension), in place."""
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype, *,
+               prefetch: bool = False) -> None:
+    """``fully_shard`` every decoder layer, then the model, on ``mesh`` (the dp dimension), in place.
+
+    ``prefetch`` (``ddp.overlap_param_gather``): each layer starts the next layer's all-gather before its own
+    forward, instead of FSDP2's implicit prefetch.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     per_layer = strategy == "optim_grads_params"
-    for layer in model.layers:
+    layers = list(model.layers)
+    for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=per_layer, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    if prefetch:
+        for layer, following in zip(layers, layers[1:]):
+            layer.set_modules_to_forward_prefetch([following])
 
 
 def reshard_all(model: nn.Module) -> None:
@@ -194,7 +205,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, param
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh[TP], sequence_parallel=layout.sequence_parallel)
     if layout.fsdp is not None:
-        apply_fsdp(model, mesh[DP], layout.fsdp, param_dtype)
+        apply_fsdp(model, mesh[DP], layout.fsdp, param_dtype, prefetch=layout.prefetch)
     return model
 
 

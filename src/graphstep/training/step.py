@@ -27,7 +27,9 @@ class TrainStep:
         model: returns the mean token loss of a micro-batch.
         grads: the persistent fp32 gradient buffers (zeroed at the start of the step).
         reduce_grads: the data-parallel hook, called after the last backward
-            (inside the full-iteration graph when there is one).
+            (inside the full-iteration graph when there is one); one with an
+            ``arm()`` (training/overlap.py) is armed before the last backward,
+            during which it starts reducing.
         reduce_loss: averages the step's loss over data-parallel ranks in place
             (a device all-reduce, inside the graph too), so the logged loss and
             the non-finite flag are the same on every rank.
@@ -62,8 +64,11 @@ class TrainStep:
         if self.before_step is not None:
             self.before_step()
         total = torch.zeros((), dtype=torch.float32, device=self.grads.flat.device)
-        for mb in batches:
+        arm = getattr(self.reduce_grads, "arm", None)  # an overlapped reduction starts in the last backward
+        for i, mb in enumerate(batches):
             loss = self.model(mb["tokens"], mb["labels"], mb.get("loss_mask"))
+            if arm is not None and i == n - 1:
+                arm()
             (loss / n).backward(retain_graph=self.retain_graph)
             total.add_(loss.detach())
         if self.reduce_grads is not None:

@@ -83,6 +83,11 @@ def _r25(v: View) -> list[Violation]:
 def _r26(v: View) -> list[Violation]:
     d = v.cfg.ddp
     strategy = _str(d.data_parallel_sharding_strategy)
+    if d.overlap_param_gather is True and not shards_data_parallel(v.cfg):
+        return [_v("R26", ["ddp.overlap_param_gather", "ddp.use_megatron_fsdp", "ddp.use_distributed_optimizer"],
+                   "ddp.overlap_param_gather=true overlaps the all-gather of sharded parameters, but the data-parallel "
+                   "ranks hold whole replicas (no FSDP2).", "set ddp.use_distributed_optimizer=true (or "
+                   "ddp.use_megatron_fsdp=true with a sharding strategy), or ddp.overlap_param_gather=false.")]
     if strategy in STRATEGIES:
         return []
     why = ("optim (ZeRO-1) keeps gradients whole, which FSDP2 does not: it reduce-scatters them with the optimizer "

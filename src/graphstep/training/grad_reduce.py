@@ -1,0 +1,138 @@
+"""Gradient reduction over data-parallel replicas: the bucketed all-reduce, with or without overlap.
+
+:class:`GradReducer` averages the flat fp32 gradient buffer after the last
+backward; :class:`OverlappedGradReducer` (``ddp.overlap_grad_reduce``)
+starts each bucket during the last backward.
+
+Overlap. With overlap, a bucket's
+all-reduce starts during the *last* micro-batch's backward, as soon as every
+parameter whose gradient lies in the bucket has been accumulated into it
+(a post-accumulate-grad hook registered after the buffer's own), so the
+communication of the last layers' gradients runs while autograd computes the
+first layers'. After the backward, the buckets that never became ready (a
+parameter without a gradient in this step) start in bucket order, and every
+bucket is waited on. The sums are those of the reducer without overlap --
+the same buckets, pre-divided the same way -- so the results are the same
+bits.
+
+The collectives are asynchronous (``async_op=True``): on NCCL they run on
+the process group's own stream, which waits on the compute stream when a
+bucket starts and is waited on by it at the end; inside a full-iteration
+capture these waits fork the communication stream from the capture stream
+and join it back, so the graph holds the overlap too. Buckets start in the
+order their last gradients arrive, which autograd makes the same on every
+rank of one model.
+
+With FSDP2 there is no replicated reduction: FSDP2 reduce-scatters each
+layer's gradients on its own stream as soon as the layer's backward is done,
+overlapped by construction.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from .optim import GradBuffers
+
+log = logging.getLogger("graphstep")
+
+DEFAULT_BUCKET_ELEMENTS = 40_000_000
+
+
+class GradReducer:
+    """Average the flat fp32 gradient buffer over ranks: one all-reduce per bucket.
+
+    The buckets are fixed views of the buffer, so the collectives capture
+    into a graph at static addresses. Averaging pre-divides the buffer by the
+    number of ranks (exact for powers of two) and sums, unless
+    ``average_in_collective`` asks for ``ReduceOp.AVG`` and the backend has it
+    (NCCL does; gloo does not, and pre-divides instead).
+    """
+
+    def __init__(self, flat: torch.Tensor, world_size: int, *, bucket_size: int | None = None,
+                 average_in_collective: bool = False, backend: str | None = None, group: Any = None) -> None:
+        size = bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * world_size)  # Megatron's default
+        if size < 1:
+            raise ConfigError(f"ddp.bucket_size={bucket_size}: must be at least 1 element (or null for 40M)")
+        self.flat = flat
+        self.world_size = world_size
+        self.buckets = [flat[i : i + size] for i in range(0, flat.numel(), size)]
+        self.in_collective = average_in_collective and backend == "nccl"
+        if average_in_collective and not self.in_collective:
+            log.info("ddp.average_in_collective=true: the %s backend has no ReduceOp.AVG; pre-dividing the "
+                     "gradients by %d instead", backend, world_size)
+        self.op = dist.ReduceOp.AVG if self.in_collective else dist.ReduceOp.SUM
+        self.group = group
+
+    def __call__(self) -> None:
+        if not self.in_collective:
+            self.flat.div_(self.world_size)
+        for bucket in self.buckets:
+            dist.all_reduce(bucket, op=self.op, group=self.group)
+
+    def describe(self) -> str:
+        how = "ReduceOp.AVG" if self.in_collective else f"pre-divided by {self.world_size}, summed"
+        return f"{len(self.buckets)} bucket(s) of up to {self.buckets[0].numel():,} fp32 elements, {how}"
+
+
+class OverlappedGradReducer(GradReducer):
+    """A :class:`GradReducer` whose buckets start during the last backward (see the module docstring)."""
+
+    def __init__(self, grads: GradBuffers, world_size: int, **kwargs: Any) -> None:
+        super().__init__(grads.flat, world_size, **kwargs)
+        starts = [b.storage_offset() - grads.flat.storage_offset() for b in self.buckets]
+        ends = [s + b.numel() for s, b in zip(starts, self.buckets)]
+        self.param_buckets: dict[int, list[int]] = {}
+        offset = 0
+        for p, g in zip(grads.params, grads.grads):
+            lo, hi = offset, offset + g.numel()
+            offset = hi
+            self.param_buckets[id(p)] = [b for b, (s, e) in enumerate(zip(starts, ends)) if lo < e and hi > s]
+        self.needed = [sum(b in owned for owned in self.param_buckets.values()) for b in range(len(self.buckets))]
+        self.pending = list(self.needed)
+        self.works: list[Any] = [None] * len(self.buckets)
+        self.armed = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in grads.params]
+
+    def arm(self) -> None:
+        """Before the last micro-batch's backward: count the gradients each bucket still waits for."""
+        self.pending = list(self.needed)
+        self.works = [None] * len(self.buckets)
+        self.armed = True
+
+    def _ready(self, p: Any) -> None:
+        if not self.armed:
+            return
+        for b in self.param_buckets[id(p)]:
+            self.pending[b] -= 1
+            if self.pending[b] == 0:
+                self._start(b)
+
+    def _start(self, b: int) -> None:
+        bucket = self.buckets[b]
+        if not self.in_collective:
+            bucket.div_(self.world_size)
+        self.works[b] = dist.all_reduce(bucket, op=self.op, group=self.group, async_op=True)
+
+    def __call__(self) -> None:
+        if not self.armed:  # called without arm(): reduce everything now, as the plain reducer does
+            self.arm()
+        for b, work in enumerate(self.works):
+            if work is None:
+                self._start(b)
+        for work in self.works:
+            work.wait()
+        self.armed = False
+
+    def describe(self) -> str:
+        return super().describe() + ", overlapped with the last backward"
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
