@@ -47,6 +47,9 @@ LAYOUTS = {
     "dp2_overlap": ["ddp.overlap_grad_reduce=true", "ddp.bucket_size=5000"],  # replicated, several buckets
 }
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+# per-layer graphs over tensor-parallel layers (their collectives inside the layer graphs)
+PER_LAYER = {"tp2_sp": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+             "tp2": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"]}
 # 4 ranks: 2 data-parallel x 2 tensor-parallel, the data-parallel dimension sharded by FSDP2 or replicated
 LAYOUTS_2D = {
     "tp2_sp_fsdp2": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
@@ -78,6 +81,8 @@ def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool
     try:
         runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else [])]
                 for name, layout in layouts.items() for mode in ("eager", "graphed")}
+        runs.update({f"{name}/layers": [*layouts[name], *graphs] for name, graphs in PER_LAYER.items()
+                     if name in layouts})
         if compare:
             runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT] for name, layout in layouts.items()})
             runs["dp2/nodrop"] = NO_DROPOUT
@@ -128,6 +133,15 @@ def test_graphed_layout_equals_eager_bit_for_bit(reports, layout):
         assert graphed["shard"] == eager["shard"]
         assert graphed["states"][1:4] == ["eager", "captured", "replayed"]
         assert eager["losses"][-1] < eager["losses"][0]
+
+
+@pytest.mark.parametrize("layout", list(PER_LAYER))
+def test_per_layer_graphs_over_tensor_parallel_layers_equal_eager(reports, layout):
+    for report in reports:
+        eager, graphed = report[f"{layout}/eager"], report[f"{layout}/layers"]
+        assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"]
+        assert graphed["shard"] == eager["shard"]
+        assert graphed["states"][1:4] == ["eager", "captured", "replayed"]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

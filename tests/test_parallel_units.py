@@ -156,6 +156,49 @@ def test_sequence_parallel_model_on_a_one_rank_mesh_graphs_equal_eager(one_rank_
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_layer_graphs_over_tensor_parallel_blocks_equal_eager(one_rank_group, device):
+    """Per-layer graphs of the attention and MLP blocks of the tensor-parallel plan (DTensor parameters, the
+    sequence all-gather and reduce-scatter inside each block's graph), against the same model run eagerly."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graphstep.config import ModelConfig
+    from graphstep.models.transformer import GPTModel, ModelShape
+    from graphstep.training.parallel import apply_tensor_parallel, local_tensor
+
+    def make(graphed: bool):
+        torch.manual_seed(0)
+        model = GPTModel(ModelShape.from_config(ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64,
+                                                            num_attention_heads=4, seq_length=16, vocab_size=64)))
+        apply_tensor_parallel(model.to(device), init_device_mesh(device, (1,)), sequence_parallel=True)
+        layers = graphstep.graph_layers(model, ["layers.*.blocks.attn", "layers.*.blocks.mlp"],
+                                        warmup_steps=2) if graphed else None
+        params = list(model.parameters())
+
+        def step(tokens):
+            loss = model(tokens, tokens)
+            loss.backward()
+            with torch.no_grad():
+                for p in params:
+                    local_tensor(p).sub_(0.1 * local_tensor(p.grad))
+                    p.grad = None
+            return loss.detach()
+
+        return model, step, layers
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 64, (2, 16), generator=g).to(device) for _ in range(6)]
+    results = []
+    for graphed in (False, True):
+        model, step, layers = make(graphed)
+        losses = [step(b).clone() for b in batches]
+        results.append((losses, [local_tensor(p).detach().clone() for p in model.parameters()]))
+    assert layers.captured
+    (eager, eager_params), (graphed, graphed_params) = results
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed)), (eager, graphed)
+    assert all(torch.equal(a, b) for a, b in zip(eager_params, graphed_params))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fsdp_on_one_rank_trains_graphed_equal_to_eager(device):
     """ddp.use_megatron_fsdp in one process: the trainer makes a one-rank group and mesh, shards with FSDP2,
     and the full-iteration, optimizer and evaluation graphs equal the eager run bit for bit."""

@@ -211,7 +211,7 @@ CASES = {
     "R27-layers": Case("R27", ("ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=local",
                                "model.use_te_rng_tracker=true"),
                        "FSDP2 (ddp.use_distributed_optimizer=true) with per-layer graphs (model.cuda_graph_impl=local) "
-                       "is not implemented", "set model.cuda_graph_impl=full_iteration",
+                       "is not implemented", "set model.cuda_graph_impl=full_iteration (the gathers are inside",
                        ("ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=full_iteration",
                         "model.use_te_rng_tracker=true")),
     "R27-moe": Case("R27", ("model.tensor_model_parallel_size=2", "model.num_moe_experts=4"),

@@ -89,10 +89,11 @@ class Layout:
         return self.tp > 1 or self.fsdp is not None
 
     def describe(self) -> str:
+        """e.g. ``4 data-parallel (FSDP2 optim_grads_params) x 2 tensor-parallel + sequence-parallel ranks``."""
         parts = [f"{self.dp} data-parallel" + (f" (FSDP2 {self.fsdp})" if self.fsdp else "")]
         if self.tp > 1:
             parts.append(f"{self.tp} tensor-parallel" + (" + sequence-parallel" if self.sequence_parallel else ""))
-        return " x ".join(parts) + " ranks"
+        return " x ".join(parts) + (" rank" if self.dp * self.tp == 1 else " ranks")
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
