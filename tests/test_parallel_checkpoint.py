@@ -30,6 +30,10 @@ LAYOUTS = {
     "tp2_sp": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
     "fsdp_zero3": ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
 }
+LAYOUTS_2D = {  # 4 ranks: FSDP2 over tensor-parallel shards (2-D DTensors, the fused projections among them)
+    "tp2_sp_fsdp2": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
+                     "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+}
 COMMON = ["train.train_iters=6", "logger.log_interval=1", "model.attention_dropout=0.0", "model.hidden_dropout=0.0",
           "checkpoint.save_interval=3", "model.use_te_rng_tracker=true"]
 GRAPHED = ["model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1"]
@@ -46,7 +50,7 @@ def natural_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _worker(out: Path, one_ckpt: str) -> None:
+def _worker(out: Path, one_ckpt: str, layouts: dict[str, list[str]]) -> None:
     import torch.distributed as dist
 
     from conftest import tiny_config
@@ -55,7 +59,7 @@ def _worker(out: Path, one_ckpt: str) -> None:
     dist.init_process_group("gloo")
     report: dict[str, dict] = {}
     try:
-        for name, layout in LAYOUTS.items():
+        for name, layout in layouts.items():
             save = out / name
             whole = train(tiny_config(*COMMON, *GRAPHED, *layout, f"checkpoint.save={save}"), keep_model=True)
             own = train(tiny_config(*COMMON, *GRAPHED, *layout, f"checkpoint.load={save}/iter_0000003",
@@ -76,11 +80,16 @@ def runs(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("ckpt")
     one = train(tiny_config(*COMMON, f"checkpoint.save={tmp / 'one'}"))
-    cmd = torchrun(2, str(Path(__file__).resolve()), str(tmp), str(tmp / "one" / "iter_0000003"))
+    return tmp, one, launch(tmp, tmp / "one" / "iter_0000003", 2, "LAYOUTS")
+
+
+def launch(out: Path, one_ckpt: Path, nproc: int, layouts: str) -> list[dict]:
+    """``nproc`` ranks of this file's worker over the layouts named; each rank's report."""
+    out.mkdir(exist_ok=True)
+    cmd = torchrun(nproc, str(Path(__file__).resolve()), str(out), str(one_ckpt), layouts)
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    reports = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
-    return tmp, one, reports
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
 def _close(a: list[float], b: list[float]) -> None:
@@ -127,5 +136,22 @@ def test_one_process_loads_the_sharded_weights_bit_for_bit(runs, layout):
     assert natural_digest(loaded.model) == reports[0][layout]["digest"] == reports[1][layout]["digest"]
 
 
+def test_two_dimensional_layout_checkpoints_round_trip(runs):
+    """dp2 x tp2 with FSDP2 over the tensor-parallel shards, on 4 ranks: exact resume, a one-process checkpoint
+    resumed, and its final weights loaded by one process bit for bit."""
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    tmp, one, _ = runs
+    reports = launch(tmp / "2d", tmp / "one" / "iter_0000003", 4, "LAYOUTS_2D")
+    for layout in LAYOUTS_2D:
+        for report in reports:
+            assert report[layout]["own"] == report[layout]["whole"][3:]
+        _close(reports[0][layout]["from_one"], one.losses[3:])
+        loaded = train(tiny_config(*COMMON, f"checkpoint.load={tmp / '2d' / layout}/iter_0000006",
+                                   "checkpoint.save_interval=null"), keep_model=True)
+        assert natural_digest(loaded.model) == reports[0][layout]["digest"] == reports[3][layout]["digest"]
+
+
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), sys.argv[2])
+    _worker(Path(sys.argv[1]), sys.argv[2], globals()[sys.argv[3]])

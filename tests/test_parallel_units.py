@@ -206,12 +206,13 @@ def test_fsdp_on_one_rank_trains_graphed_equal_to_eager(device):
     from graphstep.training.loop import train
 
     common = ["train.train_iters=8", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2", "train.eval_iters=2",
-              "train.eval_interval=4", "model.use_te_rng_tracker=true", f"train.device={device}",
+              "train.eval_interval=2", "model.use_te_rng_tracker=true", f"train.device={device}",
               "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
     eager = train(tiny_config(*common))
     assert not dist.is_initialized()  # the run's own group is gone with the run
     graphed = train(tiny_config(*common, "model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"))
     assert graphed.losses == eager.losses and graphed.eval_losses == eager.eval_losses
+    assert len(eager.eval_losses) == 4  # at 2, 4, 6, 8: the evaluation graph captures at 6, replays at 8
     assert [r["state"] for r in graphed.rows][1:4] == ["eager", "captured", "replayed"]
     assert eager.losses[-1] < eager.losses[0]
 

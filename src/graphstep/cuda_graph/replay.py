@@ -226,7 +226,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if in_collective_wait():  # a collective's own completion (gloo copies out in wait()): replay re-waits
             return func(*args, **kwargs)
-        if any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types):
+        if any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types):  # a __torch_dispatch__ subclass
             return self._subclass_op(func, types, args, kwargs)
         self._check(func, args, kwargs)
         kind = schema_kind(func)
