@@ -18,7 +18,8 @@ Gradients are graphstep's fp32 ``main_grad`` buffer (training/optim.py), the
 optimizer Adam's exp_avg and exp_avg_sq in fp32, plus an fp32 master copy
 when replicated weights are not fp32. Under FSDP2 the fp32 shards are the
 master weights themselves, and ``G`` is the compute copy gathered in the
-model dtype: with ``optim_grads_params`` (ZeRO-3) the largest decoder layer
+model dtype: with ``optim_grads_params`` (ZeRO-3) two of the largest decoder
+layers (the one being computed and the last, kept gathered into the backward)
 plus the root module's parameters (embedding, final norm, output layer),
 which FSDP2 keeps gathered from forward to backward, divided by ``tp``; with
 ``optim_grads`` (ZeRO-2) every layer stays gathered to its backward:
@@ -172,7 +173,8 @@ def static_bytes(counts: ParameterCounts, e: int, layout: Layout) -> tuple[int, 
         master = 0 if e == 4 else local * 4  # fp32 weights serve as their own master copy
         return local * e + buffers, local * 4, local * 8 + master
     shard = _split(counts.parameters, tp * layout.dp)
-    gathered = counts.largest_layer + counts.root if layout.fsdp == ZERO3 else counts.parameters
+    gathered = min(2 * counts.largest_layer + counts.root, counts.parameters) if layout.fsdp == ZERO3 \
+        else counts.parameters
     return shard * 4 + _split(gathered, tp) * e + buffers, shard * 4, shard * 8
 
 

@@ -32,9 +32,10 @@ dimension: every decoder layer, then the model. Parameters stay fp32 shards
 -- the optimizer's main weights, updated in place -- and FSDP2 casts them to
 the model dtype when it all-gathers (``MixedPrecisionPolicy``); gradients are
 reduce-scattered in fp32. ``optim_grads_params`` reshards a layer's
-parameters after its forward (ZeRO-3), ``optim_grads`` keeps them to the
-backward (ZeRO-2); the root module is never resharded after forward (its
-parameters are the first used by backward).
+parameters after its forward (ZeRO-3) -- every layer but the last, whose
+backward comes right after --, ``optim_grads`` keeps them to the backward
+(ZeRO-2); the root module is never resharded after forward (its parameters
+are the first used by backward).
 
 Everything here runs eagerly before the graphs exist; a full-iteration graph
 then captures the collectives DTensor and FSDP2 issue (on the CPU replay
@@ -180,10 +181,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    per_layer = strategy == "optim_grads_params"
     layers = list(model.layers)
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=per_layer, mp_policy=mp)
+    for i, layer in enumerate(layers):
+        # ZeRO-3 reshards a layer after its forward -- but not the last, whose backward comes next (torchtitan's choice)
+        reshard = strategy == "optim_grads_params" and i < len(layers) - 1
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     if prefetch:
         for layer, following in zip(layers, layers[1:]):
