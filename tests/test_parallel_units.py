@@ -288,3 +288,22 @@ def test_overlapped_reduction_captured_in_a_graph_equals_eager(one_rank_group, d
     graphed = _steps(graphstep.graph_step(step, warmup_steps=2, device=device), device=device)
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
     assert all(torch.equal(a, p) for a, p in zip(eager_params, model.parameters()))
+
+
+@pytest.mark.parametrize("overrides, world, expected", [
+    ((), 4, dict(dp=4, tp=1, fsdp=None)),
+    (("model.tensor_model_parallel_size=2", "model.sequence_parallel=true"), 8,
+     dict(dp=4, tp=2, sequence_parallel=True, fsdp=None)),
+    (("ddp.use_distributed_optimizer=true",), 2, dict(dp=2, fsdp="optim_grads")),
+    (("optimizer.use_distributed_optimizer=true",), 2, dict(dp=2, fsdp="optim_grads")),  # Megatron keeps both flags
+    (("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=no_shard"), 2, dict(dp=2, fsdp=None)),
+    (("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
+      "ddp.overlap_param_gather=true"), 2, dict(dp=2, fsdp="optim_grads_params", prefetch=True)),
+])
+def test_layout_from_config(overrides, world, expected):
+    from conftest import tiny_config
+    from graphstep.training.parallel import Layout
+
+    layout = Layout.from_config(tiny_config(*overrides), world)
+    assert {k: getattr(layout, k) for k in expected} == expected
+    assert layout.needs_mesh == (layout.tp > 1 or layout.fsdp is not None)
