@@ -205,3 +205,22 @@ def test_layouts_on_two_gpus_graphed_equal_eager(tmp_path):
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]), sys.argv[2], globals()[sys.argv[3]], compare=sys.argv[3] == "LAYOUTS")
+
+
+def test_documented_cpu_command_trains_tensor_parallel_graphed(tmp_path):
+    """docs/parallel.md's CPU launch, through the CLI: 2 gloo ranks, tp2 + sequence parallel, one graph."""
+    from graphstep.training.metrics import read_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = torchrun(2, "-m", "graphstep", "train", "train.device=cpu", "model.tensor_model_parallel_size=2",
+                   "model.sequence_parallel=true", "model.cuda_graph_impl=full_iteration",
+                   "model.use_te_rng_tracker=true", "train.train_iters=6", "logger.log_interval=1",
+                   "logger.progress_bar=false", "data.corpus_max_bytes=300000", "data.split=90,10,0",
+                   f"logger.metrics_path={metrics}")
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert "1 data-parallel x 2 tensor-parallel + sequence-parallel ranks" in output
+    rows = read_metrics(metrics)
+    assert [r["iteration"] for r in rows] == list(range(1, 7))
+    assert [r["state"] for r in rows][3:] == ["captured", "replayed", "replayed"]
