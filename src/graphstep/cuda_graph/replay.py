@@ -29,6 +29,13 @@ since some ops write arguments their schema calls read-only), and restores it
 capture holds one copy of the pre-existing memory the region touches. The
 graph is then replayed to do the step.
 
+A tensor subclass with its own dispatch (DTensor, a functional collective's
+AsyncCollectiveTensor) is not recorded as such: the recorder hands its op to
+the subclass, and records the plain-tensor ops the subclass runs underneath
+(a fake tensor, used by DTensor to propagate shardings, runs unrecorded).
+Collectives re-run at replay and are waited before anything reads them: a
+c10d collective's ``Work``, a functional collective's ``wait_tensor``.
+
 Host-side state that CUDA tracks natively -- the RNG tracker swapping the
 default generator's state, ``torch.get_rng_state``/``set_rng_state`` as
 ``torch.utils.checkpoint`` uses them -- is recorded as host callbacks
