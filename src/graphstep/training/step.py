@@ -28,7 +28,7 @@ class TrainStep:
         grads: the persistent fp32 gradient buffers (zeroed at the start of the step).
         reduce_grads: the data-parallel hook, called after the last backward
             (inside the full-iteration graph when there is one); one with an
-            ``arm()`` (training/overlap.py) is armed before the last backward,
+            ``arm()`` (training/grad_reduce.py) is armed before the last backward,
             during which it starts reducing.
         reduce_loss: averages the step's loss over data-parallel ranks in place
             (a device all-reduce, inside the graph too), so the logged loss and
