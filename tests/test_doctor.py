@@ -165,6 +165,17 @@ def test_a_broken_rule_is_reported_without_running_the_step():
     assert report.exit_code == 2
 
 
+@pytest.mark.parametrize("layout", [["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads"],
+                                    ["ddp.use_distributed_optimizer=true"]])
+def test_a_sharded_layout_is_refused_not_judged_as_another_model(layout):
+    """The doctor runs one unsharded rank: a FSDP2 run is not judged (exit 2, the fix names the replay dry-run)."""
+    cfg = apply_overrides(get_recipe("llama3_tiny"), ["model.cuda_graph_impl=full_iteration",
+                                                      "model.use_te_rng_tracker=true", *layout])
+    report = check_recipe(cfg, name="llama3_tiny")
+    assert [(f.category, f.op) for f in report.findings] == [("config", "layout")]
+    assert "replay backend under torchrun" in report.findings[0].fix and report.exit_code == 2
+
+
 # --------------------------------------------------------------------------
 # the command line
 

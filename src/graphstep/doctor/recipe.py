@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from ..config import Config
+from ..training.parallel import Layout
 from ..cuda_graph.backend import CaptureReport, Graph, GraphBackend
 from ..validation import resolve_cuda_graph_settings, validate_config
 from .findings import Finding, Report
@@ -161,6 +162,15 @@ def check_recipe(cfg: Config, *, name: str = "recipe", full_size: bool = False, 
         report.add(Finding("config", v.rule, None, why=v.message, fix=v.fix, detail=", ".join(v.fields)))
     if report.findings:
         report.notes.append("the configuration breaks rules: the step was not run (fix the config first)")
+        return report
+    if cfg.model.tensor_model_parallel_size > 1 or Layout.from_config(cfg, 1).needs_mesh:
+        report.add(Finding("config", "layout", None, why="the doctor judges one unsharded rank; with tensor "
+                           "parallel or FSDP2 it would judge another model than the run trains",
+                           fix="dry-run the layout on the CPU replay backend under torchrun (train.device=cpu, "
+                           "docs/parallel.md): a capture error there names the op and your line",
+                           detail="model.tensor_model_parallel_size, ddp.use_megatron_fsdp, "
+                           "ddp.use_distributed_optimizer"))
+        report.notes.append("the step was not run: its layout is not judged by the doctor")
         return report
     cfg = copy.deepcopy(cfg)
     if proxy == "always" or (proxy == "auto" and not full_size and needs_proxy(cfg)):
