@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from graphstep.config import Config, apply_overrides
+from graphstep.cuda_graph.backend import Graph
 from graphstep.recipes import get_recipe
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -110,3 +111,15 @@ def poison_iteration(monkeypatch, bad: int) -> None:
         return gen()
 
     monkeypatch.setattr(loop, "build_data", poisoned)
+
+
+class NeverCapturedGraph(Graph):
+    """The graph of a stand-in backend whose capture always fails: never captured, never replayed."""
+
+    name, report, captured = "step", None, False
+
+    def replay(self):
+        raise AssertionError("never captured")
+
+    def reset(self):
+        pass

@@ -33,18 +33,10 @@ from graphstep.cuda_graph.full_iteration import FailedCapture, FullIterationGrap
 from graphstep.cuda_graph.graph_state import GraphState
 from graphstep.cuda_graph.registry import get_backend
 
+from conftest import NeverCapturedGraph
+
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
 CUDA_REFUSAL = "CUDA error: operation not permitted when stream is capturing"
-
-
-class _NoGraph(Graph):
-    name, report, captured = "step", None, False
-
-    def replay(self):
-        raise AssertionError("never captured")
-
-    def reset(self):
-        pass
 
 
 class _RefusingBackend(GraphBackend):
@@ -53,7 +45,7 @@ class _RefusingBackend(GraphBackend):
     name = "cuda"
 
     def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph:
-        return self._track(_NoGraph())
+        return self._track(NeverCapturedGraph())
 
     @contextlib.contextmanager
     def capture(self, graph, generators=()):

@@ -24,6 +24,8 @@ from graphstep.cuda_graph.full_iteration import GraphedStep
 from graphstep.doctor import CATEGORIES, Finding, Report, capture_error_hook, check, check_recipe, diagnose
 from graphstep.recipes import RECIPES, get_recipe
 
+from conftest import NeverCapturedGraph
+
 HERE = pathlib.Path(__file__).parent
 CASES = sorted(p for p in (HERE / "doctor_cases").glob("*.py") if not p.name.startswith("_"))
 sys.path.insert(0, str(HERE))
@@ -239,7 +241,7 @@ class _FailingCudaBackend(GraphBackend):
         self.state = state
 
     def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph:
-        return self._track(_NoGraph())
+        return self._track(NeverCapturedGraph())
 
     @contextlib.contextmanager
     def capture(self, graph, generators=()):
@@ -257,16 +259,6 @@ class _FailingCudaBackend(GraphBackend):
 
     def memory(self):
         return 0, 0
-
-
-class _NoGraph(Graph):
-    name, report, captured = "step", None, False
-
-    def replay(self):
-        raise AssertionError("never captured")
-
-    def reset(self):
-        pass
 
 
 def _sync_step(model, opt):

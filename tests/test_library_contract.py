@@ -22,6 +22,8 @@ from graphstep.cuda_graph.errors import ACCUMULATE_GRAD_WARNING
 from graphstep.cuda_graph.full_iteration import GraphedStep
 from graphstep.doctor import capture_error_hook
 
+from conftest import NeverCapturedGraph
+
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=CUDA)]
 
@@ -258,7 +260,7 @@ class _OomBackend(GraphBackend):
     name = "cuda"
 
     def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph:
-        return self._track(_Unused())
+        return self._track(NeverCapturedGraph())
 
     @contextlib.contextmanager
     def capture(self, graph, generators=()):
@@ -269,16 +271,6 @@ class _OomBackend(GraphBackend):
 
     def memory(self):
         return 0, 0
-
-
-class _Unused(Graph):
-    name, report, captured = "step", None, False
-
-    def replay(self):
-        raise AssertionError("never captured")
-
-    def reset(self):
-        pass
 
 
 def _oom_step(x: torch.Tensor) -> torch.Tensor:

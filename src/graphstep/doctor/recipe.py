@@ -163,7 +163,7 @@ def check_recipe(cfg: Config, *, name: str = "recipe", full_size: bool = False, 
     if report.findings:
         report.notes.append("the configuration breaks rules: the step was not run (fix the config first)")
         return report
-    if cfg.model.tensor_model_parallel_size > 1 or Layout.from_config(cfg, 1).needs_mesh:
+    if Layout.from_config(cfg, 1).needs_mesh:  # tensor parallel or FSDP2
         report.add(Finding("config", "layout", None, why="the doctor judges one unsharded rank; with tensor "
                            "parallel or FSDP2 it would judge another model than the run trains",
                            fix="dry-run the layout on the CPU replay backend under torchrun (train.device=cpu, "

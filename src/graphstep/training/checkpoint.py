@@ -109,11 +109,15 @@ class TrainingState:
         """After ``dcp.save``: drop the gathered copies the state dict held."""
         self._layout = LayoutEntries()
 
-    def _optimizer_state(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        params = self.optimizer.grads.params  # the model's parameters (DTensors when sharded)
+    def _optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``master``, ``exp_avg``, ``exp_avg_sq`` by parameter name, each shaped like its parameter."""
+        opt = self.optimizer
+        params = opt.grads.params  # the model's parameters (DTensors when sharded)
         names = {id(p): n for n, p in self.model.named_parameters()}
         parts = {id(p): fused_parts(m) for m in self.model.modules() for p in m.parameters(recurse=False)}
-        return {names[id(p)]: self._layout.entry(t, p, parts.get(id(p))) for p, t in zip(params, tensors)}
+        return {kind: {names[id(p)]: self._layout.entry(t, p, parts.get(id(p))) for p, t in zip(params, tensors)}
+                for kind, tensors in (("master", opt.master), ("exp_avg", opt.exp_avg),
+                                      ("exp_avg_sq", opt.exp_avg_sq))}
 
     def state_dict(self, iteration: int, dp: DataParallel) -> dict[str, Any]:
         """The DCP state dict: live tensors (saved as they are, loaded into in place) and host values."""
@@ -123,12 +127,7 @@ class TrainingState:
         state: dict[str, Any] = {
             "iteration": iteration,
             "model": self.model_state(),
-            "optimizer": {
-                "step": opt.step_t,
-                "master": self._optimizer_state(opt.master),
-                "exp_avg": self._optimizer_state(opt.exp_avg),
-                "exp_avg_sq": self._optimizer_state(opt.exp_avg_sq),
-            },
+            "optimizer": {"step": opt.step_t, **self._optimizer_state()},
             "scheduler": {"max_lr": sched.max_lr, "min_lr": sched.min_lr, "warmup_iters": sched.warmup_iters,
                           "decay_iters": sched.decay_iters, "style": sched.style},
             "rng": {f"rank{dp.rank}": _rng_state(self.device)},

@@ -36,8 +36,6 @@ def tensor_parallel_ranks(p: DTensor) -> int:
     for dim, (name, placement) in enumerate(zip(names, p.placements)):
         if name == TP and isinstance(placement, Shard) and placement.dim == 0:
             return p.device_mesh.size(dim)
-    if not names and len(p.placements) == 1 and isinstance(p.placements[0], Shard) and p.placements[0].dim == 0:
-        return p.device_mesh.size()  # a 1-D tensor-parallel mesh without names
     return 1
 
 

@@ -93,11 +93,15 @@ class OverlappedGradReducer(GradReducer):
             lo, hi = offset, offset + g.numel()
             offset = hi
             self.param_buckets[id(p)] = [b for b, (s, e) in enumerate(zip(starts, ends)) if lo < e and hi > s]
-        self.needed = [sum(b in owned for owned in self.param_buckets.values()) for b in range(len(self.buckets))]
-        self.pending = list(self.needed)
-        self.works: list[Any] = [None] * len(self.buckets)
+        self.needed = [0] * len(self.buckets)  # gradients each bucket waits for
+        for owned in self.param_buckets.values():
+            for b in owned:
+                self.needed[b] += 1
+        self.pending: list[int] = []
+        self.works: list[Any] = []
         self.armed = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in grads.params]
+        for p in grads.params:
+            p.register_post_accumulate_grad_hook(self._ready)
 
     def arm(self) -> None:
         """Before the last micro-batch's backward: count the gradients each bucket still waits for."""
@@ -131,8 +135,3 @@ class OverlappedGradReducer(GradReducer):
 
     def describe(self) -> str:
         return super().describe() + ", overlapped with the last backward"
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

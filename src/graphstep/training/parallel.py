@@ -231,8 +231,7 @@ def counted_here(p: torch.Tensor, mesh: DeviceMesh | None) -> bool:
     if mesh is None:
         return True
     sharded: set[str] = set()
-    if isinstance(p, DTensor):
-        names = p.device_mesh.mesh_dim_names or ()
-        sharded = {n for n, pl in zip(names, p.placements) if pl.is_shard() or type(pl).__name__ == "_StridedShard"}
+    if isinstance(p, DTensor):  # a parameter is replicated or sharded (Shard, or FSDP2's _StridedShard) per dimension
+        sharded = {n for n, pl in zip(p.device_mesh.mesh_dim_names or (), p.placements) if not pl.is_replicate()}
     coordinate = mesh.get_coordinate() or [0] * mesh.ndim
     return all(c == 0 for name, c in zip(mesh.mesh_dim_names or (), coordinate) if name not in sharded)
