@@ -38,6 +38,7 @@ COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_gra
           "train.eval_iters=2", "train.eval_interval=2", "model.use_te_rng_tracker=true"]
 # evaluations at 2, 4, 6, 8: the evaluation graph warms up twice, captures at 6 and replays at 8
 GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+EAGER = ["model.cuda_graph_impl=none"]  # the recipe's default is full_iteration
 LAYOUTS = {
     "tp2_sp": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
     "tp2": ["model.tensor_model_parallel_size=2"],
@@ -82,13 +83,13 @@ def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     report: dict[str, dict] = {}
     try:
-        runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else [])]
+        runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
                 for name, layout in layouts.items() for mode in ("eager", "graphed")}
         runs.update({f"{name}/layers": [*layouts[name], *graphs] for name, graphs in PER_LAYER.items()
                      if name in layouts})
         if compare:
-            runs.update({f"{name}/nodrop": [*layouts[name], *NO_DROPOUT] for name in COMPARED})
-            runs["dp2/nodrop"] = NO_DROPOUT
+            runs.update({f"{name}/nodrop": [*layouts[name], *NO_DROPOUT, *EAGER] for name in COMPARED})
+            runs["dp2/nodrop"] = [*NO_DROPOUT, *EAGER]
         for name, overrides in runs.items():
             result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
             report[name] = {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
@@ -118,6 +119,7 @@ def test_two_dimensional_layouts_on_four_ranks_equal_eager(tmp_path):
         for report in reports:
             eager, graphed = report[f"{layout}/eager"], report[f"{layout}/graphed"]
             assert len(eager["losses"]) == ITERS and eager["losses"][-1] < eager["losses"][0]
+            assert set(eager["states"]) == {"eager"} and graphed["states"][1:4] == ["eager", "captured", "replayed"]
             assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"], layout
             assert graphed["shard"] == eager["shard"], layout
         assert all(r[f"{layout}/eager"]["losses"] == reports[0][f"{layout}/eager"]["losses"] for r in reports)
@@ -136,6 +138,7 @@ def test_graphed_layout_equals_eager_bit_for_bit(reports, layout):
         assert graphed["graphs"] == 3  # training, optimizer and evaluation graphs all captured
         assert graphed["shard"] == eager["shard"]
         assert graphed["states"][1:4] == ["eager", "captured", "replayed"]
+        assert set(eager["states"]) == {"eager"} and eager["graphs"] == 0
         assert eager["losses"][-1] < eager["losses"][0]
 
 

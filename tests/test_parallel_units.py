@@ -208,8 +208,9 @@ def test_fsdp_on_one_rank_trains_graphed_equal_to_eager(device):
     common = ["train.train_iters=8", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2", "train.eval_iters=2",
               "train.eval_interval=2", "model.use_te_rng_tracker=true", f"train.device={device}",
               "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
-    eager = train(tiny_config(*common))
+    eager = train(tiny_config(*common, "model.cuda_graph_impl=none"))  # the recipe's default is full_iteration
     assert not dist.is_initialized()  # the run's own group is gone with the run
+    assert {r["state"] for r in eager.rows} == {"eager"}
     graphed = train(tiny_config(*common, "model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"))
     assert graphed.losses == eager.losses and graphed.eval_losses == eager.eval_losses
     assert len(eager.eval_losses) == 4  # at 2, 4, 6, 8: the evaluation graph captures at 6, replays at 8
