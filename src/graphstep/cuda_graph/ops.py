@@ -137,10 +137,11 @@ def is_functional_collective(func: torch._ops.OpOverload) -> bool:
 
 
 def is_collective(func: torch._ops.OpOverload) -> bool:
-    # c10d's in-place collectives (allreduce_, broadcast_, allgather_, reduce_scatter_, ...) write
-    # into their first argument but their schemas carry no (a!) annotation, and they return a Work
-    # that must be waited: treat them as mutating ops on that argument.
-    return func.namespace == "c10d" and func._schema.name.endswith("_")
+    # c10d's ops -- in-place collectives (allreduce_, broadcast_, allgather_, reduce_scatter_, ...),
+    # point-to-point send and recv_, barrier -- return a Work that must be waited; the in-place ones
+    # write into their first argument although their schemas carry no (a!) annotation: treat them
+    # all as mutating ops on their arguments.
+    return func.namespace == "c10d" and any("Work" in str(r.type) for r in func._schema.returns)
 
 
 @functools.lru_cache(maxsize=None)

@@ -166,26 +166,53 @@ def _wait_tensor(t: torch.Tensor) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(t)
 
 
-def _wait_works(result: Any) -> None:
-    for item in tree_leaves(result):
-        wait = getattr(item, "wait", None)  # the c10d Work of a collective
-        if wait is not None and not isinstance(item, torch.Tensor):
-            wait()
+def _works(result: Any) -> list[Any]:
+    """The c10d ``Work`` objects an op returned, as the Python objects its caller holds."""
+    return [torch.distributed.Work.unbox(item) if isinstance(item, torch.ScriptObject) else item
+            for item in tree_leaves(result) if not isinstance(item, torch.Tensor) and hasattr(item, "wait")]
 
 
 def _mutating_entry(func, args, kwargs) -> Callable[[], None]:
-    funcol = is_functional_collective(func)
+    if not is_functional_collective(func):
+        return lambda: func(*args, **kwargs)
 
-    def run() -> None:
-        result = func(*args, **kwargs)
-        if funcol:  # an in-place functional collective: done when waited
-            for t in tree_leaves(result):
-                if isinstance(t, torch.Tensor):
-                    _wait_tensor(t)
-            return
-        _wait_works(result)
+    def run() -> None:  # an in-place functional collective: done when waited
+        for t in tree_leaves(func(*args, **kwargs)):
+            if isinstance(t, torch.Tensor):
+                _wait_tensor(t)
 
     return run
+
+
+class _Communication:
+    """A c10d op (a collective, a point-to-point send or receive): re-run, and waited where the capture waited.
+
+    At capture the op returns a ``Work``; when the captured code waits on it
+    (``Work.wait()``, as ``dist.all_reduce`` does at once and a pipeline
+    schedule does after posting a batch of sends and receives), the tape gets
+    a wait of the replayed op's ``Work`` at that point (:meth:`wait`). So the
+    ranks replay the same posting and waiting order as the capture, which is
+    what keeps point-to-point exchanges free of deadlock. A ``Work`` the
+    capture never waited on is waited at once after the op is re-run.
+    """
+
+    def __init__(self, func, args: tuple, kwargs: dict) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.deferred = False  # True once the capture waited on this op's Work
+        self.pending: list[Any] = []
+
+    def __call__(self) -> None:
+        works = _works(self.func(*self.args, **self.kwargs))
+        if self.deferred:
+            self.pending = works
+        else:
+            for work in works:
+                work.wait()
+
+    def wait(self) -> None:
+        works, self.pending = self.pending, []
+        for work in works:
+            work.wait()
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -200,6 +227,7 @@ class _Recorder(TorchDispatchMode):
         self.device = device
         self.created: set[int] = set()
         self.backup = StateBackup()  # memory that existed before the capture, restored when it ends
+        self.issued: dict[int, _Communication] = {}  # id of a c10d op's Work -> the tape entry that re-runs it
 
     def _note_created(self, out: Any) -> None:
         for t in tree_leaves(out):
@@ -249,6 +277,8 @@ class _Recorder(TorchDispatchMode):
             if kind == "alloc":
                 self._note_created(out)
             tape.keep.append(out)
+        elif is_collective(func):
+            self._communication(func, args, kwargs, out)
         elif kind == "mutating":
             tape.add(_mutating_entry(func, args, kwargs))
         else:
@@ -257,6 +287,20 @@ class _Recorder(TorchDispatchMode):
             tape.keep.append(out)
             tape.add(_refill_entry(func, args, kwargs, out, positions))
         return out
+
+    def _communication(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        entry = _Communication(func, args, kwargs)
+        self.tape.add(entry)
+        for work in _works(out):
+            self.tape.keep.append(work)  # the caller's Work stays this object while the tape lives
+            self.issued[id(work)] = entry
+
+    def note_wait(self, work: Any) -> None:
+        """The captured code waits on ``work``: replay waits on the re-run op's Work here too."""
+        entry = self.issued.get(id(work))
+        if entry is not None:
+            entry.deferred = True
+            self.tape.add(entry.wait)
 
     def _subclass_op(self, func, types, args: tuple, kwargs: dict) -> Any:
         """An op on a tensor subclass: record what it runs on plain tensors, not the op itself.

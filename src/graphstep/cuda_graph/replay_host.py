@@ -22,9 +22,10 @@ capture (on the recording thread only; other threads call the originals):
   replay reallocates and frees at the same points, and the recorded ops
   refill the tensors that view the storage; memory a resize allocates is
   the capture's own, never backed up or restored;
-* a collective's ``Work.wait()`` runs unrecorded: what a backend does there
-  (gloo copies a reduce-scatter's result out on every wait) belongs to the
-  collective, which replay re-runs and waits itself;
+* a collective's ``Work.wait()`` is recorded as a wait on the re-run
+  collective at that point, and what a backend does inside it runs
+  unrecorded (gloo copies a reduce-scatter's result out on every wait: it
+  belongs to the collective, which replay re-runs and waits itself);
 * ``torch.cuda.is_current_stream_capturing()`` answers True.
 
 Host callbacks (:func:`record_host_op`) run in recording order between the
@@ -164,6 +165,8 @@ def in_collective_wait() -> bool:
 def _unrecorded_wait(original: Callable[..., Any]) -> Callable[..., Any]:
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         outer = in_collective_wait()
+        if _recording() and not outer:
+            active_recorder().note_wait(self)
         _local.in_wait = True
         try:
             return original(self, *args, **kwargs)
