@@ -48,6 +48,10 @@ REFUSED_OTHERWISE = {
     "model.normalization": ("V", ["model.normalization=LayerNorm"]),
     "model.position_embedding_type": ("V", ["model.position_embedding_type=learned_absolute"]),
     "compile.components": ("R20", ["compile.components=[loss]"]),
+    "model.virtual_pipeline_model_parallel_size": ("R28", ["model.virtual_pipeline_model_parallel_size=2"]),
+    "model.pipeline_dtype": ("R28", ["model.pipeline_dtype=fp32", "model.params_dtype=bf16",
+                                     "model.pipeline_model_parallel_size=2"]),
+    "model.context_parallel_size": ("R30", ["model.context_parallel_size=2"]),
     # a declaration about the data (the data source decides the widths): refused with graphs and no buckets
     "model.variable_seq_lengths": ("R17", ["model.variable_seq_lengths=true", "model.cuda_graph_impl=full_iteration",
                                            "model.use_te_rng_tracker=true",

@@ -119,13 +119,34 @@ class ModelConfig:
     enable_cuda_graph: bool = opt(False, "Deprecated: = cuda_graph_impl=local.")
     external_cuda_graph: bool = opt(False, "Deprecated: = cuda_graph_impl=transformer_engine.")
 
-    # --- Megatron features graphstep does not implement --------------------
+    # --- parallel layouts (training/parallel.py, training/pipeline.py) and what graphstep does not implement
     tensor_model_parallel_size: int = opt(
         1, "Tensor-parallel ranks: DTensor colwise/rowwise sharding of attention, MLP and the vocabulary over the "
-        "tp dimension of the device mesh; world size = data-parallel x tensor-parallel ranks (rules R25-R27)."
+        "tp dimension of the device mesh; world size = pipeline x data-parallel x tensor-parallel ranks (rules R25-R29)."
     )
-    pipeline_model_parallel_size: int = unsupported(1, "Pipeline parallelism.")
-    context_parallel_size: int = unsupported(1, "Context parallelism.")
+    pipeline_model_parallel_size: int = opt(
+        1, "Pipeline stages: the decoder layers split over consecutive ranks (torch.distributed.pipelining), the "
+        "embedding on the first stage, the output layer and loss on the last; world size = pipeline x data-parallel "
+        "x tensor-parallel ranks (rules R28-R29)."
+    )
+    virtual_pipeline_model_parallel_size: int | None = opt(
+        None, "Model chunks per pipeline rank (interleaved 1F1B); only null or 1 is accepted (R28)."
+    )
+    pipeline_dtype: str | None = opt(
+        None, "dtype of the activations sent between stages; null or the parameter dtype (stages send what "
+        "they compute, R28)."
+    )
+    num_layers_in_first_pipeline_stage: int | None = opt(
+        None, "Decoder layers on the first stage; null = an even split (R28)."
+    )
+    num_layers_in_last_pipeline_stage: int | None = opt(
+        None, "Decoder layers on the last stage; null = an even split (R28)."
+    )
+    pipeline_schedule: str = opt(
+        "1f1b", "Pipeline schedule (graphstep): 1f1b (torch's Schedule1F1B, Megatron's non-interleaved "
+        "schedule; needs micro-batches >= stages) or gpipe (ScheduleGPipe)."
+    )
+    context_parallel_size: int = opt(1, "Context parallelism; only 1 is accepted (R30).")
     expert_model_parallel_size: int = unsupported(1, "Expert parallelism.")
     sequence_parallel: bool = opt(
         False, "With tensor parallelism: norms, dropout and residuals run on sequence shards (DTensor "

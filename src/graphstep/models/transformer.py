@@ -284,17 +284,29 @@ class GPTModel(nn.Module):
                 nn.init.zeros_(p)
 
     def graph_layers(self) -> list[nn.Module]:
-        return list(self.layers)
+        return [layer for _, layer in self.layers.named_children()]
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embedding(tokens)
-        for layer in self.layers:
+    def stage_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """What this model holds of the network, from its input to its output.
+
+        The whole model: tokens -> logits. A pipeline stage
+        (training/pipeline.py) holds the embedding only on the first stage and
+        the final norm and output layer only on the last: it maps tokens or a
+        hidden state to a hidden state or the logits.
+        """
+        h = self.embedding(x) if self.embedding is not None else x
+        for layer in self.graph_layers():
             h = layer(h)
+        if self.final_layernorm is None:
+            return h
         h = self.final_layernorm(h)
         weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
         if isinstance(weight, DTensor):  # tensor parallel: the vocabulary is sharded (training/parallel.py)
             return _vocab_parallel_logits(h, weight, self.hidden_placement)
         return F.linear(h, weight)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.stage_forward(tokens)
 
     def forward(
         self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None
@@ -302,9 +314,14 @@ class GPTModel(nn.Module):
         logits = self.logits(tokens)
         if labels is None:
             return logits
-        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-        if loss_mask is None:
-            return losses.mean()
-        mask = loss_mask.flatten().to(losses.dtype)
-        # Divide by the token count on the device: no host sync, static shapes.
-        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+        return token_loss(logits, labels, loss_mask)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean cross-entropy over tokens (over the tokens ``loss_mask`` keeps)."""
+    losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    if loss_mask is None:
+        return losses.mean()
+    mask = loss_mask.flatten().to(losses.dtype)
+    # Divide by the token count on the device: no host sync, static shapes.
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)

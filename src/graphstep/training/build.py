@@ -40,6 +40,7 @@ from .distributed import DataParallel
 from .moe_hooks import MoEHooks
 from .optim import AdamW, GradBuffers, build_optimizer
 from .parallel import parallelize, reshard_all
+from .pipeline import Pipeline, PipelineEvalStep, PipelineTrainStep, keep_stage, stage_layers
 from .prepare import Runner, prepare
 from .step import EvalStep, TrainStep
 
@@ -57,8 +58,8 @@ class Run:
     model: nn.Module
     grads: GradBuffers
     optimizer: AdamW
-    train_step: TrainStep
-    eval_step: EvalStep
+    train_step: TrainStep | PipelineTrainStep
+    eval_step: EvalStep | PipelineEvalStep
     moe: MoEHooks
     runner: Runner
     num_micro_batches: int
@@ -125,10 +126,10 @@ def build_run(
     grads = GradBuffers(model, dp.mesh)  # 3
     optimizer = build_optimizer(cfg, model, grads)
     start = restore(model, optimizer) if restore is not None else 0  # 4
-    num_mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp.dp_size)
+    num_mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp.dp_size)  # per pipeline too
     moe = MoEHooks(model, num_mb)  # 5
     compile_mode = compile_mode if compile_mode is not None else (cfg.compile.mode if cfg.compile.enable else None)
-    train_step, eval_step = _build_steps(cfg, settings, model, grads, moe, dp, device, compile_mode)
+    train_step, eval_step = _build_steps(cfg, settings, model, grads, moe, dp, device, compile_mode, num_mb)
     if settings.enabled and backend is None:  # 6
         backend = get_backend(device, settings.backend)
     if compile_mode is not None and settings.enabled and getattr(backend, "name", None) == "replay":
@@ -152,8 +153,12 @@ def _check_nonfinite_settings(cfg: Config) -> None:
 
 
 def _build_model(cfg: Config, device: torch.device, dp: DataParallel) -> nn.Module:
-    initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker, dp_rank=dp.dp_rank,
-                           tp_rank=dp.tp_rank, data_parallel_random_init=cfg.rng.data_parallel_random_init)
+    def seed_tracker(pp_rank: int) -> None:
+        initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker, pp_rank=pp_rank,
+                               dp_rank=dp.dp_rank, tp_rank=dp.tp_rank,
+                               data_parallel_random_init=cfg.rng.data_parallel_random_init)
+
+    seed_tracker(0)  # every stage builds the whole model from the same seed, then keeps its own layers
     dtype = resolve_dtype(cfg.model.params_dtype, device)
     # FSDP2 keeps fp32 shards (the optimizer's main weights) and casts to the model dtype when it gathers them.
     model = build_model(cfg.model, device, dtype=torch.float32 if dp.layout.fsdp else dtype)
@@ -162,11 +167,25 @@ def _build_model(cfg: Config, device: torch.device, dp: DataParallel) -> nn.Modu
     model.train()
     if cfg.rng.data_parallel_random_init:
         dp.broadcast_parameters(model)  # different seeds per rank, the same starting weights (Megatron)
+    if dp.layout.pp > 1:  # training/pipeline.py; dropout streams differ per stage (Megatron: seed + 100 x stage)
+        m = cfg.model
+        layers = stage_layers(m.num_layers, dp.layout.pp, m.num_layers_in_first_pipeline_stage,
+                              m.num_layers_in_last_pipeline_stage)[dp.pp_rank]
+        keep_stage(model, layers, first=dp.pp_rank == 0, last=dp.pp_rank == dp.layout.pp - 1)
+        seed_tracker(dp.pp_rank)
     return parallelize(model, dp.layout, dp.mesh, dtype)  # tensor parallel, FSDP2 (training/parallel.py)
 
 
 def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, grads: GradBuffers, moe: MoEHooks,
-                 dp: DataParallel, device: torch.device, compile_mode: str | None) -> tuple[TrainStep, EvalStep]:
+                 dp: DataParallel, device: torch.device, compile_mode: str | None,
+                 num_micro_batches: int) -> tuple[Any, Any]:
+    if dp.layout.pp > 1:  # the schedule runs forward and backward (training/pipeline.py)
+        pipeline = Pipeline(model, stage_index=dp.pp_rank, stages=dp.layout.pp, group=dp.pp_group, device=device,
+                            schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
+        return (PipelineTrainStep(pipeline, grads, reduce_grads=dp.grad_reducer(grads, cfg.ddp),
+                                  reduce_loss=dp.loss_reducer(), before_step=moe.before_step if moe.enabled else None,
+                                  check_nonfinite=cfg.train.check_for_nan_on_device),
+                PipelineEvalStep(pipeline, device, reduce_loss=dp.loss_reducer()))
     step_model = apply_compile(model, compile_mode, settings) if compile_mode is not None else model
     train_step = TrainStep(
         step_model, grads, reduce_grads=dp.grad_reducer(grads, cfg.ddp), reduce_loss=dp.loss_reducer(),

@@ -52,7 +52,7 @@ from ..cuda_graph.devices import normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
 from .grad_reduce import GradReducer, OverlappedGradReducer
 from .optim import GradBuffers
-from .parallel import DP, Layout, build_mesh
+from .parallel import DP, PP, Layout, build_mesh
 
 log = logging.getLogger("graphstep")
 
@@ -82,21 +82,31 @@ class DataParallel:
     # ---- this rank's place in the layout ---------------------------------------
     @property
     def dp_size(self) -> int:
-        """Data-parallel replicas (each reads its own shard of the data): the world over the tp ranks."""
-        return self.world_size // self.layout.tp
+        """Data-parallel replicas (each reads its own shard of the data): the world over the pp x tp ranks."""
+        return self.world_size // (self.layout.tp * self.layout.pp)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.layout.tp  # the mesh is (dp, tp) in rank order
+        return (self.rank // self.layout.tp) % self.dp_size  # the mesh is (pp, dp, tp) in rank order
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.layout.tp
 
     @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.layout.tp * self.dp_size)
+
+    @property
     def dp_group(self) -> Any:
-        """The data-parallel ranks of this tensor-parallel rank (None: the default group)."""
-        return self.mesh.get_group(DP) if self.mesh is not None and self.layout.tp > 1 else None
+        """The data-parallel ranks of this tensor-parallel rank and stage (None: the default group)."""
+        split = self.layout.tp > 1 or self.layout.pp > 1
+        return self.mesh.get_group(DP) if self.mesh is not None and split else None
+
+    @property
+    def pp_group(self) -> Any:
+        """The pipeline stages of this data-parallel and tensor-parallel rank (None without stages)."""
+        return self.mesh.get_group(PP) if self.mesh is not None and self.layout.pp > 1 else None
 
     # ---- gradient and loss reduction ------------------------------------------
     def grad_reducer(self, grads: GradBuffers, ddp: DDPConfig) -> "GradReducer | None":

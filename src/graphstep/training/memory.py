@@ -24,7 +24,13 @@ plus the root module's parameters (embedding, final norm, output layer),
 which FSDP2 keeps gathered from forward to backward, divided by ``tp``; with
 ``optim_grads`` (ZeRO-2) every layer stays gathered to its backward:
 ``P/tp``. Every parameter counts as split over the tensor-parallel ranks;
-the norm weights, which are replicated, are small enough to ignore.
+the norm weights, which are replicated, are small enough to ignore. With
+``pp`` pipeline stages ``P`` is the heaviest stage's: ``ceil(layers / pp)``
+of the largest layer plus the embedding and output layer (an upper bound:
+each end stage holds one of the two). Activations stay those of the whole
+layer stack: under 1F1B the first stage keeps ``pp`` micro-batches in flight
+through ``layers / pp`` layers (GPipe keeps every micro-batch of the step:
+more than this estimate when there are more micro-batches than stages).
 
 Per token (``b`` = micro-batch, ``s`` = sequence, ``h`` = hidden, ``f`` = FFN
 width, ``kv`` = key/value width, masks 1 byte per element), each block keeps
@@ -156,6 +162,10 @@ def estimate_memory(cfg: Config, device: torch.device, layout: Layout | None = N
 
 def _estimate(cfg: Config, device: torch.device, layout: Layout, counts: ParameterCounts) -> MemoryEstimate:
     e = element_size(cfg, device)
+    if layout.pp > 1:  # the heaviest stage: its share of the layers, and (at most) the embedding and output layer
+        share = -(-cfg.model.num_layers // layout.pp) * counts.largest_layer + counts.root
+        counts = ParameterCounts(parameters=min(share, counts.parameters), buffers=counts.buffers,
+                                 largest_layer=counts.largest_layer, root=counts.root)
     weights, gradients, optimizer = static_bytes(counts, e, layout)
     return MemoryEstimate(
         parameters=counts.parameters, weights=weights, gradients=gradients, optimizer=optimizer,

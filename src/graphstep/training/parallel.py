@@ -60,49 +60,56 @@ from torch.distributed.tensor.parallel import (
 from ..config import Config
 from ..cuda_graph.rng import MODEL_PARALLEL_RNG
 
-DP, TP = "dp", "tp"
+PP, DP, TP = "pp", "dp", "tp"
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Data-parallel x tensor-parallel ranks, and how the data-parallel dimension is sharded."""
+    """Pipeline x data-parallel x tensor-parallel ranks, and how the data-parallel dimension is sharded."""
 
     dp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
     fsdp: str | None = None  # None (replicated), "optim_grads" (ZeRO-2) or "optim_grads_params" (ZeRO-3)
     prefetch: bool = False  # FSDP2 explicit forward prefetch (ddp.overlap_param_gather)
+    pp: int = 1  # pipeline stages (training/pipeline.py)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "Layout":
-        """The layout of a validated config (R25-R27) on ``world_size`` ranks."""
-        d, tp = cfg.ddp, cfg.model.tensor_model_parallel_size
+        """The layout of a validated config (R25-R29) on ``world_size`` ranks."""
+        d, tp, pp = cfg.ddp, cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
         if d.use_megatron_fsdp:
             fsdp = None if d.data_parallel_sharding_strategy == "no_shard" else d.data_parallel_sharding_strategy
         else:
             fsdp = "optim_grads" if d.use_distributed_optimizer or cfg.optimizer.use_distributed_optimizer else None
-        return cls(dp=max(1, world_size // tp), tp=tp, sequence_parallel=cfg.model.sequence_parallel, fsdp=fsdp,
-                   prefetch=d.overlap_param_gather)
+        return cls(dp=max(1, world_size // (tp * pp)), tp=tp, sequence_parallel=cfg.model.sequence_parallel,
+                   fsdp=fsdp, prefetch=d.overlap_param_gather, pp=pp)
 
     @property
     def needs_mesh(self) -> bool:
-        """Tensor parallel or FSDP2: parameters become DTensors on a device mesh (even with one rank)."""
-        return self.tp > 1 or self.fsdp is not None
+        """Tensor parallel, FSDP2 or pipeline stages: ranks are placed on a device mesh (even with one rank)."""
+        return self.tp > 1 or self.fsdp is not None or self.pp > 1
+
+    @property
+    def ranks(self) -> int:
+        return self.pp * self.dp * self.tp
 
     def describe(self) -> str:
         """e.g. ``4 data-parallel (FSDP2 optim_grads_params) x 2 tensor-parallel + sequence-parallel ranks``."""
-        parts = [f"{self.dp} data-parallel" + (f" (FSDP2 {self.fsdp})" if self.fsdp else "")]
+        parts = [f"{self.pp} pipeline-stage"] if self.pp > 1 else []
+        parts.append(f"{self.dp} data-parallel" + (f" (FSDP2 {self.fsdp})" if self.fsdp else ""))
         if self.tp > 1:
             parts.append(f"{self.tp} tensor-parallel" + (" + sequence-parallel" if self.sequence_parallel else ""))
-        return " x ".join(parts) + (" rank" if self.dp * self.tp == 1 else " ranks")
+        return " x ".join(parts) + (" rank" if self.ranks == 1 else " ranks")
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
-    """The ``(dp, tp)`` mesh over the default process group (which must hold dp x tp ranks)."""
+    """The ``(dp, tp)`` mesh -- ``(pp, dp, tp)`` with pipeline stages -- over the default process group."""
     world = dist.get_world_size()
-    if layout.dp * layout.tp != world:
-        raise RuntimeError(f"the layout {layout.describe()} needs {layout.dp * layout.tp} ranks, the process "
-                           f"group has {world}")
+    if layout.ranks != world:
+        raise RuntimeError(f"the layout {layout.describe()} needs {layout.ranks} ranks, the process group has {world}")
+    if layout.pp > 1:
+        return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=(PP, DP, TP))
     return init_device_mesh(device_type, (layout.dp, layout.tp), mesh_dim_names=(DP, TP))
 
 
@@ -148,7 +155,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
         plan["final_layernorm"] = norm
     if getattr(model, "output_layer", None) is not None:
         plan["output_layer"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
-    for i, layer in enumerate(model.layers):
+    for i, layer in model.layers.named_children():  # a ModuleList, or a pipeline stage's ModuleDict
         attn, mlp = layer.blocks["attn"], layer.blocks["mlp"]
         prefix = f"layers.{i}.blocks"
         plan[f"{prefix}.attn.self_attention.linear_qkv"] = FusedColwiseParallel(input_layouts=seq)
@@ -181,7 +188,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    layers = list(model.layers)
+    layers = [layer for _, layer in model.layers.named_children()]
     for i, layer in enumerate(layers):
         # ZeRO-3 reshards a layer after its forward -- but not the last, whose backward comes next (torchtitan's choice)
         reshard = strategy == "optim_grads_params" and i < len(layers) - 1
@@ -226,11 +233,12 @@ def counted_here(p: torch.Tensor, mesh: DeviceMesh | None) -> bool:
 
     A gradient replicated over a mesh dimension (a replicated parameter, or any
     parameter over replicated data-parallel ranks) is counted on that
-    dimension's rank 0 only; a sharded one on every rank.
+    dimension's rank 0 only; a sharded one on every rank (and every pipeline
+    stage counts its own parameters).
     """
     if mesh is None:
         return True
-    sharded: set[str] = set()
+    sharded: set[str] = {PP}  # each pipeline stage holds other parameters
     if isinstance(p, DTensor):  # a parameter is replicated or sharded (Shard, or FSDP2's _StridedShard) per dimension
         sharded = {n for n, pl in zip(p.device_mesh.mesh_dim_names or (), p.placements) if not pl.is_replicate()}
     coordinate = mesh.get_coordinate() or [0] * mesh.ndim

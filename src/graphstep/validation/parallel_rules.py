@@ -1,4 +1,4 @@
-"""The layout rules R25-R27: tensor/sequence parallel (DTensor) and sharded data parallel (FSDP2).
+"""The layout rules R25-R30: tensor/sequence parallel (DTensor), sharded data parallel (FSDP2), pipeline parallel.
 
 Same shape as graph_rules.py (``_rN(view) -> list[Violation]``). The layout
 itself -- which ranks form the data-parallel and tensor-parallel dimensions of
@@ -13,12 +13,23 @@ training/parallel.py; these rules say which configurations it takes:
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE and
   hybrid (Mamba) models, per-layer graphs with FSDP2, torch.compile and activation
   recompute; and a capture of the very first iteration (no warm-up step).
-  Each is refused by name, never ignored.
+  Each is refused by name, never ignored;
+* R28 -- the pipeline layout fits the model and the world: the world size is
+  a multiple of pipeline x tensor-parallel ranks, the decoder layers split
+  over the stages (Megatron Bridge's ``num_layers_in_first/last_pipeline_stage``),
+  1F1B has at least as many micro-batches per step as stages, the schedule is
+  one graphstep runs, and what is not implemented (interleaved schedules,
+  another activation dtype, tied embeddings across stages) is refused;
+* R29 -- what pipeline parallelism does not combine with yet (tensor
+  parallelism, FSDP2, MoE and hybrid models, per-layer graphs, ...);
+* R30 -- context parallelism is not implemented.
 
 docs/rules.md describes every rule with an example override and its fix.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from graphstep.config import Config
 
@@ -27,6 +38,7 @@ from .report import Violation, as_int as _int, as_str as _str, fmt as _fmt
 from .report import violation as _v
 
 STRATEGIES = ("no_shard", "optim_grads", "optim_grads_params")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
 
 def tensor_parallel_size(cfg: Config) -> int:
@@ -42,8 +54,13 @@ def shards_data_parallel(cfg: Config) -> bool:
     return d.use_distributed_optimizer is True or cfg.optimizer.use_distributed_optimizer is True
 
 
+def pipeline_parallel_size(cfg: Config) -> int:
+    pp = _int(cfg.model.pipeline_model_parallel_size)
+    return pp if pp is not None and pp >= 1 else 1
+
+
 def data_parallel_size(cfg: Config, world_size: int) -> int:
-    return max(1, max(world_size, 1) // tensor_parallel_size(cfg))
+    return max(1, max(world_size, 1) // (tensor_parallel_size(cfg) * pipeline_parallel_size(cfg)))
 
 
 def _r25(v: View) -> list[Violation]:
@@ -148,4 +165,127 @@ def _fsdp_fields(cfg: Config) -> list[str]:
             else "optimizer.use_distributed_optimizer"]
 
 
-PARALLEL_RULES = (("R25", _r25), ("R26", _r26), ("R27", _r27))
+def _r28(v: View) -> list[Violation]:
+    m, t = v.cfg.model, v.cfg.train
+    pp = _int(m.pipeline_model_parallel_size)
+    if pp is None or pp < 1:
+        return [_v("R28", ["model.pipeline_model_parallel_size"], f"model.pipeline_model_parallel_size={_fmt(pp)} is "
+                   "not a positive number of stages.", "set model.pipeline_model_parallel_size=1 or more.")]
+    out = []
+    vpp = _int(m.virtual_pipeline_model_parallel_size)
+    if m.virtual_pipeline_model_parallel_size is not None and vpp != 1:
+        out.append(_v("R28", ["model.virtual_pipeline_model_parallel_size"], "model.virtual_pipeline_model_parallel_"
+                      f"size={_fmt(m.virtual_pipeline_model_parallel_size)} asks for an interleaved schedule, which "
+                      "is not implemented: capturing it needs a communicator per directed pair of ranks, which "
+                      "torch's pipelining does not set up.", "set model.virtual_pipeline_model_parallel_size=null."))
+    schedule = _str(m.pipeline_schedule)
+    if schedule not in PIPELINE_SCHEDULES:
+        out.append(_v("R28", ["model.pipeline_schedule"], f"model.pipeline_schedule={_fmt(schedule)} is not a "
+                      f"schedule graphstep runs ({', '.join(PIPELINE_SCHEDULES)}).", "set model.pipeline_schedule=1f1b "
+                      "or gpipe."))
+    if pp == 1:
+        return out
+    tp, world = tensor_parallel_size(v.cfg), max(v.world_size, 1)
+    if world % (pp * tp):
+        out.append(_v("R28", ["model.pipeline_model_parallel_size"], f"model.pipeline_model_parallel_size={pp} "
+                      + (f"x tensor_model_parallel_size={tp} " if tp > 1 else "") + f"does not divide the world "
+                      f"size {world} (torchrun's WORLD_SIZE): the device mesh is pipeline x data-parallel x "
+                      "tensor-parallel ranks.", f"launch a multiple of {pp * tp} processes."))
+    out += _stage_split_violations(m, pp)
+    if m.pipeline_dtype is not None and _str(m.pipeline_dtype) not in (_str(m.params_dtype), "auto"):
+        out.append(_v("R28", ["model.pipeline_dtype", "model.params_dtype"], f"model.pipeline_dtype="
+                      f"{_fmt(m.pipeline_dtype)} differs from model.params_dtype={_fmt(m.params_dtype)}: stages "
+                      "send the activations they compute, in the parameter dtype.", "set model.pipeline_dtype=null."))
+    if m.share_embeddings_and_output_weights is True:
+        out.append(_v("R28", ["model.share_embeddings_and_output_weights", "model.pipeline_model_parallel_size"],
+                      "model.share_embeddings_and_output_weights=true ties the first stage's embedding to the last "
+                      "stage's output layer, which is not implemented across pipeline stages.",
+                      "set model.share_embeddings_and_output_weights=false."))
+    mbs, gbs = _int(t.micro_batch_size), _int(t.global_batch_size)
+    if schedule == "1f1b" and mbs and gbs and mbs > 0:
+        per_step = gbs // (mbs * data_parallel_size(v.cfg, world))
+        if per_step < pp:
+            out.append(_v("R28", ["model.pipeline_schedule", "train.global_batch_size", "train.micro_batch_size"],
+                          f"the 1F1B schedule needs at least as many micro-batches per step as stages: "
+                          f"{per_step} micro-batches, {pp} stages.", f"raise train.global_batch_size to "
+                          f"{pp * mbs * data_parallel_size(v.cfg, world)} or more, or set model.pipeline_schedule=gpipe."))
+    return out
+
+
+def _stage_split_violations(m: Any, pp: int) -> list[Violation]:
+    layers = _int(m.num_layers)
+    first, last = _int(m.num_layers_in_first_pipeline_stage), _int(m.num_layers_in_last_pipeline_stage)
+    if layers is None:
+        return []
+    fields = ["model.num_layers", "model.pipeline_model_parallel_size"]
+    for name, n in (("model.num_layers_in_first_pipeline_stage", first), ("model.num_layers_in_last_pipeline_stage", last)):
+        if n is not None and n < 1:
+            return [_v("R28", [name], f"{name}={n}: every stage holds at least one decoder layer.",
+                       f"set {name}=1 or more, or null.")]
+    middle = pp - (first is not None) - (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    if middle == 0 and rest == 0 or middle > 0 and rest >= middle and rest % middle == 0:
+        return []
+    split = f"{layers} layers" + (f", {first} on the first stage" if first else "") + (f", {last} on the last" if last else "")
+    return [_v("R28", fields + [f for f, n in (("model.num_layers_in_first_pipeline_stage", first),
+                                               ("model.num_layers_in_last_pipeline_stage", last)) if n is not None],
+               f"{split}: the other {max(rest, 0)} do not split evenly over {middle} stage(s) of at least one layer.",
+               "choose model.num_layers, model.pipeline_model_parallel_size and num_layers_in_first/last_pipeline_"
+               "stage so the remaining layers divide evenly over the remaining stages.")]
+
+
+def _r29(v: View) -> list[Violation]:
+    cfg, m = v.cfg, v.cfg.model
+    pp = pipeline_parallel_size(cfg)
+    if pp == 1:
+        return []
+    out = []
+
+    def refuse(fields: list[str], value: str, fix: str) -> None:
+        out.append(_v("R29", [*fields, "model.pipeline_model_parallel_size"], f"model.pipeline_model_parallel_size="
+                      f"{pp} with {value} is not implemented.", fix))
+
+    if tensor_parallel_size(cfg) > 1:
+        refuse(["model.tensor_model_parallel_size"], f"model.tensor_model_parallel_size={tensor_parallel_size(cfg)}",
+               "use pipeline stages with data parallel, or tensor parallel without pipeline stages.")
+    if shards_data_parallel(cfg):
+        refuse(_fsdp_fields(cfg), f"FSDP2 ({_fsdp_f(cfg)})", "use replicated data parallel across pipelines "
+               "(the default ddp settings).")
+    if m.num_moe_experts is not None:
+        refuse(["model.num_moe_experts"], "an MoE model", "train MoE models without pipeline stages.")
+    if m.hybrid_override_pattern is not None:
+        refuse(["model.hybrid_override_pattern"], "a hybrid (Mamba) model", "train hybrid models without pipeline stages.")
+    if v.per_layer:
+        refuse(["model.cuda_graph_impl"], f"per-layer graphs ({_impl_f(v)}): a pipeline keeps several micro-batches "
+               "in flight per layer, and a layer graph holds one", "set model.cuda_graph_impl=full_iteration (the "
+               "whole schedule, sends and receives included, in one graph per rank), or none.")
+    warmup = _int(m.cuda_graph_warmup_steps)
+    if v.impl == "full_iteration" and warmup == 0:
+        refuse(["model.cuda_graph_warmup_steps"], "model.cuda_graph_warmup_steps=0 (the first step infers the shapes "
+               "the stages exchange, on the host, which may not happen inside a capture)",
+               "set model.cuda_graph_warmup_steps=1 or more.")
+    if cfg.compile.enable is True:
+        refuse(["compile.enable"], "compile.enable=true", "set compile.enable=false.")
+    if m.recompute_granularity is not None:
+        refuse(["model.recompute_granularity"], f"model.recompute_granularity={_fmt(m.recompute_granularity)}",
+               "set model.recompute_granularity=null.")
+    if cfg.ddp.overlap_grad_reduce is True:
+        refuse(["ddp.overlap_grad_reduce"], "ddp.overlap_grad_reduce=true (the schedule runs the backward)",
+               "set ddp.overlap_grad_reduce=false.")
+    if cfg.data.seq_length_buckets is not None:
+        refuse(["data.seq_length_buckets"], "data.seq_length_buckets (the stages exchange one fixed shape)",
+               "set data.seq_length_buckets=null.")
+    return out
+
+
+def _r30(v: View) -> list[Violation]:
+    cp = v.cfg.model.context_parallel_size
+    if _int(cp) == 1:
+        return []
+    return [_v("R30", ["model.context_parallel_size"], f"model.context_parallel_size={_fmt(cp)} is not implemented: "
+               "context parallelism splits each sequence over ranks and needs ring attention (key/value exchange "
+               "between them inside attention), which graphstep's attention does not do.",
+               "set model.context_parallel_size=1; for long sequences use sequence_parallel with tensor parallelism.")]
+
+
+PARALLEL_RULES = (("R25", _r25), ("R26", _r26), ("R27", _r27), ("R28", _r28), ("R29", _r29), ("R30", _r30))

@@ -1,0 +1,233 @@
+"""Pipeline parallel on ``torch.distributed.pipelining``: stages, schedules and the steps graphs capture.
+
+``model.pipeline_model_parallel_size`` stages split the decoder layers over
+the ``pp`` dimension of the device mesh (training/parallel.py): the first
+stage holds the embedding, the last the final norm, the output layer and the
+loss, and the layers are spread as Megatron Bridge spreads them
+(:func:`stage_layers`: ``num_layers_in_first/last_pipeline_stage``, the rest
+evenly). Every rank builds the whole model from the same seed and keeps its
+stage (:func:`keep_stage`), so a pipelined run starts from the weights a
+one-stage run has; layer names stay those of the whole model (``layers.5``
+on the stage that holds layer 5), so checkpoints name parameters the same
+at every layout.
+
+The schedule is torch's own -- ``Schedule1F1B`` (Megatron's non-interleaved
+schedule) or ``ScheduleGPipe`` (``model.pipeline_schedule``) -- over one
+:class:`~torch.distributed.pipelining.PipelineStage` per rank.
+:class:`PipelineTrainStep` is the training step the full-iteration graph
+captures: the schedule's forwards, backwards, sends and receives of every
+micro-batch, then the data-parallel gradient all-reduce and the loss, which
+the last stage computes and the others receive (an all-reduce over the
+stage group), so every rank logs the same loss and non-finite flag. A CUDA
+graph captures NCCL's point-to-point calls; the CPU replay backend re-runs
+them in the order the capture posted and waited on them
+(cuda_graph/replay.py).
+
+The first step is eager (rule R29): it is when the stages exchange the
+shapes of what they send, on the host. Evaluation runs a forward-only GPipe
+pass over a stage of its own (its own receive buffers, for its own number
+of micro-batches).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models.transformer import token_loss
+from .optim import GradBuffers
+from .step import Batch
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def stage_layers(num_layers: int, stages: int, first: int | None = None, last: int | None = None) -> list[range]:
+    """The decoder layers of each stage: ``first``/``last`` on the end stages (None: an even share), the rest evenly.
+
+    A layout rule R28 refuses first has already refused; this raises for direct calls with a split that does not work.
+    """
+    middle = stages - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if middle < 0 or (middle == 0 and rest != 0) or (middle > 0 and (rest < middle or rest % middle)):
+        raise ValueError(f"{num_layers} layers do not split over {stages} stages "
+                         f"(first={first}, last={last}): the rest must divide evenly over the other stages")
+    counts = [rest // middle if middle else 0] * stages
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def keep_stage(model: nn.Module, layers: range, *, first: bool, last: bool) -> nn.Module:
+    """Keep in ``model`` (a GPTModel) what one stage holds; layer names keep their whole-model index."""
+    kept = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+    model.layers = kept
+    if not first:
+        model.embedding = None
+    if not last:
+        model.final_layernorm = None
+        model.output_layer = None
+    return model
+
+
+class _StageModule(nn.Module):
+    """What ``PipelineStage`` runs: the stage's part of the model, input to output (GPTModel.stage_forward)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.stage_forward(x)
+
+
+class _StageLoss:
+    """The schedule's ``loss_fn`` on the last stage: the token loss of each micro-batch, in order.
+
+    The schedule hands it the logits and the labels of micro-batch ``i`` --
+    a slice of the step's label tensor, in micro-batch order --; the loss
+    mask comes from the step's batches. It adds the loss to the step's device
+    total and, when training, returns ``loss / n`` for the backward: what
+    TrainStep backpropagates. A call with labels that are not a slice of the
+    step's (torch's shape inference on a schedule's first step runs the loss
+    on a copy) is computed and not counted.
+    """
+
+    def __init__(self) -> None:
+        self.masks: list[torch.Tensor | None] = []
+        self.target: torch.Tensor | None = None
+        self.total: torch.Tensor | None = None
+        self.scale = 1
+        self.index = 0
+
+    def start(self, batches: list[Batch], target: torch.Tensor | None, total: torch.Tensor, scale: int) -> None:
+        self.masks = [mb.get("loss_mask") for mb in batches]
+        self.target, self.total, self.scale, self.index = target, total, scale, 0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.target is None or labels._base is not self.target:
+            return token_loss(logits, labels)
+        loss = token_loss(logits, labels, self.masks[self.index])
+        self.index += 1
+        self.total.add_(loss.detach())
+        return loss / self.scale if self.scale != 1 else loss
+
+
+class Pipeline:
+    """One rank's stage of the pipeline and its schedules (training and evaluation)."""
+
+    def __init__(self, model: nn.Module, *, stage_index: int, stages: int, group: Any, device: torch.device,
+                 schedule: str, num_micro_batches: int) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        if schedule not in SCHEDULES:
+            raise ValueError(f"model.pipeline_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+        self.model, self.device, self.group = model, device, group
+        self.stage_index, self.stages = stage_index, stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == stages - 1
+        self.module = _StageModule(model)
+        self.loss = _StageLoss()
+        stage = PipelineStage(self.module, stage_index, stages, device, group=group)
+        kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        # scale_grads=False: the loss function divides by the micro-batch count, as TrainStep does
+        self.train_schedule = kind(stage, num_micro_batches, loss_fn=self.loss, scale_grads=False)
+        self._eval: dict[int, Any] = {}
+        self._gpipe, self._stage_cls = ScheduleGPipe, PipelineStage
+
+    def eval_schedule(self, n: int) -> Any:
+        """A forward-only schedule for ``n`` micro-batches, over a stage of its own (its own receive buffers)."""
+        if n not in self._eval:
+            stage = self._stage_cls(self.module, self.stage_index, self.stages, self.device, group=self.group)
+            self._eval[n] = self._gpipe(stage, n, loss_fn=self.loss, scale_grads=False)
+        return self._eval[n]
+
+    def run(self, schedule: Any, batches: list[Batch], total: torch.Tensor, *, train: bool) -> None:
+        """Run ``schedule`` over ``batches``; the last stage adds each micro-batch's loss to ``total``."""
+        args = (torch.cat([mb["tokens"] for mb in batches]),) if self.is_first else ()
+        target = torch.cat([mb["labels"] for mb in batches]) if self.is_last else None
+        self.loss.start(batches, target, total, len(batches) if train else 1)
+        kwargs = {"return_outputs": False} if _takes_return_outputs(schedule) else {}
+        if train:
+            schedule.step(*args, target=target, **kwargs)
+        else:
+            _forward_only(schedule, args, target, kwargs)
+
+    def share_(self, t: torch.Tensor) -> None:
+        """The last stage's ``t`` on every stage, in place (others hold zeros): a device all-reduce."""
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+
+
+def _takes_return_outputs(schedule: Any) -> bool:
+    return "return_outputs" in inspect.signature(schedule.step).parameters
+
+
+def _forward_only(schedule: Any, args: tuple, target: torch.Tensor | None, kwargs: dict) -> None:
+    """Forwards only, the loss on the last stage: ``schedule.eval`` where torch has it."""
+    if hasattr(schedule, "eval"):
+        schedule.eval(*args, target=target, **kwargs)
+        return
+    had = schedule._has_backward  # what schedule.eval does in the torch versions that have it
+    schedule._has_backward = False
+    try:
+        schedule.step(*args, target=target, **kwargs)
+    finally:
+        schedule._has_backward = had
+
+
+class PipelineTrainStep:
+    """TrainStep's contract (step.py) over a pipeline: the schedule does forward and backward.
+
+    ``reduce_grads``/``reduce_loss``/``before_step``/``check_nonfinite`` as in
+    TrainStep; the loss is the last stage's, shared with every stage.
+    """
+
+    def __init__(self, pipeline: Pipeline, grads: GradBuffers, *, reduce_grads: Callable[[], None] | None = None,
+                 reduce_loss: Callable[[torch.Tensor], None] | None = None,
+                 before_step: Callable[[], None] | None = None, check_nonfinite: bool = True) -> None:
+        self.pipeline, self.grads = pipeline, grads
+        self.reduce_grads, self.reduce_loss = reduce_grads, reduce_loss
+        self.before_step, self.check_nonfinite = before_step, check_nonfinite
+
+    def __call__(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
+        n = len(batches)
+        self.grads.zero()
+        if self.before_step is not None:
+            self.before_step()
+        total = torch.zeros((), dtype=torch.float32, device=self.grads.flat.device)
+        self.pipeline.run(self.pipeline.train_schedule, batches, total, train=True)
+        if self.reduce_grads is not None:
+            self.reduce_grads()
+        mean = total / n
+        self.pipeline.share_(mean)
+        if self.reduce_loss is not None:
+            self.reduce_loss(mean)
+        if not self.check_nonfinite:
+            return {"loss": mean}
+        return {"loss": mean, "nonfinite": (~torch.isfinite(mean)).float()}
+
+
+class PipelineEvalStep:
+    """EvalStep's contract over a pipeline: forwards only, the mean loss on every stage."""
+
+    def __init__(self, pipeline: Pipeline, device: torch.device,
+                 reduce_loss: Callable[[torch.Tensor], Any] | None = None) -> None:
+        self.pipeline, self.device, self.reduce_loss = pipeline, device, reduce_loss
+
+    @torch.no_grad()
+    def __call__(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.pipeline.run(self.pipeline.eval_schedule(len(batches)), batches, total, train=False)
+        mean = total / len(batches)
+        self.pipeline.share_(mean)
+        if self.reduce_loss is not None:
+            self.reduce_loss(mean)
+        return {"loss": mean}

@@ -1,0 +1,203 @@
+"""Pipeline parallel (torch.distributed.pipelining) under torchrun: graphed runs equal eager, bit for bit.
+
+One torchrun launch runs this file as its worker (``__main__`` below). Each
+rank trains every layout of ``LAYOUTS`` eagerly and with the full-iteration,
+optimizer and evaluation graphs -- the whole schedule, sends and receives
+included, captured once per rank -- and writes per run the per-iteration
+losses, the evaluation losses and a digest of the parameters its stage holds.
+On the CPU the graphs run on the replay backend over gloo. Dropout is on:
+each stage draws from its own streams (Megatron's seed + 100 x stage).
+
+With dropout off, a pipelined run computes what one process computes with
+the same global batch and the same initial weights, up to rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from test_distributed import subprocess_env, torchrun  # noqa: E402
+from test_parallel import shard_digest  # noqa: E402
+
+ITERS = 10
+COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
+          "train.eval_iters=3", "train.eval_interval=2", "model.use_te_rng_tracker=true",
+          "model.share_embeddings_and_output_weights=false", "model.num_layers=3"]
+# evaluations at 2, 4, ..., 10: the evaluation graph warms up twice, captures at 6 and replays after
+GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+EAGER = ["model.cuda_graph_impl=none"]
+NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+LAYOUTS = {  # 3 layers: 2 on the first stage, 1 on the last (Bridge's num_layers_in_first_pipeline_stage)
+    "pp2_1f1b": ["model.pipeline_model_parallel_size=2", "model.pipeline_schedule=1f1b",
+                 "model.num_layers_in_first_pipeline_stage=2"],
+    "pp2_gpipe": ["model.pipeline_model_parallel_size=2", "model.pipeline_schedule=gpipe",
+                  "model.num_layers_in_last_pipeline_stage=2"],
+}
+# 4 ranks: 2 pipelines of 2 stages, the gradients all-reduced over each stage's data-parallel group
+LAYOUTS_4 = {"pp2_dp2": ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2",
+                         "train.global_batch_size=16"]}
+
+
+def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool) -> None:
+    import torch.distributed as dist
+
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    report: dict[str, dict] = {}
+    try:
+        runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
+                for name, layout in layouts.items() for mode in ("eager", "graphed")}
+        if compare:
+            runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT, *EAGER] for name, layout in layouts.items()})
+        for name, overrides in runs.items():
+            result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
+            report[name] = {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
+                            "eval": result.eval_losses, "shard": shard_digest(result.model), "graphs": result.graphs,
+                            "names": [n for n, _ in result.model.named_parameters()]}
+    finally:
+        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
+    cmd = torchrun(nproc, str(Path(__file__).resolve()), str(tmp), device, layouts)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("pipeline"), "cpu", timeout=600)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_graphed_pipeline_equals_eager_bit_for_bit(reports, layout):
+    for report in reports:
+        eager, graphed = report[f"{layout}/eager"], report[f"{layout}/graphed"]
+        assert len(eager["losses"]) == ITERS and len(eager["eval"]) == ITERS // 2
+        assert set(eager["states"]) == {"eager"} and eager["graphs"] == 0
+        assert graphed["states"][1:4] == ["eager", "captured", "replayed"]
+        assert graphed["graphs"] == 3  # training (the whole schedule), optimizer and evaluation graphs
+        assert graphed["losses"] == eager["losses"]  # JSON floats: the exact bits
+        assert graphed["eval"] == eager["eval"]
+        assert graphed["shard"] == eager["shard"]
+        assert eager["losses"][-1] < eager["losses"][0]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stages_agree_on_the_loss_and_hold_their_own_layers(reports, layout):
+    for mode in ("eager", "graphed"):
+        assert reports[0][f"{layout}/{mode}"]["losses"] == reports[1][f"{layout}/{mode}"]["losses"]
+        assert reports[0][f"{layout}/{mode}"]["eval"] == reports[1][f"{layout}/{mode}"]["eval"]
+    first, last = reports[0][f"{layout}/eager"]["names"], reports[1][f"{layout}/eager"]["names"]
+    assert first[0] == "embedding.weight" and "output_layer.weight" not in first
+    assert last[-1] == "output_layer.weight" and "embedding.weight" not in last
+    layers = [{n.split(".")[1] for n in names if n.startswith("layers.")} for names in (first, last)]
+    assert layers == ([{"0", "1"}, {"2"}] if layout == "pp2_1f1b" else [{"0"}, {"1", "2"}])
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    return train(tiny_config(*COMMON, *NO_DROPOUT, *EAGER))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_computes_what_one_process_computes(reports, one_process, layout):
+    """Dropout off: the same weights (every stage builds the whole model from one seed) and batches."""
+    for key, pick in (("losses", lambda r: r), ("eval", lambda r: [v for _, v in r])):
+        two = torch.tensor(pick(reports[1][f"{layout}/nodrop"][key]), dtype=torch.float64)
+        one = torch.tensor(pick(getattr(one_process, "losses" if key == "losses" else "eval_losses")),
+                           dtype=torch.float64)
+        assert two.shape == one.shape and len(two) > 0
+        torch.testing.assert_close(two, one, rtol=2e-5, atol=0)
+
+
+def test_two_pipelines_on_four_ranks_equal_eager(tmp_path):
+    """pp2 x dp2: each stage's gradients are all-reduced over its data-parallel group, inside the graph."""
+    reports = run_layouts(tmp_path, "cpu", timeout=600, nproc=4, layouts="LAYOUTS_4")
+    for report in reports:
+        eager, graphed = report["pp2_dp2/eager"], report["pp2_dp2/graphed"]
+        assert set(eager["states"]) == {"eager"} and graphed["states"][1:4] == ["eager", "captured", "replayed"]
+        assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"]
+        assert graphed["shard"] == eager["shard"]
+    assert all(r["pp2_dp2/eager"]["losses"] == reports[0]["pp2_dp2/eager"]["losses"] for r in reports)
+    shards = [r["pp2_dp2/eager"]["shard"] for r in reports]  # (pp, dp) = (0,0), (0,1), (1,0), (1,1)
+    assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
+
+
+@pytest.mark.cuda
+def test_pipeline_on_two_gpus_graphed_equal_eager(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine)")
+    reports = run_layouts(tmp_path, "cuda", timeout=900)
+    for layout in LAYOUTS:
+        for report in reports:
+            assert report[f"{layout}/graphed"]["losses"] == report[f"{layout}/eager"]["losses"], layout
+            assert report[f"{layout}/graphed"]["shard"] == report[f"{layout}/eager"]["shard"], layout
+
+
+def _exchange_worker(out: Path) -> None:
+    """Each rank posts a receive from its peer, then a send to it, then waits on both: the order a pipeline
+    schedule uses. A replay that waited on each receive as soon as it re-posted it would block both ranks."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import graphstep
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    results = {}
+    try:
+        for mode in ("eager", "graphed"):
+            weight, inbox = torch.full((4,), float(rank + 1)), torch.zeros(4)
+
+            def step(x):
+                recv = dist.irecv(inbox, peer)
+                send = dist.isend(x * weight, peer)
+                recv.wait()
+                send.wait()
+                weight.add_(inbox * 0.5)
+                return inbox * 2
+
+            if mode == "graphed":
+                step = graphstep.graph_step(step, warmup_steps=1, device="cpu")
+            results[mode] = [step(torch.arange(4.0) + i).tolist() for i in range(5)] + [weight.tolist()]
+    finally:
+        (out / f"rank{rank}.json").write_text(json.dumps(results))
+        graphstep.close_all()
+        dist.destroy_process_group()
+
+
+def test_replayed_exchange_waits_where_the_capture_waited(tmp_path):
+    cmd = torchrun(2, str(Path(__file__).resolve()), str(tmp_path), "cpu", "EXCHANGE")
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for r in range(2):
+        report = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert report["graphed"] == report["eager"] and len(report["eager"]) == 6
+
+
+if __name__ == "__main__":
+    if sys.argv[3] == "EXCHANGE":
+        _exchange_worker(Path(sys.argv[1]))
+    else:
+        _worker(Path(sys.argv[1]), sys.argv[2], globals()[sys.argv[3]], compare=sys.argv[3] == "LAYOUTS")

@@ -1,0 +1,158 @@
+"""Pipeline parallel pieces in one process: the layer split, a stage's model, the layout rules R28-R30, the
+replay backend's point-to-point waits, and a one-stage schedule captured whole (cpu and cuda twins)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import graphstep
+from graphstep.config import ModelConfig
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+SHAPE = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=64,
+             share_embeddings_and_output_weights=False)
+
+
+def test_layers_split_as_bridge_splits_them():
+    from graphstep.training.pipeline import stage_layers
+
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_layers(5, 3, first=1) == [range(0, 1), range(1, 3), range(3, 5)]
+    assert stage_layers(5, 2, last=1) == [range(0, 4), range(4, 5)]
+    assert stage_layers(6, 3, first=1, last=1) == [range(0, 1), range(1, 5), range(5, 6)]
+    for bad in ((5, 2, None, None), (3, 4, None, None), (4, 2, 1, 1), (4, 3, 3, None)):
+        with pytest.raises(ValueError, match="do not split"):
+            stage_layers(*bad[:2], first=bad[2], last=bad[3])
+
+
+def test_a_stage_keeps_its_layers_under_their_whole_model_names():
+    from graphstep.models.transformer import GPTModel, ModelShape
+    from graphstep.training.pipeline import keep_stage
+
+    torch.manual_seed(0)
+    whole = GPTModel(ModelShape.from_config(ModelConfig(**SHAPE)))
+    torch.manual_seed(0)
+    first = keep_stage(GPTModel(ModelShape.from_config(ModelConfig(**SHAPE))), range(0, 3), first=True, last=False)
+    torch.manual_seed(0)
+    last = keep_stage(GPTModel(ModelShape.from_config(ModelConfig(**SHAPE))), range(3, 4), first=False, last=True)
+    names = dict(whole.named_parameters())
+    for stage in (first, last):
+        for name, p in stage.named_parameters():
+            assert torch.equal(p, names[name]), name  # the whole model's weights, under its names
+    assert {n for n, _ in first.named_parameters()} | {n for n, _ in last.named_parameters()} == set(names)
+    tokens = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(last.stage_forward(first.stage_forward(tokens)), whole.logits(tokens),
+                                   rtol=0, atol=0)
+
+
+def _rules(*overrides: str, world: int = 2) -> list:
+    from graphstep.config import Config, apply_overrides
+    from graphstep.validation import validate_cuda_graph_config
+
+    cfg = Config()
+    apply_overrides(cfg, ["model.share_embeddings_and_output_weights=false", "model.num_layers=4",
+                          "train.micro_batch_size=2", "train.global_batch_size=8", *overrides])
+    return [v for v in validate_cuda_graph_config(cfg, world_size=world) if v.rule in ("R28", "R29", "R30")]
+
+
+@pytest.mark.parametrize("overrides,world,rule,words", [
+    (["model.pipeline_model_parallel_size=2"], 3, "R28", "does not divide the world size 3"),
+    (["model.pipeline_model_parallel_size=3"], 3, "R28", "do not split evenly"),
+    (["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=0"], 2, "R28", "at least one"),
+    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2"], 2, "R28", "interleaved"),
+    (["model.pipeline_model_parallel_size=2", "model.share_embeddings_and_output_weights=true"], 2, "R28", "ties"),
+    (["model.pipeline_model_parallel_size=2", "model.pipeline_dtype=fp32", "model.params_dtype=bf16"], 2, "R28",
+     "pipeline_dtype"),
+    (["model.pipeline_model_parallel_size=2", "train.global_batch_size=2"], 2, "R28", "1F1B"),
+    (["model.pipeline_schedule=zb"], 1, "R28", "not a schedule"),
+    (["model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2"], 4, "R29", "tensor_model"),
+    (["model.pipeline_model_parallel_size=2", "ddp.use_distributed_optimizer=true"], 2, "R29", "FSDP2"),
+    (["model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true"], 2,
+     "R29", "in flight"),
+    (["model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=full_iteration", "model.use_te_rng_tracker=true",
+      "model.cuda_graph_warmup_steps=0"], 2, "R29", "shapes"),
+    (["model.pipeline_model_parallel_size=2", "ddp.overlap_grad_reduce=true"], 2, "R29", "overlap_grad_reduce"),
+    (["model.context_parallel_size=2"], 2, "R30", "ring attention"),
+])
+def test_pipeline_rules_refuse_with_the_reason(overrides, world, rule, words):
+    found = _rules(*overrides, world=world)
+    assert [v.rule for v in found] == [rule], found
+    assert words in found[0].message + found[0].fix
+
+
+def test_accepted_pipeline_layouts_break_no_rule():
+    assert _rules("model.pipeline_model_parallel_size=2") == []
+    assert _rules("model.pipeline_model_parallel_size=2", "model.pipeline_schedule=gpipe", "train.global_batch_size=2") == []
+    assert _rules("model.pipeline_model_parallel_size=2", world=4) == []  # 2 pipelines
+    assert _rules("model.pipeline_model_parallel_size=3", "model.num_layers=5", "model.num_layers_in_first_pipeline_"
+                  "stage=1", "model.num_layers_in_last_pipeline_stage=2", world=3) == []
+
+
+@pytest.mark.parametrize("world,rank,expected", [(2, 1, (1, 0, 0)), (4, 1, (0, 1, 0)), (4, 2, (1, 0, 0)),
+                                                 (4, 3, (1, 1, 0))])
+def test_a_rank_finds_its_stage_and_replica(world, rank, expected):
+    from graphstep.training.distributed import DataParallel
+    from graphstep.training.parallel import Layout
+
+    dp = DataParallel(rank=rank, world_size=world, layout=Layout(dp=world // 2, pp=2))
+    assert (dp.pp_rank, dp.dp_rank, dp.tp_rank) == expected
+    assert dp.dp_size == world // 2
+    assert "2 pipeline-stage x" in dp.layout.describe()
+
+
+@pytest.fixture
+def one_rank_group(request):
+    device = request.node.callspec.params.get("device", "cpu")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield device
+    graphstep.close_all()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_one_stage_schedule_captured_whole_equals_eager(one_rank_group, device, schedule):
+    """torch's schedule over one stage (no sends): PipelineTrainStep with GradBuffers and an SGD update, 3
+    micro-batches with loss masks, dropout from the tracker, captured as one graph: losses and weights bit-equal
+    to eager."""
+    from graphstep.cuda_graph.rng import initialize_rng_tracker
+    from graphstep.models.transformer import GPTModel, ModelShape
+    from graphstep.training.optim import GradBuffers
+    from graphstep.training.pipeline import Pipeline, PipelineTrainStep
+
+    def make():
+        tracker = initialize_rng_tracker(0, device)
+        model = GPTModel(ModelShape.from_config(ModelConfig(**SHAPE, hidden_dropout=0.1, attention_dropout=0.1)))
+        model.to(device).train()
+        grads = GradBuffers(model)
+        pipe = Pipeline(model, stage_index=0, stages=1, group=dist.group.WORLD, device=torch.device(device),
+                        schedule=schedule, num_micro_batches=3)
+        train_step = PipelineTrainStep(pipe, grads)
+
+        def step(batches):
+            out = train_step(batches)
+            with torch.no_grad():
+                torch._foreach_add_([p.data for p in grads.params], grads.grads, alpha=-0.1)
+            return out["loss"]
+
+        return model, step, tracker
+
+    g = torch.Generator().manual_seed(5)
+    data = [[{"tokens": torch.randint(0, 64, (2, 16), generator=g).to(device),
+              "labels": torch.randint(0, 64, (2, 16), generator=g).to(device),
+              "loss_mask": (torch.rand(2, 16, generator=g) > 0.2).float().to(device)} for _ in range(3)]
+            for _ in range(6)]
+    runs = {}
+    for name in ("eager", "graphed"):
+        model, step, tracker = make()
+        if name == "graphed":
+            step = graphstep.graph_step(step, warmup_steps=2, device=device, generators=tracker.generators)
+        losses = [step(batches).clone() for batches in data]
+        runs[name] = (losses, [p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(runs["eager"][0], runs["graphed"][0])), runs
+    assert all(torch.equal(a, b) for a, b in zip(runs["eager"][1], runs["graphed"][1]))
+    assert runs["eager"][0][-1] < runs["eager"][0][0]
