@@ -52,6 +52,7 @@ REFUSED_OTHERWISE = {
     "model.pipeline_dtype": ("R28", ["model.pipeline_dtype=fp32", "model.params_dtype=bf16",
                                      "model.pipeline_model_parallel_size=2"]),
     "model.context_parallel_size": ("R30", ["model.context_parallel_size=2"]),
+    "model.expert_tensor_parallel_size": ("R31", ["model.expert_tensor_parallel_size=2"]),
     # a declaration about the data (the data source decides the widths): refused with graphs and no buckets
     "model.variable_seq_lengths": ("R17", ["model.variable_seq_lengths=true", "model.cuda_graph_impl=full_iteration",
                                            "model.use_te_rng_tracker=true",

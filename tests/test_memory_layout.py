@@ -158,3 +158,20 @@ def test_moe_models_are_not_offered_a_sharded_layout(monkeypatch):
     monkeypatch.setattr(memory, "available_memory", lambda device: estimate.static // 2)
     with pytest.raises(RunSetupError, match=r"do not take MoE or hybrid models yet \(rule R27\)"):
         check_memory_fits(cfg, CUDA)
+
+
+def test_expert_parallel_ranks_hold_their_share_of_the_experts():
+    cfg = get_recipe("qwen3_30b_a3b")
+    counts = parameter_counts(cfg)
+    assert 0 < counts.experts < counts.parameters
+    whole, split = estimate_memory(cfg, CUDA, Layout(dp=8)), estimate_memory(cfg, CUDA, Layout(dp=8, ep=8))
+    local = counts.parameters - counts.experts + ceil_div(counts.experts, 8)
+    assert split.gradients == local * 4 and whole.gradients == counts.parameters * 4
+    assert split.activations == whole.activations
+
+
+def test_a_pipeline_stage_holds_its_share_of_the_layers(llama3_8b, counts):
+    est = estimate_memory(llama3_8b, CUDA, Layout(pp=2))
+    stage = ceil_div(llama3_8b.model.num_layers, 2) * counts.largest_layer + counts.root
+    assert est.gradients == stage * 4 < counts.parameters * 4
+    assert est.weights == stage * BF16 + counts.buffers * BF16

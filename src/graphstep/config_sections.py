@@ -147,7 +147,11 @@ class ModelConfig:
         "schedule; needs micro-batches >= stages) or gpipe (ScheduleGPipe)."
     )
     context_parallel_size: int = opt(1, "Context parallelism; only 1 is accepted (R30).")
-    expert_model_parallel_size: int = unsupported(1, "Expert parallelism.")
+    expert_model_parallel_size: int = opt(
+        1, "Expert-parallel ranks: each data-parallel rank holds num_moe_experts / this many experts, and MoE "
+        "blocks all-gather their tokens and reduce-scatter the experts' outputs (dropless, sync-free; R31)."
+    )
+    expert_tensor_parallel_size: int | None = opt(None, "Tensor parallel inside experts; only null or 1 (R31).")
     sequence_parallel: bool = opt(
         False, "With tensor parallelism: norms, dropout and residuals run on sequence shards (DTensor "
         "SequenceParallel); needs tensor_model_parallel_size > 1 (R25)."

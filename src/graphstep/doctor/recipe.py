@@ -163,13 +163,13 @@ def check_recipe(cfg: Config, *, name: str = "recipe", full_size: bool = False, 
     if report.findings:
         report.notes.append("the configuration breaks rules: the step was not run (fix the config first)")
         return report
-    if Layout.from_config(cfg, 1).needs_mesh:  # tensor parallel or FSDP2
+    if Layout.from_config(cfg, 1).needs_mesh:  # tensor parallel, FSDP2 or pipeline stages
         report.add(Finding("config", "layout", None, why="the doctor judges one unsharded rank; with tensor "
-                           "parallel or FSDP2 it would judge another model than the run trains",
+                           "parallel, FSDP2 or pipeline stages it would judge another model than the run trains",
                            fix="dry-run the layout on the CPU replay backend under torchrun (train.device=cpu, "
                            "docs/parallel.md): a capture error there names the op and your line",
                            detail="model.tensor_model_parallel_size, ddp.use_megatron_fsdp, "
-                           "ddp.use_distributed_optimizer"))
+                           "ddp.use_distributed_optimizer, model.pipeline_model_parallel_size"))
         report.notes.append("the step was not run: its layout is not judged by the doctor")
         return report
     cfg = copy.deepcopy(cfg)

@@ -32,6 +32,13 @@ exactly ``capacity`` slots; with or without
 ``moe_pad_expert_input_to_capacity`` the same static layout runs, as the
 outputs are the same).
 
+Expert parallel (``model.expert_model_parallel_size``, training/parallel.py):
+each rank holds ``num_moe_experts / ep`` experts, and the block all-gathers
+the tokens of its expert-parallel ranks, runs its own experts on the pairs
+routed to them and reduce-scatters the weighted sums back
+(:meth:`MoEBlock._expert_parallel_forward`): dropless and sync-free, so the
+block and the whole iteration capture without dropping a token.
+
 Model-level helpers for the trainer: :func:`moe_stats`,
 :func:`reset_moe_stats`, :func:`update_expert_bias`,
 :func:`set_aux_loss_scale`.
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +59,7 @@ from .moe_dispatch import (
     dispatch,
     dropless_layout,
     dropless_rows,
+    expert_parallel_layout,
     grouped_mm_works,
     tile_owner,
     tile_size,
@@ -214,13 +223,31 @@ class CombineStage(nn.Module):
     def forward(
         self, x: torch.Tensor, expert_out: torch.Tensor, row: torch.Tensor, probs: torch.Tensor, *shared: torch.Tensor
     ) -> torch.Tensor:
-        if self.drops:
-            expert_out = torch.cat([expert_out, expert_out.new_zeros(1, expert_out.shape[-1])])  # dropped: zero
-        picked = expert_out[row]  # [N, k, h], un-permuted
-        y = (fp32_or_wider(picked) * probs.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        y = weighted_sum(expert_out, row, probs, self.drops).to(x.dtype)
+        return self.finish(x, y, *shared)
+
+    def finish(self, x: torch.Tensor, y: torch.Tensor, *shared: torch.Tensor) -> torch.Tensor:
+        """The block's output from the experts' weighted sum ``y``: shared expert, dropout, residual."""
         if shared:
             y = y + shared[0]
         return x + hidden_dropout(y.view_as(x), self.dropout, self.training)
+
+
+def weighted_sum(expert_out: torch.Tensor, row: torch.Tensor, probs: torch.Tensor, drops: bool) -> torch.Tensor:
+    """Each token's expert outputs, un-permuted, weighted by its router probabilities, summed (fp32 or wider)."""
+    if drops:
+        expert_out = torch.cat([expert_out, expert_out.new_zeros(1, expert_out.shape[-1])])  # dropped: zero
+    picked = expert_out[row]  # [N, k, h], un-permuted
+    return (fp32_or_wider(picked) * probs.unsqueeze(-1)).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """This rank's place among the expert-parallel ranks of a MoE block (training/parallel.py sets it)."""
+
+    group: Any  # the process group of the ranks that share their tokens
+    rank: int
+    size: int
 
 
 def choose_gemm(moe: MoEShape, device: torch.device, dtype: torch.dtype) -> str:
@@ -249,6 +276,7 @@ class MoEBlock(nn.Module):
         self.preprocess_stage = PreprocessStage(moe)
         self.experts = ExpertsStage(s, moe)
         self.combine_stage = CombineStage(s, moe)
+        self.expert_parallel: ExpertParallel | None = None  # set with model.expert_model_parallel_size
 
     @property
     def sync_free(self) -> bool:
@@ -275,10 +303,53 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts.gemm != self.gemm or self.gemm == "auto":
             self._choose_gemm(x)
+        if self.expert_parallel is not None:
+            return self._expert_parallel_forward(x)
         normed, probs, idx, *shared = self.router_stage(x)
         row, tokens_per_expert, offsets = self.preprocess_stage(probs.detach(), idx)
         expert_out = self.experts(normed, row, tokens_per_expert, offsets)
         return self.combine_stage(x, expert_out, row, probs, *shared)
+
+    def _expert_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """All-gather dispatch, reduce-scatter combine: dropless, sync-free, static shapes.
+
+        The expert-parallel ranks all-gather their tokens and routing; each
+        runs its own experts on every pair routed to them (a dropless layout
+        with device-side offsets into the grouped GEMM) and sums each token's
+        weighted outputs of those experts; a reduce-scatter adds the ranks'
+        sums and hands each rank its own tokens back. The backward of the
+        all-gather is a reduce-scatter and vice versa, so the router and the
+        tokens get their gradients from every rank's experts.
+        """
+        gather, gather_grad, scatter_grad = _collectives()
+        ep, moe = self.expert_parallel, self.moe
+        normed, probs, idx, *shared = self.router_stage(x)
+        normed_all = gather_grad(normed, 0, ep.group)
+        probs_all = gather_grad(probs, 0, ep.group)
+        idx_all = gather(idx, 0, ep.group)
+        local = moe.num_experts // ep.size
+        align = tile_size(idx_all.numel(), local) if self.gemm == "tiled" else 1
+        row, _counts, offsets, rows = expert_parallel_layout(idx_all, ep.rank * local, local, align)
+        expert_in = dispatch(normed_all, row, rows)
+        if self.gemm == "grouped_mm":
+            expert_out = self.experts.experts.grouped(expert_in, offsets)
+        else:
+            expert_out = self.experts.experts.tiled(expert_in, tile_owner(offsets, rows, align))
+        mine = weighted_sum(expert_out, row, probs_all, drops=True)  # zero for pairs of other ranks' experts
+        y = scatter_grad(mine, "sum", 0, ep.group)
+        return self.combine_stage.finish(x, y.to(x.dtype), *shared)
+
+
+def _collectives() -> tuple[Any, Any, Any]:
+    """Functional all-gather, and all-gather / reduce-scatter with autograd (``*_single`` names where torch has them)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    def pick(new: str, old: str) -> Any:
+        return getattr(funcol, new, None) or getattr(funcol, old)
+
+    return (pick("all_gather_single", "all_gather_tensor"),
+            pick("all_gather_single_autograd", "all_gather_tensor_autograd"),
+            pick("reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd"))
 
 
 # --------------------------------------------------------------------------

@@ -43,6 +43,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def dropless_rows(num_pairs: int, num_experts: int, align: int) -> int:
@@ -76,6 +77,22 @@ def dropless_layout(idx: torch.Tensor, num_experts: int, align: int) -> tuple[to
     dest = (pad_end - padded)[sorted_expert] + rank  # padded row of each sorted pair
     row = torch.empty_like(flat).scatter_(0, order, dest).view(N, k)
     return row, counts, pad_end.to(torch.int32)
+
+
+def expert_parallel_layout(
+    idx: torch.Tensor, first: int, num_local: int, align: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The dropless layout of the pairs routed to experts ``first .. first + num_local - 1`` (one expert-parallel
+    rank's), every other pair dropped: (row [N, k] (``P`` = dropped), tokens_per_expert [num_local],
+    offsets [num_local] int32, ``P``).
+
+    The other ranks' experts collect into one extra group after this rank's (its rows are never read), so the
+    static bound ``P`` holds the worst case: every pair routed here.
+    """
+    local = (idx >= first) & (idx < first + num_local)
+    row, counts, offsets = dropless_layout(torch.where(local, idx - first, num_local), num_local + 1, align)
+    P = dropless_rows(idx.numel(), num_local + 1, align)
+    return torch.where(local, row, P), counts[:num_local], offsets[:num_local], P
 
 
 def tile_owner(offsets: torch.Tensor, num_rows: int, tile: int) -> torch.Tensor:
@@ -173,16 +190,24 @@ class GroupedExperts(nn.Module):
         self.linear_fc1 = StackedLinear(num_experts, 2 * ffn, hidden)
         self.linear_fc2 = StackedLinear(num_experts, hidden, ffn)
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked weights of this rank's experts (the local part under expert parallelism)."""
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        if isinstance(w1, DTensor):  # sharded over the expert-parallel ranks (training/parallel.py)
+            return w1.to_local(), w2.to_local()
+        return w1, w2
+
     def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x [P, hidden] grouped by ``offsets`` (int32 cumulative ends) -> [P, hidden]."""
-        h = torch._grouped_mm(x, self.linear_fc1.weight.transpose(-2, -1), offs=offsets)
+        w1, w2 = self.weights()
+        h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
         gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.linear_fc2.weight.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
 
     def tiled(self, x: torch.Tensor, owner: torch.Tensor | None) -> torch.Tensor:
         """x [T*tile, hidden] in tiles of one expert each (``owner [T]``; None = tile t is expert t)."""
         T = self.num_experts if owner is None else owner.numel()
-        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        w1, w2 = self.weights()
         if owner is not None:
             # index_select, not w[owner]: the backward of advanced indexing accumulates the
             # tiles of one expert with atomic adds on the CPU (run-to-run rounding noise);

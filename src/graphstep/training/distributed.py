@@ -50,9 +50,9 @@ from torch import nn
 from ..config import Config, ConfigError, DDPConfig
 from ..cuda_graph.devices import normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
-from .grad_reduce import GradReducer, OverlappedGradReducer
+from .grad_reduce import ExpertParallelReducer, GradReducer, OverlappedGradReducer
 from .optim import GradBuffers
-from .parallel import DP, PP, Layout, build_mesh
+from .parallel import DP, EDP, PP, Layout, build_mesh
 
 log = logging.getLogger("graphstep")
 
@@ -116,6 +116,10 @@ class DataParallel:
             return None
         kwargs = dict(bucket_size=ddp.bucket_size, average_in_collective=ddp.average_in_collective,
                       backend=self.backend, group=self.dp_group)
+        if self.layout.ep > 1:
+            edp = self.dp_size // self.layout.ep
+            return ExpertParallelReducer(grads, self.dp_size, self.mesh.get_group(EDP) if edp > 1 else None, edp,
+                                         **kwargs)
         if ddp.overlap_grad_reduce:
             return OverlappedGradReducer(grads, self.dp_size, **kwargs)
         return GradReducer(grads.flat, self.dp_size, **kwargs)

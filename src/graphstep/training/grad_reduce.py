@@ -80,6 +80,38 @@ class GradReducer:
         return f"{len(self.buckets)} bucket(s) of up to {self.buckets[0].numel():,} fp32 elements, {how}"
 
 
+class ExpertParallelReducer:
+    """Data parallel with expert-parallel experts (``model.expert_model_parallel_size``).
+
+    The dense gradients (GradBuffers keeps them first in the flat buffer) are
+    averaged over every rank as by :class:`GradReducer`. An expert's
+    gradient already sums the losses of its expert-parallel ranks (their
+    tokens reached it through the all-gather); it is summed over the ranks
+    holding the same experts (``edp_group``) and divided by all ranks, which
+    is the mean over the global batch that the dense gradients get.
+    """
+
+    def __init__(self, grads: GradBuffers, world_size: int, edp_group: Any, edp_size: int, **kwargs: Any) -> None:
+        n = grads.dense_numel
+        self.dense = GradReducer(grads.flat[:n], world_size, **kwargs)
+        experts = grads.flat[n:]
+        self.experts = GradReducer(experts, world_size, **{**kwargs, "average_in_collective": False,
+                                                          "group": edp_group}) if edp_size > 1 else None
+        self.expert_grads, self.world_size = experts, world_size
+
+    def describe(self) -> str:
+        experts = (f"experts: {self.experts.describe()} over their expert-data-parallel group"
+                   if self.experts is not None else f"experts: divided by {self.world_size}, each rank's own")
+        return f"dense: {self.dense.describe()}; {experts}"
+
+    def __call__(self) -> None:
+        self.dense()
+        if self.experts is not None:
+            self.experts()
+        else:  # every rank holds other experts: nothing to sum
+            self.expert_grads.div_(self.world_size)
+
+
 class OverlappedGradReducer(GradReducer):
     """A :class:`GradReducer` whose buckets start during the last backward (see the module docstring)."""
 

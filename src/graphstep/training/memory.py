@@ -25,6 +25,8 @@ which FSDP2 keeps gathered from forward to backward, divided by ``tp``; with
 ``optim_grads`` (ZeRO-2) every layer stays gathered to its backward:
 ``P/tp``. Every parameter counts as split over the tensor-parallel ranks;
 the norm weights, which are replicated, are small enough to ignore. With
+``ep`` expert-parallel ranks the routed experts' parameters count ``1/ep``
+(the dispatch buffer of the block's all-gather is not counted). With
 ``pp`` pipeline stages ``P`` is the heaviest stage's: ``ceil(layers / pp)``
 of the largest layer plus the embedding and output layer (an upper bound:
 each end stage holds one of the two). Activations stay those of the whole
@@ -93,6 +95,7 @@ class ParameterCounts:
     buffers: int
     largest_layer: int  # parameters of the largest decoder layer
     root: int  # parameters outside the decoder layers: embedding, final norm, output layer
+    experts: int = 0  # parameters of the routed experts (split over expert-parallel ranks)
 
 
 @dataclass(frozen=True)
@@ -140,8 +143,9 @@ def parameter_counts(cfg: Config) -> ParameterCounts:
         model = build_model(cfg.model, "meta")
     params = sum(p.numel() for p in model.parameters())
     layers = [sum(p.numel() for p in layer.parameters()) for layer in getattr(model, "layers", [])]
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts.experts." in n)
     return ParameterCounts(parameters=params, buffers=sum(b.numel() for b in model.buffers()),
-                           largest_layer=max(layers, default=0), root=params - sum(layers))
+                           largest_layer=max(layers, default=0), root=params - sum(layers), experts=experts)
 
 
 def count_parameters(cfg: Config) -> tuple[int, int]:
@@ -162,6 +166,10 @@ def estimate_memory(cfg: Config, device: torch.device, layout: Layout | None = N
 
 def _estimate(cfg: Config, device: torch.device, layout: Layout, counts: ParameterCounts) -> MemoryEstimate:
     e = element_size(cfg, device)
+    if layout.ep > 1:  # each rank holds its share of the routed experts
+        local = counts.parameters - counts.experts + _split(counts.experts, layout.ep)
+        counts = ParameterCounts(parameters=local, buffers=counts.buffers, largest_layer=counts.largest_layer,
+                                 root=counts.root, experts=_split(counts.experts, layout.ep))
     if layout.pp > 1:  # the heaviest stage: its share of the layers, and (at most) the embedding and output layer
         share = -(-cfg.model.num_layers // layout.pp) * counts.largest_layer + counts.root
         counts = ParameterCounts(parameters=min(share, counts.parameters), buffers=counts.buffers,

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..cuda_graph.graphed_module import MAIN_GRAD_HOOK_FLAG
-from .parallel import counted_here, local_tensor
+from .parallel import counted_here, is_expert_parameter, local_tensor
 
 
 class GradBuffers:
@@ -44,7 +44,9 @@ class GradBuffers:
     """
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh | None = None) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # expert-parallel experts last: their gradients are reduced over other ranks (grad_reduce.py)
+        self.params = sorted((p for p in model.parameters() if p.requires_grad), key=is_expert_parameter)
+        self.dense_numel = sum(local_tensor(p).numel() for p in self.params if not is_expert_parameter(p))
         self.locals = [local_tensor(p) for p in self.params]
         device = self.locals[0].device
         total = sum(t.numel() for t in self.locals)

@@ -61,6 +61,7 @@ from ..config import Config
 from ..cuda_graph.rng import MODEL_PARALLEL_RNG
 
 PP, DP, TP = "pp", "dp", "tp"
+EDP, EP = "edp", "ep"  # expert parallel: the data-parallel ranks as (expert-data-parallel, expert-parallel)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Layout:
     fsdp: str | None = None  # None (replicated), "optim_grads" (ZeRO-2) or "optim_grads_params" (ZeRO-3)
     prefetch: bool = False  # FSDP2 explicit forward prefetch (ddp.overlap_param_gather)
     pp: int = 1  # pipeline stages (training/pipeline.py)
+    ep: int = 1  # expert-parallel ranks among the data-parallel ones (each holds num_moe_experts / ep experts)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "Layout":
@@ -83,12 +85,12 @@ class Layout:
         else:
             fsdp = "optim_grads" if d.use_distributed_optimizer or cfg.optimizer.use_distributed_optimizer else None
         return cls(dp=max(1, world_size // (tp * pp)), tp=tp, sequence_parallel=cfg.model.sequence_parallel,
-                   fsdp=fsdp, prefetch=d.overlap_param_gather, pp=pp)
+                   fsdp=fsdp, prefetch=d.overlap_param_gather, pp=pp, ep=cfg.model.expert_model_parallel_size)
 
     @property
     def needs_mesh(self) -> bool:
-        """Tensor parallel, FSDP2 or pipeline stages: ranks are placed on a device mesh (even with one rank)."""
-        return self.tp > 1 or self.fsdp is not None or self.pp > 1
+        """Tensor, pipeline or expert parallel, or FSDP2: ranks are placed on a device mesh (even with one rank)."""
+        return self.tp > 1 or self.fsdp is not None or self.pp > 1 or self.ep > 1
 
     @property
     def ranks(self) -> int:
@@ -97,7 +99,8 @@ class Layout:
     def describe(self) -> str:
         """e.g. ``4 data-parallel (FSDP2 optim_grads_params) x 2 tensor-parallel + sequence-parallel ranks``."""
         parts = [f"{self.pp} pipeline-stage"] if self.pp > 1 else []
-        parts.append(f"{self.dp} data-parallel" + (f" (FSDP2 {self.fsdp})" if self.fsdp else ""))
+        parts.append(f"{self.dp} data-parallel" + (f" (FSDP2 {self.fsdp})" if self.fsdp else "")
+                     + (f" ({self.ep} expert-parallel)" if self.ep > 1 else ""))
         if self.tp > 1:
             parts.append(f"{self.tp} tensor-parallel" + (" + sequence-parallel" if self.sequence_parallel else ""))
         return " x ".join(parts) + (" rank" if self.ranks == 1 else " ranks")
@@ -110,6 +113,8 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
         raise RuntimeError(f"the layout {layout.describe()} needs {layout.ranks} ranks, the process group has {world}")
     if layout.pp > 1:
         return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=(PP, DP, TP))
+    if layout.ep > 1:  # neighbouring ranks share their tokens (one node's NVLink)
+        return init_device_mesh(device_type, (layout.dp // layout.ep, layout.ep), mesh_dim_names=(EDP, EP))
     return init_device_mesh(device_type, (layout.dp, layout.tp), mesh_dim_names=(DP, TP))
 
 
@@ -208,10 +213,46 @@ def reshard_all(model: nn.Module) -> None:
             module.reshard()
 
 
+# --------------------------------------------------------------------------
+# expert parallel
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Give each rank ``num_moe_experts / ep`` experts of every MoE block, in place (``mesh``: (edp, ep)).
+
+    Every rank built all experts from the same seed; it keeps its slice of
+    the stacked expert weights as a DTensor sharded over ``ep`` and replicated
+    over ``edp`` (the ranks holding the same experts), so the optimizer, the
+    gradient norm and checkpoints treat them as any sharded parameter. The
+    block all-gathers its expert-parallel ranks' tokens (models/moe.py).
+    """
+    from ..models.moe import ExpertParallel, MoEBlock
+
+    ep_mesh = mesh[EP]
+    place = ExpertParallel(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=ep_mesh.size())
+    for block in model.modules():
+        if not isinstance(block, MoEBlock):
+            continue
+        block.expert_parallel = place
+        for linear in (block.experts.experts.linear_fc1, block.experts.experts.linear_fc2):
+            w = linear.weight
+            local = w.detach().chunk(place.size, dim=0)[place.rank].contiguous()
+            dt = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False, shape=w.shape,
+                                    stride=w.stride())
+            linear.weight = nn.Parameter(dt, requires_grad=w.requires_grad)
+            linear.weight.expert_parallel = True  # its gradient is reduced over its edp group (grad_reduce.py)
+
+
+def is_expert_parameter(p: torch.Tensor) -> bool:
+    return getattr(p, "expert_parallel", False)
+
+
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, param_dtype: torch.dtype) -> nn.Module:
-    """Tensor parallel, then FSDP2, as ``layout`` says (the model unchanged without a mesh)."""
+    """Tensor or expert parallel, then FSDP2, as ``layout`` says (the model unchanged without a mesh)."""
     if mesh is None or not layout.needs_mesh:
         return model
+    if layout.ep > 1:
+        apply_expert_parallel(model, mesh)
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh[TP], sequence_parallel=layout.sequence_parallel)
     if layout.fsdp is not None:

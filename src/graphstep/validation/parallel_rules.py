@@ -1,4 +1,4 @@
-"""The layout rules R25-R30: tensor/sequence parallel (DTensor), sharded data parallel (FSDP2), pipeline parallel.
+"""The layout rules R25-R31: tensor/sequence, pipeline and expert parallel, and sharded data parallel (FSDP2).
 
 Same shape as graph_rules.py (``_rN(view) -> list[Violation]``). The layout
 itself -- which ranks form the data-parallel and tensor-parallel dimensions of
@@ -22,7 +22,11 @@ training/parallel.py; these rules say which configurations it takes:
   another activation dtype, tied embeddings across stages) is refused;
 * R29 -- what pipeline parallelism does not combine with yet (tensor
   parallelism, FSDP2, MoE and hybrid models, per-layer graphs, ...);
-* R30 -- context parallelism is not implemented.
+* R30 -- context parallelism is not implemented;
+* R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
+  divide over the expert-parallel ranks, dispatched the way graphstep
+  implements it (all-gather, dropless and sync-free), and what it does not
+  combine with yet.
 
 docs/rules.md describes every rule with an example override and its fix.
 """
@@ -288,4 +292,70 @@ def _r30(v: View) -> list[Violation]:
                "set model.context_parallel_size=1; for long sequences use sequence_parallel with tensor parallelism.")]
 
 
-PARALLEL_RULES = (("R25", _r25), ("R26", _r26), ("R27", _r27), ("R28", _r28), ("R29", _r29), ("R30", _r30))
+def _r31(v: View) -> list[Violation]:
+    cfg, m = v.cfg, v.cfg.model
+    ep = _int(m.expert_model_parallel_size)
+    out = []
+    if m.expert_tensor_parallel_size is not None and _int(m.expert_tensor_parallel_size) != 1:
+        out.append(_v("R31", ["model.expert_tensor_parallel_size"], "model.expert_tensor_parallel_size="
+                      f"{_fmt(m.expert_tensor_parallel_size)}: tensor parallel inside the experts is not implemented.",
+                      "set model.expert_tensor_parallel_size=null (or 1)."))
+    if ep is None or ep < 1:
+        return out + [_v("R31", ["model.expert_model_parallel_size"], f"model.expert_model_parallel_size={_fmt(ep)} "
+                         "is not a positive number of ranks.", "set model.expert_model_parallel_size=1 or more.")]
+    if ep == 1:
+        return out
+    field = ["model.expert_model_parallel_size"]
+
+    def refuse(fields: list[str], why: str, fix: str) -> None:
+        out.append(_v("R31", [*fields, *field], f"model.expert_model_parallel_size={ep}: {why}", fix))
+
+    experts = _int(m.num_moe_experts)
+    if experts is None:
+        refuse(["model.num_moe_experts"], "expert parallel needs an MoE model (model.num_moe_experts is null).",
+               "set model.num_moe_experts, or model.expert_model_parallel_size=1.")
+    elif experts % ep:
+        refuse(["model.num_moe_experts"], f"model.num_moe_experts={experts} does not divide over {ep} ranks.",
+               f"set model.expert_model_parallel_size to a divisor of {experts}.")
+    dp = data_parallel_size(cfg, v.world_size)
+    if dp % ep:
+        refuse([], f"the {dp} data-parallel rank(s) do not divide into groups of {ep} expert-parallel ranks "
+               "(the expert-parallel ranks are data-parallel ranks that share their tokens).",
+               f"launch a multiple of {ep} data-parallel ranks.")
+    if _str(m.moe_token_dispatcher_type) != "allgather":
+        refuse(["model.moe_token_dispatcher_type"], f"model.moe_token_dispatcher_type={_fmt(m.moe_token_dispatcher_type)}"
+               " is not implemented across ranks: graphstep's expert parallel all-gathers the tokens and "
+               "reduce-scatters the outputs (static shapes, no host sync).",
+               "set model.moe_token_dispatcher_type=allgather.")
+    if m.moe_expert_capacity_factor is not None:
+        refuse(["model.moe_expert_capacity_factor"], "expert parallel is dropless; a capacity factor is not "
+               "implemented with it.", "set model.moe_expert_capacity_factor=null.")
+    if m.moe_sync_free is False:
+        refuse(["model.moe_sync_free"], "expert parallel runs the sync-free grouped GEMM only.",
+               "set model.moe_sync_free=true.")
+    others = [(tensor_parallel_size(cfg) > 1, "model.tensor_model_parallel_size", "tensor parallel"),
+              (pipeline_parallel_size(cfg) > 1, "model.pipeline_model_parallel_size", "pipeline stages"),
+              (m.hybrid_override_pattern is not None, "model.hybrid_override_pattern", "a hybrid (Mamba) model")]
+    for on, name, what in others:
+        if on:
+            refuse([name], f"{what} with expert parallel is not implemented.", f"set {name} to its default.")
+    if shards_data_parallel(cfg):
+        refuse(_fsdp_fields(cfg), f"FSDP2 ({_fsdp_f(cfg)}) with expert parallel is not implemented.",
+               "use replicated data parallel (the default ddp settings).")
+    if v.per_layer and ({"moe_router", "moe_preprocess"} & set(v.names or ())):
+        refuse(list(v.cov), "the moe_router and moe_preprocess scopes are not implemented with "
+               "expert parallel: its block runs router, dispatch, experts and combine as one.",
+               "graph the whole block (scope moe, or [] for the whole layer), or model.cuda_graph_impl=full_iteration.")
+    if cfg.ddp.overlap_grad_reduce is True:
+        refuse(["ddp.overlap_grad_reduce"], "ddp.overlap_grad_reduce with expert parallel is not implemented.",
+               "set ddp.overlap_grad_reduce=false.")
+    if cfg.compile.enable is True:
+        refuse(["compile.enable"], "compile.enable with expert parallel is not implemented.", "set compile.enable=false.")
+    if m.recompute_granularity is not None:
+        refuse(["model.recompute_granularity"], "activation recompute with expert parallel is not implemented.",
+               "set model.recompute_granularity=null.")
+    return out
+
+
+PARALLEL_RULES = (("R25", _r25), ("R26", _r26), ("R27", _r27), ("R28", _r28), ("R29", _r29), ("R30", _r30),
+                  ("R31", _r31))

@@ -117,9 +117,9 @@ def _r23(v: View) -> list[Violation]:
     if _str(value) in DISPATCHERS:
         return []
     return [_v("R23", ["model.moe_token_dispatcher_type"], f"model.moe_token_dispatcher_type={_fmt(value)} is not "
-               "implemented: graphstep dispatches tokens to its experts locally (one expert-parallel rank), which "
-               "is what allgather and alltoall do there.", "set model.moe_token_dispatcher_type=allgather (its "
-               "default) or alltoall.")]
+               "implemented: graphstep dispatches tokens locally, which is what allgather and alltoall do on one "
+               "expert-parallel rank, and all-gathers them across expert-parallel ranks (R31).",
+               "set model.moe_token_dispatcher_type=allgather (its default) or alltoall.")]
 
 
 def _r24(v: View) -> list[Violation]:

@@ -1,0 +1,142 @@
+"""Expert parallel under torchrun: each rank holds its share of the experts; graphed runs equal eager, bit for bit.
+
+One torchrun launch runs this file as its worker (``__main__`` below). Each
+rank trains a tiny Qwen3-MoE (8 experts, top-2, dropless and sync-free) with
+its experts split over the expert-parallel ranks, eagerly and with the
+full-iteration, optimizer and evaluation graphs (and per-layer ``[attn, moe]``
+graphs), and writes per run the per-iteration losses, the MoE metrics the
+trainer logs (load-balancing loss, z-loss, load imbalance), the evaluation
+losses, a digest of the parameters it holds and the routers' expert biases.
+On the CPU the graphs run on the replay backend over gloo. Hidden dropout,
+the aux loss and the aux-loss-free expert bias are all on.
+
+With dropout off an expert-parallel run computes what plain data parallel
+computes (every rank holding every expert) to float tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from test_distributed import subprocess_env, torchrun  # noqa: E402
+from test_parallel import shard_digest  # noqa: E402
+
+ITERS = 10
+COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
+          "train.eval_iters=2", "train.eval_interval=2", "model.use_te_rng_tracker=true", "logger.progress_bar=false",
+          "data.corpus_max_bytes=300000", "data.split=90,10,0", "train.micro_batch_size=2",
+          "model.moe_router_enable_expert_bias=true", "model.moe_router_bias_update_rate=0.01",
+          "model.moe_router_score_function=sigmoid"]
+DROPOUT = ["model.hidden_dropout=0.1"]
+GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+LAYERS = ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"]
+EAGER = ["model.cuda_graph_impl=none"]
+LAYOUTS = {"ep2": ["model.expert_model_parallel_size=2", "train.global_batch_size=8"]}
+# 4 ranks: 2 groups of 2 expert-parallel ranks; each expert's gradient is summed over the 2 ranks holding it
+LAYOUTS_4 = {"ep2_edp2": ["model.expert_model_parallel_size=2", "train.global_batch_size=16"]}
+PLAIN = {"ep2": ["train.global_batch_size=8"], "ep2_edp2": ["train.global_batch_size=16"]}  # the same, no experts split
+
+
+def _worker(out: Path, device: str, layouts: dict[str, list[str]]) -> None:
+    import torch.distributed as dist
+
+    from graphstep.config import apply_overrides
+    from graphstep.models.moe import moe_routers
+    from graphstep.recipes import get_recipe
+    from graphstep.training.loop import train
+
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    report: dict[str, dict] = {}
+    try:
+        runs = {}
+        for name, layout in layouts.items():
+            runs[f"{name}/eager"] = [*layout, *DROPOUT, *EAGER]
+            runs[f"{name}/graphed"] = [*layout, *DROPOUT, *GRAPHED]
+            runs[f"{name}/layers"] = [*layout, *DROPOUT, *LAYERS]
+            runs[f"{name}/nodrop"] = [*layout, *EAGER]
+            runs[f"{name}/plain"] = [*PLAIN[name], *EAGER]
+        for name, overrides in runs.items():
+            cfg = apply_overrides(get_recipe("qwen3_moe_tiny"), [*COMMON, f"train.device={device}", *overrides])
+            result = train(cfg, keep_model=True)
+            report[name] = {
+                "losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
+                "moe": [[r[k] for k in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance")] for r in result.rows],
+                "eval": result.eval_losses, "shard": shard_digest(result.model), "graphs": result.graphs,
+                "bias": [r.expert_bias.tolist() for r in moe_routers(result.model)],
+            }
+    finally:
+        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
+    cmd = torchrun(nproc, str(Path(__file__).resolve()), str(tmp), device, layouts)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def check_layout(reports: list[dict], layout: str, rtol: float = 2e-5) -> None:
+    for report in reports:
+        eager = report[f"{layout}/eager"]
+        assert len(eager["losses"]) == ITERS and len(eager["eval"]) == ITERS // 2
+        assert set(eager["states"]) == {"eager"} and eager["graphs"] == 0
+        assert eager["losses"][-1] < eager["losses"][0]
+        assert any(b != 0.0 for bias in eager["bias"] for b in bias)  # the expert bias moved
+        for mode in ("graphed", "layers"):
+            graphed = report[f"{layout}/{mode}"]
+            assert graphed["states"][1:4] == ["eager", "captured", "replayed"], mode
+            assert graphed["losses"] == eager["losses"], mode  # JSON floats: the exact bits
+            assert graphed["moe"] == eager["moe"], mode  # load-balancing loss, z-loss, imbalance per iteration
+            assert graphed["eval"] == eager["eval"], mode
+            assert graphed["shard"] == eager["shard"] and graphed["bias"] == eager["bias"], mode
+        assert report[f"{layout}/graphed"]["graphs"] == 3
+    for mode in ("eager", "graphed"):  # every rank logs the same loss and applies the same bias update
+        assert all(r[f"{layout}/{mode}"]["losses"] == reports[0][f"{layout}/{mode}"]["losses"] for r in reports)
+        assert all(r[f"{layout}/{mode}"]["bias"] == reports[0][f"{layout}/{mode}"]["bias"] for r in reports)
+    # dropout off: plain data parallel, every rank holding every expert, computes the same to float tolerance
+    for report in reports:
+        ep = torch.tensor(report[f"{layout}/nodrop"]["losses"], dtype=torch.float64)
+        plain = torch.tensor(report[f"{layout}/plain"]["losses"], dtype=torch.float64)
+        torch.testing.assert_close(ep, plain, rtol=rtol, atol=0)
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("ep"), "cpu", timeout=900)
+
+
+def test_expert_parallel_graphed_equals_eager_bit_for_bit(reports):
+    check_layout(reports, "ep2")
+    shards = [r["ep2/eager"]["shard"] for r in reports]
+    assert shards[0] != shards[1]  # each rank holds its own experts
+
+
+def test_expert_parallel_groups_on_four_ranks(tmp_path):
+    reports = run_layouts(tmp_path, "cpu", timeout=900, nproc=4, layouts="LAYOUTS_4")
+    check_layout(reports, "ep2_edp2")
+    shards = [r["ep2_edp2/eager"]["shard"] for r in reports]  # (edp, ep) = (0,0), (0,1), (1,0), (1,1)
+    assert shards[0] == shards[2] and shards[1] == shards[3] and shards[0] != shards[1]
+
+
+@pytest.mark.cuda
+def test_expert_parallel_on_two_gpus_graphed_equal_eager(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine)")
+    check_layout(run_layouts(tmp_path, "cuda", timeout=900), "ep2", rtol=2e-2)  # bf16
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), sys.argv[2], globals()[sys.argv[3]])

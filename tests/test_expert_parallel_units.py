@@ -1,0 +1,130 @@
+"""Expert parallel pieces in one process: the layout of one rank's experts, rule R31, and the expert-parallel MoE
+block on a one-rank mesh -- equal to the plain block, and captured whole equal to eager (cpu and cuda twins)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import graphstep
+from graphstep.config import Config, ModelConfig, apply_overrides
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+@pytest.mark.parametrize("align", [1, 4])
+def test_one_ranks_layout_holds_the_pairs_routed_to_its_experts_and_drops_the_others(align):
+    from graphstep.models.moe_dispatch import dispatch, dropless_layout, expert_parallel_layout
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(24)])  # 24 tokens, top-2 of 8 experts
+    h = torch.randn(24, 5, generator=g)
+    whole_row, whole_counts, whole_offsets = dropless_layout(idx, 8, align)
+    whole = dispatch(h, whole_row, int(whole_offsets[-1]))
+    for rank, first in enumerate((0, 4)):
+        row, counts, offsets, P = expert_parallel_layout(idx, first, 4, align)
+        local = (idx >= first) & (idx < first + 4)
+        assert torch.equal(counts, whole_counts[first:first + 4])
+        assert torch.equal(row[~local], torch.full_like(row[~local], P))  # other ranks' pairs: dropped
+        x = dispatch(h, row, P)
+        ends = offsets.tolist()
+        starts = [0] + ends[:-1]
+        for e in range(4):  # expert e's group holds exactly the tokens the whole layout gives it, in order
+            n = int(counts[e])
+            ws = int(whole_offsets[first + e - 1]) if first + e > 0 else 0
+            assert torch.equal(x[starts[e]:starts[e] + n], whole[ws:ws + n])
+        assert not x[ends[-1]:].any()  # the rows after this rank's experts stay zero
+
+
+def _rules(*overrides: str, world: int = 2) -> list:
+    from graphstep.validation import validate_cuda_graph_config
+
+    cfg = apply_overrides(Config(), ["model.num_moe_experts=4", "model.moe_ffn_hidden_size=32", *overrides])
+    return [v for v in validate_cuda_graph_config(cfg, world_size=world) if v.rule == "R31"]
+
+
+@pytest.mark.parametrize("overrides,world,words", [
+    (["model.expert_model_parallel_size=2", "model.num_moe_experts=null"], 2, "needs an MoE model"),
+    (["model.expert_model_parallel_size=3"], 3, "does not divide over 3"),
+    (["model.expert_model_parallel_size=2"], 3, "do not divide into groups of 2"),
+    (["model.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall"], 2, "all-gathers"),
+    (["model.expert_model_parallel_size=2", "model.moe_expert_capacity_factor=1.0"], 2, "dropless"),
+    (["model.expert_model_parallel_size=2", "model.moe_sync_free=false"], 2, "sync-free"),
+    (["model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true"], 2, "FSDP2"),
+    (["model.expert_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
+      "model.cuda_graph_modules=[attn,moe_router]"], 2, "moe_router and moe_preprocess"),
+    (["model.expert_tensor_parallel_size=2"], 1, "inside the experts"),
+])
+def test_expert_parallel_rule_refuses_with_the_reason(overrides, world, words):
+    found = _rules(*overrides, world=world)
+    assert len(found) == 1 and words in found[0].message, found
+
+
+def test_accepted_expert_parallel_layouts_break_no_rule():
+    assert _rules("model.expert_model_parallel_size=2") == []
+    assert _rules("model.expert_model_parallel_size=2", world=4) == []
+    assert _rules("model.expert_model_parallel_size=4", world=4, ) == []
+    assert _rules("model.expert_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
+                  "model.cuda_graph_modules=[attn,moe]") == []
+
+
+@pytest.fixture
+def one_rank_group(request):
+    device = request.node.callspec.params.get("device", "cpu")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield device
+    graphstep.close_all()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_parallel_block_on_one_rank_equals_the_block_and_graphs_equal_eager(one_rank_group, device):
+    """apply_expert_parallel on a (1, 1) mesh: the all-gather / grouped-GEMM / reduce-scatter path, DTensor
+    experts, GradBuffers and an SGD step. Its losses equal the plain block's to rounding, and the step captured
+    whole equals it eagerly bit for bit (bf16 and torch._grouped_mm on an sm90+ GPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graphstep.cuda_graph.rng import initialize_rng_tracker
+    from graphstep.models import build_model
+    from graphstep.training.optim import GradBuffers
+    from graphstep.training.parallel import EDP, EP, apply_expert_parallel
+    from graphstep.training.step import TrainStep
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=16,
+                      vocab_size=64, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, hidden_dropout=0.1,
+                      moe_aux_loss_coeff=1e-2)
+
+    def make(expert_parallel: bool):
+        tracker = initialize_rng_tracker(0, device)
+        model = build_model(cfg, device, dtype=dtype)
+        if expert_parallel:
+            apply_expert_parallel(model, init_device_mesh(device, (1, 1), mesh_dim_names=(EDP, EP)))
+        grads = GradBuffers(model)
+        train_step = TrainStep(model, grads)
+
+        def step(batches):
+            out = train_step(batches)
+            with torch.no_grad():
+                for local, grad in zip(grads.locals, grads.grads):
+                    local.sub_(0.1 * grad.to(local.dtype))
+            return out["loss"]
+
+        return step, tracker, grads
+
+    g = torch.Generator().manual_seed(5)
+    data = [[{"tokens": torch.randint(0, 64, (2, 16), generator=g).to(device),
+              "labels": torch.randint(0, 64, (2, 16), generator=g).to(device)} for _ in range(2)] for _ in range(6)]
+    runs = {}
+    for name in ("plain", "eager", "graphed"):
+        step, tracker, grads = make(expert_parallel=name != "plain")
+        if name == "graphed":
+            step = graphstep.graph_step(step, warmup_steps=2, device=device, generators=tracker.generators)
+        runs[name] = ([step(b).clone() for b in data], [t.detach().float().clone() for t in grads.locals])
+    assert all(torch.equal(a, b) for a, b in zip(runs["eager"][0], runs["graphed"][0])), runs
+    assert all(torch.equal(a, b) for a, b in zip(runs["eager"][1], runs["graphed"][1]))
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack(runs["eager"][0]).float(), torch.stack(runs["plain"][0]).float(), **tol)
+    assert len({float(loss) for loss in runs["eager"][0]}) == len(data)  # the weights moved every step
