@@ -43,6 +43,10 @@ LAYOUTS = {  # 3 layers: 2 on the first stage, 1 on the last (Bridge's num_layer
     "pp2_gpipe": ["model.pipeline_model_parallel_size=2", "model.pipeline_schedule=gpipe",
                   "model.num_layers_in_last_pipeline_stage=2"],
 }
+# per-layer graphs on each stage's layers, sends and receives eager; GPipe keeps the step's 4 micro-batches in
+# flight (4 slots of layer graphs), 1F1B up to 2 on the first stage and 1 on the last
+PER_LAYER = {"pp2_1f1b": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+             "pp2_gpipe": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"]}
 # 4 ranks: 2 pipelines of 2 stages, the gradients all-reduced over each stage's data-parallel group
 LAYOUTS_4 = {"pp2_dp2": ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2",
                          "train.global_batch_size=16"]}
@@ -63,6 +67,7 @@ def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool
                 for name, layout in layouts.items() for mode in ("eager", "graphed")}
         if compare:
             runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT, *EAGER] for name, layout in layouts.items()})
+            runs.update({f"{name}/layers": [*layouts[name], *graphs] for name, graphs in PER_LAYER.items()})
         for name, overrides in runs.items():
             result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
             report[name] = {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
@@ -97,6 +102,19 @@ def test_graphed_pipeline_equals_eager_bit_for_bit(reports, layout):
         assert graphed["eval"] == eager["eval"]
         assert graphed["shard"] == eager["shard"]
         assert eager["losses"][-1] < eager["losses"][0]
+
+
+@pytest.mark.parametrize("layout", list(PER_LAYER))
+def test_per_layer_graphs_on_the_stages_equal_eager(reports, layout):
+    # forward and backward graph per module and slot: 1F1B's first stage (2 layers x attn, mlp) holds 2 micro-batches
+    # in flight, its last (1 layer) 1; GPipe holds all 4 on both stages (1 and 2 whole layers)
+    expected = {"pp2_1f1b": [2 * 4 * 2, 2 * 2 * 1], "pp2_gpipe": [2 * 1 * 4, 2 * 2 * 4]}[layout]
+    for report, graphs in zip(reports, expected):
+        eager, graphed = report[f"{layout}/eager"], report[f"{layout}/layers"]
+        assert graphed["states"][1:4] == ["eager", "captured", "replayed"]
+        assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"]
+        assert graphed["shard"] == eager["shard"]
+        assert graphed["graphs"] == graphs
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

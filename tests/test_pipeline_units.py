@@ -1,5 +1,6 @@
-"""Pipeline parallel pieces in one process: the layer split, a stage's model, the layout rules R28-R30, the
-replay backend's point-to-point waits, and a one-stage schedule captured whole (cpu and cuda twins)."""
+"""Pipeline parallel pieces in one process: the layer split, a stage's model, the layout rules R28-R30, and
+torch's schedule over one stage captured whole and with per-layer graphs holding several micro-batches in
+flight (cpu and cuda twins)."""
 
 from __future__ import annotations
 
@@ -71,11 +72,11 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.pipeline_schedule=zb"], 1, "R28", "not a schedule"),
     (["model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2"], 4, "R29", "tensor_model"),
     (["model.pipeline_model_parallel_size=2", "ddp.use_distributed_optimizer=true"], 2, "R29", "FSDP2"),
-    (["model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true"], 2,
-     "R29", "in flight"),
     (["model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=full_iteration", "model.use_te_rng_tracker=true",
       "model.cuda_graph_warmup_steps=0"], 2, "R29", "shapes"),
     (["model.pipeline_model_parallel_size=2", "ddp.overlap_grad_reduce=true"], 2, "R29", "overlap_grad_reduce"),
+    (["model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
+      "model.cuda_graph_warmup_steps=1"], 2, "R29", "shape inference"),
     (["model.context_parallel_size=2"], 2, "R30", "ring attention"),
 ])
 def test_pipeline_rules_refuse_with_the_reason(overrides, world, rule, words):
@@ -88,6 +89,8 @@ def test_accepted_pipeline_layouts_break_no_rule():
     assert _rules("model.pipeline_model_parallel_size=2") == []
     assert _rules("model.pipeline_model_parallel_size=2", "model.pipeline_schedule=gpipe", "train.global_batch_size=2") == []
     assert _rules("model.pipeline_model_parallel_size=2", world=4) == []  # 2 pipelines
+    assert _rules("model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
+                  "model.cuda_graph_modules=[attn,mlp]") == []
     assert _rules("model.pipeline_model_parallel_size=3", "model.num_layers=5", "model.num_layers_in_first_pipeline_"
                   "stage=1", "model.num_layers_in_last_pipeline_stage=2", world=3) == []
 
@@ -156,3 +159,93 @@ def test_a_one_stage_schedule_captured_whole_equals_eager(one_rank_group, device
     assert all(torch.equal(a, b) for a, b in zip(runs["eager"][0], runs["graphed"][0])), runs
     assert all(torch.equal(a, b) for a, b in zip(runs["eager"][1], runs["graphed"][1]))
     assert runs["eager"][0][-1] < runs["eager"][0][0]
+
+
+@pytest.mark.parametrize("schedule,slots", [("gpipe", 3), ("1f1b", 1)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_layer_graphs_hold_every_micro_batch_in_flight(one_rank_group, device, schedule, slots):
+    """Per-layer attn and mlp graphs under torch's schedule over one stage. GPipe runs the 3 forwards of a step
+    before their backwards: the warm-up counts 3 micro-batches in flight, capture makes 3 slots of graphs, and
+    micro-batch i replays slot i; 1F1B over one stage keeps one in flight (one slot). Losses and weights equal
+    eager bit for bit."""
+    from graphstep.cuda_graph.layers import LayerGraphs, select_modules
+    from graphstep.cuda_graph.registry import get_backend
+    from graphstep.cuda_graph.rng import initialize_rng_tracker
+    from graphstep.models.transformer import GPTModel, ModelShape
+    from graphstep.training.optim import GradBuffers
+    from graphstep.training.pipeline import Pipeline, PipelineTrainStep
+
+    def make(graphed: bool):
+        tracker = initialize_rng_tracker(0, device)
+        model = GPTModel(ModelShape.from_config(ModelConfig(**SHAPE, hidden_dropout=0.1, attention_dropout=0.1)))
+        model.to(device).train()
+        layers = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend(device),
+                             generators=tracker.generators) if graphed else None
+        grads = GradBuffers(model)
+        pipe = Pipeline(model, stage_index=0, stages=1, group=dist.group.WORLD, device=torch.device(device),
+                        schedule=schedule, num_micro_batches=3)
+        train_step = PipelineTrainStep(pipe, grads)
+
+        def step(i, batches):
+            if layers is not None:
+                if i == 2:
+                    layers.capture()
+                layers.start_step()
+            out = train_step(batches)
+            with torch.no_grad():
+                torch._foreach_add_([p.data for p in grads.params], grads.grads, alpha=-0.1)
+            return out["loss"]
+
+        return model, step, layers
+
+    g = torch.Generator().manual_seed(5)
+    data = [[{"tokens": torch.randint(0, 64, (2, 16), generator=g).to(device),
+              "labels": torch.randint(0, 64, (2, 16), generator=g).to(device)} for _ in range(3)]
+            for _ in range(6)]
+    runs = {}
+    for graphed in (False, True):
+        model, step, layers = make(graphed)
+        losses = [step(i, batches).clone() for i, batches in enumerate(data)]
+        runs[graphed] = (losses, [p.detach().clone() for p in model.parameters()])
+    assert layers.captured and len(layers.slots) == slots and layers.state == "replayed"
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][0], runs[True][0])), runs
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][1], runs[True][1]))
+
+
+def test_library_layer_graphs_with_marked_steps_capture_at_a_step_start():
+    """graphstep.graph_layers with start_step() before each step: all forwards of a step, then one backward (3
+    micro-batches in flight). The capture happens at the first step start after warmup_steps forwards, with 3
+    sets of graphs; losses and weights equal eager bit for bit."""
+    from graphstep.models.transformer import GPTModel, ModelShape
+
+    def make(graphed: bool):
+        torch.manual_seed(0)
+        model = GPTModel(ModelShape.from_config(ModelConfig(**SHAPE)))
+        layers = graphstep.graph_layers(model, ["layers.*.blocks.attn", "layers.*.blocks.mlp"], warmup_steps=6,
+                                        backend="replay") if graphed else None
+        params = list(model.parameters())
+
+        def step(batches):
+            if layers is not None:
+                layers.start_step()
+            losses = [model(t, t) for t in batches]
+            (sum(losses) / len(losses)).backward()
+            with torch.no_grad():
+                for p in params:
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+            return torch.stack([loss.detach() for loss in losses])
+
+        return model, step, layers
+
+    g = torch.Generator().manual_seed(3)
+    data = [[torch.randint(0, 64, (2, 16), generator=g) for _ in range(3)] for _ in range(5)]
+    runs = []
+    for graphed in (False, True):
+        model, step, layers = make(graphed)
+        runs.append(([step(b) for b in data], [p.detach().clone() for p in model.parameters()]))
+        if graphed:
+            assert layers.captured and len(layers.slots) == 3 and layers.state == "replayed"
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    graphstep.close_all()

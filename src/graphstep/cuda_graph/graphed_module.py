@@ -107,10 +107,17 @@ class ModuleGraph:
         self.in_graph: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = []
         self.param_aliases: list[torch.Tensor] = []
         self.pending_backward = False
+        self.shared_pool = True  # capture into the backend's shared pool (False: a pool of its own)
         # Autograd calls a Function's backward only when an input requires grad; a
         # graphed module whose inputs do not (raw data) still owes its parameters
         # their gradients, so every call passes this anchor along.
         self.anchor = torch.empty(0, requires_grad=True)
+
+    def copy(self, name: str) -> "ModuleGraph":
+        """Another (uncaptured) set of graphs of the same module, with this one's warm-up sample."""
+        other = ModuleGraph(self.module, self.forward_fn, name, retain_graph=self.retain_graph)
+        other.sample = self.sample
+        return other
 
     def record(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Keep a detached copy of a warm-up call's inputs: the capture's sample."""
@@ -164,7 +171,7 @@ class ModuleGraph:
             if isinstance(sample, torch.Tensor) and sample.requires_grad:
                 static.requires_grad_(True)
         self.static.tree = tree_unflatten(self.static.leaves, self.static.spec)
-        self.fwd = backend.new_graph(f"{self.name}.fwd")
+        self.fwd = backend.new_graph(f"{self.name}.fwd", shared_pool=self.shared_pool)
         with backend.capture(self.fwd, generators), torch.enable_grad():
             out, self.param_aliases = self._call_with_param_aliases(self.static.tree)
         self.out_leaves, self.out_spec = tree_flatten(out)
@@ -184,7 +191,7 @@ class ModuleGraph:
         self.grad_in = [None] * len(leaves)
         if not diff_out or not (inputs or self.params):
             return  # nothing to differentiate (e.g. routing metadata): a forward graph only
-        self.bwd = backend.new_graph(f"{self.name}.bwd")
+        self.bwd = backend.new_graph(f"{self.name}.bwd", shared_pool=self.shared_pool)
         with backend.capture(self.bwd, generators):
             # Output-gradient buffers are allocated inside the capture (on the capture
             # stream, from the graph's pool): a buffer made on the default stream would

@@ -28,6 +28,21 @@ guard for buffers the step may have touched through other paths).
 Capture happens when the owner calls ``capture()`` (the trainer does it after
 ``cuda_graph_warmup_steps`` iterations), or automatically before the
 ``warmup_calls``-th training forward when that is given (the library API).
+
+Micro-batches in flight. A graphed module holds one micro-batch's
+activations, so a schedule that runs several forwards of a layer before
+their backwards (a pipeline stage: GPipe keeps every micro-batch of the step
+in flight, 1F1B up to the number of later stages) needs several copies of
+its graphs. An owner that marks its steps (:meth:`LayerGraphs.start_step`,
+as the trainer does) lets the warm-up count the most micro-batches in flight
+in its last step; capture then makes that many *slots* of graphs -- Megatron's
+runner per in-flight micro-batch -- and micro-batch ``i`` of a step replays
+slot ``i mod slots`` (in 1F1B, micro-batch ``i``'s backward always runs
+before micro-batch ``i + slots``' forward). The slots are captured in the
+order the step first ran them, each graph with a memory pool of its own: a
+step replays a slot's graphs again between other slots' graphs, which one
+shared pool would not allow. With one micro-batch in flight (any plain
+micro-batch loop) there is one slot and nothing changes.
 """
 
 from __future__ import annotations
@@ -71,9 +86,14 @@ class LayerGraphs:
         self.semantics = semantics
         self.generators = generators or (lambda: ())
         self.warmup_calls = warmup_calls
-        self.graphs: list[ModuleGraph] = []
+        self.graphs: list[ModuleGraph] = []  # slot 0: a graph per module
+        self.slots: list[list[ModuleGraph]] = [self.graphs]  # one list per micro-batch in flight
         self._by_module: dict[int, ModuleGraph] = {}
         self.order: list[tuple[str, int]] = []  # ("fwd"|"bwd", graph index) of the last warm-up micro-batch
+        # ("fwd"|"bwd", micro-batch, graph index) of the current warm-up step, when the owner marks steps
+        self.step_order: list[tuple[str, int, int]] | None = None
+        self._micro_batch = -1  # micro-batches started in this step
+        self._in_flight = [0, 0]  # warm-up: first-module forwards whose backward has not run; the most seen
         self._feeds: dict[tuple[int, int], tuple[int, int]] = {}  # (graph, input) -> (producer, output)
         # id(output tensor) -> (producer, output, tensor) during this micro-batch; holding the tensor keeps its id unique
         self._last_out: dict[int, tuple[int, int, torch.Tensor]] = {}
@@ -94,7 +114,23 @@ class LayerGraphs:
 
     def describe(self) -> str:
         names = sorted({g.name.split(".")[-1] for g in self.graphs})
-        return f"per-layer graphs ({self.semantics} semantics, {len(self.graphs)} modules: {', '.join(names)})"
+        slots = f", {len(self.slots)} micro-batches in flight" if len(self.slots) > 1 else ""
+        return f"per-layer graphs ({self.semantics} semantics, {len(self.graphs)} modules: {', '.join(names)}{slots})"
+
+    def start_step(self) -> None:
+        """A new step begins: micro-batches count from 0 (the slot of micro-batch ``i`` is ``i mod slots``).
+
+        With ``warmup_calls``, the automatic capture happens here, at the first step start after that many
+        training forwards, with the last warm-up step's order and micro-batches in flight.
+        """
+        self._micro_batch = -1
+        if self.captured:
+            return
+        if self.step_order and self.warmup_calls is not None and self.training_calls >= self.warmup_calls:
+            self.capture()
+            return
+        self.step_order = []
+        self._in_flight[:] = [0, 0]  # in place: the recorded hooks hold this list
 
     # ---- dispatch -----------------------------------------------------------
     def _dispatcher(self, index: int) -> Callable[..., Any]:
@@ -108,15 +144,16 @@ class LayerGraphs:
             if not self.captured:
                 return self._warmup_call(index, args, kwargs)
             self.state = GraphState.REPLAYED
-            return apply_graphed(graph, args, kwargs)
+            return apply_graphed(self.slots[self._micro_batch % len(self.slots)][index], args, kwargs)
 
         return forward
 
     def _start_micro_batch(self) -> None:
         self.training_calls += 1
+        self._micro_batch += 1
         if not self.captured:
-            if self.warmup_calls is not None and self.training_calls > self.warmup_calls:
-                self.capture()  # with the order recorded over the previous micro-batch
+            if self.step_order is None and self.warmup_calls is not None and self.training_calls > self.warmup_calls:
+                self.capture()  # with the order recorded over the previous micro-batch (steps unmarked)
                 return
             self.order.clear()
             self._last_out.clear()
@@ -124,6 +161,8 @@ class LayerGraphs:
     def _warmup_call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         graph = self.graphs[index]
         self.order.append(("fwd", index))
+        if self.step_order is not None:
+            self.step_order.append(("fwd", self._micro_batch, index))
         leaves, _ = tree_flatten((args, kwargs))
         for i, a in enumerate(leaves):
             entry = self._last_out.get(id(a)) if isinstance(a, torch.Tensor) else None
@@ -134,22 +173,47 @@ class LayerGraphs:
         graph.record(args, kwargs)
         out = graph.forward_fn(*args, **kwargs)
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        hook = self._bwd_recorder(index)
         for k, o in enumerate(outs):
             self._last_out[id(o)] = (index, k, o)
             if o.requires_grad:
-                o.register_hook(self._bwd_recorder(index))
+                o.register_hook(hook)
+        if index == 0 and any(o.requires_grad for o in outs):
+            self._in_flight[0] += 1
+            self._in_flight[1] = max(self._in_flight)
         return out
 
     def _bwd_recorder(self, index: int) -> Callable[[torch.Tensor], None]:
-        order = self.order  # not self: autograd (C++) holds the hook, and a reference back would be a hidden cycle
+        # not self: autograd (C++) holds the hook, and a reference back would be a hidden cycle
+        order, step_order, in_flight, mb, done = self.order, self.step_order, self._in_flight, self._micro_batch, []
 
         def hook(grad: torch.Tensor) -> None:
+            if done:  # once per call, however many outputs it has
+                return
+            done.append(True)
             if ("bwd", index) not in order:
                 order.append(("bwd", index))
+            if step_order is not None:
+                step_order.append(("bwd", mb, index))
+            if index == 0:
+                in_flight[0] -= 1
 
         return hook
 
     # ---- capture ------------------------------------------------------------
+    def slot_count(self) -> int:
+        """Micro-batches in flight at most in the last warm-up step (1 when the owner does not mark steps)."""
+        return max(1, self._in_flight[1]) if self.step_order is not None else 1
+
+    def slot_capture_order(self, slots: int) -> list[tuple[str, int, int]]:
+        """(kind, slot, graph index) in the order the last warm-up step first ran each slot's graph."""
+        order = list(dict.fromkeys((kind, mb % slots, i) for kind, mb, i in self.step_order or ()))
+        seen = set(order)
+        for s in range(slots):
+            order += [("fwd", s, i) for i in range(len(self.graphs)) if ("fwd", s, i) not in seen]
+            order += [("bwd", s, i) for i in reversed(range(len(self.graphs))) if ("bwd", s, i) not in seen]
+        return order
+
     def capture_order(self) -> list[tuple[str, int]]:
         """The capture order: it must be the replay order, as graphs share one pool.
 
@@ -175,24 +239,34 @@ class LayerGraphs:
         if missing:
             raise GraphUsageError(f"cannot capture: no warm-up training call reached {', '.join(missing[:4])}")
         backend, gens = self.backend, list(self.generators())
+        slots = self.slot_count()
+        self.slots[1:] = [[g.copy(f"{g.name}[{s}]") for g in self.graphs] for s in range(1, slots)]
+        for slot in self.slots:
+            for g in slot:
+                g.shared_pool = slots == 1  # see the module docstring
         saved = _save_state(self.graphs, gens + default_generators(backend.device))
         alloc0, reserved0 = backend.memory()
         n_reports = len(backend.reports)
         self._capturing = True
+        order = ([(kind, 0, i) for kind, i in self.capture_order()] if slots == 1
+                 else self.slot_capture_order(slots))
         try:
             if backend.needs_stream_warmup:  # as TE's make_graphed_callables: state is restored below
                 for g in self.graphs:
                     g.warmup(backend)
-            for kind, i in self.capture_order():
+            for kind, s, i in order:
+                graphs = self.slots[s]
                 if kind == "fwd":
-                    aliases = {k: self.graphs[p].outputs[o] for (g, k), (p, o) in self._feeds.items()
-                               if g == i and self.graphs[p].outputs}
-                    self.graphs[i].capture_forward(backend, gens, aliases)
+                    aliases = {k: graphs[p].outputs[o] for (g, k), (p, o) in self._feeds.items()
+                               if g == i and graphs[p].outputs}
+                    graphs[i].capture_forward(backend, gens, aliases)
                 else:
-                    self.graphs[i].capture_backward(backend, gens, self._grad_aliases(i))
+                    graphs[i].capture_backward(backend, gens, self._grad_aliases(graphs, i))
         except BaseException:
-            for g in self.graphs:
-                g.reset()
+            for slot in self.slots:
+                for g in slot:
+                    g.reset()
+            del self.slots[1:]
             raise
         finally:
             self._capturing = False
@@ -211,21 +285,25 @@ class LayerGraphs:
         )
         self.state = GraphState.CAPTURED
 
-    def _grad_aliases(self, index: int) -> dict[int, torch.Tensor]:
+    def _grad_aliases(self, graphs: list[ModuleGraph], index: int) -> dict[int, torch.Tensor]:
         """An output's gradient buffer is its consumer's input gradient when exactly one graph consumes it."""
         aliases: dict[int, torch.Tensor] = {}
-        for out_idx in range(len(self.graphs[index].outputs)):
+        for out_idx in range(len(graphs[index].outputs)):
             consumers = [(g, k) for (g, k), src in self._feeds.items() if src == (index, out_idx)]
             if len(consumers) != 1:
                 continue
             g, k = consumers[0]
-            consumer = self.graphs[g]
+            consumer = graphs[g]
             if consumer.bwd is not None and k < len(consumer.grad_in) and consumer.grad_in[k] is not None:
                 aliases[out_idx] = consumer.grad_in[k]
         return aliases
 
     def close(self) -> None:
         """Free every graph and restore the modules' own forward (harmless twice)."""
+        for slot in self.slots[1:]:
+            for g in slot:
+                g.reset()
+        del self.slots[1:]
         for g in self.graphs:
             g.reset()
             g.sample = None
@@ -238,6 +316,7 @@ class LayerGraphs:
         self._last_out.clear()
         self._feeds.clear()
         self.order.clear()
+        self.step_order = None
 
 
 def _save_state(graphs: list[ModuleGraph], gens: list[torch.Generator]) -> StateBackup:

@@ -220,12 +220,13 @@ class _capture_after_warmup:
 
     def __call__(self, it: Iterator[Any]) -> dict[str, torch.Tensor]:
         if self.calls == self.warmup and not self.layer_graphs.captured:
-            self.layer_graphs.capture()
+            self.layer_graphs.capture()  # with the micro-batches in flight of the last warm-up step
             self.state = "captured"
         elif self.layer_graphs.captured:
             self.state = "replayed"
         else:
             self.state = EAGER
+        self.layer_graphs.start_step()
         self.calls += 1
         return self.step(it)
 

@@ -21,7 +21,7 @@ training/parallel.py; these rules say which configurations it takes:
   one graphstep runs, and what is not implemented (interleaved schedules,
   another activation dtype, tied embeddings across stages) is refused;
 * R29 -- what pipeline parallelism does not combine with yet (tensor
-  parallelism, FSDP2, MoE and hybrid models, per-layer graphs, ...);
+  parallelism, FSDP2, MoE and hybrid models, ...);
 * R30 -- context parallelism is not implemented;
 * R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
   divide over the expert-parallel ranks, dispatched the way graphstep
@@ -259,15 +259,16 @@ def _r29(v: View) -> list[Violation]:
         refuse(["model.num_moe_experts"], "an MoE model", "train MoE models without pipeline stages.")
     if m.hybrid_override_pattern is not None:
         refuse(["model.hybrid_override_pattern"], "a hybrid (Mamba) model", "train hybrid models without pipeline stages.")
-    if v.per_layer:
-        refuse(["model.cuda_graph_impl"], f"per-layer graphs ({_impl_f(v)}): a pipeline keeps several micro-batches "
-               "in flight per layer, and a layer graph holds one", "set model.cuda_graph_impl=full_iteration (the "
-               "whole schedule, sends and receives included, in one graph per rank), or none.")
     warmup = _int(m.cuda_graph_warmup_steps)
     if v.impl == "full_iteration" and warmup == 0:
         refuse(["model.cuda_graph_warmup_steps"], "model.cuda_graph_warmup_steps=0 (the first step infers the shapes "
                "the stages exchange, on the host, which may not happen inside a capture)",
                "set model.cuda_graph_warmup_steps=1 or more.")
+    if v.per_layer and warmup is not None and warmup < 2:
+        refuse(["model.cuda_graph_warmup_steps"], f"per-layer graphs and model.cuda_graph_warmup_steps={warmup} (the "
+               "layer graphs take their order and micro-batches in flight from the last warm-up step, and the first "
+               "step also runs torch's shape inference, an extra forward of every layer)",
+               "set model.cuda_graph_warmup_steps=2 or more.")
     if cfg.compile.enable is True:
         refuse(["compile.enable"], "compile.enable=true", "set compile.enable=false.")
     if m.recompute_granularity is not None:
