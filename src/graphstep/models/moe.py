@@ -321,12 +321,11 @@ class MoEBlock(nn.Module):
         all-gather is a reduce-scatter and vice versa, so the router and the
         tokens get their gradients from every rank's experts.
         """
-        gather, gather_grad, scatter_grad = _collectives()
         ep, moe = self.expert_parallel, self.moe
         normed, probs, idx, *shared = self.router_stage(x)
-        normed_all = gather_grad(normed, 0, ep.group)
-        probs_all = gather_grad(probs, 0, ep.group)
-        idx_all = gather(idx, 0, ep.group)
+        normed_all = _GatherTokens.apply(normed, ep)
+        probs_all = _GatherTokens.apply(probs, ep)
+        idx_all = _gather(idx, ep)
         local = moe.num_experts // ep.size
         align = tile_size(idx_all.numel(), local) if self.gemm == "tiled" else 1
         row, _counts, offsets, rows = expert_parallel_layout(idx_all, ep.rank * local, local, align)
@@ -336,20 +335,53 @@ class MoEBlock(nn.Module):
         else:
             expert_out = self.experts.experts.tiled(expert_in, tile_owner(offsets, rows, align))
         mine = weighted_sum(expert_out, row, probs_all, drops=True)  # zero for pairs of other ranks' experts
-        y = scatter_grad(mine, "sum", 0, ep.group)
+        y = _ScatterSums.apply(mine, ep)
         return self.combine_stage.finish(x, y.to(x.dtype), *shared)
 
 
-def _collectives() -> tuple[Any, Any, Any]:
-    """Functional all-gather, and all-gather / reduce-scatter with autograd (``*_single`` names where torch has them)."""
-    from torch.distributed import _functional_collectives as funcol
+# The expert-parallel exchanges are c10d collectives waited at once: with gloo, the functional
+# reduce-scatter corrupted the heap now and then (2 of 14 four-rank runs, inside its wait), the
+# c10d one -- FSDP2's -- never did. On NCCL either kind is captured in a CUDA graph.
 
-    def pick(new: str, old: str) -> Any:
-        return getattr(funcol, new, None) or getattr(funcol, old)
 
-    return (pick("all_gather_single", "all_gather_tensor"),
-            pick("all_gather_single_autograd", "all_gather_tensor_autograd"),
-            pick("reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd"))
+def _gather(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """The expert-parallel ranks' ``t`` concatenated along dim 0, in rank order."""
+    out = t.new_empty((ep.size * t.shape[0], *t.shape[1:]))
+    torch.distributed.all_gather_into_tensor(out, t.contiguous(), group=ep.group)
+    return out
+
+
+def _scatter_sum(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """This rank's chunk (along dim 0) of the sum of the expert-parallel ranks' ``t``."""
+    out = t.new_empty((t.shape[0] // ep.size, *t.shape[1:]))
+    torch.distributed.reduce_scatter_tensor(out, t.contiguous(), group=ep.group)
+    return out
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather along dim 0; the gradient is reduce-scattered back to the ranks the rows came from."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+        ctx.ep = ep
+        return _gather(t, ep)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _scatter_sum(grad, ctx.ep), None
+
+
+class _ScatterSums(torch.autograd.Function):
+    """Reduce-scatter along dim 0; the gradient is all-gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+        ctx.ep = ep
+        return _scatter_sum(t, ep)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather(grad, ctx.ep), None
 
 
 # --------------------------------------------------------------------------
