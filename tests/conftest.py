@@ -123,3 +123,17 @@ class NeverCapturedGraph(Graph):
 
     def reset(self):
         pass
+
+
+@pytest.fixture
+def one_rank_group(request):
+    """A one-rank process group (gloo, or NCCL for a test parametrized with ``device="cuda"``) for the test."""
+    import torch.distributed as dist
+
+    import graphstep
+
+    device = request.node.callspec.params.get("device", "cpu") if hasattr(request.node, "callspec") else "cpu"
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield device
+    graphstep.close_all()
+    dist.destroy_process_group()

@@ -51,6 +51,14 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
 
 
+def torchrun_reports(script: str, tmp: Path, nproc: int, *args: str, timeout: float) -> list[dict]:
+    """Run ``script`` under torchrun with ``tmp`` and ``args``; each rank's ``tmp/rank<r>.json``, in rank order."""
+    proc = subprocess.run(torchrun(nproc, script, str(tmp), *args), env=subprocess_env(), capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
 def param_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():

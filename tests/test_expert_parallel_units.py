@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import graphstep
 from graphstep.config import Config, ModelConfig, apply_overrides
@@ -68,15 +67,6 @@ def test_accepted_expert_parallel_layouts_break_no_rule():
     assert _rules("model.expert_model_parallel_size=4", world=4, ) == []
     assert _rules("model.expert_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
                   "model.cuda_graph_modules=[attn,moe]") == []
-
-
-@pytest.fixture
-def one_rank_group(request):
-    device = request.node.callspec.params.get("device", "cpu")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield device
-    graphstep.close_all()
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("device", DEVICES)

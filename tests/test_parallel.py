@@ -31,7 +31,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from test_distributed import subprocess_env, torchrun  # noqa: E402
+from test_distributed import subprocess_env, torchrun, torchrun_reports  # noqa: E402
 
 ITERS = 8
 COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
@@ -100,10 +100,7 @@ def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool
 
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
-    cmd = torchrun(nproc, str(Path(__file__).resolve()), str(tmp), device, layouts)
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return torchrun_reports(str(Path(__file__).resolve()), tmp, nproc, device, layouts, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -101,16 +101,6 @@ def test_tensor_parallel_streams_differ_per_rank_and_data_parallel_streams_do_no
     assert not torch.equal(r0[MODEL_PARALLEL_RNG], r1[MODEL_PARALLEL_RNG])  # their own heads / tokens
 
 
-@pytest.fixture
-def one_rank_group(request):
-    device = request.node.callspec.params.get("device", "cpu") if hasattr(request.node, "callspec") else "cpu"
-    backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    yield device
-    graphstep.close_all()
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_sequence_parallel_model_on_a_one_rank_mesh_graphs_equal_eager(one_rank_group, device):
     """GPTModel through the tensor-parallel plan (DTensor parameters, SequenceParallel norms, the

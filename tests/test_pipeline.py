@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,9 +23,8 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from test_distributed import subprocess_env, torchrun  # noqa: E402
+from test_distributed import torchrun_reports  # noqa: E402
 from test_parallel import shard_digest  # noqa: E402
 
 ITERS = 10
@@ -49,7 +47,7 @@ PER_LAYER = {"pp2_1f1b": ["model.cuda_graph_impl=local", "model.cuda_graph_modul
              "pp2_gpipe": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"]}
 # 4 ranks: 2 pipelines of 2 stages, the gradients all-reduced over each stage's data-parallel group
 LAYOUTS_4 = {"pp2_dp2": ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2",
-                         "train.global_batch_size=16"]}
+                         "train.global_batch_size=16", "train.train_iters=6"]}  # 4 processes on CI's 2 cores
 
 
 def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool) -> None:
@@ -79,10 +77,7 @@ def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool
 
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
-    cmd = torchrun(nproc, str(Path(__file__).resolve()), str(tmp), device, layouts)
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return torchrun_reports(str(Path(__file__).resolve()), tmp, nproc, device, layouts, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -206,11 +201,7 @@ def _exchange_worker(out: Path) -> None:
 
 
 def test_replayed_exchange_waits_where_the_capture_waited(tmp_path):
-    cmd = torchrun(2, str(Path(__file__).resolve()), str(tmp_path), "cpu", "EXCHANGE")
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    for r in range(2):
-        report = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for report in torchrun_reports(str(Path(__file__).resolve()), tmp_path, 2, "cpu", "EXCHANGE", timeout=180):
         assert report["graphed"] == report["eager"] and len(report["eager"]) == 6
 
 

@@ -107,15 +107,6 @@ def test_a_rank_finds_its_stage_and_replica(world, rank, expected):
     assert "2 pipeline-stage x" in dp.layout.describe()
 
 
-@pytest.fixture
-def one_rank_group(request):
-    device = request.node.callspec.params.get("device", "cpu")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield device
-    graphstep.close_all()
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_one_stage_schedule_captured_whole_equals_eager(one_rank_group, device, schedule):

@@ -347,15 +347,20 @@ class MoEBlock(nn.Module):
 def _gather(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
     """The expert-parallel ranks' ``t`` concatenated along dim 0, in rank order."""
     out = t.new_empty((ep.size * t.shape[0], *t.shape[1:]))
-    torch.distributed.all_gather_into_tensor(out, t.contiguous(), group=ep.group)
+    _c10d("all_gather_single", "all_gather_into_tensor")(out, t.contiguous(), group=ep.group)
     return out
 
 
 def _scatter_sum(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
     """This rank's chunk (along dim 0) of the sum of the expert-parallel ranks' ``t``."""
     out = t.new_empty((t.shape[0] // ep.size, *t.shape[1:]))
-    torch.distributed.reduce_scatter_tensor(out, t.contiguous(), group=ep.group)
+    _c10d("reduce_scatter_single", "reduce_scatter_tensor")(out, t.contiguous(), group=ep.group)
     return out
+
+
+def _c10d(name: str, older: str) -> Any:
+    """``torch.distributed.<name>``, or its older name on the torch versions that have only that."""
+    return getattr(torch.distributed, name, None) or getattr(torch.distributed, older)
 
 
 class _GatherTokens(torch.autograd.Function):
