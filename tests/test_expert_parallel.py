@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from test_distributed import torchrun_reports  # noqa: E402
 from test_parallel import shard_digest  # noqa: E402
+from test_parallel_checkpoint import natural_digests, whole_model_digests  # noqa: E402
 
 ITERS = 10
 COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
@@ -43,6 +44,7 @@ LAYOUTS = {"ep2": ["model.expert_model_parallel_size=2", "train.global_batch_siz
 # 4 ranks: 2 groups of 2 expert-parallel ranks; each expert's gradient is summed over the 2 ranks holding it
 LAYOUTS_4 = {"ep2_edp2": ["model.expert_model_parallel_size=2", "train.global_batch_size=16"]}
 MODES_4 = ("eager", "graphed", "nodrop", "plain")  # 4 processes on CI's 2 cores: the per-layer run only on 2
+STATS = ("aux_loss_sum", "z_loss_sum", "tokens_per_expert")  # per-rank router statistics (bias_tokens_per_expert too)
 PLAIN = {"ep2": ["train.global_batch_size=8"], "ep2_edp2": ["train.global_batch_size=16"]}  # the same, no experts split
 
 
@@ -68,6 +70,11 @@ def _worker(out: Path, device: str, layouts: dict[str, list[str]]) -> None:
             runs[f"{name}/plain"] = [*PLAIN[name], *EAGER]
         if layouts is LAYOUTS_4:
             runs = {k: v for k, v in runs.items() if k.split("/")[1] in MODES_4}
+        else:  # checkpoints: saved at 5 and 10, resumed at 5 (graphed, dropout on)
+            save = [*LAYOUTS["ep2"], *DROPOUT, *GRAPHED, "checkpoint.save_interval=5"]
+            runs["ep2/saved"] = [*save, f"checkpoint.save={out / 'ckpt'}"]
+            runs["ep2/resumed"] = [*save, f"checkpoint.load={out / 'ckpt' / 'iter_0000005'}",
+                                   f"checkpoint.save={out / 'ckpt-resumed'}"]
         for name, overrides in runs.items():
             cfg = apply_overrides(get_recipe("qwen3_moe_tiny"), [*COMMON, f"train.device={device}", *overrides])
             result = train(cfg, keep_model=True)
@@ -76,6 +83,7 @@ def _worker(out: Path, device: str, layouts: dict[str, list[str]]) -> None:
                 "moe": [[r[k] for k in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance")] for r in result.rows],
                 "eval": result.eval_losses, "shard": shard_digest(result.model), "graphs": result.graphs,
                 "bias": [r.expert_bias.tolist() for r in moe_routers(result.model)],
+                "digest": natural_digests(result.model),
             }
     finally:
         (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
@@ -115,7 +123,10 @@ def check_layout(reports: list[dict], layout: str, rtol: float = 2e-5) -> None:
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    return run_layouts(tmp_path_factory.mktemp("ep"), "cpu", timeout=900)
+    tmp = tmp_path_factory.mktemp("ep")
+    reports = run_layouts(tmp, "cpu", timeout=900)
+    reports[0]["ckpt"] = tmp / "ckpt"
+    return reports
 
 
 def test_expert_parallel_graphed_equals_eager_bit_for_bit(reports):
@@ -123,6 +134,30 @@ def test_expert_parallel_graphed_equals_eager_bit_for_bit(reports):
     check_layout(reports, "ep2")
     shards = [r["ep2/eager"]["shard"] for r in reports]
     assert shards[0] != shards[1]  # each rank holds its own experts
+
+
+def test_expert_parallel_checkpoints_resume_exactly_and_load_into_one_process(reports, tmp_path_factory):
+    """Each rank saves its experts (DTensor shards) under the names one process uses: a resume at the same layout
+    continues bit for bit (losses, experts, expert biases), and one process loads all experts of the final one."""
+    from graphstep.config import apply_overrides
+    from graphstep.recipes import get_recipe
+    from graphstep.training.loop import train
+
+    for report in reports:
+        saved, resumed = report["ep2/saved"], report["ep2/resumed"]
+        assert len(saved["losses"]) == ITERS and resumed["losses"] == saved["losses"][5:]
+        assert resumed["shard"] == saved["shard"] and resumed["bias"] == saved["bias"]
+    assert reports[0]["ep2/saved"]["shard"] != reports[1]["ep2/saved"]["shard"]
+    final = reports[0]["ckpt"] / "iter_0000010"
+    cfg = apply_overrides(get_recipe("qwen3_moe_tiny"), [*COMMON, "train.device=cpu", *PLAIN["ep2"], *EAGER,
+                                                          f"checkpoint.load={final}", "checkpoint.save_interval=null"])
+    loaded = train(cfg, keep_model=True)
+    assert loaded.losses == []  # resumed at its last iteration
+    for report in reports:  # the router statistics are each rank's own counts over its own tokens
+        report["ep2/saved"]["digest"] = {k: v for k, v in report["ep2/saved"]["digest"].items() if not k.endswith(STATS)}
+    whole = whole_model_digests(reports, "ep2/saved")
+    assert any(".experts.experts." in k for k in whole) and any(k.endswith("expert_bias") for k in whole)
+    assert {k: v for k, v in natural_digests(loaded.model).items() if not k.endswith(STATS)} == whole
 
 
 def test_expert_parallel_groups_on_four_ranks(tmp_path):
