@@ -77,6 +77,8 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.pipeline_model_parallel_size=2", "ddp.overlap_grad_reduce=true"], 2, "R29", "overlap_grad_reduce"),
     (["model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
       "model.cuda_graph_warmup_steps=1"], 2, "R29", "shape inference"),
+    (["model.pipeline_model_parallel_size=2", "model.cuda_graph_retain_backward_graph=true"], 2, "R29",
+     "retain_graph"),
     (["model.context_parallel_size=2"], 2, "R30", "ring attention"),
 ])
 def test_pipeline_rules_refuse_with_the_reason(overrides, world, rule, words):

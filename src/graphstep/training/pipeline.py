@@ -142,6 +142,9 @@ class Pipeline:
         self.train_schedule = kind(stage, num_micro_batches, loss_fn=self.loss, scale_grads=False)
         self._eval: dict[int, Any] = {}
         self._gpipe, self._stage_cls = ScheduleGPipe, PipelineStage
+        # no merged last-stage outputs where torch can skip them (a copy of every micro-batch's logits)
+        self._step_kwargs = {"return_outputs": False} if "return_outputs" in inspect.signature(kind.step).parameters \
+            else {}
 
     def eval_schedule(self, n: int) -> Any:
         """A forward-only schedule for ``n`` micro-batches, over a stage of its own (its own receive buffers)."""
@@ -155,19 +158,14 @@ class Pipeline:
         args = (torch.cat([mb["tokens"] for mb in batches]),) if self.is_first else ()
         target = torch.cat([mb["labels"] for mb in batches]) if self.is_last else None
         self.loss.start(batches, target, total, len(batches) if train else 1)
-        kwargs = {"return_outputs": False} if _takes_return_outputs(schedule) else {}
         if train:
-            schedule.step(*args, target=target, **kwargs)
+            schedule.step(*args, target=target, **self._step_kwargs)
         else:
-            _forward_only(schedule, args, target, kwargs)
+            _forward_only(schedule, args, target, self._step_kwargs)
 
     def share_(self, t: torch.Tensor) -> None:
         """The last stage's ``t`` on every stage, in place (others hold zeros): a device all-reduce."""
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-
-
-def _takes_return_outputs(schedule: Any) -> bool:
-    return "return_outputs" in inspect.signature(schedule.step).parameters
 
 
 def _forward_only(schedule: Any, args: tuple, target: torch.Tensor | None, kwargs: dict) -> None:

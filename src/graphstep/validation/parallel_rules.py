@@ -280,6 +280,9 @@ def _r29(v: View) -> list[Violation]:
     if cfg.data.seq_length_buckets is not None:
         refuse(["data.seq_length_buckets"], "data.seq_length_buckets (the stages exchange one fixed shape)",
                "set data.seq_length_buckets=null.")
+    if m.cuda_graph_retain_backward_graph is True:
+        refuse(["model.cuda_graph_retain_backward_graph"], "model.cuda_graph_retain_backward_graph=true (torch's "
+               "schedule runs the backward, without retain_graph)", "set model.cuda_graph_retain_backward_graph=false.")
     return out
 
 
