@@ -42,10 +42,13 @@ LAYERS = ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"]
 EAGER = ["model.cuda_graph_impl=none"]
 LAYOUTS = {"ep2": ["model.expert_model_parallel_size=2", "train.global_batch_size=8"]}
 # 4 ranks: 2 groups of 2 expert-parallel ranks; each expert's gradient is summed over the 2 ranks holding it
-LAYOUTS_4 = {"ep2_edp2": ["model.expert_model_parallel_size=2", "train.global_batch_size=16"]}
+ITERS_4 = 4  # 4 processes on CI's 2 cores: eager, eager, captured, replayed
+LAYOUTS_4 = {"ep2_edp2": ["model.expert_model_parallel_size=2", "train.global_batch_size=16",
+                          f"train.train_iters={ITERS_4}"]}
 MODES_4 = ("eager", "graphed", "nodrop", "plain")  # 4 processes on CI's 2 cores: the per-layer run only on 2
 STATS = ("aux_loss_sum", "z_loss_sum", "tokens_per_expert")  # per-rank router statistics (bias_tokens_per_expert too)
-PLAIN = {"ep2": ["train.global_batch_size=8"], "ep2_edp2": ["train.global_batch_size=16"]}  # the same, no experts split
+# the same runs with every expert on every rank (plain data parallel)
+PLAIN = {"ep2": ["train.global_batch_size=8"], "ep2_edp2": ["train.global_batch_size=16", f"train.train_iters={ITERS_4}"]}
 
 
 def _worker(out: Path, device: str, layouts: dict[str, list[str]]) -> None:
@@ -94,10 +97,10 @@ def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts:
     return torchrun_reports(str(Path(__file__).resolve()), tmp, nproc, device, layouts, timeout=timeout)
 
 
-def check_layout(reports: list[dict], layout: str, rtol: float = 2e-5) -> None:
+def check_layout(reports: list[dict], layout: str, rtol: float = 2e-5, iters: int = ITERS) -> None:
     for report in reports:
         eager = report[f"{layout}/eager"]
-        assert len(eager["losses"]) == ITERS and len(eager["eval"]) == ITERS // 2
+        assert len(eager["losses"]) == iters and len(eager["eval"]) == iters // 2
         assert set(eager["states"]) == {"eager"} and eager["graphs"] == 0
         assert eager["losses"][-1] < eager["losses"][0]
         assert any(b != 0.0 for bias in eager["bias"] for b in bias)  # the expert bias moved
@@ -110,7 +113,8 @@ def check_layout(reports: list[dict], layout: str, rtol: float = 2e-5) -> None:
             assert graphed["moe"] == eager["moe"], mode  # load-balancing loss, z-loss, imbalance per iteration
             assert graphed["eval"] == eager["eval"], mode
             assert graphed["shard"] == eager["shard"] and graphed["bias"] == eager["bias"], mode
-        assert report[f"{layout}/graphed"]["graphs"] == 3
+        # training and optimizer graphs, and the evaluation graph from the 3rd evaluation (iteration 6) on
+        assert report[f"{layout}/graphed"]["graphs"] == (3 if iters >= 6 else 2)
     for mode in ("eager", "graphed"):  # every rank logs the same loss and applies the same bias update
         assert all(r[f"{layout}/{mode}"]["losses"] == reports[0][f"{layout}/{mode}"]["losses"] for r in reports)
         assert all(r[f"{layout}/{mode}"]["bias"] == reports[0][f"{layout}/{mode}"]["bias"] for r in reports)
@@ -162,7 +166,7 @@ def test_expert_parallel_checkpoints_resume_exactly_and_load_into_one_process(re
 
 def test_expert_parallel_groups_on_four_ranks(tmp_path):
     reports = run_layouts(tmp_path, "cpu", timeout=900, nproc=4, layouts="LAYOUTS_4")
-    check_layout(reports, "ep2_edp2")
+    check_layout(reports, "ep2_edp2", iters=ITERS_4)
     shards = [r["ep2_edp2/eager"]["shard"] for r in reports]  # (edp, ep) = (0,0), (0,1), (1,0), (1,1)
     assert shards[0] == shards[2] and shards[1] == shards[3] and shards[0] != shards[1]
 
