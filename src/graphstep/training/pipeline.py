@@ -162,6 +162,10 @@ class Pipeline:
             schedule.step(*args, target=target, **self._step_kwargs)
         else:
             _forward_only(schedule, args, target, self._step_kwargs)
+        if self.is_last and self.loss.index != len(batches):  # never a silently uncounted loss
+            raise RuntimeError(f"the pipeline's last stage counted {self.loss.index} of {len(batches)} micro-batch "
+                               "losses: this torch's schedule hands the loss function labels that are not slices of "
+                               "the step's label tensor (training/pipeline.py, _StageLoss)")
 
     def share_(self, t: torch.Tensor) -> None:
         """The last stage's ``t`` on every stage, in place (others hold zeros): a device all-reduce."""
