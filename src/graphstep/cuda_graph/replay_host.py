@@ -162,7 +162,7 @@ def in_collective_wait() -> bool:
     return getattr(_local, "in_wait", False)
 
 
-def _unrecorded_wait(original: Callable[..., Any]) -> Callable[..., Any]:
+def _recorded_wait(original: Callable[..., Any]) -> Callable[..., Any]:
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         outer = in_collective_wait()
         if _recording() and not outer:
@@ -187,7 +187,7 @@ def _wrappers() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[
         out.append((owner, "set_rng_state", _recorded_set_state))
     out.append((torch.UntypedStorage, "resize_", _recorded_resize))
     if torch.distributed.is_available():
-        out.append((torch.distributed.Work, "wait", _unrecorded_wait))
+        out.append((torch.distributed.Work, "wait", _recorded_wait))
     if torch.cuda.is_available():
         for name in _CUDA_SEEDING:
             out.append((torch.cuda, name, lambda old, q=f"torch.cuda.{name}": _refuse_seed(q, old)))

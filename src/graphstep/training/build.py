@@ -58,8 +58,8 @@ class Run:
     model: nn.Module
     grads: GradBuffers
     optimizer: AdamW
-    train_step: TrainStep | PipelineTrainStep
-    eval_step: EvalStep | PipelineEvalStep
+    train_step: TrainStep
+    eval_step: EvalStep
     moe: MoEHooks
     runner: Runner
     num_micro_batches: int
@@ -179,19 +179,15 @@ def _build_model(cfg: Config, device: torch.device, dp: DataParallel) -> nn.Modu
 def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, grads: GradBuffers, moe: MoEHooks,
                  dp: DataParallel, device: torch.device, compile_mode: str | None,
                  num_micro_batches: int) -> tuple[Any, Any]:
+    hooks = dict(reduce_grads=dp.grad_reducer(grads, cfg.ddp), reduce_loss=dp.loss_reducer(),
+                 before_step=moe.before_step if moe.enabled else None,
+                 check_nonfinite=cfg.train.check_for_nan_on_device)
     if dp.layout.pp > 1:  # the schedule runs forward and backward (training/pipeline.py)
         pipeline = Pipeline(model, stage_index=dp.pp_rank, stages=dp.layout.pp, group=dp.pp_group, device=device,
                             schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
-        return (PipelineTrainStep(pipeline, grads, reduce_grads=dp.grad_reducer(grads, cfg.ddp),
-                                  reduce_loss=dp.loss_reducer(), before_step=moe.before_step if moe.enabled else None,
-                                  check_nonfinite=cfg.train.check_for_nan_on_device),
-                PipelineEvalStep(pipeline, device, reduce_loss=dp.loss_reducer()))
+        return PipelineTrainStep(pipeline, grads, **hooks), PipelineEvalStep(pipeline, device, dp.loss_reducer())
     step_model = apply_compile(model, compile_mode, settings) if compile_mode is not None else model
-    train_step = TrainStep(
-        step_model, grads, reduce_grads=dp.grad_reducer(grads, cfg.ddp), reduce_loss=dp.loss_reducer(),
-        before_step=moe.before_step if moe.enabled else None, retain_graph=settings.retain_backward_graph,
-        check_nonfinite=cfg.train.check_for_nan_on_device,
-    )
+    train_step = TrainStep(step_model, grads, retain_graph=settings.retain_backward_graph, **hooks)
     eval_step = EvalStep(step_model, device, reduce_loss=dp.loss_reducer(),
                          release=partial(reshard_all, model) if dp.layout.fsdp is not None else None)
     if compile_mode is None:

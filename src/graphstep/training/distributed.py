@@ -117,9 +117,8 @@ class DataParallel:
         kwargs = dict(bucket_size=ddp.bucket_size, average_in_collective=ddp.average_in_collective,
                       backend=self.backend, group=self.dp_group)
         if self.layout.ep > 1:
-            edp = self.dp_size // self.layout.ep
-            return ExpertParallelReducer(grads, self.dp_size, self.mesh.get_group(EDP) if edp > 1 else None, edp,
-                                         **kwargs)
+            edp = self.mesh.get_group(EDP) if self.dp_size > self.layout.ep else None
+            return ExpertParallelReducer(grads, self.dp_size, edp, **kwargs)
         if ddp.overlap_grad_reduce:
             return OverlappedGradReducer(grads, self.dp_size, **kwargs)
         return GradReducer(grads.flat, self.dp_size, **kwargs)

@@ -87,17 +87,17 @@ class ExpertParallelReducer:
     averaged over every rank as by :class:`GradReducer`. An expert's
     gradient already sums the losses of its expert-parallel ranks (their
     tokens reached it through the all-gather); it is summed over the ranks
-    holding the same experts (``edp_group``) and divided by all ranks, which
-    is the mean over the global batch that the dense gradients get.
+    holding the same experts (``edp_group``; None when no other rank holds
+    them) and divided by all ranks, which is the mean over the global batch
+    that the dense gradients get.
     """
 
-    def __init__(self, grads: GradBuffers, world_size: int, edp_group: Any, edp_size: int, **kwargs: Any) -> None:
+    def __init__(self, grads: GradBuffers, world_size: int, edp_group: Any, **kwargs: Any) -> None:
         n = grads.dense_numel
         self.dense = GradReducer(grads.flat[:n], world_size, **kwargs)
-        experts = grads.flat[n:]
-        self.experts = GradReducer(experts, world_size, **{**kwargs, "average_in_collective": False,
-                                                          "group": edp_group}) if edp_size > 1 else None
-        self.expert_grads, self.world_size = experts, world_size
+        self.expert_grads, self.world_size = grads.flat[n:], world_size
+        self.experts = None if edp_group is None else GradReducer(
+            self.expert_grads, world_size, **{**kwargs, "average_in_collective": False, "group": edp_group})
 
     def describe(self) -> str:
         experts = (f"experts: {self.experts.describe()} over their expert-data-parallel group"

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..models.transformer import token_loss
 from .optim import GradBuffers
-from .step import Batch
+from .step import Batch, EvalStep, TrainStep
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -141,7 +141,6 @@ class Pipeline:
         # scale_grads=False: the loss function divides by the micro-batch count, as TrainStep does
         self.train_schedule = kind(stage, num_micro_batches, loss_fn=self.loss, scale_grads=False)
         self._eval: dict[int, Any] = {}
-        self._gpipe, self._stage_cls = ScheduleGPipe, PipelineStage
         # no merged last-stage outputs where torch can skip them (a copy of every micro-batch's logits)
         self._step_kwargs = {"return_outputs": False} if "return_outputs" in inspect.signature(kind.step).parameters \
             else {}
@@ -149,8 +148,10 @@ class Pipeline:
     def eval_schedule(self, n: int) -> Any:
         """A forward-only schedule for ``n`` micro-batches, over a stage of its own (its own receive buffers)."""
         if n not in self._eval:
-            stage = self._stage_cls(self.module, self.stage_index, self.stages, self.device, group=self.group)
-            self._eval[n] = self._gpipe(stage, n, loss_fn=self.loss, scale_grads=False)
+            from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+            stage = PipelineStage(self.module, self.stage_index, self.stages, self.device, group=self.group)
+            self._eval[n] = ScheduleGPipe(stage, n, loss_fn=self.loss, scale_grads=False)
         return self._eval[n]
 
     def run(self, schedule: Any, batches: list[Batch], total: torch.Tensor, *, train: bool) -> None:
@@ -185,51 +186,35 @@ def _forward_only(schedule: Any, args: tuple, target: torch.Tensor | None, kwarg
         schedule._has_backward = had
 
 
-class PipelineTrainStep:
-    """TrainStep's contract (step.py) over a pipeline: the schedule does forward and backward.
+class PipelineTrainStep(TrainStep):
+    """TrainStep (step.py) over a pipeline: the schedule runs every forward and backward, and the loss is the
+    last stage's, shared with every stage. Takes TrainStep's keyword arguments but ``retain_graph`` (R29)."""
 
-    ``reduce_grads``/``reduce_loss``/``before_step``/``check_nonfinite`` as in
-    TrainStep; the loss is the last stage's, shared with every stage.
-    """
+    def __init__(self, pipeline: Pipeline, grads: GradBuffers, **kwargs: Any) -> None:
+        super().__init__(pipeline.model, grads, **kwargs)
+        self.pipeline = pipeline
 
-    def __init__(self, pipeline: Pipeline, grads: GradBuffers, *, reduce_grads: Callable[[], None] | None = None,
-                 reduce_loss: Callable[[torch.Tensor], None] | None = None,
-                 before_step: Callable[[], None] | None = None, check_nonfinite: bool = True) -> None:
-        self.pipeline, self.grads = pipeline, grads
-        self.reduce_grads, self.reduce_loss = reduce_grads, reduce_loss
-        self.before_step, self.check_nonfinite = before_step, check_nonfinite
-
-    def __call__(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
-        n = len(batches)
-        self.grads.zero()
-        if self.before_step is not None:
-            self.before_step()
-        total = torch.zeros((), dtype=torch.float32, device=self.grads.flat.device)
+    def _accumulate(self, batches: list[Batch], total: torch.Tensor) -> None:
         self.pipeline.run(self.pipeline.train_schedule, batches, total, train=True)
-        if self.reduce_grads is not None:
-            self.reduce_grads()
+
+    def _mean(self, total: torch.Tensor, n: int) -> torch.Tensor:
         mean = total / n
         self.pipeline.share_(mean)
-        if self.reduce_loss is not None:
-            self.reduce_loss(mean)
-        if not self.check_nonfinite:
-            return {"loss": mean}
-        return {"loss": mean, "nonfinite": (~torch.isfinite(mean)).float()}
+        return mean
 
 
-class PipelineEvalStep:
-    """EvalStep's contract over a pipeline: forwards only, the mean loss on every stage."""
+class PipelineEvalStep(EvalStep):
+    """EvalStep over a pipeline: forwards only, the mean loss on every stage."""
 
     def __init__(self, pipeline: Pipeline, device: torch.device,
                  reduce_loss: Callable[[torch.Tensor], Any] | None = None) -> None:
-        self.pipeline, self.device, self.reduce_loss = pipeline, device, reduce_loss
+        super().__init__(pipeline.model, device, reduce_loss=reduce_loss)
+        self.pipeline = pipeline
 
-    @torch.no_grad()
-    def __call__(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+    def _accumulate(self, batches: list[Batch], total: torch.Tensor) -> None:
         self.pipeline.run(self.pipeline.eval_schedule(len(batches)), batches, total, train=False)
-        mean = total / len(batches)
+
+    def _mean(self, total: torch.Tensor, n: int) -> torch.Tensor:
+        mean = total / n
         self.pipeline.share_(mean)
-        if self.reduce_loss is not None:
-            self.reduce_loss(mean)
-        return {"loss": mean}
+        return mean

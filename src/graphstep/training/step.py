@@ -64,16 +64,10 @@ class TrainStep:
         if self.before_step is not None:
             self.before_step()
         total = torch.zeros((), dtype=torch.float32, device=self.grads.flat.device)
-        arm = getattr(self.reduce_grads, "arm", None)  # an overlapped reduction starts in the last backward
-        for i, mb in enumerate(batches):
-            loss = self.model(mb["tokens"], mb["labels"], mb.get("loss_mask"))
-            if arm is not None and i == n - 1:
-                arm()
-            (loss / n).backward(retain_graph=self.retain_graph)
-            total.add_(loss.detach())
+        self._accumulate(batches, total)
         if self.reduce_grads is not None:
             self.reduce_grads()
-        mean = total / n
+        mean = self._mean(total, n)
         if self.reduce_loss is not None:
             self.reduce_loss(mean)
         if not self.check_nonfinite:
@@ -81,6 +75,20 @@ class TrainStep:
         return {"loss": mean, "nonfinite": (~torch.isfinite(mean)).float()}
 
     __call__ = forward_backward
+
+    def _accumulate(self, batches: list[Batch], total: torch.Tensor) -> None:
+        """Forward and backward of every micro-batch; each loss is added to ``total``."""
+        n = len(batches)
+        arm = getattr(self.reduce_grads, "arm", None)  # an overlapped reduction starts in the last backward
+        for i, mb in enumerate(batches):
+            loss = self.model(mb["tokens"], mb["labels"], mb.get("loss_mask"))
+            if arm is not None and i == n - 1:
+                arm()
+            (loss / n).backward(retain_graph=self.retain_graph)
+            total.add_(loss.detach())
+
+    def _mean(self, total: torch.Tensor, n: int) -> torch.Tensor:
+        return total / n
 
 
 class EvalStep:
@@ -102,11 +110,17 @@ class EvalStep:
     @torch.no_grad()
     def __call__(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for mb in batches:
-            total.add_(self.model(mb["tokens"], mb["labels"], mb.get("loss_mask")))
+        self._accumulate(batches, total)
         if self.release is not None:
             self.release()
-        mean = total / len(batches)
+        mean = self._mean(total, len(batches))
         if self.reduce_loss is not None:
             self.reduce_loss(mean)
         return {"loss": mean}
+
+    def _accumulate(self, batches: list[Batch], total: torch.Tensor) -> None:
+        for mb in batches:
+            total.add_(self.model(mb["tokens"], mb["labels"], mb.get("loss_mask")))
+
+    def _mean(self, total: torch.Tensor, n: int) -> torch.Tensor:
+        return total / n
