@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -57,6 +58,23 @@ def torchrun_reports(script: str, tmp: Path, nproc: int, *args: str, timeout: fl
                           text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def report_runs(out: Path, device: str, runs: dict[str, Any], run: Callable[[Any], dict]) -> None:
+    """A torchrun worker: join the group, ``run(spec)`` for each named run, and write this rank's reports to
+    ``out/rank<r>.json`` (also when a run fails, so the test shows what came before)."""
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    report: dict[str, dict] = {}
+    try:
+        for name, spec in runs.items():
+            report[name] = run(spec)
+    finally:
+        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
 
 
 def param_digest(model: torch.nn.Module) -> str:

@@ -16,8 +16,6 @@ computes (every rank holding every expert) to float tolerance.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -26,8 +24,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from test_distributed import torchrun_reports  # noqa: E402
-from test_parallel import shard_digest  # noqa: E402
+from test_distributed import report_runs, torchrun_reports  # noqa: E402
+from test_parallel import train_report  # noqa: E402
 from test_parallel_checkpoint import natural_digests, whole_model_digests  # noqa: E402
 
 ITERS = 10
@@ -52,45 +50,37 @@ PLAIN = {"ep2": ["train.global_batch_size=8"], "ep2_edp2": ["train.global_batch_
 
 
 def _worker(out: Path, device: str, layouts: dict[str, list[str]]) -> None:
-    import torch.distributed as dist
-
     from graphstep.config import apply_overrides
     from graphstep.models.moe import moe_routers
     from graphstep.recipes import get_recipe
     from graphstep.training.loop import train
 
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    report: dict[str, dict] = {}
-    try:
-        runs = {}
-        for name, layout in layouts.items():
-            runs[f"{name}/eager"] = [*layout, *DROPOUT, *EAGER]
-            runs[f"{name}/graphed"] = [*layout, *DROPOUT, *GRAPHED]
-            runs[f"{name}/layers"] = [*layout, *DROPOUT, *LAYERS]
-            runs[f"{name}/nodrop"] = [*layout, *EAGER]
-            runs[f"{name}/plain"] = [*PLAIN[name], *EAGER]
-        if layouts is LAYOUTS_4:
-            runs = {k: v for k, v in runs.items() if k.split("/")[1] in MODES_4}
-        else:  # checkpoints: saved at 5 and 10, resumed at 5 (graphed, dropout on)
-            save = [*LAYOUTS["ep2"], *DROPOUT, *GRAPHED, "checkpoint.save_interval=5"]
-            runs["ep2/saved"] = [*save, f"checkpoint.save={out / 'ckpt'}"]
-            runs["ep2/resumed"] = [*save, f"checkpoint.load={out / 'ckpt' / 'iter_0000005'}",
-                                   f"checkpoint.save={out / 'ckpt-resumed'}"]
-        for name, overrides in runs.items():
-            cfg = apply_overrides(get_recipe("qwen3_moe_tiny"), [*COMMON, f"train.device={device}", *overrides])
-            result = train(cfg, keep_model=True)
-            report[name] = {
-                "losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
-                "moe": [[r[k] for k in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance")] for r in result.rows],
-                "eval": result.eval_losses, "shard": shard_digest(result.model), "graphs": result.graphs,
-                "bias": [r.expert_bias.tolist() for r in moe_routers(result.model)],
-                "digest": natural_digests(result.model),
-            }
-    finally:
-        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
-        dist.destroy_process_group()
+    runs = {}
+    for name, layout in layouts.items():
+        runs[f"{name}/eager"] = [*layout, *DROPOUT, *EAGER]
+        runs[f"{name}/graphed"] = [*layout, *DROPOUT, *GRAPHED]
+        runs[f"{name}/layers"] = [*layout, *DROPOUT, *LAYERS]
+        runs[f"{name}/nodrop"] = [*layout, *EAGER]
+        runs[f"{name}/plain"] = [*PLAIN[name], *EAGER]
+    if layouts is LAYOUTS_4:
+        runs = {k: v for k, v in runs.items() if k.split("/")[1] in MODES_4}
+    else:  # checkpoints: saved at 5 and 10, resumed at 5 (graphed, dropout on)
+        save = [*LAYOUTS["ep2"], *DROPOUT, *GRAPHED, "checkpoint.save_interval=5"]
+        runs["ep2/saved"] = [*save, f"checkpoint.save={out / 'ckpt'}"]
+        runs["ep2/resumed"] = [*save, f"checkpoint.load={out / 'ckpt' / 'iter_0000005'}",
+                               f"checkpoint.save={out / 'ckpt-resumed'}"]
+
+    def run(overrides: list[str]) -> dict:
+        cfg = apply_overrides(get_recipe("qwen3_moe_tiny"), [*COMMON, f"train.device={device}", *overrides])
+        result = train(cfg, keep_model=True)
+        return {
+            **train_report(result),
+            "moe": [[r[k] for k in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance")] for r in result.rows],
+            "bias": [r.expert_bias.tolist() for r in moe_routers(result.model)],
+            "digest": natural_digests(result.model),
+        }
+
+    report_runs(out, device, runs, run)
 
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:

@@ -19,8 +19,6 @@ global batch, up to the order of floating-point sums.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +29,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from test_distributed import subprocess_env, torchrun, torchrun_reports  # noqa: E402
+from test_distributed import report_runs, subprocess_env, torchrun, torchrun_reports  # noqa: E402
 
 ITERS = 8
 COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
@@ -72,31 +70,25 @@ def shard_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool) -> None:
-    import torch.distributed as dist
+def train_report(result) -> dict:
+    """What a layout test compares of a training run: losses, states, evaluation losses, this rank's weights."""
+    return {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
+            "eval": result.eval_losses, "shard": shard_digest(result.model), "graphs": result.graphs}
 
+
+def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool) -> None:
     from conftest import tiny_config
     from graphstep.training.loop import train
 
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    report: dict[str, dict] = {}
-    try:
-        runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
-                for name, layout in layouts.items() for mode in ("eager", "graphed")}
-        runs.update({f"{name}/layers": [*layouts[name], *graphs] for name, graphs in PER_LAYER.items()
-                     if name in layouts})
-        if compare:
-            runs.update({f"{name}/nodrop": [*layouts[name], *NO_DROPOUT, *EAGER] for name in COMPARED})
-            runs["dp2/nodrop"] = [*NO_DROPOUT, *EAGER]
-        for name, overrides in runs.items():
-            result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
-            report[name] = {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
-                            "eval": result.eval_losses, "shard": shard_digest(result.model), "graphs": result.graphs}
-    finally:
-        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
-        dist.destroy_process_group()
+    runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
+            for name, layout in layouts.items() for mode in ("eager", "graphed")}
+    runs.update({f"{name}/layers": [*layouts[name], *graphs] for name, graphs in PER_LAYER.items()
+                 if name in layouts})
+    if compare:
+        runs.update({f"{name}/nodrop": [*layouts[name], *NO_DROPOUT, *EAGER] for name in COMPARED})
+        runs["dp2/nodrop"] = [*NO_DROPOUT, *EAGER]
+    report_runs(out, device, runs, lambda overrides: train_report(
+        train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)))
 
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
@@ -196,8 +188,12 @@ def test_layout_computes_what_one_process_computes(reports, one_process, layout)
 def test_layouts_on_two_gpus_graphed_equal_eager(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine)")
-    reports = run_layouts(tmp_path, "cuda", timeout=900)
-    for layout in LAYOUTS:
+    assert_graphed_equals_eager(run_layouts(tmp_path, "cuda", timeout=900), LAYOUTS)
+
+
+def assert_graphed_equals_eager(reports: list[dict], layouts: dict) -> None:
+    """Every rank's graphed run of each layout: the eager run's losses and weights, bit for bit."""
+    for layout in layouts:
         for report in reports:
             assert report[f"{layout}/graphed"]["losses"] == report[f"{layout}/eager"]["losses"], layout
             assert report[f"{layout}/graphed"]["shard"] == report[f"{layout}/eager"]["shard"], layout

@@ -15,7 +15,6 @@ the same global batch and the same initial weights, up to rounding.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,8 +23,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from test_distributed import torchrun_reports  # noqa: E402
-from test_parallel import shard_digest  # noqa: E402
+from test_distributed import report_runs, torchrun_reports  # noqa: E402
+from test_parallel import assert_graphed_equals_eager, train_report  # noqa: E402
 
 ITERS = 10
 COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
@@ -51,29 +50,20 @@ LAYOUTS_4 = {"pp2_dp2": ["model.pipeline_model_parallel_size=2", "model.num_laye
 
 
 def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool) -> None:
-    import torch.distributed as dist
-
     from conftest import tiny_config
     from graphstep.training.loop import train
 
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    report: dict[str, dict] = {}
-    try:
-        runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
-                for name, layout in layouts.items() for mode in ("eager", "graphed")}
-        if compare:
-            runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT, *EAGER] for name, layout in layouts.items()})
-            runs.update({f"{name}/layers": [*layouts[name], *graphs] for name, graphs in PER_LAYER.items()})
-        for name, overrides in runs.items():
-            result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
-            report[name] = {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
-                            "eval": result.eval_losses, "shard": shard_digest(result.model), "graphs": result.graphs,
-                            "names": [n for n, _ in result.model.named_parameters()]}
-    finally:
-        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
-        dist.destroy_process_group()
+    runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
+            for name, layout in layouts.items() for mode in ("eager", "graphed")}
+    if compare:
+        runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT, *EAGER] for name, layout in layouts.items()})
+        runs.update({f"{name}/layers": [*layouts[name], *graphs] for name, graphs in PER_LAYER.items()})
+
+    def run(overrides: list[str]) -> dict:
+        result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
+        return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()]}
+
+    report_runs(out, device, runs, run)
 
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
@@ -160,11 +150,7 @@ def test_two_pipelines_on_four_ranks_equal_eager(tmp_path):
 def test_pipeline_on_two_gpus_graphed_equal_eager(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine)")
-    reports = run_layouts(tmp_path, "cuda", timeout=900)
-    for layout in LAYOUTS:
-        for report in reports:
-            assert report[f"{layout}/graphed"]["losses"] == report[f"{layout}/eager"]["losses"], layout
-            assert report[f"{layout}/graphed"]["shard"] == report[f"{layout}/eager"]["shard"], layout
+    assert_graphed_equals_eager(run_layouts(tmp_path, "cuda", timeout=900), LAYOUTS)
 
 
 def _exchange_worker(out: Path) -> None:
