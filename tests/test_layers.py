@@ -184,6 +184,26 @@ def test_forward_twice_before_backward_is_an_error():
         model(x)
 
 
+def test_a_parameter_moved_after_capture_is_refused():
+    """The graphs read parameters where they were captured: a parameter given new memory (``p.data = ...``)
+    is refused at the next replay, and a parameter updated in place replays as eager."""
+    torch.manual_seed(0)
+    model = _Stack()
+    graphs = LayerGraphs(select_modules(model, []), get_backend("cpu"))
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()
+    graphs.capture()
+    weight = model.layers[1].lin.weight
+    with torch.no_grad():
+        weight.mul_(0.5)  # in place: the graphs read the new values
+    out = model(x)
+    out.sum().backward()
+    assert torch.equal(out, graphs.graphs[-1].forward_fn(graphs.graphs[0].forward_fn(x)))
+    weight.data = weight.data.clone()
+    with pytest.raises(ContractError, match="layer1: a parameter's memory moved after capture"):
+        model(x)
+
+
 def test_close_restores_the_modules():
     torch.manual_seed(0)
     model = _Stack()

@@ -49,9 +49,11 @@ LAYOUTS = {
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
 # the layouts compared with one process (dropout off): one of each kind of sharding, and the overlap
 COMPARED = ("tp2_sp", "tp2", "fsdp_zero3", "dp2_overlap")
-# per-layer graphs over tensor-parallel layers (their collectives inside the layer graphs)
+# per-layer graphs over tensor-parallel layers (their collectives inside the layer graphs), and inside
+# FSDP2's layers (ZeRO-2: the gathers and reduce-scatters eager, between the layer graphs)
 PER_LAYER = {"tp2_sp": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
-             "tp2": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"]}
+             "tp2": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"],
+             "fsdp_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]}
 # 4 ranks: 2 data-parallel x 2 tensor-parallel, the data-parallel dimension sharded by FSDP2 or replicated
 LAYOUTS_2D = {
     "tp2_sp_fsdp2": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
@@ -132,7 +134,7 @@ def test_graphed_layout_equals_eager_bit_for_bit(reports, layout):
 
 
 @pytest.mark.parametrize("layout", list(PER_LAYER))
-def test_per_layer_graphs_over_tensor_parallel_layers_equal_eager(reports, layout):
+def test_per_layer_graphs_over_sharded_layers_equal_eager(reports, layout):
     for report in reports:
         eager, graphed = report[f"{layout}/eager"], report[f"{layout}/layers"]
         assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"]
@@ -188,7 +190,12 @@ def test_layout_computes_what_one_process_computes(reports, one_process, layout)
 def test_layouts_on_two_gpus_graphed_equal_eager(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine)")
-    assert_graphed_equals_eager(run_layouts(tmp_path, "cuda", timeout=900), LAYOUTS)
+    reports = run_layouts(tmp_path, "cuda", timeout=900)
+    assert_graphed_equals_eager(reports, LAYOUTS)
+    for layout in PER_LAYER:
+        for report in reports:
+            assert report[f"{layout}/layers"]["losses"] == report[f"{layout}/eager"]["losses"], layout
+            assert report[f"{layout}/layers"]["shard"] == report[f"{layout}/eager"]["shard"], layout
 
 
 def assert_graphed_equals_eager(reports: list[dict], layouts: dict) -> None:

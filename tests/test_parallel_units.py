@@ -188,23 +188,35 @@ def test_layer_graphs_over_tensor_parallel_blocks_equal_eager(one_rank_group, de
     assert all(torch.equal(a, b) for a, b in zip(eager_params, graphed_params))
 
 
+FSDP_GRAPHS = {  # strategy -> graph settings
+    "zero3_full_iteration": ("optim_grads_params", ["model.cuda_graph_impl=full_iteration",
+                                                    "optimizer.optimizer_cuda_graph=true"]),
+    "zero2_local[attn,mlp]": ("optim_grads", ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]),
+    "zero2_te[]": ("optim_grads", ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"]),
+}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_fsdp_on_one_rank_trains_graphed_equal_to_eager(device):
+@pytest.mark.parametrize("graphs", list(FSDP_GRAPHS))
+def test_fsdp_on_one_rank_trains_graphed_equal_to_eager(device, graphs):
     """ddp.use_megatron_fsdp in one process: the trainer makes a one-rank group and mesh, shards with FSDP2,
-    and the full-iteration, optimizer and evaluation graphs equal the eager run bit for bit."""
+    and the graphs -- full-iteration, optimizer and evaluation; or per-layer graphs inside FSDP2's layers
+    (``te[]``: the FSDP2 layer itself) -- equal the eager run bit for bit."""
     from conftest import tiny_config
     from graphstep.training.loop import train
 
+    strategy, settings = FSDP_GRAPHS[graphs]
     common = ["train.train_iters=8", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2", "train.eval_iters=2",
               "train.eval_interval=2", "model.use_te_rng_tracker=true", f"train.device={device}",
-              "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
+              "ddp.use_megatron_fsdp=true", f"ddp.data_parallel_sharding_strategy={strategy}"]
     eager = train(tiny_config(*common, "model.cuda_graph_impl=none"))  # the recipe's default is full_iteration
     assert not dist.is_initialized()  # the run's own group is gone with the run
     assert {r["state"] for r in eager.rows} == {"eager"}
-    graphed = train(tiny_config(*common, "model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"))
+    graphed = train(tiny_config(*common, *settings))
     assert graphed.losses == eager.losses and graphed.eval_losses == eager.eval_losses
-    assert len(eager.eval_losses) == 4  # at 2, 4, 6, 8: the evaluation graph captures at 6, replays at 8
+    assert len(eager.eval_losses) == 4  # at 2, 4, 6, 8 (full iteration: the evaluation graph captures at 6)
     assert [r["state"] for r in graphed.rows][1:4] == ["eager", "captured", "replayed"]
+    assert graphed.graphs > 0
     assert eager.losses[-1] < eager.losses[0]
 
 

@@ -207,12 +207,13 @@ CASES = {
     "R26-gather": Case("R26", ("ddp.overlap_param_gather=true",), "ddp.overlap_param_gather=true overlaps the "
                        "all-gather of sharded parameters", "set ddp.use_distributed_optimizer=true",
                        ("ddp.overlap_param_gather=true", "ddp.use_distributed_optimizer=true")),
-    "R27-layers": Case("R27", ("ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=local",
-                               "model.use_te_rng_tracker=true"),
-                       "FSDP2 (ddp.use_distributed_optimizer=true) with per-layer graphs (model.cuda_graph_impl=local) "
-                       "is not implemented", "set model.cuda_graph_impl=full_iteration (the gathers are inside",
-                       ("ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=full_iteration",
-                        "model.use_te_rng_tracker=true")),
+    "R27-layers": Case("R27", ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
+                               "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true"),
+                       "FSDP2 (ddp.use_megatron_fsdp=true, ddp.data_parallel_sharding_strategy=optim_grads_params) with "
+                       "per-layer graphs (model.cuda_graph_impl=local) would not save the parameter memory ZeRO-3 is "
+                       "for", "set ddp.data_parallel_sharding_strategy=optim_grads (ZeRO-2",
+                       ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads",
+                        "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true")),
     "R27-moe": Case("R27", ("model.tensor_model_parallel_size=2", "model.num_moe_experts=4"),
                     "model.tensor_model_parallel_size=2 with model.num_moe_experts=4 (an MoE model) is not implemented",
                     "train MoE models with replicated data parallel", ("model.num_moe_experts=4",), {"WORLD_SIZE": "2"}),

@@ -28,6 +28,7 @@ from .cuda_graph.devices import default_device, normalize_device
 from .cuda_graph.errors import CaptureError, ContractError
 from .cuda_graph.frames import mark_internal
 from .cuda_graph.full_iteration import FailedCapture, GeneratorSource, GraphedStep, generator_source
+from .cuda_graph.fsdp import prepare_fsdp
 from .cuda_graph.layers import LayerGraphs
 from .cuda_graph.registry import close_all_backends, get_backend
 from .cuda_graph.rng import get_rng_tracker
@@ -276,12 +277,18 @@ def graph_layers(
         Parameter gradients are returned to autograd (a copy per backward), so
         ``.grad`` accumulation and every hook (DDP's, FSDP's, yours) run as eagerly;
         graphstep's own ``main_grad`` buffers are accumulated inside the graph.
+    .. warning::
+        Over FSDP2 (``fully_shard``), the gathered parameters of the FSDP2 modules
+        that manage the selected modules stay allocated for the whole run (the graphs
+        read them where they were captured): ZeRO-2's memory, not ZeRO-3's.
     """
     if warmup_steps < 1:
         raise ValueError("graph_layers needs warmup_steps >= 1: an eager call records the call order and shapes")
     device = _model_device(model)
-    return LayerGraphs(select_by_pattern(model, scopes), get_backend(device, backend), semantics=semantics,
-                       generators=_generators(generators), retain_graph=retain_graph, warmup_calls=warmup_steps)
+    modules = select_by_pattern(model, scopes)
+    return LayerGraphs(modules, get_backend(device, backend), semantics=semantics,
+                       generators=_generators(generators), retain_graph=retain_graph, warmup_calls=warmup_steps,
+                       fsdp_modules=prepare_fsdp(model, [m for _, m in modules]))
 
 
 def close_all() -> None:

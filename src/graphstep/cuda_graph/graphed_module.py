@@ -35,6 +35,14 @@ static buffer was captured as that very tensor, and replay copies nothing.
 
 One replay holds one micro-batch's activations: backward must run before the
 next forward of the same module (as in any micro-batch loop).
+
+The graphs read the parameters at the addresses they were captured with.
+The parameters are taken when the forward is captured (a module that swaps
+its parameters -- FSDP2 between its sharded and gathered ones -- is captured
+with the ones it runs with), and every forward replay first checks that
+their memory has not moved (``p.data = ...``, ``module.to(...)``, storage an
+FSDP2 module freed and allocated again): a moved parameter is a
+:class:`ContractError`, never a replay that reads freed memory.
 """
 
 from __future__ import annotations
@@ -72,6 +80,12 @@ def accumulates_in_graph(p: torch.Tensor) -> bool:
     return all(getattr(h, MAIN_GRAD_HOOK_FLAG, False) for h in hooks)
 
 
+def _address(p: torch.Tensor) -> int:
+    """Where ``p``'s data is (a DTensor's: its local tensor's)."""
+    local = getattr(p, "_local_tensor", None)
+    return (local if local is not None else p).data_ptr()
+
+
 def _differentiable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
@@ -90,7 +104,8 @@ class ModuleGraph:
         self.forward_fn = forward
         self.name = name
         self.retain_graph = retain_graph
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad]  # taken again at capture
+        self.param_addresses: tuple[int, ...] = ()  # where the captured graphs read the parameters
         self.sample: Any = None  # (args, kwargs) of the last warm-up call, detached copies
         self.static: StaticInputs | None = None
         self.out_leaves: list[Any] = []  # output leaves: graph-owned tensors and captured constants
@@ -171,6 +186,8 @@ class ModuleGraph:
             if isinstance(sample, torch.Tensor) and sample.requires_grad:
                 static.requires_grad_(True)
         self.static.tree = tree_unflatten(self.static.leaves, self.static.spec)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.param_addresses = tuple(_address(p) for p in self.params)
         self.fwd = backend.new_graph(f"{self.name}.fwd", shared_pool=self.shared_pool)
         with backend.capture(self.fwd, generators), torch.enable_grad():
             out, self.param_aliases = self._call_with_param_aliases(self.static.tree)
@@ -222,6 +239,12 @@ class ModuleGraph:
             raise GraphUsageError(
                 f"{self.name}: forward replayed again before the backward of the previous call. A graphed module "
                 "holds one micro-batch's activations: run backward before the next forward."
+            )
+        if tuple(_address(p) for p in self.params) != self.param_addresses:
+            raise ContractError(
+                f"{self.name}: a parameter's memory moved after capture (p.data = ..., module.to(...), or storage "
+                "freed and allocated again, as FSDP2 does with the parameters it gathers); the graphs read the "
+                "parameters where they were captured. Update parameters in place, or capture again."
             )
         self.static.copy_in(tree)
         self.fwd.replay()
@@ -275,6 +298,7 @@ class ModuleGraph:
         self.out_leaves, self.outputs = [], []
         self.grad_out, self.grad_in, self.grad_targets, self.param_aliases = [], [], [], []
         self.param_grads, self.returned, self.in_graph = [], [], []
+        self.param_addresses = ()
         self.pending_backward = False
 
 

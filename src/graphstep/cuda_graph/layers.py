@@ -43,6 +43,10 @@ order the step first ran them, each graph with a memory pool of its own: a
 step replays a slot's graphs again between other slots' graphs, which one
 shared pool would not allow. With one micro-batch in flight (any plain
 micro-batch loop) there is one slot and nothing changes.
+
+FSDP2. When FSDP2 modules (``fully_shard``) manage the graphed modules'
+parameters, their gathered parameters are kept allocated where the graphs
+read them, and the capture runs with those modules unsharded (cuda_graph/fsdp.py).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from .backend import GraphBackend, default_generators
 from .backup import StateBackup
 from .devices import GiB
 from .errors import GraphUsageError
+from .fsdp import gathered, prepare_fsdp
 from .graph_state import GraphState
 from .graphed_module import ModuleGraph, apply_graphed
 from .scopes import scope_modules
@@ -77,6 +82,7 @@ class LayerGraphs:
         generators: Callable[[], Iterable[torch.Generator]] | None = None,
         retain_graph: bool = False,
         warmup_calls: int | None = None,
+        fsdp_modules: Sequence[nn.Module] = (),
     ) -> None:
         if semantics not in ("local", "transformer_engine"):
             raise ValueError(f"semantics must be 'local' or 'transformer_engine', got {semantics!r}")
@@ -86,6 +92,7 @@ class LayerGraphs:
         self.semantics = semantics
         self.generators = generators or (lambda: ())
         self.warmup_calls = warmup_calls
+        self.fsdp_modules = list(fsdp_modules)  # unsharded while capturing (their gathered storage is kept)
         self.graphs: list[ModuleGraph] = []  # slot 0: a graph per module
         self.slots: list[list[ModuleGraph]] = [self.graphs]  # one list per micro-batch in flight
         self._by_module: dict[int, ModuleGraph] = {}
@@ -251,17 +258,18 @@ class LayerGraphs:
         order = ([(kind, 0, i) for kind, i in self.capture_order()] if slots == 1
                  else self.slot_capture_order(slots))
         try:
-            if backend.needs_stream_warmup:  # as TE's make_graphed_callables: state is restored below
-                for g in self.graphs:
-                    g.warmup(backend)
-            for kind, s, i in order:
-                graphs = self.slots[s]
-                if kind == "fwd":
-                    aliases = {k: graphs[p].outputs[o] for (g, k), (p, o) in self._feeds.items()
-                               if g == i and graphs[p].outputs}
-                    graphs[i].capture_forward(backend, gens, aliases)
-                else:
-                    graphs[i].capture_backward(backend, gens, self._grad_aliases(graphs, i))
+            with gathered(self.fsdp_modules):
+                if backend.needs_stream_warmup:  # as TE's make_graphed_callables: state is restored below
+                    for g in self.graphs:
+                        g.warmup(backend)
+                for kind, s, i in order:
+                    graphs = self.slots[s]
+                    if kind == "fwd":
+                        aliases = {k: graphs[p].outputs[o] for (g, k), (p, o) in self._feeds.items()
+                                   if g == i and graphs[p].outputs}
+                        graphs[i].capture_forward(backend, gens, aliases)
+                    else:
+                        graphs[i].capture_backward(backend, gens, self._grad_aliases(graphs, i))
         except BaseException:
             for slot in self.slots:
                 for g in slot:
@@ -347,5 +355,7 @@ def apply_layer_graphs(model: nn.Module, settings: Any, backend: GraphBackend, *
                        generators: Callable[[], Iterable[torch.Generator]] | None = None) -> LayerGraphs:
     """Wrap the scoped submodules of ``model`` for per-layer capture (``settings``: CudaGraphSettings)."""
     semantics = "transformer_engine" if settings.impl.value == "transformer_engine" else "local"
-    return LayerGraphs(select_modules(model, settings.modules), backend, semantics=semantics,
-                       generators=generators, retain_graph=settings.retain_backward_graph)
+    modules = select_modules(model, settings.modules)
+    return LayerGraphs(modules, backend, semantics=semantics, generators=generators,
+                       retain_graph=settings.retain_backward_graph,
+                       fsdp_modules=prepare_fsdp(model, [m for _, m in modules]))

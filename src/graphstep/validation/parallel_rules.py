@@ -11,8 +11,9 @@ training/parallel.py; these rules say which configurations it takes:
   ``sequence_parallel`` needs tensor parallelism;
 * R26 -- the data-parallel sharding strategy is one FSDP2 implements;
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE and
-  hybrid (Mamba) models, per-layer graphs with FSDP2, torch.compile and activation
-  recompute; and a capture of the very first iteration (no warm-up step).
+  hybrid (Mamba) models, per-layer graphs with FSDP2 ZeRO-3 (their gathered
+  parameters stay allocated), torch.compile and activation recompute; and a
+  capture of the very first iteration (no warm-up step).
   Each is refused by name, never ignored;
 * R28 -- the pipeline layout fits the model and the world: the world size is
   a multiple of pipeline x tensor-parallel ranks, the decoder layers split
@@ -137,11 +138,14 @@ def _r27(v: View) -> list[Violation]:
     if m.hybrid_override_pattern is not None:
         refuse("model.hybrid_override_pattern", "a hybrid (Mamba) model", "train hybrid models with replicated data "
                "parallel (the default ddp settings, tensor_model_parallel_size=1).")
-    if v.per_layer and fsdp:
+    if v.per_layer and fsdp and _str(cfg.ddp.data_parallel_sharding_strategy) == "optim_grads_params" \
+            and cfg.ddp.use_megatron_fsdp is True:
         out.append(_v("R27", ["model.cuda_graph_impl", *_fsdp_fields(cfg)], f"FSDP2 ({_fsdp_f(cfg)}) with per-layer "
-                      f"graphs ({_impl_f(v)}) is not implemented: FSDP2 gathers each layer's parameters into memory "
-                      "it allocates anew every step, and a layer graph reads the addresses it was captured with.",
-                      "set model.cuda_graph_impl=full_iteration (the gathers are inside the graph), or none."))
+                      f"graphs ({_impl_f(v)}) would not save the parameter memory ZeRO-3 is for: a layer graph "
+                      "reads the gathered parameters where it was captured, so they stay gathered for the whole run.",
+                      "set ddp.data_parallel_sharding_strategy=optim_grads (ZeRO-2: the same memory, without "
+                      "gathering every layer twice per step), or model.cuda_graph_impl=full_iteration (the gathers "
+                      "and frees are inside the graph)."))
     warmup = _int(m.cuda_graph_warmup_steps)
     if v.impl == "full_iteration" and warmup == 0:
         refuse("model.cuda_graph_warmup_steps", "model.cuda_graph_warmup_steps=0 (the first iteration would be "

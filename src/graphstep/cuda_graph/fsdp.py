@@ -1,0 +1,113 @@
+"""Per-layer graphs over FSDP2 modules: the gathered parameters stay where the graphs read them.
+
+FSDP2 (``fully_shard``) all-gathers a module's parameters into storage it
+allocates before the module runs and frees after its backward (ZeRO-2) or
+its forward (ZeRO-3); the next all-gather allocates it again, wherever the
+allocator finds room. A per-layer graph reads the parameters at the
+addresses it was captured with, so a replay after such a move would read
+freed memory (ModuleGraph refuses it: it checks the parameters' addresses
+before every replay).
+
+For every FSDP2 module that manages the parameters of a graphed module,
+:func:`keep_gathered` keeps that storage allocated: FSDP2 still all-gathers
+the updated shards into it before every forward, still reduce-scatters the
+gradients and still switches the module between its sharded and unsharded
+parameters, but the gathered copy never moves. The memory cost is the
+graphed modules' gathered parameters, resident for the whole run: what
+ZeRO-2 holds anyway at the end of every forward, and the whole parameter
+saving of ZeRO-3 (the trainer refuses that combination, rule R27).
+
+:func:`gathered` unshards those modules for the capture, which runs outside
+the modules' forward hooks, and reshards them after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Sequence
+
+from torch import nn
+
+from .errors import GraphUsageError
+
+log = logging.getLogger("graphstep")
+
+KEPT_FLAG = "graphstep_keeps_gathered"
+
+
+def _fsdp_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return None
+    return FSDPModule
+
+
+def _fsdp_params(module: nn.Module) -> list[Any]:
+    """FSDP2's per-parameter state of ``module`` (empty when it manages no parameter)."""
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group
+    except AttributeError as e:
+        raise GraphUsageError(
+            f"per-layer graphs over FSDP2: this torch ({__import__('torch').__version__}) keeps its FSDP2 state "
+            "differently than graphstep expects; use full-iteration graphs (the all-gathers are inside the graph)"
+        ) from e
+    return list(group.fsdp_params) if group is not None else []
+
+
+def fsdp_owners(model: nn.Module, modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """The FSDP2 modules of ``model`` that manage a parameter of one of ``modules``, in model order."""
+    fsdp_type = _fsdp_module_type()
+    if fsdp_type is None:
+        return []
+    units = [m for m in model.modules() if isinstance(m, fsdp_type)]
+    if not units:
+        return []
+    wanted = {id(p) for m in modules for p in m.parameters()}
+    owners = []
+    for unit in units:
+        params = _fsdp_params(unit)
+        if any(id(fp.sharded_param) in wanted or id(getattr(fp, "_unsharded_param", None)) in wanted
+               for fp in params):
+            owners.append(unit)
+    return owners
+
+
+def _keep(*_: Any) -> None:
+    """In place of ``FSDPParam.free_unsharded_param``: the gathered storage stays allocated."""
+
+
+def keep_gathered(owners: Sequence[nn.Module]) -> None:
+    """Keep the gathered parameter storage of each FSDP2 module in ``owners`` allocated (see the module docstring)."""
+    for unit in owners:
+        if getattr(unit, KEPT_FLAG, False):
+            continue
+        for fp in _fsdp_params(unit):
+            if not callable(getattr(fp, "free_unsharded_param", None)):
+                raise GraphUsageError("per-layer graphs over FSDP2: this torch's FSDP2 parameters have no "
+                                      "free_unsharded_param; use full-iteration graphs")
+            fp.free_unsharded_param = _keep
+        setattr(unit, KEPT_FLAG, True)
+    if owners:
+        log.info("per-layer graphs over FSDP2: the gathered parameters of %d FSDP2 modules stay allocated "
+                 "(the graphs read them where they were captured)", len(owners))
+
+
+@contextlib.contextmanager
+def gathered(owners: Sequence[nn.Module]) -> Iterator[None]:
+    """Unshard ``owners`` (their modules hold the gathered parameters) for a capture, then reshard them."""
+    for unit in owners:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in owners:
+            unit.reshard()
+
+
+def prepare_fsdp(model: nn.Module, modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """The FSDP2 modules managing ``modules``' parameters, their gathered storage kept (for LayerGraphs)."""
+    owners = fsdp_owners(model, modules)
+    keep_gathered(owners)
+    return owners
