@@ -44,7 +44,6 @@ MIGRATED = {
 
 # field implemented one way only -> (rule that refuses the others, overrides that break it)
 REFUSED_OTHERWISE = {
-    "model.moe_token_dispatcher_type": ("R23", ["model.moe_token_dispatcher_type=flex"]),
     "model.normalization": ("V", ["model.normalization=LayerNorm"]),
     "model.position_embedding_type": ("V", ["model.position_embedding_type=learned_absolute"]),
     "compile.components": ("R20", ["compile.components=[loss]"]),

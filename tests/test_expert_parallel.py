@@ -12,6 +12,12 @@ the aux loss and the aux-loss-free expert bias are all on.
 
 With dropout off an expert-parallel run computes what plain data parallel
 computes (every rank holding every expert) to float tolerance.
+
+The ``ep2`` layout also runs Megatron's ``alltoall`` dispatcher: eagerly, and
+with Megatron's per-layer graphs ``[attn, moe_router, moe_preprocess]`` (the
+all-to-alls and the experts eager between them), which equal the eager run
+bit for bit; with dropout off it equals the ``allgather`` run and plain data
+parallel to float tolerance.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ DROPOUT = ["model.hidden_dropout=0.1"]
 GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
 LAYERS = ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"]
 EAGER = ["model.cuda_graph_impl=none"]
+ALLTOALL = ["model.moe_token_dispatcher_type=alltoall"]
+MEGATRON = ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe_router,moe_preprocess]"]
 LAYOUTS = {"ep2": ["model.expert_model_parallel_size=2", "train.global_batch_size=8"]}
 # 4 ranks: 2 groups of 2 expert-parallel ranks; each expert's gradient is summed over the 2 ranks holding it
 ITERS_4 = 4  # 4 processes on CI's 2 cores: eager, eager, captured, replayed
@@ -51,7 +59,7 @@ PLAIN = {"ep2": ["train.global_batch_size=8"], "ep2_edp2": ["train.global_batch_
 
 def _worker(out: Path, device: str, layouts: dict[str, list[str]]) -> None:
     from graphstep.config import apply_overrides
-    from graphstep.models.moe import moe_routers
+    from graphstep.models.moe import MoEBlock, moe_routers
     from graphstep.recipes import get_recipe
     from graphstep.training.loop import train
 
@@ -64,7 +72,10 @@ def _worker(out: Path, device: str, layouts: dict[str, list[str]]) -> None:
         runs[f"{name}/plain"] = [*PLAIN[name], *EAGER]
     if layouts is LAYOUTS_4:
         runs = {k: v for k, v in runs.items() if k.split("/")[1] in MODES_4}
-    else:  # checkpoints: saved at 5 and 10, resumed at 5 (graphed, dropout on)
+    else:  # the alltoall dispatcher; checkpoints: saved at 5 and 10, resumed at 5 (graphed, dropout on)
+        runs["ep2/a2a_eager"] = [*LAYOUTS["ep2"], *ALLTOALL, *DROPOUT, *EAGER]
+        runs["ep2/a2a_layers"] = [*LAYOUTS["ep2"], *ALLTOALL, *DROPOUT, *MEGATRON]
+        runs["ep2/a2a_nodrop"] = [*LAYOUTS["ep2"], *ALLTOALL, *EAGER]
         save = [*LAYOUTS["ep2"], *DROPOUT, *GRAPHED, "checkpoint.save_interval=5"]
         runs["ep2/saved"] = [*save, f"checkpoint.save={out / 'ckpt'}"]
         runs["ep2/resumed"] = [*save, f"checkpoint.load={out / 'ckpt' / 'iter_0000005'}",
@@ -77,6 +88,8 @@ def _worker(out: Path, device: str, layouts: dict[str, list[str]]) -> None:
             **train_report(result),
             "moe": [[r[k] for k in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance")] for r in result.rows],
             "bias": [r.expert_bias.tolist() for r in moe_routers(result.model)],
+            "dispatch": sorted({"alltoall" if m.experts.expert_parallel is not None else "allgather"
+                                for m in result.model.modules() if isinstance(m, MoEBlock)}),
             "digest": natural_digests(result.model),
         }
 
@@ -128,6 +141,37 @@ def test_expert_parallel_graphed_equals_eager_bit_for_bit(reports):
     check_layout(reports, "ep2")
     shards = [r["ep2/eager"]["shard"] for r in reports]
     assert shards[0] != shards[1]  # each rank holds its own experts
+
+
+def test_alltoall_dispatcher_graphed_router_and_preprocess_equal_eager_bit_for_bit(reports):
+    """Megatron's configuration: graphs on attn, moe_router, moe_preprocess; the all-to-alls and experts eager."""
+    for report in reports:
+        eager, layers = report["ep2/a2a_eager"], report["ep2/a2a_layers"]
+        assert len(eager["losses"]) == ITERS and len(eager["eval"]) == ITERS // 2
+        assert set(eager["states"]) == {"eager"} and eager["losses"][-1] < eager["losses"][0]
+        assert layers["states"][1:4] == ["eager", "captured", "replayed"]
+        assert eager["dispatch"] == layers["dispatch"] == ["alltoall"]
+        assert report["ep2/eager"]["dispatch"] == ["allgather"]
+        assert layers["losses"] == eager["losses"]  # JSON floats: the exact bits
+        assert layers["moe"] == eager["moe"]  # load-balancing loss, z-loss, imbalance per iteration
+        assert layers["eval"] == eager["eval"]
+        assert layers["shard"] == eager["shard"] and layers["bias"] == eager["bias"]
+        assert any(b != 0.0 for bias in eager["bias"] for b in bias)  # the expert bias moved
+    assert reports[0]["ep2/a2a_layers"]["shard"] != reports[1]["ep2/a2a_layers"]["shard"]  # each rank's experts
+    assert reports[0]["ep2/a2a_eager"]["losses"] == reports[1]["ep2/a2a_eager"]["losses"]
+
+
+def test_alltoall_dispatcher_equals_allgather_and_plain_data_parallel(reports):
+    """Dropout off: alltoall, allgather and every expert on every rank compute the same losses to float tolerance."""
+    for report in reports:
+        alltoall = torch.tensor(report["ep2/a2a_nodrop"]["losses"], dtype=torch.float64)
+        assert len(alltoall) == ITERS and alltoall[-1] < alltoall[0]
+        for other in ("nodrop", "plain"):
+            torch.testing.assert_close(alltoall, torch.tensor(report[f"ep2/{other}"]["losses"], dtype=torch.float64),
+                                       rtol=2e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(report["ep2/a2a_nodrop"]["eval"], dtype=torch.float64)[:, 1],
+                                   torch.tensor(report["ep2/nodrop"]["eval"], dtype=torch.float64)[:, 1],
+                                   rtol=2e-5, atol=0)
 
 
 def test_expert_parallel_checkpoints_resume_exactly_and_load_into_one_process(reports, tmp_path_factory):

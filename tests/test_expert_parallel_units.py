@@ -1,5 +1,7 @@
-"""Expert parallel pieces in one process: the layout of one rank's experts, rule R31, and the expert-parallel MoE
-block on a one-rank mesh -- equal to the plain block, and captured whole equal to eager (cpu and cuda twins)."""
+"""Expert parallel pieces in one process: the layout of one rank's experts, rules R31 and R11 (the alltoall
+dispatcher's host sync), and the expert-parallel MoE block on a one-rank mesh -- with the allgather dispatcher
+equal to the plain block and captured whole equal to eager, with the alltoall dispatcher equal to the plain block
+(cpu and cuda twins)."""
 
 from __future__ import annotations
 
@@ -48,12 +50,11 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.expert_model_parallel_size=2", "model.num_moe_experts=null"], 2, "needs an MoE model"),
     (["model.expert_model_parallel_size=3"], 3, "does not divide over 3"),
     (["model.expert_model_parallel_size=2"], 3, "do not divide into groups of 2"),
-    (["model.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall"], 2, "all-gathers"),
     (["model.expert_model_parallel_size=2", "model.moe_expert_capacity_factor=1.0"], 2, "dropless"),
     (["model.expert_model_parallel_size=2", "model.moe_sync_free=false"], 2, "sync-free"),
     (["model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true"], 2, "FSDP2"),
     (["model.expert_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
-      "model.cuda_graph_modules=[attn,moe_router]"], 2, "moe_router and moe_preprocess"),
+      "model.cuda_graph_modules=[attn,moe_router]"], 2, "with the allgather dispatcher"),
     (["model.expert_tensor_parallel_size=2"], 1, "inside the experts"),
 ])
 def test_expert_parallel_rule_refuses_with_the_reason(overrides, world, words):
@@ -69,23 +70,63 @@ def test_accepted_expert_parallel_layouts_break_no_rule():
                   "model.cuda_graph_modules=[attn,moe]") == []
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_expert_parallel_block_on_one_rank_equals_the_block_and_graphs_equal_eager(one_rank_group, device):
-    """apply_expert_parallel on a (1, 1) mesh: the all-gather / grouped-GEMM / reduce-scatter path, DTensor
-    experts, GradBuffers and an SGD step. Its losses equal the plain block's to rounding, and the step captured
-    whole equals it eagerly bit for bit (bf16 and torch._grouped_mm on an sm90+ GPU)."""
+def _all_rules(*overrides: str, world: int = 2) -> list:
+    from graphstep.validation import validate_config
+
+    cfg = apply_overrides(Config(), ["model.num_moe_experts=4", "model.moe_ffn_hidden_size=32",
+                                     "model.use_te_rng_tracker=true", "rerun_state_machine.check_for_nan_in_loss=false",
+                                     "ddp.check_for_nan_in_grad=false", *overrides])
+    return validate_config(cfg, env={}, device_capability=(9, 0), world_size=world)
+
+
+ALLTOALL = ("model.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall")
+
+
+@pytest.mark.parametrize("graphs,words", [
+    (["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"], "model.cuda_graph_modules has moe"),
+    (["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[moe]"], "has moe"),
+    (["model.cuda_graph_impl=local"], "(the whole layer) includes the MoE block"),
+    (["model.cuda_graph_impl=full_iteration"], "model.cuda_graph_impl=full_iteration captures the MoE block"),
+])
+def test_alltoall_dispatcher_keeps_the_moe_block_out_of_graphs(graphs, words):
+    """R11: the all-to-all split sizes are read on the host, so neither the block nor the iteration is captured."""
+    found = _all_rules(*ALLTOALL, *graphs)
+    assert [v.rule for v in found] == ["R11"], found
+    assert words in found[0].message and "reads its all-to-all split sizes on the host" in found[0].message
+    assert "model.cuda_graph_modules=[attn,moe_router,moe_preprocess]" in found[0].fix
+    assert "model.moe_token_dispatcher_type=allgather" in found[0].fix
+    assert {"model.moe_token_dispatcher_type", "model.expert_model_parallel_size"} <= set(found[0].fields)
+    allgather = [o for o in ALLTOALL if "dispatcher" not in o]  # the same graphs with the sync-free dispatcher
+    assert _all_rules(*allgather, *graphs) == []
+
+
+def test_alltoall_dispatcher_takes_megatrons_partial_graphs_and_eager_runs():
+    assert _all_rules(*ALLTOALL, "model.cuda_graph_impl=local",
+                      "model.cuda_graph_modules=[attn,moe_router,moe_preprocess]") == []
+    assert _all_rules(*ALLTOALL, "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn]") == []
+    assert _all_rules(*ALLTOALL, "train.global_batch_size=16", world=4) == []
+    assert _all_rules(*ALLTOALL, "model.cuda_graph_impl=none") == []
+    # one expert-parallel rank: nothing crosses ranks, the block is the sync-free one and captures whole
+    assert _all_rules("model.moe_token_dispatcher_type=alltoall", "model.cuda_graph_impl=full_iteration", world=1) == []
+
+
+def _one_rank_runs(device: str, dispatcher: str, names: tuple[str, ...]) -> dict:
+    """Six SGD steps of a 2-layer MoE model per name in ``names``: ``plain`` (every expert in the block), ``eager``
+    (apply_expert_parallel on a (1, 1) mesh), ``graphed`` (that step captured whole). Per run: the losses, the
+    gradient buffers of the last step, the MoE blocks and the final weights by name."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from graphstep.cuda_graph.rng import initialize_rng_tracker
     from graphstep.models import build_model
+    from graphstep.models.moe import MoEBlock
     from graphstep.training.optim import GradBuffers
-    from graphstep.training.parallel import EDP, EP, apply_expert_parallel
+    from graphstep.training.parallel import EDP, EP, apply_expert_parallel, local_tensor
     from graphstep.training.step import TrainStep
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=16,
                       vocab_size=64, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, hidden_dropout=0.1,
-                      moe_aux_loss_coeff=1e-2)
+                      moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type=dispatcher)
 
     def make(expert_parallel: bool):
         tracker = initialize_rng_tracker(0, device)
@@ -102,19 +143,71 @@ def test_expert_parallel_block_on_one_rank_equals_the_block_and_graphs_equal_eag
                     local.sub_(0.1 * grad.to(local.dtype))
             return out["loss"]
 
-        return step, tracker, grads
+        return step, tracker, grads, model
 
     g = torch.Generator().manual_seed(5)
     data = [[{"tokens": torch.randint(0, 64, (2, 16), generator=g).to(device),
               "labels": torch.randint(0, 64, (2, 16), generator=g).to(device)} for _ in range(2)] for _ in range(6)]
     runs = {}
-    for name in ("plain", "eager", "graphed"):
-        step, tracker, grads = make(expert_parallel=name != "plain")
+    for name in names:
+        step, tracker, grads, model = make(expert_parallel=name != "plain")
         if name == "graphed":
             step = graphstep.graph_step(step, warmup_steps=2, device=device, generators=tracker.generators)
-        runs[name] = ([step(b).clone() for b in data], [t.detach().float().clone() for t in grads.locals])
+        losses = [step(b).clone() for b in data]
+        weights = {n: local_tensor(p).detach().float().clone() for n, p in model.named_parameters()}
+        blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+        runs[name] = (losses, [t.detach().float().clone() for t in grads.locals], blocks, weights)
+    return runs
+
+
+def _close(device: str) -> dict:
+    return dict(rtol=2e-2, atol=2e-2) if device == "cuda" else dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_parallel_block_on_one_rank_equals_the_block_and_graphs_equal_eager(one_rank_group, device):
+    """apply_expert_parallel on a (1, 1) mesh: the all-gather / grouped-GEMM / reduce-scatter path, DTensor
+    experts, GradBuffers and an SGD step. Its losses equal the plain block's to rounding, and the step captured
+    whole equals it eagerly bit for bit (bf16 and torch._grouped_mm on an sm90+ GPU)."""
+    runs = _one_rank_runs(device, "allgather", ("plain", "eager", "graphed"))
     assert all(torch.equal(a, b) for a, b in zip(runs["eager"][0], runs["graphed"][0])), runs
     assert all(torch.equal(a, b) for a, b in zip(runs["eager"][1], runs["graphed"][1]))
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.stack(runs["eager"][0]).float(), torch.stack(runs["plain"][0]).float(), **tol)
-    assert len({float(loss) for loss in runs["eager"][0]}) == len(data)  # the weights moved every step
+    torch.testing.assert_close(torch.stack(runs["eager"][0]).float(), torch.stack(runs["plain"][0]).float(),
+                               **_close(device))
+    assert len({float(loss) for loss in runs["eager"][0]}) == len(runs["eager"][0])  # the weights moved every step
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_alltoall_block_on_one_rank_equals_the_block(one_rank_group, device):
+    """The alltoall dispatcher on a (1, 1) mesh: count exchange, host split sizes, token all-to-all there and back
+    (autograd), the per-expert GEMMs on the received rows (torch._grouped_mm with offsets from the received counts
+    on an sm90+ GPU in bf16), DTensor experts. Losses and gradients equal the plain block's to rounding."""
+    runs = _one_rank_runs(device, "alltoall", ("plain", "eager"))
+    blocks = runs["eager"][2]
+    assert blocks and all(b.experts.expert_parallel is not None and not b.sync_free for b in blocks)
+    grouped = device == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+    assert {b.gemm for b in blocks} == {"grouped_mm" if grouped else "loop"}
+    assert all(b.experts.expert_parallel is None for b in runs["plain"][2])
+    torch.testing.assert_close(torch.stack(runs["eager"][0]).float(), torch.stack(runs["plain"][0]).float(),
+                               **_close(device))
+    eager, plain = runs["eager"][3], runs["plain"][3]
+    assert eager.keys() == plain.keys() and any(".experts.experts." in n for n in eager)
+    for name in eager:  # six SGD steps: every gradient went into these
+        torch.testing.assert_close(eager[name], plain[name], **_close(device), msg=name)
+    assert len({float(loss) for loss in runs["eager"][0]}) == len(runs["eager"][0])  # the weights moved every step
+
+
+def test_alltoall_block_refuses_what_it_cannot_run():
+    from graphstep.models.moe import ExpertParallel, MoEBlock, MoEShape
+    from graphstep.models.transformer import ModelShape
+
+    def block(gemm: str = "auto", **kw) -> MoEBlock:
+        m = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+                        moe_ffn_hidden_size=32, moe_token_dispatcher_type="alltoall", **kw)
+        return MoEBlock(ModelShape.from_config(m), MoEShape.from_config(m), gemm=gemm)
+
+    place = ExpertParallel(group=None, rank=0, size=1)
+    with pytest.raises(ValueError, match="grouped_mm or loop expert GEMM, not tiled"):
+        block("tiled").expert_parallel = place
+    with pytest.raises(ValueError, match="model.moe_expert_capacity_factor=null"):
+        block(moe_expert_capacity_factor=1.0).expert_parallel = place

@@ -79,8 +79,9 @@ class ModelConfig:
     moe_expert_capacity_factor: float | None = opt(None, "Capacity factor; null = dropless.")
     moe_pad_expert_input_to_capacity: bool = opt(False, "Pad every expert's input to its capacity (drop-and-pad).")
     moe_token_dispatcher_type: str = opt(
-        "allgather", "Token dispatcher: allgather or alltoall, both a local dispatch on graphstep's one expert-parallel "
-        "rank; flex is not implemented (rule R23)."
+        "allgather", "Token dispatcher: allgather (sync-free, capturable whole) or alltoall (Megatron's all-to-all: "
+        "reads split sizes on the host, graph [attn,moe_router,moe_preprocess]; R11) across expert-parallel ranks, "
+        "the same local dispatch on one; flex is not implemented (rule R23)."
     )
     moe_sync_free: bool = opt(True, "Dropless MoE keeps group sizes on the device (no host sync; capturable).")
 
@@ -149,7 +150,7 @@ class ModelConfig:
     context_parallel_size: int = opt(1, "Context parallelism; only 1 is accepted (R30).")
     expert_model_parallel_size: int = opt(
         1, "Expert-parallel ranks: each data-parallel rank holds num_moe_experts / this many experts, and MoE "
-        "blocks all-gather their tokens and reduce-scatter the experts' outputs (dropless, sync-free; R31)."
+        "blocks exchange tokens as model.moe_token_dispatcher_type says (dropless; R31)."
     )
     expert_tensor_parallel_size: int | None = opt(None, "Tensor parallel inside experts; only null or 1 (R31).")
     sequence_parallel: bool = opt(

@@ -33,11 +33,17 @@ exactly ``capacity`` slots; with or without
 outputs are the same).
 
 Expert parallel (``model.expert_model_parallel_size``, training/parallel.py):
-each rank holds ``num_moe_experts / ep`` experts, and the block all-gathers
-the tokens of its expert-parallel ranks, runs its own experts on the pairs
-routed to them and reduce-scatters the weighted sums back
+each rank holds ``num_moe_experts / ep`` experts; the exchanges are in
+:mod:`.moe_parallel`. With ``moe_token_dispatcher_type=allgather`` the block
+all-gathers the tokens of its expert-parallel ranks, runs its own experts on
+the pairs routed to them and reduce-scatters the weighted sums back
 (:meth:`MoEBlock._expert_parallel_forward`): dropless and sync-free, so the
-block and the whole iteration capture without dropping a token.
+block and the whole iteration capture without dropping a token. With
+``alltoall`` (Megatron's all-to-all dispatcher) the stages above run as on
+one rank, the preprocess layout unpadded, and the experts stage sends each
+pair to its expert's rank and back (:func:`.moe_parallel.alltoall_experts`):
+it reads the split sizes on the host, so it stays eager while
+``moe_router`` and ``moe_preprocess`` are graphed.
 
 Model-level helpers for the trainer: :func:`moe_stats`,
 :func:`reset_moe_stats`, :func:`update_expert_bias`,
@@ -48,7 +54,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -64,6 +69,7 @@ from .moe_dispatch import (
     tile_owner,
     tile_size,
 )
+from .moe_parallel import ExpertParallel, alltoall_experts, gather, gather_tokens, scatter_sums
 from .moe_router import TopKRouter, fp32_or_wider
 from .transformer import ModelShape, RMSNorm, SwiGLU, hidden_dropout
 
@@ -86,6 +92,7 @@ class MoEShape:
     pad_to_capacity: bool
     sync_free: bool
     pre_softmax: bool = False
+    dispatcher: str = "allgather"  # across expert-parallel ranks: allgather or alltoall
 
     @classmethod
     def from_config(cls, m) -> MoEShape:
@@ -107,6 +114,7 @@ class MoEShape:
             pad_to_capacity=m.moe_pad_expert_input_to_capacity,
             sync_free=m.moe_sync_free,
             pre_softmax=getattr(m, "moe_router_pre_softmax", False),
+            dispatcher=m.moe_token_dispatcher_type,
         )
 
 
@@ -184,13 +192,18 @@ class PreprocessStage(nn.Module):
 
 
 class ExpertsStage(nn.Module):
-    """Dispatch + expert GEMMs: (normed [N, h], row, tokens_per_expert, offsets) -> expert_out [P, h]."""
+    """Dispatch + expert GEMMs: (normed [N, h], row, tokens_per_expert, offsets) -> expert_out [P, h].
+
+    ``expert_parallel`` (set by the block for the ``alltoall`` dispatcher):
+    the rows go to their expert's rank and back (a host sync).
+    """
 
     def __init__(self, s: ModelShape, moe: MoEShape) -> None:
         super().__init__()
         self.experts = GroupedExperts(moe.num_experts, s.hidden_size, moe.ffn_hidden_size)
         self.moe = moe
         self.gemm = "auto"
+        self.expert_parallel: ExpertParallel | None = None
 
     def forward(
         self, normed: torch.Tensor, row: torch.Tensor, tokens_per_expert: torch.Tensor, offsets: torch.Tensor
@@ -203,6 +216,12 @@ class ExpertsStage(nn.Module):
         else:
             rows = dropless_rows(N * moe.topk, moe.num_experts, align)
         x = dispatch(normed, row, rows)
+        if self.expert_parallel is not None:
+            if self.gemm not in ("grouped_mm", "loop"):
+                raise ValueError(f"the alltoall dispatcher runs the grouped_mm or loop expert GEMM (its groups are "
+                                 f"not padded to tiles), got gemm={self.gemm!r}")
+            return alltoall_experts(self.experts, x, tokens_per_expert, self.expert_parallel,
+                                    grouped=self.gemm == "grouped_mm")
         if capacity_mode:
             return self.experts.tiled(x, None)
         if self.gemm == "grouped_mm":
@@ -241,22 +260,18 @@ def weighted_sum(expert_out: torch.Tensor, row: torch.Tensor, probs: torch.Tenso
     return (fp32_or_wider(picked) * probs.unsqueeze(-1)).sum(dim=1)
 
 
-@dataclass(frozen=True)
-class ExpertParallel:
-    """This rank's place among the expert-parallel ranks of a MoE block (training/parallel.py sets it)."""
+def choose_gemm(moe: MoEShape, device: torch.device, dtype: torch.dtype, alltoall: bool = False) -> str:
+    """``grouped_mm`` where it is sync-free here, else ``tiled``; ``loop`` without moe_sync_free.
 
-    group: Any  # the process group of the ranks that share their tokens
-    rank: int
-    size: int
-
-
-def choose_gemm(moe: MoEShape, device: torch.device, dtype: torch.dtype) -> str:
-    """``grouped_mm`` where it is sync-free here, else ``tiled``; ``loop`` without moe_sync_free."""
+    ``alltoall`` (expert parallel): ``grouped_mm`` where it works, else ``loop`` -- the sizes are on the host.
+    """
     if moe.capacity_factor is not None:
         return "tiled"
     if not moe.sync_free:
         return "loop"
-    return "grouped_mm" if grouped_mm_works(device, dtype) else "tiled"
+    if grouped_mm_works(device, dtype):
+        return "grouped_mm"
+    return "loop" if alltoall else "tiled"
 
 
 class MoEBlock(nn.Module):
@@ -272,15 +287,37 @@ class MoEBlock(nn.Module):
             raise ValueError(f"MoEBlock gemm must be auto, grouped_mm, tiled or loop, got {gemm!r}")
         self.moe = moe
         self.gemm = gemm
+        self._gemm_asked = gemm
         self.router_stage = RouterStage(s, moe)
         self.preprocess_stage = PreprocessStage(moe)
         self.experts = ExpertsStage(s, moe)
         self.combine_stage = CombineStage(s, moe)
-        self.expert_parallel: ExpertParallel | None = None  # set with model.expert_model_parallel_size
+        self.expert_parallel = None  # set with model.expert_model_parallel_size
+
+    @property
+    def expert_parallel(self) -> ExpertParallel | None:
+        """This rank's expert-parallel place (training/parallel.py), or None: every expert is here."""
+        return self._expert_parallel
+
+    @expert_parallel.setter
+    def expert_parallel(self, place: ExpertParallel | None) -> None:
+        alltoall = place is not None and self.moe.dispatcher == "alltoall"
+        if place is not None and self.moe.dispatcher not in ("allgather", "alltoall"):
+            raise ValueError(f"model.moe_token_dispatcher_type={self.moe.dispatcher!r} is not implemented across "
+                             "expert-parallel ranks; set it to allgather or alltoall")
+        if place is not None and self.moe.capacity_factor is not None:
+            raise ValueError("expert parallel is dropless: set model.moe_expert_capacity_factor=null")
+        if alltoall and self._gemm_asked == "tiled":
+            raise ValueError("the alltoall dispatcher runs the grouped_mm or loop expert GEMM, not tiled")
+        self._expert_parallel = place
+        self.experts.expert_parallel = place if alltoall else None
+        self.gemm = self._gemm_asked  # "auto" is decided again at the next forward, for this dispatch
 
     @property
     def sync_free(self) -> bool:
         """Whether the whole block runs without a host sync (rule R11 allows scope ``moe`` then)."""
+        if self.experts.expert_parallel is not None:
+            return False  # the alltoall dispatcher reads its split sizes on the host
         return self.moe.capacity_factor is not None or (self.moe.sync_free and self.gemm != "loop")
 
     def set_aux_loss_scale(self, scale: float) -> None:
@@ -297,13 +334,13 @@ class MoEBlock(nn.Module):
     def _choose_gemm(self, x: torch.Tensor) -> None:
         """Fix the expert GEMM at the first forward, once the device and dtype are known."""
         if self.gemm == "auto":
-            self.gemm = choose_gemm(self.moe, x.device, x.dtype)
+            self.gemm = choose_gemm(self.moe, x.device, x.dtype, alltoall=self.experts.expert_parallel is not None)
         self.preprocess_stage.gemm = self.experts.gemm = self.gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts.gemm != self.gemm or self.gemm == "auto":
             self._choose_gemm(x)
-        if self.expert_parallel is not None:
+        if self.expert_parallel is not None and self.experts.expert_parallel is None:
             return self._expert_parallel_forward(x)
         normed, probs, idx, *shared = self.router_stage(x)
         row, tokens_per_expert, offsets = self.preprocess_stage(probs.detach(), idx)
@@ -311,7 +348,7 @@ class MoEBlock(nn.Module):
         return self.combine_stage(x, expert_out, row, probs, *shared)
 
     def _expert_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """All-gather dispatch, reduce-scatter combine: dropless, sync-free, static shapes.
+        """The ``allgather`` dispatcher: all-gather in, reduce-scatter out; dropless, sync-free, static shapes.
 
         The expert-parallel ranks all-gather their tokens and routing; each
         runs its own experts on every pair routed to them (a dropless layout
@@ -323,9 +360,9 @@ class MoEBlock(nn.Module):
         """
         ep, moe = self.expert_parallel, self.moe
         normed, probs, idx, *shared = self.router_stage(x)
-        normed_all = _GatherTokens.apply(normed, ep)
-        probs_all = _GatherTokens.apply(probs, ep)
-        idx_all = _gather(idx, ep)
+        normed_all = gather_tokens(normed, ep)
+        probs_all = gather_tokens(probs, ep)
+        idx_all = gather(idx, ep)
         local = moe.num_experts // ep.size
         align = tile_size(idx_all.numel(), local) if self.gemm == "tiled" else 1
         row, _counts, offsets, rows = expert_parallel_layout(idx_all, ep.rank * local, local, align)
@@ -335,58 +372,8 @@ class MoEBlock(nn.Module):
         else:
             expert_out = self.experts.experts.tiled(expert_in, tile_owner(offsets, rows, align))
         mine = weighted_sum(expert_out, row, probs_all, drops=True)  # zero for pairs of other ranks' experts
-        y = _ScatterSums.apply(mine, ep)
+        y = scatter_sums(mine, ep)
         return self.combine_stage.finish(x, y.to(x.dtype), *shared)
-
-
-# The expert-parallel exchanges are c10d collectives waited at once: with gloo, the functional
-# reduce-scatter corrupted the heap now and then (2 of 14 four-rank runs, inside its wait), the
-# c10d one -- FSDP2's -- never did. On NCCL either kind is captured in a CUDA graph.
-
-
-def _gather(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
-    """The expert-parallel ranks' ``t`` concatenated along dim 0, in rank order."""
-    out = t.new_empty((ep.size * t.shape[0], *t.shape[1:]))
-    _c10d("all_gather_single", "all_gather_into_tensor")(out, t.contiguous(), group=ep.group)
-    return out
-
-
-def _scatter_sum(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
-    """This rank's chunk (along dim 0) of the sum of the expert-parallel ranks' ``t``."""
-    out = t.new_empty((t.shape[0] // ep.size, *t.shape[1:]))
-    _c10d("reduce_scatter_single", "reduce_scatter_tensor")(out, t.contiguous(), group=ep.group)
-    return out
-
-
-def _c10d(name: str, older: str) -> Any:
-    """``torch.distributed.<name>``, or its older name on the torch versions that have only that."""
-    return getattr(torch.distributed, name, None) or getattr(torch.distributed, older)
-
-
-class _GatherTokens(torch.autograd.Function):
-    """All-gather along dim 0; the gradient is reduce-scattered back to the ranks the rows came from."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
-        ctx.ep = ep
-        return _gather(t, ep)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _scatter_sum(grad, ctx.ep), None
-
-
-class _ScatterSums(torch.autograd.Function):
-    """Reduce-scatter along dim 0; the gradient is all-gathered."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
-        ctx.ep = ep
-        return _scatter_sum(t, ep)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather(grad, ctx.ep), None
 
 
 # --------------------------------------------------------------------------

@@ -33,7 +33,9 @@ Expert GEMMs (:class:`GroupedExperts`), SwiGLU experts with stacked weights:
   gathered on the device; mathematically the same, no host sync, about
   ``E * align`` extra zero rows of work;
 * ``loop``: one GEMM per expert with group sizes read on the host. This is
-  the host sync that rules R11/R12 are about; it exists to show it.
+  the host sync that rules R11/R12 are about; it exists to show it. The
+  expert-parallel ``alltoall`` dispatcher (moe_parallel.py) runs the same
+  per-expert GEMMs on the sizes it has read on the host anyway.
 """
 
 from __future__ import annotations
@@ -221,9 +223,13 @@ class GroupedExperts(nn.Module):
         """x [P, hidden] sorted by expert; one GEMM per expert, sizes read on the host (a sync)."""
         # THE host sync that dropless MoE normally has: the device->host copy of
         # the group sizes. It is what makes this path impossible to capture.
-        sizes = [int(n) for n in tokens_per_expert.cpu()]
+        return self.per_expert(x, [int(n) for n in tokens_per_expert.cpu()])
+
+    def per_expert(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """x [sum(sizes), hidden] sorted by expert, ``sizes`` rows each (host ints): one GEMM per expert."""
+        w1, w2 = self.weights()
         outs = []
         for e, xe in enumerate(torch.split(x, sizes)):
-            gate, up = F.linear(xe, self.linear_fc1.weight[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.linear_fc2.weight[e]))
+            gate, up = F.linear(xe, w1[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, w2[e]))
         return torch.cat(outs)

@@ -22,7 +22,8 @@ from graphstep.config import Config
 from graphstep.cuda_graph.settings import IMPL_VALUES, MOE_SCOPES, PER_LAYER, SCOPE_NAMES
 
 from .migrations import coverage_field
-from .report import Violation, as_num as _num, as_str as _str, fmt as _fmt, get as _get, names as _names, strs as _strs
+from .report import Violation, as_int as _int, as_num as _num, as_str as _str, fmt as _fmt, get as _get
+from .report import names as _names, strs as _strs
 from .report import violation as _v
 
 
@@ -210,6 +211,7 @@ def _r10(v: View) -> list[Violation]:
 
 
 _MOE_FIELDS = ("model.moe_expert_capacity_factor", "model.moe_pad_expert_input_to_capacity", "model.moe_sync_free")
+_ALLTOALL_FIELDS = ("model.moe_token_dispatcher_type", "model.expert_model_parallel_size")
 
 
 def _routing_syncs(v: View) -> str | None:
@@ -226,12 +228,37 @@ def _routing_syncs(v: View) -> str | None:
     return None
 
 
+def _alltoall_ranks(v: View) -> int | None:
+    """The expert-parallel ranks when the alltoall dispatcher exchanges tokens across them (None otherwise).
+
+    Megatron's all-to-all dispatcher (models/moe_parallel.py) reads its split
+    sizes on the host between the moe_preprocess and the experts stage.
+    """
+    m = v.cfg.model
+    ep = _int(m.expert_model_parallel_size)
+    return ep if _str(m.moe_token_dispatcher_type) == "alltoall" and ep is not None and ep > 1 else None
+
+
 def _r11(v: View) -> list[Violation]:
+    """The MoE block inside a graph -- scope moe, the whole layer, the whole iteration -- only when it never syncs."""
     whole_layer = v.per_layer and v.names == []
-    if not (v.has("moe") or whole_layer) or not _experts(v) or (why := _routing_syncs(v)) is None:
+    full = v.impl == "full_iteration"
+    if not (v.has("moe") or whole_layer or full) or not _experts(v):
         return []
-    what = f"{v.cov[0]}=[] (the whole layer) includes the MoE block" if whole_layer else f"{v.cov[0]} has moe"
-    return [_v("R11", v.cov + _MOE_FIELDS, f"{what}, but {why} gives data-dependent expert shapes.",
+    if full:
+        what, fields = "model.cuda_graph_impl=full_iteration captures the MoE block", ("model.cuda_graph_impl",)
+    else:
+        what = f"{v.cov[0]}=[] (the whole layer) includes the MoE block" if whole_layer else f"{v.cov[0]} has moe"
+        fields = v.cov
+    if (ep := _alltoall_ranks(v)) is not None:
+        return [_v("R11", fields + _ALLTOALL_FIELDS, f"{what}, but the alltoall dispatcher (model.moe_token_"
+                   f"dispatcher_type=alltoall over model.expert_model_parallel_size={ep} ranks) reads its all-to-all "
+                   "split sizes on the host, which no graph can hold.", "graph what Megatron graphs -- the dispatch "
+                   "and the experts stay eager: model.cuda_graph_impl=local model.cuda_graph_modules=[attn,moe_router,"
+                   "moe_preprocess]; or set model.moe_token_dispatcher_type=allgather (sync-free, capturable whole).")]
+    if (why := _routing_syncs(v)) is None:
+        return []
+    return [_v("R11", fields + _MOE_FIELDS, f"{what}, but {why} gives data-dependent expert shapes.",
                "set model.moe_sync_free=true with model.moe_expert_capacity_factor=null (sync-free dropless), or "
                "set a capacity factor: model.moe_expert_capacity_factor=1.0 (drop-and-pad).")]
 

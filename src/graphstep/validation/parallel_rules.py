@@ -25,9 +25,10 @@ training/parallel.py; these rules say which configurations it takes:
   parallelism, FSDP2, MoE and hybrid models, ...);
 * R30 -- context parallelism is not implemented;
 * R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
-  divide over the expert-parallel ranks, dispatched the way graphstep
-  implements it (all-gather, dropless and sync-free), and what it does not
-  combine with yet.
+  divide over the expert-parallel ranks, dispatched the ways graphstep
+  implements (``allgather``: all-gather, dropless and sync-free; ``alltoall``:
+  Megatron's all-to-all, whose host sync R11 keeps out of graphs), and what it
+  does not combine with yet.
 
 docs/rules.md describes every rule with an example override and its fix.
 """
@@ -330,16 +331,14 @@ def _r31(v: View) -> list[Violation]:
         refuse([], f"the {dp} data-parallel rank(s) do not divide into groups of {ep} expert-parallel ranks "
                "(the expert-parallel ranks are data-parallel ranks that share their tokens).",
                f"launch a multiple of {ep} data-parallel ranks.")
-    if _str(m.moe_token_dispatcher_type) != "allgather":
-        refuse(["model.moe_token_dispatcher_type"], f"model.moe_token_dispatcher_type={_fmt(m.moe_token_dispatcher_type)}"
-               " is not implemented across ranks: graphstep's expert parallel all-gathers the tokens and "
-               "reduce-scatters the outputs (static shapes, no host sync).",
-               "set model.moe_token_dispatcher_type=allgather.")
+    # Both dispatchers are implemented (R23 refuses any other value); alltoall's host sync is R11's.
+    dispatcher = _str(m.moe_token_dispatcher_type)
     if m.moe_expert_capacity_factor is not None:
         refuse(["model.moe_expert_capacity_factor"], "expert parallel is dropless; a capacity factor is not "
                "implemented with it.", "set model.moe_expert_capacity_factor=null.")
     if m.moe_sync_free is False:
-        refuse(["model.moe_sync_free"], "expert parallel runs the sync-free grouped GEMM only.",
+        refuse(["model.moe_sync_free"], "model.moe_sync_free=false is not implemented with expert parallel: "
+               "allgather runs the sync-free grouped GEMM only, alltoall picks its GEMM from the sizes it reads.",
                "set model.moe_sync_free=true.")
     others = [(tensor_parallel_size(cfg) > 1, "model.tensor_model_parallel_size", "tensor parallel"),
               (pipeline_parallel_size(cfg) > 1, "model.pipeline_model_parallel_size", "pipeline stages"),
@@ -350,10 +349,12 @@ def _r31(v: View) -> list[Violation]:
     if shards_data_parallel(cfg):
         refuse(_fsdp_fields(cfg), f"FSDP2 ({_fsdp_f(cfg)}) with expert parallel is not implemented.",
                "use replicated data parallel (the default ddp settings).")
-    if v.per_layer and ({"moe_router", "moe_preprocess"} & set(v.names or ())):
-        refuse(list(v.cov), "the moe_router and moe_preprocess scopes are not implemented with "
-               "expert parallel: its block runs router, dispatch, experts and combine as one.",
-               "graph the whole block (scope moe, or [] for the whole layer), or model.cuda_graph_impl=full_iteration.")
+    if dispatcher == "allgather" and v.per_layer and ({"moe_router", "moe_preprocess"} & set(v.names or ())):
+        refuse([*v.cov, "model.moe_token_dispatcher_type"], "the moe_router and moe_preprocess scopes are not "
+               "implemented with the allgather dispatcher: its block runs router, dispatch, experts and combine "
+               "as one.", "graph the whole block (scope moe, or [] for the whole layer), or model.cuda_graph_impl="
+               "full_iteration; or set model.moe_token_dispatcher_type=alltoall for Megatron's "
+               "[attn,moe_router,moe_preprocess].")
     if cfg.ddp.overlap_grad_reduce is True:
         refuse(["ddp.overlap_grad_reduce"], "ddp.overlap_grad_reduce with expert parallel is not implemented.",
                "set ddp.overlap_grad_reduce=false.")

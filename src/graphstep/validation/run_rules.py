@@ -108,7 +108,8 @@ def _r22(v: View) -> list[Violation]:
 
 
 # Megatron's allgather and alltoall dispatchers both reduce to a local permutation on one expert-parallel
-# rank, which is what graphstep's MoE layer does (models/moe_dispatch.py); expert parallelism is R18.
+# rank, which is what graphstep's MoE layer does (models/moe_dispatch.py); across ranks both are implemented
+# (models/moe_parallel.py; expert parallelism is R31).
 DISPATCHERS = ("allgather", "alltoall")
 
 
@@ -118,7 +119,8 @@ def _r23(v: View) -> list[Violation]:
         return []
     return [_v("R23", ["model.moe_token_dispatcher_type"], f"model.moe_token_dispatcher_type={_fmt(value)} is not "
                "implemented: graphstep dispatches tokens locally, which is what allgather and alltoall do on one "
-               "expert-parallel rank, and all-gathers them across expert-parallel ranks (R31).",
+               "expert-parallel rank, and across expert-parallel ranks all-gathers them (allgather) or sends them to "
+               "their experts' ranks (alltoall; R31).",
                "set model.moe_token_dispatcher_type=allgather (its default) or alltoall.")]
 
 
