@@ -1,6 +1,11 @@
-"""graphstep bench without a GPU: row names, derived columns, the table, the chart and the recipes' rows."""
+"""graphstep bench without a GPU: row names, derived columns, the table, the chart and the recipes' rows;
+the multi-rank rows' overrides, refusals and rank plumbing (2 gloo processes under torchrun, ``__main__`` below)."""
 
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +24,8 @@ from graphstep.bench.run import (
     write_results,
 )
 from graphstep.recipes import get_recipe
+
+HERE = Path(__file__).resolve().parent
 
 
 def test_split_rows_keeps_commas_inside_brackets():
@@ -129,3 +136,308 @@ def test_bench_rows_as_tensorboard_scalars_side_by_side(tmp_path):
     assert scalars == pytest.approx({"step_ms/eager": 15.745, "busy_ms/eager": 2.518, "kernels/eager": 565,
                                      "step_ms/full_iteration": 2.755, "busy_ms/full_iteration": 2.525,
                                      "capture_s/full_iteration": 0.02})
+
+
+# ---------------------------------------------------------------------------
+# multi-rank rows (bench/layouts.py, bench/ranks.py)
+
+OFF = ["model.cuda_graph_impl=none", "model.cuda_graph_modules=[]", "optimizer.optimizer_cuda_graph=false"]
+FULL = OFF + ["model.cuda_graph_impl=full_iteration"]
+FSDP3 = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
+ZERO2 = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads"]
+
+
+def _local(scopes: str) -> list[str]:
+    return OFF + ["model.cuda_graph_impl=local", f"model.cuda_graph_modules=[{scopes}]"]
+
+
+@pytest.mark.parametrize("name, world, expected", [
+    ("fsdp_eager", 1, OFF + FSDP3),
+    ("fsdp_full_iteration", 1, FULL + FSDP3),
+    ("fsdp_full_iteration", 4, FULL + FSDP3),
+    ("zero2_eager", 1, OFF + ZERO2),
+    ("zero2_[attn,mlp]", 1, _local("attn,mlp") + ZERO2),
+    ("zero2_[attn,mlp]", 2, _local("attn,mlp") + ZERO2),
+    ("dp_eager", 2, OFF),
+    ("dp_full_iteration", 2, FULL),
+    ("dp_overlap_full_iteration", 2, FULL + ["ddp.overlap_grad_reduce=true"]),
+    ("tp_eager", 2, OFF + ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]),
+    ("tp_full_iteration", 4, FULL + ["model.tensor_model_parallel_size=4", "model.sequence_parallel=true"]),
+    ("tp_[attn,mlp]", 2, _local("attn,mlp") + ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]),
+    ("pp_eager", 2, OFF + ["model.pipeline_model_parallel_size=2", "model.pipeline_schedule=1f1b",
+                           "model.share_embeddings_and_output_weights=false"]),
+    ("pp_full_iteration", 2, FULL + ["model.pipeline_model_parallel_size=2", "model.pipeline_schedule=1f1b",
+                                     "model.share_embeddings_and_output_weights=false"]),
+    ("pp_local[attn,mlp]", 4, _local("attn,mlp") + ["model.pipeline_model_parallel_size=4",
+                                                    "model.pipeline_schedule=1f1b",
+                                                    "model.share_embeddings_and_output_weights=false"]),
+    ("ep_eager", 2, OFF + ["model.expert_model_parallel_size=2"]),
+    ("ep_full_iteration", 8, FULL + ["model.expert_model_parallel_size=8"]),
+    ("ep_[attn,moe]", 2, _local("attn,moe") + ["model.expert_model_parallel_size=2"]),
+    ("ep_[attn,moe_router,moe_preprocess]", 2, _local("attn,moe_router,moe_preprocess")
+     + ["model.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=alltoall"]),
+])
+def test_multi_rank_row_overrides(name, world, expected):
+    assert row_overrides(name, world) == expected
+
+
+def test_prefixed_peers_and_nested_prefixes_are_not_graphstep_rows():
+    assert row_overrides("dp_manual_graph", 2) is None
+    assert row_overrides("tp_fsdp_eager", 2) is None
+
+
+@pytest.mark.parametrize("recipe, name, world, batch, layout", [
+    ("small_dense_bench", "dp_eager", 2, 8, "2 data-parallel ranks"),  # each replica: the recipe's 4 sequences
+    ("small_dense_bench", "fsdp_full_iteration", 4, 16, "4 data-parallel (FSDP2 optim_grads_params) ranks"),
+    ("small_dense_bench", "fsdp_eager", 1, 4, "1 data-parallel (FSDP2 optim_grads_params) rank"),
+    ("small_dense_bench", "zero2_[attn,mlp]", 2, 8, "2 data-parallel (FSDP2 optim_grads) ranks"),
+    ("small_dense_bench", "tp_eager", 2, 4, "1 data-parallel x 2 tensor-parallel + sequence-parallel ranks"),
+    ("small_dense_bench", "pp_eager", 2, 8, "2 pipeline-stage x 1 data-parallel ranks"),  # 1F1B: 2 micro-batches
+    ("small_dense_bench", "pp_full_iteration", 4, 16, "4 pipeline-stage x 1 data-parallel ranks"),
+    ("moe_launch_bound_bench", "ep_eager", 2, 4, "2 data-parallel (2 expert-parallel) ranks"),
+])
+def test_row_plan_batch_and_layout(recipe, name, world, batch, layout):
+    from graphstep.bench.layouts import batch_overrides
+    from graphstep.bench.run import plan_row
+
+    base = get_recipe(recipe)
+    plan = plan_row(base, name, world)
+    assert plan.cfg.train.global_batch_size == batch and plan.cfg.train.micro_batch_size == base.train.micro_batch_size
+    assert plan.layout.describe() == layout and plan.layout.ranks == world
+    assert plan.refusal is None
+    expected = [] if batch == base.train.global_batch_size else [f"train.global_batch_size={batch}"]
+    from graphstep.bench.run import row_config
+
+    assert batch_overrides(row_config(base, row_overrides(name, world)), world) == expected
+
+
+def test_pipeline_rows_keep_a_recipe_that_has_a_micro_batch_per_stage():
+    from graphstep.bench.run import plan_row
+    from graphstep.config import apply_overrides
+
+    base = apply_overrides(get_recipe("small_dense_bench"), ["train.micro_batch_size=1", "train.global_batch_size=4"])
+    assert plan_row(base, "pp_eager", 2).cfg.train.global_batch_size == 4  # 4 micro-batches >= 2 stages
+    assert plan_row(base, "pp_eager", 8).cfg.train.global_batch_size == 8  # raised to one per stage
+
+
+@pytest.mark.parametrize("recipe, rows", [
+    ("small_dense_bench", ["dp_eager", "dp_full_iteration", "dp_overlap_full_iteration", "fsdp_eager",
+                           "fsdp_full_iteration", "zero2_eager", "zero2_[attn,mlp]", "tp_eager", "tp_full_iteration", "tp_[attn,mlp]", "pp_eager",
+                           "pp_full_iteration", "pp_local[attn,mlp]"]),
+    ("moe_launch_bound_bench", ["dp_eager", "dp_full_iteration", "dp_overlap_full_iteration", "ep_eager",
+                                "ep_full_iteration", "ep_[attn,moe]", "ep_[attn,moe_router,moe_preprocess]"]),
+    ("hybrid_launch_bound_bench", ["dp_eager", "dp_full_iteration", "dp_overlap_full_iteration"]),
+])
+def test_default_rows_under_torchrun_fit_the_model(recipe, rows):
+    assert default_rows(get_recipe(recipe), 2) == rows
+
+
+def test_default_multi_rank_rows_pass_the_rules_at_two_ranks():
+    """Every default row of the dense recipe is valid on 2 ranks (its refusal would be a row the bench cannot run)."""
+    from graphstep.bench.run import plan_row
+
+    base = get_recipe("small_dense_bench")
+    assert {name: plan_row(base, name, 2).refusal for name in default_rows(base, 2)} == {
+        name: None for name in default_rows(base, 2)}
+
+
+def test_multi_rank_rows_are_refused_at_world_size_one_with_the_torchrun_command(monkeypatch):
+    from graphstep.config import ConfigError
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    rows = ["fsdp_eager", "tp_eager", "dp_overlap_full_iteration", "pp_local[attn,mlp]", "ep_[attn,moe]"]
+    with pytest.raises(ConfigError) as err:  # before the GPU check: the same on a machine without one
+        run_bench(get_recipe("small_dense_bench"), rows, recipe="small_dense_bench")
+    message = str(err.value)
+    assert message.startswith("bench rows tp_eager, dp_overlap_full_iteration, pp_local[attn,mlp], ep_[attn,moe] "
+                              "run over several GPUs, one process per GPU")
+    assert message.endswith("`torchrun --nproc_per_node 2 -m graphstep bench --recipe small_dense_bench --rows "
+                            "'tp_eager,dp_overlap_full_iteration,pp_local[attn,mlp],ep_[attn,moe]'`")
+    assert "fsdp_eager" not in message  # FSDP2 keeps its one-rank mesh on one GPU
+    with pytest.raises(ConfigError, match=r"^bench row dp_eager runs over several GPUs.* --rows dp_eager`$"):
+        run_bench(get_recipe("small_dense_bench"), ["dp_eager"], recipe="small_dense_bench")
+
+
+def test_one_process_rows_are_refused_under_torchrun():
+    from graphstep.bench.layouts import check_world
+    from graphstep.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        check_world(["eager", "dp_eager", "local[attn,mlp]", "fsdp_eager"], 2, "small_dense_bench")
+    assert str(err.value).startswith("bench rows eager, local[attn,mlp] run on one GPU in one process, but torchrun "
+                                     "started 2 processes")
+    assert "(`graphstep bench --recipe small_dense_bench --rows 'eager,local[attn,mlp]'`)" in str(err.value)
+    check_world(["dp_eager", "fsdp_eager", "tp_[attn,mlp]"], 2, "small_dense_bench")  # all prefixed: accepted
+
+
+def test_a_row_the_rules_refuse_carries_every_violation():
+    from graphstep.bench.run import plan_row, row_config
+    from graphstep.validation import validate
+
+    base = get_recipe("moe_launch_bound_bench")
+    plan = plan_row(base, "tp_eager", 2)  # tensor parallel over an MoE model: rule R27
+    expected_cfg = row_config(base, OFF + ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"])
+    violations = validate(expected_cfg, world_size=2)
+    assert [v.rule for v in violations] == ["R27"]
+    assert plan.refusal == "refused by the config rules (R27; 2 ranks): " + str(violations[0])
+    assert "model.num_moe_experts=64" in plan.refusal and "Fix: " in plan.refusal
+    # 8 decoder layers do not split over 3 stages: R28, at the bench's world size
+    three = plan_row(get_recipe("small_dense_bench"), "pp_eager", 3)
+    assert three.refusal.startswith("refused by the config rules (R28; 3 ranks): R28 ")
+    # the alltoall row is refused exactly when the rules refuse its config (the dispatcher across ranks)
+    alltoall = plan_row(base, "ep_[attn,moe_router,moe_preprocess]", 2)
+    found = validate(alltoall.cfg, world_size=2)
+    assert (alltoall.refusal is None) == (found == []) and all(str(v) in (alltoall.refusal or "") for v in found)
+
+
+def test_run_bench_under_torchrun_measures_in_lockstep_and_reports_refused_rows(monkeypatch):
+    """The bench's flow at 2 ranks with the GPU parts replaced: a refused row is reported, never built; the
+    others are measured with the ranks' lockstep; ratios against the layout's eager row; rank 0 gets the doc."""
+    from graphstep.bench import run
+
+    measured, joined = [], []
+
+    class FakeRanks:
+        def __init__(self, main: bool) -> None:
+            self.world_size, self.is_main, self.closed = 2, main, False
+
+        @classmethod
+        def join(cls, cfg, world_size):
+            joined.append((cfg.train.global_batch_size, world_size))
+            ranks = cls(main=len(joined) == 1)  # the first call is rank 0, the second another rank
+            return ranks
+
+        def close(self) -> None:
+            self.closed = True
+
+    def fake_measure(name, build, *, warmup, iters, profile_iters, device, lockstep):
+        measured.append((name, lockstep))
+        return Row(name, step_ms={"dp_eager": 10.0, "dp_full_iteration": 5.0}[name], peak_allocated_gib=1.0)
+
+    monkeypatch.setattr(run.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run, "Ranks", FakeRanks)
+    monkeypatch.setattr(run, "normalize_device", lambda _: torch.device("cpu"))
+    monkeypatch.setattr(run, "matmul_tflops", lambda device: 800.0)
+    monkeypatch.setattr(run, "make_workload", lambda cfg, device, n_steps: type("Probe", (), {"model": None})())
+    monkeypatch.setattr(run, "flops_per_step", lambda cfg, model: 1e12)
+    monkeypatch.setattr(run, "environment", lambda device: {"date": "2026-12-02", "gpu": "Test GPU", "torch": "2.x",
+                                                            "cuda": "13.0"})
+    monkeypatch.setattr(run, "measure", fake_measure)
+    base = get_recipe("moe_launch_bound_bench")  # micro-batch 2, global batch 2, seq 256
+    rows = ["dp_eager", "tp_eager", "dp_full_iteration"]
+    doc = run.run_bench(base, rows, recipe="moe_launch_bound_bench", world_size=2)
+    assert joined == [(4, 2)]  # the process group joined once, with a config valid at 2 ranks
+    assert [name for name, _ in measured] == ["dp_eager", "dp_full_iteration"]  # tp_eager never built
+    assert all(isinstance(lockstep, FakeRanks) for _, lockstep in measured)
+    assert doc["world_size"] == 2 and [r["name"] for r in doc["rows"]] == rows
+    refused = doc["rows"][1]
+    assert refused["note"] == run.REFUSED and refused["error"] == run.plan_row(base, "tp_eager", 2).refusal
+    full = doc["rows"][2]
+    assert (full["layout"], full["ranks"], full["global_batch"], full["tokens_per_step"]) == (
+        "2 data-parallel ranks", 2, 4, 1024)
+    assert full["speedup"] == pytest.approx(2.0)  # against dp_eager
+    assert full["tflops"] == pytest.approx(1e12 * 2 / 5e-3 / 1e12)  # twice the recipe's tokens per step
+    assert full["mfu"] == pytest.approx(full["tflops"] / (800.0 * 2))  # against both GPUs
+    assert "| tp_eager | failed: refused by the config rules (R27; 2 ranks): R27 " in markdown_table(doc)
+    measured.clear()
+    assert run.run_bench(base, ["dp_eager"], recipe="moe_launch_bound_bench", world_size=2) is None  # not rank 0
+
+
+def test_finish_compares_each_layout_with_its_own_eager_row():
+    rows = [Row("eager", step_ms=20.0), Row("fsdp_eager", step_ms=30.0), Row("fsdp_full_iteration", step_ms=10.0),
+            Row("tp_eager", step_ms=40.0, ranks=2), Row("tp_[attn,mlp]", step_ms=16.0, ranks=2),
+            Row("dp_eager", step_ms=25.0, ranks=2), Row("dp_overlap_full_iteration", step_ms=5.0, ranks=2)]
+    finish(rows, tokens_per_step=1024, flops_per_step=1e12, peak_tflops=800.0)
+    speedups = {r.name: r.speedup for r in rows}
+    assert speedups == pytest.approx({"eager": 1.0, "fsdp_eager": 20 / 30, "fsdp_full_iteration": 2.0,
+                                      "tp_eager": 1.0, "tp_[attn,mlp]": 2.5, "dp_eager": 1.0,
+                                      "dp_overlap_full_iteration": 5.0})
+    torchrun_rows = [Row("fsdp_eager", step_ms=30.0, ranks=2), Row("fsdp_full_iteration", step_ms=10.0, ranks=2)]
+    finish(torchrun_rows, tokens_per_step=1024, flops_per_step=1e12, peak_tflops=800.0)
+    assert torchrun_rows[1].speedup == pytest.approx(3.0)  # no plain eager row under torchrun: fsdp_eager
+
+
+def test_multi_rank_results_name_the_ranks_and_each_rows_layout(tmp_path):
+    doc = _doc()
+    doc["world_size"] = 2
+    doc["rows"][1].update(layout="2 data-parallel ranks", global_batch=8)
+    md = markdown_table(doc)
+    assert md.startswith("small_dense_bench -- 2 x Test GPU, torch 2.x, CUDA 13.0, 2026-11-30 (bf16 matmul 800 "
+                         "TFLOP/s measured; 2 ranks under torchrun: step = rank 0's, peak = the maximum over ranks")
+    assert "| MFU | layout |" in md
+    lines = md.splitlines()
+    assert lines[4].startswith("| eager |") and lines[4].endswith("| 6.2% | - |")  # no layout recorded
+    assert lines[5].startswith("| full_iteration |") and lines[5].endswith("| 2 data-parallel ranks, global batch 8 |")
+    assert lines[7] == "| compile[reduce-overhead] | failed: RuntimeError: boom | | | | | | | | | | | - |"
+    from rich.console import Console
+
+    from graphstep.bench.run import result_stem
+
+    console = Console(width=250, record=True)
+    console.print(table(doc))
+    text = console.export_text()
+    assert "small_dense_bench on 2 x Test GPU" in text and "2 data-parallel ranks, global batch 8" in text
+    assert result_stem(doc) == "small_dense_bench_2xTest-GPU_2026-11-30"
+    assert result_stem(_doc()) == "small_dense_bench_Test-GPU_2026-11-30"
+    path = write_results(doc, tmp_path)  # beside the one-GPU results, not over them
+    assert path.name == "small_dense_bench_2xTest-GPU_2026-11-30.json"
+    assert json.loads(path.read_text())["world_size"] == 2 and path.with_suffix(".md").read_text() == md
+
+
+@pytest.mark.parametrize("env, message", [({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not a whole number"),
+                                          ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 is not a valid WORLD_SIZE")])
+def test_world_size_from_env_refuses_garbage(env, message):
+    from graphstep.bench.ranks import world_size_from_env
+    from graphstep.config import ConfigError
+
+    assert world_size_from_env({}) == 1 and world_size_from_env({"WORLD_SIZE": "4"}) == 4
+    with pytest.raises(ConfigError, match=message):
+        world_size_from_env(env)
+
+
+def _ranks_worker(out: Path) -> None:
+    """A torchrun worker: join as the bench does (gloo on the CPU), agree on rows, write this rank's view."""
+    from graphstep.bench.ranks import Ranks, max_over_ranks
+    from graphstep.bench.run import plan_row
+    from graphstep.config import apply_overrides
+
+    cfg = plan_row(apply_overrides(get_recipe("llama3_tiny"), ["train.device=cpu"]), "dp_eager", 2).cfg
+    ranks = Ranks.join(cfg, 2)
+    r = ranks.rank
+    report: dict = {"rank": r, "world": ranks.world_size, "main": ranks.is_main, "backend": ranks.dp.backend}
+    try:
+        report["max"] = max_over_ranks([1.0 + r, 5.0 - r, -2.0 * r])
+        failing = Row("tp_eager", peak_allocated_gib=1.5 + r, peak_reserved_gib=3.0 - r, error="boom" if r else None)
+        ranks.reduce_row(failing)
+        missing = Row("tp_full_iteration", peak_allocated_gib=None if r == 0 else 0.25, peak_reserved_gib=None)
+        ranks.reduce_row(missing)
+        report["rows"] = [[row.peak_allocated_gib, row.peak_reserved_gib, row.error] for row in (failing, missing)]
+        try:
+            ranks.all_built(built=r == 0)  # rank 1 could not build
+            report["built"] = "ok"
+        except RuntimeError as exc:
+            report["built"] = str(exc)
+        ranks.all_built(built=True)  # everyone did: no error
+    finally:
+        (out / f"rank{r}.json").write_text(json.dumps(report))
+        ranks.close()
+
+
+def test_ranks_agree_on_two_gloo_processes(tmp_path):
+    sys.path.insert(0, str(HERE))
+    from test_distributed import torchrun_reports
+
+    reports = torchrun_reports(str(Path(__file__).resolve()), tmp_path, 2, timeout=300)
+    assert [(r["rank"], r["world"], r["main"], r["backend"]) for r in reports] == [(0, 2, True, "gloo"),
+                                                                               (1, 2, False, "gloo")]
+    assert reports[0]["max"] == reports[1]["max"] == [2.0, 5.0, 0.0]
+    # peak memory: the maximum over ranks; a row failed on rank 1 is failed on rank 0 too
+    assert reports[0]["rows"][0] == [2.5, 3.0, "failed on rank 1 (its error is in that rank's output)"]
+    assert reports[1]["rows"][0] == [2.5, 3.0, "boom"]
+    assert reports[0]["rows"][1] == reports[1]["rows"][1] == [0.25, None, None]  # None on every rank stays None
+    assert reports[0]["built"] == "rank 1 could not build this row (its error is in its output); every rank skipped it"
+    assert reports[1]["built"] == "ok"  # the rank that failed keeps its own error
+
+
+if __name__ == "__main__":
+    _ranks_worker(Path(sys.argv[1]))

@@ -1,7 +1,10 @@
 """``graphstep bench --recipe R [overrides] [--rows a,b] [--iters N] [--out DIR]``.
 
 Needs a CUDA GPU (every row is timed with CUDA events); without one the
-command stops with exit code 2 before building anything.
+command stops with exit code 2 before building anything. Under
+``torchrun --nproc_per_node N -m graphstep bench ...`` every rank measures
+the multi-rank rows in lockstep (bench/ranks.py) and rank 0 alone shows
+progress, prints the table and writes the results.
 """
 
 from __future__ import annotations
@@ -17,15 +20,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .run import default_rows, run_bench, split_rows, table, write_results
+    from .layouts import check_world
+    from .ranks import rank_from_env, world_size_from_env
+    from .run import REFUSED, default_rows, run_bench, split_rows, table, write_results
 
     cfg = resolve_config(args)
     if args.tensorboard_dir:  # before a long run, not after it
         from ..observability.writers import _require
 
         _require("tensorboard", "tensorboard", "graphstep bench --tensorboard-dir")
+    world = world_size_from_env()
+    rows = split_rows(args.rows) if args.rows else default_rows(cfg, world)
+    check_world(rows, world, args.recipe)  # before the GPU check: the refusal says what to launch instead
     _need_gpu()
-    rows = split_rows(args.rows) if args.rows else default_rows(cfg)
+    if rank_from_env() != 0:  # the other ranks measure in lockstep; rank 0 reports
+        run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup, world_size=world)
+        return 0
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
@@ -34,14 +44,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         def progress(done: int, name: str) -> None:
             bar.update(task, completed=done, description=f"{args.recipe}: {escape(name)}")
 
-        doc = run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup, progress=progress)
+        doc = run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup, progress=progress,
+                        world_size=world)
         bar.update(task, completed=len(rows), description=f"{args.recipe}: done")
+    if doc is None:
+        raise RuntimeError("RANK=0 but the process group gave this process another rank: no result document")
     path = write_results(doc, args.out)
     if args.tensorboard_dir:
         from .tensorboard import write_tensorboard
 
         print(f"tensorboard: {write_tensorboard(doc, args.tensorboard_dir)}")
     Console(width=max(160, Console().width)).print(table(doc))
+    for r in doc["rows"]:  # the table shows the start of a refusal; every rule's message and fix in full
+        if r["note"] == REFUSED:
+            print(f"{r['name']}: {r['error']}")
     print(f"results: {path}")
     if args.json:
         print(json.dumps(doc))
@@ -61,7 +77,8 @@ def _need_gpu() -> None:
 
 @register("bench")
 def add(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure eager, graphstep's graph settings and peers on one GPU")
+    p = sub.add_parser("bench", help="measure eager, graphstep's graph settings and peers on one GPU "
+                       "(multi-rank layouts under torchrun)")
     _config_args(p)
     p.add_argument("--rows", help="comma list of rows (default: every applicable row)")
     p.add_argument("--iters", type=int, default=50, help="timed iterations per row")

@@ -1,4 +1,4 @@
-"""The A/B performance harness: every row of one shape, in one process, on one GPU.
+"""The A/B performance harness: every row of one shape, in one process, on one GPU (or one per GPU).
 
 A row is one way to run the same training iteration (forward and backward of
 every micro-batch, then the optimizer step) on the same model and data:
@@ -22,7 +22,16 @@ own ``build_run`` (training/build.py), so a row measures what ``graphstep
 train`` runs (its RNG tracker setting, MoE hooks and non-finite checks
 included); the peers take their model and optimizer from the same build.
 Batches are generated once, pinned, and cycled, so data generation is not
-timed. Ratios (speed-up vs eager, step/floor) are computed within one run.
+timed. Ratios (speed-up vs eager, step/floor) are computed within one run,
+against the eager row of the same layout (:func:`eager_reference`).
+
+Under torchrun (bench/ranks.py) every rank runs every row with the same
+warm-up and iteration counts, so their collectives match; a row's layout is
+joined through the trainer's ``init_data_parallel`` over the bench's process
+group. :func:`measure` takes a :class:`Lockstep` there: the ranks agree that
+every one of them built the row before any step runs (a rank that could not
+would otherwise leave the others waiting in a collective), and at the end
+peak memory becomes the maximum over the ranks.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -64,6 +73,10 @@ class Row:
     step_ms_all: list[float] = field(default_factory=list)
     error: str | None = None
     note: str = ""
+    layout: str | None = None  # the ranks the row ran on (Layout.describe()); None for a peer
+    ranks: int = 1  # GPUs the row ran on (MFU is against all of them)
+    global_batch: int | None = None  # sequences per iteration over all ranks (None: the recipe's)
+    tokens_per_step: int | None = None  # tokens per iteration over all ranks (None: the recipe's)
     # filled in by finish()
     host_ms: float | None = None
     speedup: float | None = None
@@ -83,7 +96,7 @@ class Workload:
 
     run: Run
     batches: list[dict[str, torch.Tensor]]
-    dp: DataParallel | None = None  # the one-rank group of an FSDP2 row (closed with the workload)
+    dp: DataParallel | None = None  # the row's ranks (FSDP2's one-rank group, or its layout under torchrun)
 
     @property
     def cfg(self) -> Config:
@@ -124,13 +137,22 @@ class Workload:
 
 
 def make_workload(cfg: Config, device: torch.device, n_steps: int = 4, *,
-                  compile_mode: str | None = None) -> Workload:
-    """The row's run, built as the trainer builds it (one rank), and ``n_steps`` iterations of pinned batches."""
+                  compile_mode: str | None = None, world_size: int = 1) -> Workload:
+    """The row's run, built as the trainer builds it, and ``n_steps`` iterations of this rank's pinned batches.
+
+    ``world_size`` > 1 (torchrun, bench/ranks.py): the row's layout over the
+    bench's process group, through the trainer's ``init_data_parallel``; the
+    row's group closes with the workload, the bench's own group stays.
+    """
+    settings = resolve_cuda_graph_settings(cfg, world_size=world_size)
     dp = None
-    if Layout.from_config(cfg, 1).needs_mesh:  # FSDP2 on one GPU: the trainer's one-rank group and mesh
-        dp = init_data_parallel(cfg, resolve_cuda_graph_settings(cfg), env={})
-    run = build_run(cfg, device=device, compile_mode=compile_mode, dp=dp)
-    it = build_data(cfg, split="train", pin_memory=device.type == "cuda")
+    if world_size > 1:
+        dp = init_data_parallel(cfg, settings)
+    elif Layout.from_config(cfg, 1).needs_mesh:  # FSDP2 on one GPU: the trainer's one-rank group and mesh
+        dp = init_data_parallel(cfg, settings, env={})
+    run = build_run(cfg, device=device, compile_mode=compile_mode, dp=dp, settings=settings)
+    rank = dict(dp_rank=dp.dp_rank, dp_size=dp.dp_size) if dp is not None else {}
+    it = build_data(cfg, split="train", pin_memory=device.type == "cuda", **rank)
     batches = [next(it) for _ in range(n_steps * run.num_micro_batches)]
     return Workload(run, batches, dp)
 
@@ -143,7 +165,7 @@ def row_config(base: Config, overrides: list[str]) -> Config:
     return cfg
 
 
-def graphstep_row(cfg: Config, device: torch.device, *, compile_mode: str | None = None,
+def graphstep_row(cfg: Config, device: torch.device, *, compile_mode: str | None = None, world_size: int = 1,
                   ) -> tuple[Callable[[Iterator[Any]], Any], Workload, Any]:
     """A row run as the trainer runs it (``build_run``): the iteration function, the workload and its owner.
 
@@ -151,7 +173,7 @@ def graphstep_row(cfg: Config, device: torch.device, *, compile_mode: str | None
     (the graphs then capture Inductor's kernels). The owner's ``runner.reports``
     are the row's own captures.
     """
-    w = make_workload(cfg, device, compile_mode=compile_mode)
+    w = make_workload(cfg, device, compile_mode=compile_mode, world_size=world_size)
     return w.run.iteration, w, w.run.runner
 
 
@@ -223,14 +245,34 @@ def free_row() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
+class Lockstep(Protocol):
+    """What the ranks of a torchrun-launched bench agree on for each row (bench/ranks.py: Ranks)."""
+
+    def all_built(self, built: bool) -> None:
+        """Every rank says whether it built the row; raises on a rank that did when another did not."""
+
+    def reduce_row(self, row: Row) -> None:
+        """Peak memory becomes the maximum over the ranks; a row failed on any rank is failed."""
+
+
 def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callable[[], float] | None, Any]],
-            *, warmup: int, iters: int, profile_iters: int, device: torch.device) -> Row:
-    """Build a row (returns step, data, capture-seconds getter, owner), time it, free it."""
+            *, warmup: int, iters: int, profile_iters: int, device: torch.device,
+            lockstep: Lockstep | None = None) -> Row:
+    """Build a row (returns step, data, capture-seconds getter, owner), time it, free it.
+
+    ``lockstep`` (torchrun): every rank calls this for the same row; the times are this rank's.
+    """
     free_row()
     row = Row(name, start_allocated_gib=torch.cuda.memory_allocated(device) / GiB)
     owner = None
     try:
-        step, data, capture_s, owner = build()
+        built = False
+        try:
+            step, data, capture_s, owner = build()
+            built = True
+        finally:
+            if lockstep is not None:  # on every rank, built or not, before the row's first step
+                lockstep.all_built(built)
         times, warm_s = time_steps(step, data, warmup=warmup, iters=iters, device=device)
         row.step_ms_all = times
         row.step_ms = statistics.median(times)
@@ -248,21 +290,49 @@ def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callab
             owner.close()
         del owner
         free_row()
+    if lockstep is not None:
+        lockstep.reduce_row(row)
     return row
 
 
+MULTI_RANK_PREFIXES = ("dp_overlap_", "dp_", "tp_", "pp_", "ep_")  # rows whose eager reference is their own layout's
+
+
+def eager_reference(name: str, measured: set[str]) -> str:
+    """The eager row ``name``'s ratios are against: ``eager`` for one-process rows (``fsdp_`` and ``zero2_``
+    ones too, as on one GPU); ``<layout>_eager`` for the multi-rank layouts, and for ``fsdp_``/``zero2_`` rows
+    when the run has no plain ``eager`` row (under torchrun)."""
+    for prefix in MULTI_RANK_PREFIXES:
+        if name.startswith(prefix):
+            return "dp_eager" if prefix == "dp_overlap_" else prefix + "eager"
+    for prefix in ("fsdp_", "zero2_"):
+        if name.startswith(prefix) and "eager" not in measured:
+            return prefix + "eager"
+    return "eager"
+
+
 def finish(rows: list[Row], *, tokens_per_step: int, flops_per_step: float, peak_tflops: float) -> None:
-    """Derived columns, against the eager row of the same run."""
-    eager = next((r for r in rows if r.name == "eager" and r.step_ms), None)
+    """Derived columns, against the eager row of the same layout (:func:`eager_reference`).
+
+    ``tokens_per_step`` and ``flops_per_step`` are the recipe's; a row with its own ``tokens_per_step``
+    (a multi-rank layout's global batch) scales the FLOPs with its tokens, and its MFU is against the
+    peak of all its ``ranks``.
+    """
+    measured: dict[str, Row] = {}
+    for r in rows:
+        if r.step_ms:
+            measured.setdefault(r.name, r)
     for r in rows:
         if not r.step_ms:
             continue
+        tokens = r.tokens_per_step or tokens_per_step
         if r.busy_ms:
             r.host_ms = r.step_ms - r.busy_ms
             r.floor_ratio = r.step_ms / r.busy_ms
-        r.tokens_per_s = tokens_per_step / (r.step_ms / 1e3)
-        r.tflops = flops_per_step / (r.step_ms / 1e3) / 1e12
-        r.mfu = r.tflops / peak_tflops if peak_tflops else None
+        r.tokens_per_s = tokens / (r.step_ms / 1e3)
+        r.tflops = flops_per_step * (tokens / tokens_per_step) / (r.step_ms / 1e3) / 1e12
+        r.mfu = r.tflops / (peak_tflops * r.ranks) if peak_tflops else None
+        eager = measured.get(eager_reference(r.name, set(measured)))
         if eager is not None:
             r.speedup = eager.step_ms / r.step_ms
             if eager.peak_allocated_gib:

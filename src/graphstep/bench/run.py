@@ -8,6 +8,13 @@ peers ``manual_graph``, ``make_graphed_callables`` and
 ``compile[reduce-overhead]`` (bench/peers.py), and ``compile+full_iteration``:
 graphstep's full-iteration graph around ``torch.compile(model)`` (Inductor's
 fused kernels, default mode, and no launch overhead).
+
+Layout prefixes (bench/layouts.py) run a graphstep row over every rank of
+the world: ``fsdp_`` and ``zero2_`` (also on one GPU, a one-rank mesh), and under torchrun
+``dp_``, ``dp_overlap_``, ``tp_``, ``pp_`` and ``ep_`` (bench/ranks.py). A
+prefixed row's config is checked against every rule at the world size before
+anything is measured; a refused row is reported with the rules' messages
+and not built.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import datetime
 import json
 import platform
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,8 +32,12 @@ import torch
 from ..config import Config
 from ..cuda_graph.devices import GiB, normalize_device
 from ..training.flops import flops_per_step
+from ..training.parallel import Layout
+from ..validation import validate
 from .harness import Row, finish, graphstep_row, make_workload, matmul_tflops, measure, row_config
+from .layouts import batch_overrides, check_world, layout_overrides, multi_rank_rows, split_prefix
 from .peers import compiled, make_graphed, manual_graph
+from .ranks import Ranks, world_size_from_env
 
 DENSE_ROWS = [
     "eager", "full_iteration", "full_iteration+optimizer", "local[attn]", "local[mlp]", "local[attn,mlp]",
@@ -38,9 +50,12 @@ MOE_ROWS = [
 ]
 HYBRID_ROWS = ["eager", "full_iteration", "full_iteration+optimizer", "local[attn,mamba]", "local[]", "manual_graph"]
 NO_GRAPH = ["model.cuda_graph_impl=none", "model.cuda_graph_modules=[]", "optimizer.optimizer_cuda_graph=false"]
+REFUSED = "refused"  # the note of a row the config rules refused (not built)
 
 
-def default_rows(cfg: Config) -> list[str]:
+def default_rows(cfg: Config, world_size: int = 1) -> list[str]:
+    if world_size > 1:  # under torchrun: the layouts that fit the model (bench/layouts.py)
+        return multi_rank_rows(cfg)
     if cfg.model.num_moe_experts:
         return MOE_ROWS
     if cfg.model.hybrid_override_pattern:
@@ -48,25 +63,24 @@ def default_rows(cfg: Config) -> list[str]:
     return DENSE_ROWS
 
 
-FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
-
-
 def split_rows(text: str) -> list[str]:
     """``eager,local[attn,mlp],manual_graph`` -> the three rows (commas inside brackets stay)."""
     return [r for r in re.split(r",(?![^\[]*\])", text) if r]
 
 
-def row_overrides(name: str) -> list[str] | None:
-    """Config overrides of a graphstep row; None for a peer."""
+def row_overrides(name: str, world_size: int = 1) -> list[str] | None:
+    """Config overrides of a graphstep row on ``world_size`` ranks (the global batch aside: ``batch_overrides``);
+    None for a peer."""
     if name == "eager":
         return NO_GRAPH
     if name == "full_iteration":
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration"]
     if name == "full_iteration+optimizer":
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
-    if name.startswith("fsdp_"):  # FSDP2 (ZeRO-3) on this one GPU: a one-rank mesh, as the trainer builds it
-        inner = row_overrides(name[len("fsdp_"):])
-        return None if inner is None else inner + FSDP
+    prefix, inner = split_prefix(name)
+    if prefix:  # the one-process row ``inner`` on a layout over the world (fsdp_, zero2_ on one GPU: a one-rank mesh)
+        graph = None if split_prefix(inner)[0] else row_overrides(inner)
+        return None if graph is None else graph + layout_overrides(prefix, inner, world_size)
     if name.startswith("compile+") or name == "compile":  # the trainer's compile section (compile.enable)
         inner = row_overrides(name[len("compile+"):]) if name != "compile" else NO_GRAPH
         return None if inner is None else inner + ["compile.enable=true"]
@@ -77,20 +91,60 @@ def row_overrides(name: str) -> list[str] | None:
     return None
 
 
-def _builder(name: str, base: Config, device: torch.device) -> Callable[[], tuple]:
-    overrides = row_overrides(name)
-    if overrides is not None:
-        cfg = row_config(base, overrides)
+@dataclass
+class RowPlan:
+    """A row before it is measured: its config, layout and, for a prefixed row the rules refuse, why."""
 
+    name: str
+    cfg: Config  # the row's config (a peer: the recipe with graphstep's graphs off)
+    graphstep: bool  # built by build_run; False for a peer
+    layout: Layout | None = None
+    refusal: str | None = None
+
+    def describe(self, row: Row) -> None:
+        """Record the row's layout and batch on its result."""
+        if not self.graphstep or self.layout is None:
+            return
+        row.layout, row.ranks = self.layout.describe(), self.layout.ranks
+        row.global_batch = self.cfg.train.global_batch_size
+        row.tokens_per_step = row.global_batch * self.cfg.model.seq_length
+
+
+def plan_row(base: Config, name: str, world_size: int = 1) -> RowPlan:
+    """The row ``name`` of the recipe ``base`` on ``world_size`` ranks; a prefixed row is checked against
+    every rule there (``refusal``: the violations, one per line)."""
+    overrides = row_overrides(name, world_size)
+    if overrides is None:
+        return RowPlan(name, row_config(base, NO_GRAPH), graphstep=False)
+    cfg = row_config(base, overrides)
+    if not split_prefix(name)[0]:
+        return RowPlan(name, cfg, graphstep=True, layout=Layout.from_config(cfg, 1))
+    cfg = row_config(cfg, batch_overrides(cfg, world_size))
+    violations = validate(cfg, world_size=world_size)
+    refusal = None
+    if violations:
+        rules = ", ".join(sorted({v.rule for v in violations}))
+        ranks = f"{world_size} rank" + ("s" if world_size > 1 else "")
+        refusal = f"refused by the config rules ({rules}; {ranks}): " + "\n".join(map(str, violations))
+    return RowPlan(name, cfg, graphstep=True, layout=Layout.from_config(cfg, world_size), refusal=refusal)
+
+
+def _builder(name: str, base: Config, device: torch.device, world_size: int = 1) -> Callable[[], tuple]:
+    """The build function of row ``name`` of the recipe ``base`` (``measure`` calls it)."""
+    return _plan_builder(plan_row(base, name, world_size), device, world_size)
+
+
+def _plan_builder(plan: RowPlan, device: torch.device, world_size: int) -> Callable[[], tuple]:
+    name, cfg = plan.name, plan.cfg
+    if plan.graphstep:
         compile_mode = "default" if name.startswith("compile+") or name == "compile" else None
 
         def build() -> tuple:
-            step, w, runner = graphstep_row(cfg, device, compile_mode=compile_mode)
+            step, w, runner = graphstep_row(cfg, device, compile_mode=compile_mode, world_size=world_size)
             capture = (lambda: sum(r.seconds for r in runner.reports)) if runner.backend else None
             return step, w.data(), capture, runner
 
         return build
-    cfg = row_config(base, NO_GRAPH)
     if name == "manual_graph":
         return lambda: manual_graph(cfg, device)
     if name == "make_graphed_callables":
@@ -122,50 +176,90 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def run_bench(cfg: Config, rows: list[str], *, recipe: str, iters: int = 50, warmup: int = 8,
-              profile_iters: int = 5, progress: Callable[[int, str], None] | None = None) -> dict[str, Any]:
+              profile_iters: int = 5, progress: Callable[[int, str], None] | None = None,
+              world_size: int | None = None) -> dict[str, Any] | None:
     """Measure every row on this process's GPU; returns the result document.
 
-    ``progress(rows_done, name)`` is called before each row.
+    ``world_size`` (default: torchrun's ``WORLD_SIZE``, 1 without torchrun): with more than one rank
+    every rank measures every row in lockstep (bench/ranks.py), and only rank 0 gets the document (the
+    others None). ``progress(rows_done, name)`` is called before each row.
     """
+    world = world_size_from_env() if world_size is None else world_size
+    check_world(rows, world, recipe)  # before anything is built: the refusal says what to launch instead
     if not torch.cuda.is_available():
         raise RuntimeError("graphstep bench measures CUDA graphs: it needs a CUDA GPU")
+    plans = [plan_row(cfg, name, world) for name in rows]
+    ranks = Ranks.join(plan_row(cfg, "dp_eager", world).cfg, world) if world > 1 else None  # cuda:LOCAL_RANK
+    try:
+        doc = _measure_rows(cfg, plans, recipe=recipe, iters=iters, warmup=warmup, profile_iters=profile_iters,
+                            progress=progress, ranks=ranks)
+    finally:
+        if ranks is not None:
+            ranks.close()  # after every row was freed
+    return doc if ranks is None or ranks.is_main else None
+
+
+def _measure_rows(cfg: Config, plans: list[RowPlan], *, recipe: str, iters: int, warmup: int, profile_iters: int,
+                  progress: Callable[[int, str], None] | None, ranks: Ranks | None) -> dict[str, Any]:
+    world = 1 if ranks is None else ranks.world_size
     device = normalize_device("cuda")
     peak = matmul_tflops(device)
-    probe = make_workload(row_config(cfg, NO_GRAPH), device, n_steps=1)
+    probe = make_workload(row_config(cfg, NO_GRAPH), device, n_steps=1)  # one unsharded rank, for the FLOPs
     flops = flops_per_step(cfg, probe.model)
     del probe
     warmup = max(warmup, cfg.model.cuda_graph_warmup_steps + 2)
     results: list[Row] = []
-    for done, name in enumerate(rows):
+    for done, plan in enumerate(plans):
         if progress is not None:
-            progress(done, name)
-        results.append(measure(name, _builder(name, cfg, device), warmup=warmup, iters=iters,
-                               profile_iters=profile_iters, device=device))
+            progress(done, plan.name)
+        if plan.refusal is not None:  # the same on every rank: none builds it
+            row = Row(plan.name, error=plan.refusal, note=REFUSED)
+        else:
+            row = measure(plan.name, _plan_builder(plan, device, world), warmup=warmup, iters=iters,
+                          profile_iters=profile_iters, device=device, lockstep=ranks)
+        plan.describe(row)
+        results.append(row)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     finish(results, tokens_per_step=tokens, flops_per_step=flops, peak_tflops=peak)
     m = cfg.model
+    method = {"iters": iters, "warmup": warmup, "profile_iters": profile_iters,
+              "step": "median CUDA-event interval between back-to-back iterations",
+              "busy": "sum of device activity durations per iteration (torch.profiler)"}
+    if world > 1:
+        method["ranks"] = (f"{world} processes (torchrun), one per GPU, every row in lockstep; times are rank 0's, "
+                           "peak memory the maximum over ranks; tokens/s and TFLOP/s are the job's, MFU against "
+                           "the peak of all its GPUs")
     return {
         "recipe": recipe,
         "environment": environment(device),
+        "world_size": world,
         "shape": {"layers": m.num_layers, "hidden": m.hidden_size, "seq": m.seq_length, "vocab": m.vocab_size,
                   "micro_batch": cfg.train.micro_batch_size, "global_batch": cfg.train.global_batch_size,
                   "experts": m.num_moe_experts, "pattern": m.hybrid_override_pattern},
-        "method": {"iters": iters, "warmup": warmup, "profile_iters": profile_iters,
-                   "step": "median CUDA-event interval between back-to-back iterations",
-                   "busy": "sum of device activity durations per iteration (torch.profiler)"},
+        "method": method,
         "bf16_matmul_tflops": peak,
         "flops_per_step": flops,
         "rows": [r.as_dict() for r in results],
     }
 
 
+def gpus(doc: dict[str, Any]) -> str:
+    """``NVIDIA H200``, or ``2 x NVIDIA H200`` for a run over several ranks."""
+    world, gpu = doc.get("world_size", 1), doc["environment"]["gpu"]
+    return f"{world} x {gpu}" if world > 1 else gpu
+
+
+def result_stem(doc: dict[str, Any]) -> str:
+    """``<recipe>_<gpu>_<date>``; ``<recipe>_<N>x<gpu>_<date>`` for a run over N ranks."""
+    env, world = doc["environment"], doc.get("world_size", 1)
+    return f"{doc['recipe']}_{f'{world}x' if world > 1 else ''}{env['gpu'].replace(' ', '-')}_{env['date']}"
+
+
 def write_results(doc: dict[str, Any], out_dir: str | Path) -> Path:
-    """``<recipe>_<gpu>_<date>``: .json (everything), .md (the table) and .png (the chart, with matplotlib)."""
+    """``result_stem(doc)``: .json (everything), .md (the table) and .png (the chart, with matplotlib)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    env = doc["environment"]
-    stem = f"{doc['recipe']}_{env['gpu'].replace(' ', '-')}_{env['date']}"
-    path = out / f"{stem}.json"
+    path = out / f"{result_stem(doc)}.json"
     path.write_text(json.dumps(doc, indent=1))
     path.with_suffix(".md").write_text(markdown_table(doc))
     try:
@@ -207,7 +301,7 @@ def write_chart(doc: dict[str, Any], path: str | Path) -> None:
     ax_m.set_xlabel("peak allocated GiB (x eager)")
     ax_m.margins(x=0.25)
     env = doc["environment"]
-    fig.suptitle(f"{doc['recipe']} -- {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}",
+    fig.suptitle(f"{doc['recipe']} -- {gpus(doc)}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -219,43 +313,57 @@ def table(doc: dict[str, Any]) -> Any:
     from rich.table import Table
 
     env = doc["environment"]
-    t = Table(title=f"{doc['recipe']} on {env['gpu']} (torch {env['torch']}, CUDA {env['cuda']}, {env['date']})")
+    multi = doc.get("world_size", 1) > 1  # a layout column: each row's ranks and global batch
+    t = Table(title=f"{doc['recipe']} on {gpus(doc)} (torch {env['torch']}, CUDA {env['cuda']}, {env['date']})")
     for col in ("row", "step ms", "busy ms", "host ms", "kernels", "speed-up", "step/floor", "peak GiB",
-                "mem/eager", "capture s", "tok/s", "TFLOP/s", "MFU"):
-        t.add_column(col, justify="right" if col != "row" else "left")
+                "mem/eager", "capture s", "tok/s", "TFLOP/s", "MFU") + (("layout",) if multi else ()):
+        t.add_column(col, justify="right" if col not in ("row", "layout") else "left")
     for r in doc["rows"]:
         name = escape(r["name"])  # "local[attn,mlp]" is not rich markup
+        layout = (escape(_layout(r)),) if multi else ()
         if r["error"]:
-            t.add_row(name, f"error: {escape(r['error'][:80])}", *[""] * 11)
+            t.add_row(name, f"error: {escape(r['error'][:80])}", *[""] * 11, *layout)
             continue
         t.add_row(
             name, _f(r["step_ms"], 3), _f(r["busy_ms"], 3), _f(r["host_ms"], 3), str(r["kernels"]),
             _f(r["speedup"], 2, "x"), _f(r["floor_ratio"], 2, "x"), _f(r["peak_allocated_gib"], 2),
             _f(r["memory_vs_eager"], 2, "x"), _f(r["capture_s"], 2), _f(r["tokens_per_s"], 0),
-            _f(r["tflops"], 1), _f(r["mfu"] * 100 if r["mfu"] else None, 1, "%"),
+            _f(r["tflops"], 1), _f(r["mfu"] * 100 if r["mfu"] else None, 1, "%"), *layout,
         )
     return t
 
 
 def markdown_table(doc: dict[str, Any]) -> str:
     """The rows as a Markdown table (README, docs/perf-log.md, gpu-check summaries)."""
-    env = doc["environment"]
-    head = (f"{doc['recipe']} -- {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']} "
-            f"(bf16 matmul {doc['bf16_matmul_tflops']:.0f} TFLOP/s measured)\n\n")
+    env, world = doc["environment"], doc.get("world_size", 1)
+    ranks = (f"; {world} ranks under torchrun: step = rank 0's, peak = the maximum over ranks, ratios against "
+             "the eager row of the same layout" if world > 1 else "")
+    head = (f"{doc['recipe']} -- {gpus(doc)}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']} "
+            f"(bf16 matmul {doc['bf16_matmul_tflops']:.0f} TFLOP/s measured{ranks})\n\n")
+    extra = (" layout |", "---|") if world > 1 else ("", "")  # each row's ranks and global batch
     lines = ["| row | step ms | GPU-busy ms | host ms | kernels | host syncs | speed-up | step/floor | peak GiB "
-             "| mem/eager | capture s | MFU |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| mem/eager | capture s | MFU |" + extra[0],
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + extra[1]]
     for r in doc["rows"]:
+        layout = f" {_layout(r)} |" if world > 1 else ""
         if r["error"]:
-            lines.append(f"| {r['name']} | failed: {r['error'].splitlines()[0][:120]} | | | | | | | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error'].splitlines()[0][:120]} | | | | | | | | | | |{layout}")
             continue
         lines.append(
             f"| {r['name']} | {_f(r['step_ms'], 3)} | {_f(r['busy_ms'], 3)} | {_f(r['host_ms'], 3)} | {r['kernels']} "
             f"| {'-' if r.get('host_syncs') is None else r['host_syncs']} "
             f"| {_f(r['speedup'], 2, 'x')} | {_f(r['floor_ratio'], 2, 'x')} | {_f(r['peak_allocated_gib'], 3)} "
             f"| {_f(r['memory_vs_eager'], 2, 'x')} | {_f(r['capture_s'], 2)} "
-            f"| {_f(r['mfu'] * 100 if r['mfu'] else None, 1, '%')} |"
+            f"| {_f(r['mfu'] * 100 if r['mfu'] else None, 1, '%')} |{layout}"
         )
     return head + "\n".join(lines) + "\n"
+
+
+def _layout(r: dict[str, Any]) -> str:
+    """``2 data-parallel ranks, global batch 8``; ``-`` for a peer."""
+    if not r.get("layout"):
+        return "-"
+    return r["layout"] + (f", global batch {r['global_batch']}" if r.get("global_batch") else "")
 
 
 def _f(v: Any, digits: int, suffix: str = "") -> str:

@@ -1,7 +1,7 @@
 """``graphstep bench --tensorboard-dir DIR``: a bench run's rows as TensorBoard scalars.
 
 Each bench run becomes one TensorBoard run folder, ``DIR/<recipe>_<gpu>_<date>``
-(``_2``, ``_3``, ... when it exists), so runs of other days, GPUs or commits
+(``<N>x<gpu>`` for a run over N ranks; ``_2``, ``_3``, ... when it exists), so runs of other days, GPUs or commits
 sit side by side. Every row's numbers are scalars tagged ``<metric>/<row>``
 (``step_ms/full_iteration``, ``peak_allocated_gib/local[attn,mlp]``) at step 0,
 and the run's Markdown table is attached as text. Rows that failed are
@@ -20,8 +20,9 @@ METRICS = ("step_ms", "busy_ms", "host_ms", "speedup", "floor_ratio", "peak_allo
 
 
 def run_folder(doc: dict[str, Any], root: str | Path) -> Path:
-    env = doc["environment"]
-    stem = f"{doc['recipe']}_{env['gpu'].replace(' ', '-')}_{env['date']}"
+    from .run import result_stem
+
+    stem = result_stem(doc)
     path, n = Path(root) / stem, 1
     while path.exists():
         n += 1

@@ -1,0 +1,138 @@
+"""Multi-rank bench rows: a layout prefix on a one-process row, and the layout it sets over the world.
+
+``<prefix><row>`` runs a one-process graphstep row -- ``eager``,
+``full_iteration``, ``local[attn,mlp]``, ... (bench/run.py) -- over a
+layout as large as the world (torchrun's ``WORLD_SIZE``; 1 without torchrun).
+With N ranks:
+
+===============  =================================================================  =============
+prefix           layout                                                             at N = 1
+===============  =================================================================  =============
+``fsdp_``        FSDP2 ZeRO-3 over N data-parallel ranks                            one-rank mesh
+``zero2_``       FSDP2 ZeRO-2 over N data-parallel ranks (per-layer graphs, R27)    one-rank mesh
+``dp_``          N replicated data-parallel ranks                                   refused
+``dp_overlap_``  the same with ``ddp.overlap_grad_reduce=true``                     refused
+``tp_``          N tensor-parallel ranks with sequence parallel                     refused
+``pp_``          N pipeline stages, 1F1B, embedding and output layer untied (R28)   refused
+``ep_``          N expert-parallel ranks (MoE models)                               refused
+===============  =================================================================  =============
+
+``tp_[attn,mlp]`` is short for ``tp_local[attn,mlp]`` (per-layer graphs).
+An ``ep_`` row that graphs Megatron's partial MoE scopes (``moe_router``,
+``moe_preprocess``) also sets ``model.moe_token_dispatcher_type=alltoall``,
+the dispatcher those scopes are made for.
+
+The batch (:func:`batch_overrides`): every data-parallel replica runs the
+recipe's micro-batches, so the global batch is the recipe's times the
+data-parallel ranks (``dp_``, ``fsdp_``, ``ep_``) and each rank does the
+work of the one-GPU row; tensor-parallel ranks share one replica's batch;
+1F1B needs at least one micro-batch per stage (R28), so ``pp_`` raises the
+micro-batches per step to N when the recipe has fewer.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from ..config import Config, ConfigError
+from ..training.parallel import Layout
+
+FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
+ZERO2 = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads"]
+PREFIXES = ("fsdp_", "zero2_", "dp_overlap_", "dp_", "tp_", "pp_", "ep_")  # dp_overlap_ before dp_: the longest match
+TORCHRUN_ONLY = ("dp_overlap_", "dp_", "tp_", "pp_", "ep_")  # refused at world size 1
+PARTIAL_MOE_SCOPES = {"moe_router", "moe_preprocess"}
+
+DP_ROWS = ["dp_eager", "dp_full_iteration", "dp_overlap_full_iteration"]
+FSDP_ROWS = ["fsdp_eager", "fsdp_full_iteration", "zero2_eager", "zero2_[attn,mlp]"]
+TP_ROWS = ["tp_eager", "tp_full_iteration", "tp_[attn,mlp]"]
+PP_ROWS = ["pp_eager", "pp_full_iteration", "pp_local[attn,mlp]"]
+EP_ROWS = ["ep_eager", "ep_full_iteration", "ep_[attn,moe]", "ep_[attn,moe_router,moe_preprocess]"]
+
+
+def split_prefix(name: str) -> tuple[str, str]:
+    """``tp_[attn,mlp]`` -> ``("tp_", "local[attn,mlp]")``; a row without a layout prefix -> ``("", name)``."""
+    for prefix in PREFIXES:
+        if name.startswith(prefix):
+            inner = name[len(prefix):]
+            return prefix, "local" + inner if inner.startswith("[") else inner
+    return "", name
+
+
+def needs_torchrun(name: str) -> bool:
+    return split_prefix(name)[0] in TORCHRUN_ONLY
+
+
+def layout_overrides(prefix: str, inner: str, world_size: int) -> list[str]:
+    """The overrides that put the one-process row ``inner`` on ``prefix``'s layout over ``world_size`` ranks."""
+    if prefix in TORCHRUN_ONLY and world_size < 2:
+        raise ConfigError(f"{prefix} rows need 2 or more ranks (torchrun), the world size is {world_size}")
+    n = world_size
+    if prefix == "fsdp_":
+        return list(FSDP)
+    if prefix == "zero2_":
+        return list(ZERO2)
+    if prefix == "dp_":
+        return []
+    if prefix == "dp_overlap_":
+        return ["ddp.overlap_grad_reduce=true"]
+    if prefix == "tp_":
+        return [f"model.tensor_model_parallel_size={n}", "model.sequence_parallel=true"]
+    if prefix == "pp_":
+        return [f"model.pipeline_model_parallel_size={n}", "model.pipeline_schedule=1f1b",
+                "model.share_embeddings_and_output_weights=false"]
+    if prefix == "ep_":
+        scopes = re.fullmatch(r"(?:local|te)\[([a-z_,]*)\]", inner)
+        partial = scopes is not None and bool(PARTIAL_MOE_SCOPES & set(scopes.group(1).split(",")))
+        return [f"model.expert_model_parallel_size={n}"] + (["model.moe_token_dispatcher_type=alltoall"]
+                                                            if partial else [])
+    raise ValueError(f"unknown layout prefix {prefix!r}")
+
+
+def batch_overrides(cfg: Config, world_size: int) -> list[str]:
+    """The global batch a row's layout (``cfg``: the recipe with the row's overrides) runs on ``world_size``
+    ranks: the recipe's per data-parallel replica, and 1F1B's micro-batch per stage (empty: unchanged)."""
+    t = cfg.train
+    layout = Layout.from_config(cfg, world_size)
+    per_replica = t.global_batch_size
+    if layout.pp > 1 and cfg.model.pipeline_schedule == "1f1b":
+        per_replica = max(per_replica, layout.pp * t.micro_batch_size)
+    batch = per_replica * layout.dp
+    return [] if batch == t.global_batch_size else [f"train.global_batch_size={batch}"]
+
+
+def multi_rank_rows(cfg: Config) -> list[str]:
+    """The rows that fit the recipe under torchrun: replicated data parallel for every model; FSDP2, tensor
+    and pipeline parallel for dense models; expert parallel for MoE models (hybrid models: the rules take
+    none of the others)."""
+    m = cfg.model
+    if m.hybrid_override_pattern:
+        return list(DP_ROWS)
+    if m.num_moe_experts:
+        return DP_ROWS + EP_ROWS
+    return DP_ROWS + FSDP_ROWS + TP_ROWS + PP_ROWS
+
+
+def check_world(rows: list[str], world_size: int, recipe: str) -> None:
+    """Refuse, before anything is measured, rows that cannot run at this world size."""
+    if world_size <= 1:
+        multi = [r for r in rows if needs_torchrun(r)]
+        if multi:
+            listed = shlex.quote(",".join(multi))
+            raise ConfigError(
+                f"{_rows(multi)} over several GPUs, one process per GPU, and this is one process (no WORLD_SIZE "
+                "from torchrun). Run them with torchrun, one process per GPU (--nproc_per_node N for N >= 2 GPUs): "
+                f"`torchrun --nproc_per_node 2 -m graphstep bench --recipe {recipe} --rows {listed}`")
+        return
+    single = [r for r in rows if not split_prefix(r)[0]]
+    if single:
+        raise ConfigError(
+            f"{_rows(single)} on one GPU in one process, but torchrun started {world_size} processes and every "
+            f"row runs over all of them. Run them without torchrun (`graphstep bench --recipe {recipe} --rows "
+            f"{shlex.quote(','.join(single))}`), or under torchrun pick rows with a layout prefix "
+            f"({', '.join(PREFIXES)}), e.g. {','.join(DP_ROWS)}")
+
+
+def _rows(names: list[str]) -> str:
+    return f"bench row {names[0]} runs" if len(names) == 1 else f"bench rows {', '.join(names)} run"
