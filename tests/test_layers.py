@@ -172,13 +172,19 @@ def test_capture_does_not_change_module_state_or_gradients(semantics):
     assert all(torch.allclose(2 * a, p.grad) for a, p in zip(grads, model.parameters()))
 
 
-def test_forward_twice_before_backward_is_an_error():
+def _captured_stack() -> tuple[_Stack, LayerGraphs, torch.Tensor]:
+    """A two-layer stack with whole-layer graphs, captured after one eager training call on ``x``."""
     torch.manual_seed(0)
     model = _Stack()
     graphs = LayerGraphs(select_modules(model, []), get_backend("cpu"))
     x = torch.randn(4, 8, requires_grad=True)
     model(x).sum().backward()
     graphs.capture()
+    return model, graphs, x
+
+
+def test_forward_twice_before_backward_is_an_error():
+    model, graphs, x = _captured_stack()
     model(x)
     with pytest.raises(GraphUsageError, match="before the backward"):
         model(x)
@@ -187,12 +193,7 @@ def test_forward_twice_before_backward_is_an_error():
 def test_a_parameter_moved_after_capture_is_refused():
     """The graphs read parameters where they were captured: a parameter given new memory (``p.data = ...``)
     is refused at the next replay, and a parameter updated in place replays as eager."""
-    torch.manual_seed(0)
-    model = _Stack()
-    graphs = LayerGraphs(select_modules(model, []), get_backend("cpu"))
-    x = torch.randn(4, 8, requires_grad=True)
-    model(x).sum().backward()
-    graphs.capture()
+    model, graphs, x = _captured_stack()
     weight = model.layers[1].lin.weight
     with torch.no_grad():
         weight.mul_(0.5)  # in place: the graphs read the new values
@@ -205,12 +206,7 @@ def test_a_parameter_moved_after_capture_is_refused():
 
 
 def test_close_restores_the_modules():
-    torch.manual_seed(0)
-    model = _Stack()
-    graphs = LayerGraphs(select_modules(model, []), get_backend("cpu"))
-    x = torch.randn(4, 8, requires_grad=True)
-    model(x).sum().backward()
-    graphs.capture()
+    model, graphs, x = _captured_stack()
     graphs.close()
     graphs.close()
     assert "forward" not in model.layers[0].__dict__

@@ -190,6 +190,64 @@ def test_layer_graphs_over_tensor_parallel_blocks_equal_eager(one_rank_group, de
     assert all(torch.equal(a, b) for a, b in zip(eager_params, graphed_params))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_layers_inside_fully_shard_modules_equal_eager(one_rank_group, device):
+    """The library API over a model sharded with torch's ``fully_shard`` (ZeRO-3 layers, mixed precision):
+    graphed equals eager bit for bit; the gathered parameters stay where the graphs read them across steps,
+    and ``close()`` hands their storage back to FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from graphstep.cuda_graph.fsdp import KEPT_FLAG
+
+    def make(graphed: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)])
+        model.to(device)
+        mesh = init_device_mesh(device, (1,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for block in model:
+            fully_shard(block, mesh=mesh, mp_policy=mp)  # reshard after forward: ZeRO-3
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        layers = graphstep.graph_layers(model, ["0", "1", "2"], warmup_steps=2) if graphed else None
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        return model, step, layers
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(8, 16, generator=g).to(device) for _ in range(6)]
+    runs, addresses = [], []
+    for graphed in (False, True):
+        model, step, layers = make(graphed)
+        losses = []
+        for b in batches:
+            losses.append(step(b).clone())
+            if graphed:  # the gathered copy of block 1's first weight, which its graph reads
+                model[1].unshard()
+                addresses.append(model[1][0].weight.data_ptr())
+                model[1].reshard()
+        runs.append((losses, [p.detach().to_local().clone() for p in model.parameters()]))
+    assert layers.captured and layers.state.value == "replayed"
+    (eager, eager_params), (graphed, graphed_params) = runs
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed)), (eager, graphed)
+    assert all(torch.equal(a, b) for a, b in zip(eager_params, graphed_params))
+    assert len(set(addresses)) == 1  # never freed and allocated again while graphed
+    layers.close()
+    assert not getattr(model[1], KEPT_FLAG)
+    model[1].unshard()
+    model[1].reshard()
+    assert model[1][0].weight.to_local().untyped_storage().size() > 0  # the sharded parameter again
+    assert all(fp.all_gather_outputs[0].untyped_storage().size() == 0  # FSDP2 freed its gathered copy
+               for fp in model[1]._get_fsdp_state()._fsdp_param_group.fsdp_params)
+
+
 FSDP_GRAPHS = {  # strategy -> graph settings
     "zero3_full_iteration": ("optim_grads_params", ["model.cuda_graph_impl=full_iteration",
                                                     "optimizer.optimizer_cuda_graph=true"]),

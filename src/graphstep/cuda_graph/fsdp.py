@@ -18,7 +18,8 @@ ZeRO-2 holds anyway at the end of every forward, and the whole parameter
 saving of ZeRO-3 (the trainer refuses that combination, rule R27).
 
 :func:`gathered` unshards those modules for the capture, which runs outside
-the modules' forward hooks, and reshards them after.
+the modules' forward hooks, and reshards them after; :func:`release_gathered`
+(``LayerGraphs.close()``) hands the storage back to FSDP2.
 """
 
 from __future__ import annotations
@@ -92,6 +93,16 @@ def keep_gathered(owners: Sequence[nn.Module]) -> None:
     if owners:
         log.info("per-layer graphs over FSDP2: the gathered parameters of %d FSDP2 modules stay allocated "
                  "(the graphs read them where they were captured)", len(owners))
+
+
+def release_gathered(owners: Sequence[nn.Module]) -> None:
+    """Undo :func:`keep_gathered`: FSDP2 frees the gathered storage again when it reshards."""
+    for unit in owners:
+        if not getattr(unit, KEPT_FLAG, False):
+            continue
+        for fp in _fsdp_params(unit):
+            fp.__dict__.pop("free_unsharded_param", None)
+        setattr(unit, KEPT_FLAG, False)
 
 
 @contextlib.contextmanager

@@ -62,7 +62,7 @@ from .backend import GraphBackend, default_generators
 from .backup import StateBackup
 from .devices import GiB
 from .errors import GraphUsageError
-from .fsdp import gathered, prepare_fsdp
+from .fsdp import gathered, prepare_fsdp, release_gathered
 from .graph_state import GraphState
 from .graphed_module import ModuleGraph, apply_graphed
 from .scopes import scope_modules
@@ -319,6 +319,8 @@ class LayerGraphs:
                 del g.module.forward
         self.graphs.clear()
         self._by_module.clear()
+        release_gathered(self.fsdp_modules)  # FSDP2 frees its gathered parameters again
+        self.fsdp_modules = []
         # A recorded output's backward hook refers back to this object through autograd (C++),
         # a cycle the garbage collector cannot see: drop the outputs so nothing outlives close().
         self._last_out.clear()
