@@ -172,10 +172,12 @@ def test_capture_does_not_change_module_state_or_gradients(semantics):
     assert all(torch.allclose(2 * a, p.grad) for a, p in zip(grads, model.parameters()))
 
 
-def _captured_stack() -> tuple[_Stack, LayerGraphs, torch.Tensor]:
+def _captured_stack(frozen_bias: bool = False) -> tuple[_Stack, LayerGraphs, torch.Tensor]:
     """A two-layer stack with whole-layer graphs, captured after one eager training call on ``x``."""
     torch.manual_seed(0)
     model = _Stack()
+    for layer in model.layers:
+        layer.lin.bias.requires_grad_(not frozen_bias)
     graphs = LayerGraphs(select_modules(model, []), get_backend("cpu"))
     x = torch.randn(4, 8, requires_grad=True)
     model(x).sum().backward()
@@ -190,18 +192,25 @@ def test_forward_twice_before_backward_is_an_error():
         model(x)
 
 
-def test_a_parameter_moved_after_capture_is_refused():
-    """The graphs read parameters where they were captured: a parameter given new memory (``p.data = ...``)
-    is refused at the next replay, and a parameter updated in place replays as eager."""
-    model, graphs, x = _captured_stack()
-    weight = model.layers[1].lin.weight
+@pytest.mark.parametrize("moved", ["weight", "frozen bias", "buffer"])
+def test_a_parameter_or_buffer_moved_after_capture_is_refused(moved):
+    """The graphs read parameters and buffers where they were captured: one given new memory (``p.data = ...``,
+    a buffer assigned anew; a frozen parameter too) is refused at the next replay, and a parameter updated in
+    place replays as eager."""
+    model, graphs, x = _captured_stack(frozen_bias=True)
+    layer = model.layers[1]
     with torch.no_grad():
-        weight.mul_(0.5)  # in place: the graphs read the new values
+        layer.lin.weight.mul_(0.5)  # in place: the graphs read the new values
     out = model(x)
     out.sum().backward()
     assert torch.equal(out, graphs.graphs[-1].forward_fn(graphs.graphs[0].forward_fn(x)))
-    weight.data = weight.data.clone()
-    with pytest.raises(ContractError, match="layer1: a parameter's memory moved after capture"):
+    if moved == "weight":
+        layer.lin.weight.data = layer.lin.weight.data.clone()
+    elif moved == "frozen bias":
+        layer.lin.bias.data = layer.lin.bias.data.clone()
+    else:
+        layer.calls = layer.calls.clone()
+    with pytest.raises(ContractError, match="layer1: a parameter's or buffer's memory moved after capture"):
         model(x)
 
 

@@ -45,6 +45,8 @@ LAYOUTS = {
     "fsdp_zero3_prefetch": ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
                             "ddp.overlap_param_gather=true"],
     "dp2_overlap": ["ddp.overlap_grad_reduce=true", "ddp.bucket_size=5000"],  # replicated, several buckets
+    "fsdp_zero2_prefetch": ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads",
+                            "ddp.overlap_param_gather=true"],
 }
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
 # the layouts compared with one process (dropout off): one of each kind of sharding, and the overlap
@@ -53,12 +55,18 @@ COMPARED = ("tp2_sp", "tp2", "fsdp_zero3", "dp2_overlap")
 # FSDP2's layers (ZeRO-2: the gathers and reduce-scatters eager, between the layer graphs)
 PER_LAYER = {"tp2_sp": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
              "tp2": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"],
-             "fsdp_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]}
+             "fsdp_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+             # each layer gathers the next one's parameters into its kept storage before its own forward
+             "fsdp_zero2_prefetch": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+             # 4 ranks: per-layer graphs over tensor-parallel layers inside FSDP2 (ZeRO-2) layers
+             "tp2_sp_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]}
 # 4 ranks: 2 data-parallel x 2 tensor-parallel, the data-parallel dimension sharded by FSDP2 or replicated
 LAYOUTS_2D = {
     "tp2_sp_fsdp2": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
                      "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
     "tp2_dp2": ["model.tensor_model_parallel_size=2"],
+    "tp2_sp_zero2": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
+                     "ddp.use_distributed_optimizer=true"],
 }
 
 
@@ -117,6 +125,10 @@ def test_two_dimensional_layouts_on_four_ranks_equal_eager(tmp_path):
         shards = [r[f"{layout}/eager"]["shard"] for r in reports]  # ranks 0, 1 = tp ranks of replica 0
         assert shards[0] != shards[1]
         assert (shards[0] == shards[2]) == (layout == "tp2_dp2")  # replicas agree; FSDP2 shards differ
+    for report in reports:
+        layers, eager = report["tp2_sp_zero2/layers"], report["tp2_sp_zero2/eager"]
+        assert layers["losses"] == eager["losses"] and layers["eval"] == eager["eval"]
+        assert layers["shard"] == eager["shard"] and layers["states"][1:4] == ["eager", "captured", "replayed"]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -133,7 +145,7 @@ def test_graphed_layout_equals_eager_bit_for_bit(reports, layout):
         assert eager["losses"][-1] < eager["losses"][0]
 
 
-@pytest.mark.parametrize("layout", list(PER_LAYER))
+@pytest.mark.parametrize("layout", [name for name in PER_LAYER if name in LAYOUTS])
 def test_per_layer_graphs_over_sharded_layers_equal_eager(reports, layout):
     for report in reports:
         eager, graphed = report[f"{layout}/eager"], report[f"{layout}/layers"]
@@ -192,7 +204,7 @@ def test_layouts_on_two_gpus_graphed_equal_eager(tmp_path):
         pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine)")
     reports = run_layouts(tmp_path, "cuda", timeout=900)
     assert_graphed_equals_eager(reports, LAYOUTS)
-    for layout in PER_LAYER:
+    for layout in [name for name in PER_LAYER if name in LAYOUTS]:
         for report in reports:
             assert report[f"{layout}/layers"]["losses"] == report[f"{layout}/eager"]["losses"], layout
             assert report[f"{layout}/layers"]["shard"] == report[f"{layout}/eager"]["shard"], layout

@@ -192,7 +192,7 @@ def test_layer_graphs_over_tensor_parallel_blocks_equal_eager(one_rank_group, de
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_graph_layers_inside_fully_shard_modules_equal_eager(one_rank_group, device):
-    """The library API over a model sharded with torch's ``fully_shard`` (ZeRO-3 layers, mixed precision):
+    """The library API over a model sharded with torch's ``fully_shard`` (ZeRO-3 layers gathered in bf16):
     graphed equals eager bit for bit; the gathered parameters stay where the graphs read them across steps,
     and ``close()`` hands their storage back to FSDP2."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -205,7 +205,7 @@ def test_graph_layers_inside_fully_shard_modules_equal_eager(one_rank_group, dev
         model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)])
         model.to(device)
         mesh = init_device_mesh(device, (1,))
-        mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # gathered in bf16
         for block in model:
             fully_shard(block, mesh=mesh, mp_policy=mp)  # reshard after forward: ZeRO-3
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -231,6 +231,7 @@ def test_graph_layers_inside_fully_shard_modules_equal_eager(one_rank_group, dev
             losses.append(step(b).clone())
             if graphed:  # the gathered copy of block 1's first weight, which its graph reads
                 model[1].unshard()
+                assert model[1][0].weight.dtype == torch.bfloat16
                 addresses.append(model[1][0].weight.data_ptr())
                 model[1].reshard()
         runs.append((losses, [p.detach().to_local().clone() for p in model.parameters()]))
@@ -239,13 +240,53 @@ def test_graph_layers_inside_fully_shard_modules_equal_eager(one_rank_group, dev
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed)), (eager, graphed)
     assert all(torch.equal(a, b) for a, b in zip(eager_params, graphed_params))
     assert len(set(addresses)) == 1  # never freed and allocated again while graphed
+    gathered_copies = [fp.all_gather_outputs[0] for fp in model[1]._get_fsdp_state()._fsdp_param_group.fsdp_params]
+    assert all(t.untyped_storage().size() > 0 for t in gathered_copies)  # kept between steps
     layers.close()
     assert not getattr(model[1], KEPT_FLAG)
-    model[1].unshard()
-    model[1].reshard()
-    assert model[1][0].weight.to_local().untyped_storage().size() > 0  # the sharded parameter again
-    assert all(fp.all_gather_outputs[0].untyped_storage().size() == 0  # FSDP2 freed its gathered copy
-               for fp in model[1]._get_fsdp_state()._fsdp_param_group.fsdp_params)
+    assert all(t.untyped_storage().size() == 0 for t in gathered_copies)  # handed back to FSDP2: freed
+    assert torch.isfinite(model(batches[0]).float()).all()  # and FSDP2 gathers it again for an eager forward
+
+
+def test_graph_layers_inside_and_around_fully_shard_modules(one_rank_group):
+    """A graphed module inside a ZeRO-3 fully_shard module (the capture happens inside that module's forward,
+    which must stay unsharded) equals eager bit for bit; a graphed module that contains fully_shard modules is
+    refused (their all-gathers would not run on replay)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from graphstep import GraphUsageError
+
+    def make(shard_children: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)])
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model:
+            for unit in ([block[0], block[2]] if shard_children else [block]):
+                fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(8, 16, generator=g) for _ in range(6)]
+    losses = []
+    for graphed in (False, True):
+        model = make(shard_children=False)
+        layers = graphstep.graph_layers(model, ["0.0", "1.0", "2.0"], warmup_steps=2) if graphed else None
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = []
+        for b in batches:
+            loss = model(b).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.detach())
+        losses.append(run)
+    assert layers.captured and layers.state.value == "replayed"
+    assert all(torch.equal(a, b) for a, b in zip(*losses)), losses
+    layers.close()
+    with pytest.raises(GraphUsageError, match="a graphed module contains the FSDP2 module"):
+        graphstep.graph_layers(make(shard_children=True), ["0", "1", "2"], warmup_steps=2)
 
 
 FSDP_GRAPHS = {  # strategy -> graph settings

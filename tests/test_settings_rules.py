@@ -130,6 +130,10 @@ CASES = {
                             "(the whole layer) includes the MoE block", "model.moe_sync_free=true",
                             ("model.cuda_graph_impl=local", "model.moe_sync_free=false",
                              "model.cuda_graph_modules=[attn]") + EXPERTS),
+    "R11-full-iteration": Case("R11", ("model.cuda_graph_impl=full_iteration", "model.moe_sync_free=false") + EXPERTS,
+                               "model.cuda_graph_impl=full_iteration captures the MoE block, but dropless routing "
+                               "with model.moe_sync_free=false", "model.moe_sync_free=true",
+                               ("model.cuda_graph_impl=full_iteration", "model.moe_sync_free=true") + EXPERTS),
     "R12": Case("R12", ("model.cuda_graph_impl=transformer_engine",
                         "model.cuda_graph_modules=[moe_router,moe_preprocess]",
                         "model.moe_sync_free=false") + EXPERTS, "copies token counts to the host",

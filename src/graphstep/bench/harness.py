@@ -54,6 +54,7 @@ from ..training.distributed import DataParallel, init_data_parallel
 from ..training.optim import GradBuffers
 from ..training.parallel import Layout
 from ..training.step import TrainStep
+from .layouts import ONE_RANK_MESH, TORCHRUN_ONLY
 
 
 
@@ -141,8 +142,11 @@ def make_workload(cfg: Config, device: torch.device, n_steps: int = 4, *,
     """The row's run, built as the trainer builds it, and ``n_steps`` iterations of this rank's pinned batches.
 
     ``world_size`` > 1 (torchrun, bench/ranks.py): the row's layout over the
-    bench's process group, through the trainer's ``init_data_parallel``; the
-    row's group closes with the workload, the bench's own group stays.
+    bench's process group, through the trainer's ``init_data_parallel``. The
+    sub-groups it makes for the row (a gloo group for host-side agreement,
+    the mesh's groups) stay open until the bench's process group is
+    destroyed at the end of the run: NCCL communicators of earlier rows hold
+    device memory outside the caching allocator (not in the peak columns).
     """
     settings = resolve_cuda_graph_settings(cfg, world_size=world_size)
     dp = None
@@ -295,17 +299,16 @@ def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callab
     return row
 
 
-MULTI_RANK_PREFIXES = ("dp_overlap_", "dp_", "tp_", "pp_", "ep_")  # rows whose eager reference is their own layout's
 
 
 def eager_reference(name: str, measured: set[str]) -> str:
     """The eager row ``name``'s ratios are against: ``eager`` for one-process rows (``fsdp_`` and ``zero2_``
     ones too, as on one GPU); ``<layout>_eager`` for the multi-rank layouts, and for ``fsdp_``/``zero2_`` rows
     when the run has no plain ``eager`` row (under torchrun)."""
-    for prefix in MULTI_RANK_PREFIXES:
+    for prefix in TORCHRUN_ONLY:  # rows whose eager reference is their own layout's
         if name.startswith(prefix):
             return "dp_eager" if prefix == "dp_overlap_" else prefix + "eager"
-    for prefix in ("fsdp_", "zero2_"):
+    for prefix in ONE_RANK_MESH:
         if name.startswith(prefix) and "eager" not in measured:
             return prefix + "eager"
     return "eager"

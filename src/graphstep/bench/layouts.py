@@ -42,6 +42,7 @@ FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim
 ZERO2 = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads"]
 PREFIXES = ("fsdp_", "zero2_", "dp_overlap_", "dp_", "tp_", "pp_", "ep_")  # dp_overlap_ before dp_: the longest match
 TORCHRUN_ONLY = ("dp_overlap_", "dp_", "tp_", "pp_", "ep_")  # refused at world size 1
+ONE_RANK_MESH = ("fsdp_", "zero2_")  # at world size 1: FSDP2 on the trainer's one-rank mesh
 PARTIAL_MOE_SCOPES = {"moe_router", "moe_preprocess"}
 
 DP_ROWS = ["dp_eager", "dp_full_iteration", "dp_overlap_full_iteration"]

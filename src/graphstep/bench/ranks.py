@@ -14,14 +14,17 @@ their collectives match. Per row the ranks agree twice, on the host (the
 gloo group, never the GPU stream, so no measured step waits on it):
 
 * after building (:meth:`Ranks.all_built`): a rank that could not build the
-  row must not leave the others waiting in its first collective;
+  row -- failing before the build's own collectives (the row's groups and
+  mesh, the warm-up all-reduce, the parameter broadcast), e.g. a config the
+  model refuses -- must not leave the others waiting in the row's first step;
 * after measuring (:meth:`Ranks.reduce_row`): peak memory becomes the
   maximum over the ranks -- one all-reduce (:func:`max_over_ranks`), which
   also carries whether the row failed on any rank.
 
 Times are rank 0's own measurement; only rank 0 reports and writes results.
 A rank that fails while the others are inside one of the row's collectives
-(mid-step, after the build) cannot be covered by either agreement: the
+(inside the build after its first collective, or mid-step) cannot be
+covered by either agreement: the
 others wait in that collective (captured NCCL work is not timed out by the
 watchdog) until torchrun's job is stopped.
 """

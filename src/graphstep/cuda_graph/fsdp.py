@@ -17,6 +17,10 @@ graphed modules' gathered parameters, resident for the whole run: what
 ZeRO-2 holds anyway at the end of every forward, and the whole parameter
 saving of ZeRO-3 (the trainer refuses that combination, rule R27).
 
+A graphed module must be an FSDP2 module or lie inside one: an FSDP2 module
+inside a graphed module would never run its hooks on replay (no all-gather
+of the updated shards), so :func:`fsdp_owners` refuses it.
+
 :func:`gathered` unshards those modules for the capture, which runs outside
 the modules' forward hooks, and reshards them after; :func:`release_gathered`
 (``LayerGraphs.close()``) hands the storage back to FSDP2.
@@ -28,6 +32,7 @@ import contextlib
 import logging
 from typing import Any, Iterator, Sequence
 
+import torch
 from torch import nn
 
 from .errors import GraphUsageError
@@ -45,16 +50,29 @@ def _fsdp_module_type() -> type | None:
     return FSDPModule
 
 
+def _groups(module: nn.Module) -> list[Any]:
+    """FSDP2's parameter groups of ``module`` (none when it manages no parameter)."""
+    try:
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = state._fsdp_param_group
+            groups = [group] if group is not None else []
+        return list(groups)
+    except (AttributeError, AssertionError) as e:
+        raise GraphUsageError(
+            f"per-layer graphs over FSDP2: this torch ({torch.__version__}) keeps its FSDP2 state differently "
+            "than graphstep expects; use full-iteration graphs (the all-gathers are inside the graph)"
+        ) from e
+
+
 def _fsdp_params(module: nn.Module) -> list[Any]:
     """FSDP2's per-parameter state of ``module`` (empty when it manages no parameter)."""
-    try:
-        group = module._get_fsdp_state()._fsdp_param_group
-    except AttributeError as e:
-        raise GraphUsageError(
-            f"per-layer graphs over FSDP2: this torch ({__import__('torch').__version__}) keeps its FSDP2 state "
-            "differently than graphstep expects; use full-iteration graphs (the all-gathers are inside the graph)"
-        ) from e
-    return list(group.fsdp_params) if group is not None else []
+    return [fp for group in _groups(module) for fp in group.fsdp_params]
+
+
+def _is_unsharded(module: nn.Module) -> bool:
+    return all(group.is_unsharded for group in _groups(module))
 
 
 def fsdp_owners(model: nn.Module, modules: Sequence[nn.Module]) -> list[nn.Module]:
@@ -66,11 +84,20 @@ def fsdp_owners(model: nn.Module, modules: Sequence[nn.Module]) -> list[nn.Modul
     if not units:
         return []
     wanted = {id(p) for m in modules for p in m.parameters()}
+    inside = {id(sub) for m in modules for sub in m.modules() if sub is not m}
     owners = []
     for unit in units:
         params = _fsdp_params(unit)
         if any(id(fp.sharded_param) in wanted or id(getattr(fp, "_unsharded_param", None)) in wanted
                for fp in params):
+            if id(unit) in inside:
+                # A replay replaces the whole forward of the graphed module, so the hooks of an FSDP2
+                # module inside it would never gather its updated shards again: stale weights.
+                raise GraphUsageError(
+                    f"per-layer graphs over FSDP2: a graphed module contains the FSDP2 module "
+                    f"{type(unit).__name__}, whose all-gathers would not run on replay. Apply fully_shard to "
+                    "the graphed module itself or to a module around it, or graph the modules inside it."
+                )
             owners.append(unit)
     return owners
 
@@ -96,24 +123,29 @@ def keep_gathered(owners: Sequence[nn.Module]) -> None:
 
 
 def release_gathered(owners: Sequence[nn.Module]) -> None:
-    """Undo :func:`keep_gathered`: FSDP2 frees the gathered storage again when it reshards."""
+    """Undo :func:`keep_gathered`: the gathered storage of a module that is sharded now is freed, and FSDP2
+    frees it again whenever it reshards."""
     for unit in owners:
         if not getattr(unit, KEPT_FLAG, False):
             continue
         for fp in _fsdp_params(unit):
             fp.__dict__.pop("free_unsharded_param", None)
+            if fp.sharded_state.name == "SHARDED":  # resharded while kept: nothing else would free it
+                fp.free_unsharded_param()
         setattr(unit, KEPT_FLAG, False)
 
 
 @contextlib.contextmanager
 def gathered(owners: Sequence[nn.Module]) -> Iterator[None]:
-    """Unshard ``owners`` (their modules hold the gathered parameters) for a capture, then reshard them."""
-    for unit in owners:
+    """Unshard ``owners`` (their modules hold the gathered parameters) for a capture, then reshard those that
+    were sharded before (a capture inside a module's forward leaves that module as its forward needs it)."""
+    sharded = [unit for unit in owners if not _is_unsharded(unit)]
+    for unit in sharded:
         unit.unshard()
     try:
         yield
     finally:
-        for unit in owners:
+        for unit in sharded:
             unit.reshard()
 
 

@@ -36,13 +36,14 @@ static buffer was captured as that very tensor, and replay copies nothing.
 One replay holds one micro-batch's activations: backward must run before the
 next forward of the same module (as in any micro-batch loop).
 
-The graphs read the parameters at the addresses they were captured with.
-The parameters are taken when the forward is captured (a module that swaps
-its parameters -- FSDP2 between its sharded and gathered ones -- is captured
-with the ones it runs with), and every forward replay first checks that
-their memory has not moved (``p.data = ...``, ``module.to(...)``, storage an
-FSDP2 module freed and allocated again): a moved parameter is a
-:class:`ContractError`, never a replay that reads freed memory.
+The graphs read the parameters and buffers at the addresses they were
+captured with. The parameters are taken when the forward is captured (a
+module that swaps its parameters -- FSDP2 between its sharded and gathered
+ones -- is captured with the ones it runs with), and every forward replay
+first checks that the memory of the module's parameters (frozen ones too)
+and buffers has not moved (``p.data = ...``, ``module.to(...)``, storage an
+FSDP2 module freed and allocated again): a moved tensor is a
+:class:`ContractError`, never a replay that reads stale or freed memory.
 """
 
 from __future__ import annotations
@@ -105,7 +106,10 @@ class ModuleGraph:
         self.name = name
         self.retain_graph = retain_graph
         self.params = [p for p in module.parameters() if p.requires_grad]  # taken again at capture
-        self.param_addresses: tuple[int, ...] = ()  # where the captured graphs read the parameters
+        # every parameter and buffer the captured graphs read, as (the dict that holds it, its name), and
+        # where each was at capture
+        self.watched: list[tuple[dict, str]] = []
+        self.addresses: tuple[int, ...] = ()
         self.sample: Any = None  # (args, kwargs) of the last warm-up call, detached copies
         self.static: StaticInputs | None = None
         self.out_leaves: list[Any] = []  # output leaves: graph-owned tensors and captured constants
@@ -187,7 +191,9 @@ class ModuleGraph:
                 static.requires_grad_(True)
         self.static.tree = tree_unflatten(self.static.leaves, self.static.spec)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.param_addresses = tuple(_address(p) for p in self.params)
+        self.watched = [(d, name) for m in self.module.modules() for d in (m._parameters, m._buffers)
+                        for name, t in d.items() if t is not None]
+        self.addresses = self._addresses()
         self.fwd = backend.new_graph(f"{self.name}.fwd", shared_pool=self.shared_pool)
         with backend.capture(self.fwd, generators), torch.enable_grad():
             out, self.param_aliases = self._call_with_param_aliases(self.static.tree)
@@ -240,16 +246,20 @@ class ModuleGraph:
                 f"{self.name}: forward replayed again before the backward of the previous call. A graphed module "
                 "holds one micro-batch's activations: run backward before the next forward."
             )
-        if tuple(_address(p) for p in self.params) != self.param_addresses:
+        if self._addresses() != self.addresses:
             raise ContractError(
-                f"{self.name}: a parameter's memory moved after capture (p.data = ..., module.to(...), or storage "
-                "freed and allocated again, as FSDP2 does with the parameters it gathers); the graphs read the "
-                "parameters where they were captured. Update parameters in place, or capture again."
+                f"{self.name}: a parameter's or buffer's memory moved after capture (p.data = ..., module.to(...), "
+                "or storage freed and allocated again, as FSDP2 does with the parameters it gathers); the graphs "
+                "read them where they were captured. Update them in place, or capture again."
             )
         self.static.copy_in(tree)
         self.fwd.replay()
         self.pending_backward = self.bwd is not None
         return self.outputs
+
+    def _addresses(self) -> tuple[int, ...]:
+        """Where the module's parameters and buffers are now (-1: no longer there)."""
+        return tuple(_address(t) if (t := d.get(name)) is not None else -1 for d, name in self.watched)
 
     def rebuild_output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         """The module's output pytree, with ``tensors`` in place of the graph-owned tensor leaves."""
@@ -298,7 +308,7 @@ class ModuleGraph:
         self.out_leaves, self.outputs = [], []
         self.grad_out, self.grad_in, self.grad_targets, self.param_aliases = [], [], [], []
         self.param_grads, self.returned, self.in_graph = [], [], []
-        self.param_addresses = ()
+        self.watched, self.addresses = [], ()
         self.pending_backward = False
 
 
