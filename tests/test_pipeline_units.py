@@ -109,6 +109,26 @@ def test_a_rank_finds_its_stage_and_replica(world, rank, expected):
     assert "2 pipeline-stage x" in dp.layout.describe()
 
 
+def _sgd_one_stage(model, device: str, schedule: str):
+    """``model`` as the one stage of torch's ``schedule`` over 3 micro-batches, trained by PipelineTrainStep on
+    graphstep's gradient buffers with a plain SGD update: batches -> loss."""
+    from graphstep.training.optim import GradBuffers
+    from graphstep.training.pipeline import Pipeline, PipelineTrainStep
+
+    grads = GradBuffers(model)
+    pipe = Pipeline(model, stage_index=0, stages=1, group=dist.group.WORLD, device=torch.device(device),
+                    schedule=schedule, num_micro_batches=3)
+    train_step = PipelineTrainStep(pipe, grads)
+
+    def step(batches):
+        out = train_step(batches)
+        with torch.no_grad():
+            torch._foreach_add_([p.data for p in grads.params], grads.grads, alpha=-0.1)
+        return out["loss"]
+
+    return step
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_one_stage_schedule_captured_whole_equals_eager(one_rank_group, device, schedule):
@@ -117,25 +137,12 @@ def test_a_one_stage_schedule_captured_whole_equals_eager(one_rank_group, device
     to eager."""
     from graphstep.cuda_graph.rng import initialize_rng_tracker
     from graphstep.models.transformer import GPTModel, ModelShape
-    from graphstep.training.optim import GradBuffers
-    from graphstep.training.pipeline import Pipeline, PipelineTrainStep
 
     def make():
         tracker = initialize_rng_tracker(0, device)
         model = GPTModel(ModelShape.from_config(ModelConfig(**SHAPE, hidden_dropout=0.1, attention_dropout=0.1)))
         model.to(device).train()
-        grads = GradBuffers(model)
-        pipe = Pipeline(model, stage_index=0, stages=1, group=dist.group.WORLD, device=torch.device(device),
-                        schedule=schedule, num_micro_batches=3)
-        train_step = PipelineTrainStep(pipe, grads)
-
-        def step(batches):
-            out = train_step(batches)
-            with torch.no_grad():
-                torch._foreach_add_([p.data for p in grads.params], grads.grads, alpha=-0.1)
-            return out["loss"]
-
-        return model, step, tracker
+        return model, _sgd_one_stage(model, device, schedule), tracker
 
     g = torch.Generator().manual_seed(5)
     data = [[{"tokens": torch.randint(0, 64, (2, 16), generator=g).to(device),
@@ -165,8 +172,6 @@ def test_per_layer_graphs_hold_every_micro_batch_in_flight(one_rank_group, devic
     from graphstep.cuda_graph.registry import get_backend
     from graphstep.cuda_graph.rng import initialize_rng_tracker
     from graphstep.models.transformer import GPTModel, ModelShape
-    from graphstep.training.optim import GradBuffers
-    from graphstep.training.pipeline import Pipeline, PipelineTrainStep
 
     def make(graphed: bool):
         tracker = initialize_rng_tracker(0, device)
@@ -174,20 +179,14 @@ def test_per_layer_graphs_hold_every_micro_batch_in_flight(one_rank_group, devic
         model.to(device).train()
         layers = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend(device),
                              generators=tracker.generators) if graphed else None
-        grads = GradBuffers(model)
-        pipe = Pipeline(model, stage_index=0, stages=1, group=dist.group.WORLD, device=torch.device(device),
-                        schedule=schedule, num_micro_batches=3)
-        train_step = PipelineTrainStep(pipe, grads)
+        train = _sgd_one_stage(model, device, schedule)
 
         def step(i, batches):
             if layers is not None:
                 if i == 2:
                     layers.capture()
                 layers.start_step()
-            out = train_step(batches)
-            with torch.no_grad():
-                torch._foreach_add_([p.data for p in grads.params], grads.grads, alpha=-0.1)
-            return out["loss"]
+            return train(batches)
 
         return model, step, layers
 

@@ -106,10 +106,8 @@ class ModuleGraph:
         self.name = name
         self.retain_graph = retain_graph
         self.params = [p for p in module.parameters() if p.requires_grad]  # taken again at capture
-        # every parameter and buffer the captured graphs read, as (the dict that holds it, its name), and
-        # where each was at capture
-        self.watched: list[tuple[dict, str]] = []
-        self.addresses: tuple[int, ...] = ()
+        # every parameter and buffer the captured graphs read: (the dict that holds it, its name, its address)
+        self.watched: list[tuple[dict, str, int]] = []
         self.sample: Any = None  # (args, kwargs) of the last warm-up call, detached copies
         self.static: StaticInputs | None = None
         self.out_leaves: list[Any] = []  # output leaves: graph-owned tensors and captured constants
@@ -191,9 +189,8 @@ class ModuleGraph:
                 static.requires_grad_(True)
         self.static.tree = tree_unflatten(self.static.leaves, self.static.spec)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.watched = [(d, name) for m in self.module.modules() for d in (m._parameters, m._buffers)
+        self.watched = [(d, name, _address(t)) for m in self.module.modules() for d in (m._parameters, m._buffers)
                         for name, t in d.items() if t is not None]
-        self.addresses = self._addresses()
         self.fwd = backend.new_graph(f"{self.name}.fwd", shared_pool=self.shared_pool)
         with backend.capture(self.fwd, generators), torch.enable_grad():
             out, self.param_aliases = self._call_with_param_aliases(self.static.tree)
@@ -246,7 +243,7 @@ class ModuleGraph:
                 f"{self.name}: forward replayed again before the backward of the previous call. A graphed module "
                 "holds one micro-batch's activations: run backward before the next forward."
             )
-        if self._addresses() != self.addresses:
+        if self._moved():
             raise ContractError(
                 f"{self.name}: a parameter's or buffer's memory moved after capture (p.data = ..., module.to(...), "
                 "or storage freed and allocated again, as FSDP2 does with the parameters it gathers); the graphs "
@@ -257,9 +254,13 @@ class ModuleGraph:
         self.pending_backward = self.bwd is not None
         return self.outputs
 
-    def _addresses(self) -> tuple[int, ...]:
-        """Where the module's parameters and buffers are now (-1: no longer there)."""
-        return tuple(_address(t) if (t := d.get(name)) is not None else -1 for d, name in self.watched)
+    def _moved(self) -> bool:
+        """Whether a parameter or buffer the graphs read is gone or elsewhere than at capture."""
+        for d, name, address in self.watched:
+            t = d.get(name)
+            if t is None or _address(t) != address:
+                return True
+        return False
 
     def rebuild_output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         """The module's output pytree, with ``tensors`` in place of the graph-owned tensor leaves."""
@@ -308,7 +309,7 @@ class ModuleGraph:
         self.out_leaves, self.outputs = [], []
         self.grad_out, self.grad_in, self.grad_targets, self.param_aliases = [], [], [], []
         self.param_grads, self.returned, self.in_graph = [], [], []
-        self.watched, self.addresses = [], ()
+        self.watched = []
         self.pending_backward = False
 
 
