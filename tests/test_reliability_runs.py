@@ -206,7 +206,7 @@ def test_second_run_on_the_same_directory_is_refused_and_sigterm_releases_the_lo
         while not (ck / LOCK_NAME).exists() or not (ck / LOCK_NAME).read_text().strip():
             assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
             time.sleep(0.2)
-        second = run_cli("train.train_iters=2", f"checkpoint.save={ck}", "logger.metrics_path=null")
+        second = run_cli("train.train_iters=4", f"checkpoint.save={ck}", "logger.metrics_path=null")
         assert_one_line_exit_2(second, f"pid {first.pid} on {socket.gethostname()}", str(ck))
         assert first.poll() is None  # the first run goes on
     finally:
@@ -312,7 +312,7 @@ def test_device_cuda_without_a_gpu_is_one_line(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_device_cuda_without_a_gpu_exits_2():
-    proc = run_cli("train.train_iters=1", "train.device=cuda", "logger.metrics_path=null")
+    proc = run_cli("train.train_iters=4", "train.device=cuda", "logger.metrics_path=null")
     assert_one_line_exit_2(proc, "train.device=cuda but this machine has no CUDA device")
 
 

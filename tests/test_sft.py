@@ -119,12 +119,8 @@ def test_a_sample_longer_than_the_largest_bucket_is_an_error(sft_file):
         build_data(make_cfg(*sft_overrides(sft_file, "data.seq_length_buckets=[16,32]")))
     with pytest.raises(BucketError, match=r"x.jsonl:4: 40 tokens is longer than the largest bucket 32"):
         pick_bucket([16, 32], 40, lambda: "x.jsonl:4")
-    with pytest.raises(ConfigError, match=r"data.seq_length_buckets=\[16, 128\]: every bucket must be in 1..model"):
-        build_data(make_cfg(*sft_overrides(sft_file, "data.seq_length_buckets=[16,128]")))
-    # fixed-length data: model.seq_length itself must be a bucket
-    with pytest.raises(BucketError, match=r"data.dataset=mock: every sample .*: 64 tokens is longer than the "
-                                          r"largest bucket 32"):
-        build_data(make_cfg("data.dataset=mock", "model.seq_length=64", "data.seq_length_buckets=[16,32]"))
+    # buckets beyond model.seq_length, and fixed-length data without model.seq_length as a bucket: rule V22
+    # (tests/test_value_rules_inputs.py), refused before any data is read
 
 
 # --- training -----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ Three steps, always in this order (``resolve`` runs all three):
    tracker flags). :func:`apply_perf_flags` maps the perf-harness flags
    onto the config before it.
 2. :func:`validate` checks every numbered rule -- R1-R17 (graph_rules.py),
-   R18-R24 (run_rules.py), R25-R31 (parallel_rules.py) -- and every value rule, ``V`` and V1-V13
+   R18-R24 (run_rules.py), R25-R31 (parallel_rules.py) -- and every value rule, ``V`` and V1-V22
    (values.py), and returns all violations at once, each with its rule id,
    the fields it names and the fix. It never raises, whatever the values: a
    rule that cannot even be evaluated reports itself. Given a config that is
@@ -64,7 +64,7 @@ def _rule_violations(cfg: Config, env: Mapping[str, str], capability: tuple[int,
 
 def validate(cfg: Config, *, env: Mapping[str, str] | None = None, device_capability: tuple[int, int] | None = None,
              world_size: int | None = None, normalized: bool = False) -> list[Violation]:
-    """Every rule (R1-R31, V, V1-V13) on the normalised ``cfg``; all violations, never an exception.
+    """Every rule (R1-R31, V, V1-V22) on the normalised ``cfg``; all violations, never an exception.
 
     ``normalized=True``: ``cfg`` was normalised in place already (``resolve``); otherwise a normalised
     copy is judged. ``env`` (default ``os.environ``) gives ``WORLD_SIZE`` unless ``world_size`` is given.

@@ -1,4 +1,4 @@
-"""The plain value checks of a config: rule ``V`` and the numbered value rules ``V1``-``V13``.
+"""The plain value checks of a config: rule ``V`` and the numbered value rules ``V1``-``V22``.
 
 ``V`` (unnumbered) covers types, fixed choices, minimums and shapes;
 ``V1``-``V13`` each guard one thing that training would refuse late (after
@@ -7,15 +7,23 @@ negative rates and coefficients, probabilities outside their range, a zero
 save interval, a malformed split, a vocabulary smaller than the tokenizer's,
 an odd attention head width, a Hugging Face directory that is not there, a
 corpus too small to split, a global batch that does not split into whole
-micro-batches over the data-parallel ranks. Each check takes the normalised
-config, returns violations naming the field, its value and the
-fix, and never raises (``_checked`` turns a crash into a violation).
+micro-batches over the data-parallel ranks. ``V14``-``V22`` guard settings
+that a run would otherwise ignore without a word, or refuse only once it has
+started: a data path the dataset does not read, a sharding strategy without
+FSDP2, a profiling window or ranks outside the run, fine-tuning with nothing
+to load, a graph warm-up as long as the run, W&B fields without a project, a
+missing optional package, sequence-length buckets the model cannot hold.
+Each check takes the normalised config, returns violations naming the field,
+its value and the fix, and never raises (``_checked`` turns a crash into a
+violation).
 validation/__init__.py runs them after the R rules; docs/rules.md lists them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,7 +61,7 @@ _MINIMUM: dict[str, int] = {
     "model.seq_length": 1,
     "model.vocab_size": 1, "model.num_attention_heads": 1, "model.num_query_groups": 1, "model.num_moe_experts": 1,
     "model.moe_router_topk": 1, "model.moe_layer_freq": 1, "train.micro_batch_size": 1, "train.global_batch_size": 1,
-    "train.train_iters": 0, "logger.log_interval": 1,
+    "train.train_iters": 0, "logger.log_interval": 1, "logger.tensorboard_log_interval": 1, "ddp.bucket_size": 1,
 }
 
 
@@ -144,7 +152,7 @@ def _pattern_violations(cfg: Config) -> list[Violation]:
 
 
 # --------------------------------------------------------------------------
-# numbered value rules V1-V13
+# numbered value rules V1-V22
 
 # rule -> (fields, lowest allowed, highest allowed (exclusive) or None, why)
 _BOUNDS: dict[str, tuple[tuple[str, ...], float, float | None, str]] = {
@@ -268,8 +276,191 @@ def _batch_violations(cfg: Config, world_size: int) -> list[Violation]:
                f"set train.global_batch_size={mbs * ranks} or another multiple of {mbs * ranks}.")]
 
 
+# --------------------------------------------------------------------------
+# V14-V22: settings a run would ignore without a word, or refuse only once started
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value == "" or value == []
+
+
+def _data_path_violations(cfg: Config) -> list[Violation]:
+    """V14: data.data_path is read by data.dataset=indexed and sft only (data/sources.py)."""
+    d = cfg.data
+    if _unset(d.data_path) or _str(d.dataset) not in ("corpus", "mock"):
+        return []  # an unknown dataset is V's
+    paths = [d.data_path] if isinstance(d.data_path, str) else d.data_path if isinstance(d.data_path, list) else []
+    reader = ("data.dataset=sft (a prompt/response jsonl file)" if any(str(p).endswith(".jsonl") for p in paths)
+              else "data.dataset=indexed (a Megatron .bin/.idx prefix, a list or a blend)")
+    what = "the embedded corpus" if d.dataset == "corpus" else "random tokens"
+    return [_v("V14", ["data.data_path", "data.dataset"], f"data.data_path={_fmt(d.data_path)} is set but "
+               f"data.dataset={d.dataset} does not read it: the run would train on {what}.",
+               f"set {reader}, or data.data_path=null.")]
+
+
+def _sharding_violations(cfg: Config) -> list[Violation]:
+    """V15: ddp.data_parallel_sharding_strategy takes effect only with ddp.use_megatron_fsdp=true (Megatron's)."""
+    d = cfg.ddp
+    strategy = _str(d.data_parallel_sharding_strategy)
+    if d.use_megatron_fsdp is True or strategy not in ("optim_grads", "optim_grads_params"):
+        return []  # no_shard is the default; any other value is R26's
+    zero2 = d.use_distributed_optimizer is True or cfg.optimizer.use_distributed_optimizer is True
+    now = ("the distributed optimizer shards as optim_grads (ZeRO-2)" if zero2 else
+           "the data-parallel ranks would hold whole replicas (no sharding)")
+    return [_v("V15", ["ddp.data_parallel_sharding_strategy", "ddp.use_megatron_fsdp"],
+               f"ddp.data_parallel_sharding_strategy={strategy} takes effect only with ddp.use_megatron_fsdp=true, "
+               f"which is false: {now}.", f"set ddp.use_megatron_fsdp=true (FSDP2 {strategy}), or "
+               "ddp.data_parallel_sharding_strategy=no_shard.")]
+
+
+_PROFILERS = ("profiling.use_pytorch_profiler", "profiling.use_nsys_profiler", "profiling.record_memory_history")
+
+
+def _profiler_on(cfg: Config) -> str | None:
+    """The first profiling switch that is on: each acts on the window and ranks (observability/profiler.py)."""
+    return next((key for key in _PROFILERS if _get(cfg, key) is True), None)
+
+
+def _window_violations(cfg: Config) -> list[Violation]:
+    """V16: the profiling window is 1 <= profile_step_start <= profile_step_end <= train.train_iters."""
+    on, pr = _profiler_on(cfg), cfg.profiling
+    start, end, iters = _int(pr.profile_step_start), _int(pr.profile_step_end), _int(cfg.train.train_iters)
+    if on is None or start is None or end is None or iters is None:
+        return []  # profiling off, or a wrong type: V reports it
+    window = ["profiling.profile_step_start", "profiling.profile_step_end"]
+    shown = f"profiling.profile_step_start={start}, profiling.profile_step_end={end}"
+    if not 1 <= start <= end:
+        return [_v("V16", window, f"{shown} with {on}=true: the profiled iterations run from start to end, "
+                   "both included, counted from 1, so no iteration is profiled.",
+                   f"set 1 <= profiling.profile_step_start <= profiling.profile_step_end (e.g. "
+                   f"profiling.profile_step_start={max(1, min(start, end))} "
+                   f"profiling.profile_step_end={max(1, start, end)}).")]
+    if end <= iters:
+        return []
+    missing = f"iteration {end}" if iters + 1 == end else f"iterations {iters + 1}-{end}"
+    lost = ("none of them runs: nothing is profiled" if start > iters else
+            f"{missing} never run(s): the profile stops short")
+    fix = (f"set train.train_iters={end} or more, or profiling.profile_step_end={iters} or less (and "
+           f"profiling.profile_step_start <= it)" if iters >= 1 else f"set train.train_iters={end} or more, or {on}=false")
+    return [_v("V16", window + ["train.train_iters"], f"{shown} with {on}=true, but train.train_iters={iters}: "
+               f"{lost}.", fix + ".")]
+
+
+def _rank_violations(cfg: Config, world_size: int) -> list[Violation]:
+    """V17: every rank of profiling.profile_ranks is one of the run's ranks (0 .. world size - 1)."""
+    on, ranks, key = _profiler_on(cfg), cfg.profiling.profile_ranks, "profiling.profile_ranks"
+    if on is None or not isinstance(ranks, list) or any(_int(r) is None for r in ranks):
+        return []  # profiling off, or a wrong type: V reports it
+    world = max(world_size, 1)
+    if not ranks:
+        return [_v("V17", [key], f"{key}=[] with {on}=true names no rank: nothing is profiled.",
+                   f"set {key}=[0] (or the global ranks to profile).")]
+    outside = [r for r in ranks if not 0 <= r < world]
+    if not outside:
+        return []
+    none = " (no rank profiles)" if len(outside) == len(ranks) else ""
+    return [_v("V17", [key], f"{key}={_fmt(ranks)} with {on}=true names rank(s) {_fmt(outside)}, but the run has "
+               f"{world} rank(s), 0..{world - 1} (torchrun's WORLD_SIZE): those never profile{none}.",
+               f"set {key} to ranks in 0..{world - 1} (e.g. [0]), or launch more ranks.")]
+
+
+def _finetune_violations(cfg: Config) -> list[Violation]:
+    """V18: checkpoint.finetune=true needs weights to load: checkpoint.load (or model.hf_path's)."""
+    c = cfg.checkpoint
+    if c.finetune is not True or not _unset(c.load) or not _unset(cfg.model.hf_path):
+        return []
+    return [_v("V18", ["checkpoint.finetune", "checkpoint.load"], "checkpoint.finetune=true loads the weights of "
+               f"checkpoint.load, but checkpoint.load={_fmt(c.load)} (and no model.hf_path): nothing is loaded, the "
+               "run starts from random weights.", "set checkpoint.load=<checkpoint directory> (or "
+               "model.hf_path=<Hugging Face directory>), or checkpoint.finetune=false.")]
+
+
+def _warmup_violations(cfg: Config) -> list[Violation]:
+    """V19: with graphs on, the run is longer than the eager warm-up, or no graph is ever captured."""
+    m, impl = cfg.model, _str(cfg.model.cuda_graph_impl)
+    warmup, iters = _int(m.cuda_graph_warmup_steps), _int(cfg.train.train_iters)
+    if impl not in ("local", "transformer_engine", "full_iteration") or warmup is None or iters is None:
+        return []  # graphs off, or values that R1 and V report
+    # per-layer graphs learn the call order on one eager iteration at least (training/prepare.py)
+    eager = warmup if impl == "full_iteration" else max(1, warmup)
+    if iters > eager:
+        return []
+    why = "" if eager == warmup else " (per-layer graphs always run one eager iteration first)"
+    fixes = [f"train.train_iters={eager + 1} or more"]
+    if iters >= 2 or (iters == 1 and impl == "full_iteration"):
+        fixes.append(f"model.cuda_graph_warmup_steps={iters - 1}" + (" or less" if iters >= 2 else ""))
+    return [_v("V19", ["model.cuda_graph_warmup_steps", "train.train_iters", "model.cuda_graph_impl"],
+               f"model.cuda_graph_impl={impl} captures after model.cuda_graph_warmup_steps={warmup} eager "
+               f"iteration(s){why}, but train.train_iters={iters}: no graph is ever captured, the whole run is "
+               "eager.", f"set {', or '.join(fixes)}, or model.cuda_graph_impl=none.")]
+
+
+def _wandb_violations(cfg: Config) -> list[Violation]:
+    """V20: the W&B run's fields (name, directory) need logger.wandb_project, which turns W&B on."""
+    lg = cfg.logger
+    if not _unset(lg.wandb_project):
+        return []
+    given = [key for key in ("logger.wandb_save_dir", "logger.wandb_exp_name") if not _unset(_get(cfg, key))]
+    if not given:
+        return []
+    shown = ", ".join(f"{key}={_fmt(_get(cfg, key))}" for key in given)
+    return [_v("V20", given + ["logger.wandb_project"], f"{shown} {'is' if len(given) == 1 else 'are'} ignored: "
+               f"W&B is off without a project (logger.wandb_project={_fmt(lg.wandb_project)}), nothing is written.",
+               "set logger.wandb_project=<project> (W&B runs offline unless WANDB_MODE is set), or "
+               f"{' and '.join(f'{key}=null' for key in given)}.")]
+
+
+def _installed(module: str) -> bool:
+    """Whether ``import module`` can find it, without importing it (the writers import it when the run starts)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# field -> (the module it imports, the graphstep extra that installs it); torch.utils.tensorboard imports tensorboard
+_EXTRAS = {"logger.tensorboard_dir": ("tensorboard", "tensorboard"), "logger.wandb_project": ("wandb", "wandb")}
+
+
+def _extra_violations(cfg: Config) -> list[Violation]:
+    """V21: a field that needs an optional package (observability/writers.py) has it installed."""
+    out = []
+    for key, (module, extra) in _EXTRAS.items():
+        value = _get(cfg, key)
+        if isinstance(value, str) and value and not _installed(module):
+            out.append(_v("V21", [key], f"{key}={_fmt(value)} needs the {module} package, which is not installed.",
+                          f"pip install 'graphstep[{extra}]', or set {key}=null."))
+    return out
+
+
+def _bucket_violations(cfg: Config) -> list[Violation]:
+    """V22: data.seq_length_buckets are widths in 1..model.seq_length; fixed-length data needs model.seq_length."""
+    buckets, seq, key = cfg.data.seq_length_buckets, _int(cfg.model.seq_length), "data.seq_length_buckets"
+    if buckets is None or not isinstance(buckets, list) or seq is None or any(_int(b) is None for b in buckets):
+        return []  # no buckets, or a wrong type: V reports it
+    if not buckets:
+        return [_v("V22", [key], f"{key}=[] holds no bucket.", f"set {key}=null (no buckets), or bucket widths "
+                   f"such as [{max(1, seq // 2)},{seq}].")]
+    outside = sorted({b for b in buckets if not 1 <= b <= seq})
+    if outside:
+        raise_seq = f", or set model.seq_length={max(outside)}" if max(outside) > seq else ""
+        return [_v("V22", [key, "model.seq_length"], f"{key}={_fmt(buckets)} has bucket(s) {_fmt(outside)} outside "
+                   f"1..model.seq_length={seq}: a bucket is a padded width, at most the longest sequence the model's "
+                   "position tables hold.", f"drop {_fmt(outside)} from {key}{raise_seq}.")]
+    dataset = _str(cfg.data.dataset)
+    if dataset in ("corpus", "mock", "indexed") and max(buckets) < seq:
+        return [_v("V22", [key, "model.seq_length", "data.dataset"], f"data.dataset={dataset} samples are all "
+                   f"model.seq_length={seq} tokens, longer than the largest bucket {max(buckets)} of "
+                   f"{key}={_fmt(buckets)}.", f"add the bucket {seq} to {key}, or set {key}=null.")]
+    return []
+
+
 _NUMBERED: tuple[Callable[[Config], list[Violation]], ...] = (
     _bound_violations, _split_violations, _vocab_violations, _head_violations, _hf_path_violations,
+    _data_path_violations, _sharding_violations, _window_violations, _finetune_violations, _warmup_violations,
+    _wandb_violations, _extra_violations, _bucket_violations,
 )
 
 
@@ -280,4 +471,5 @@ def value_violations(cfg: Config, world_size: int) -> list[Violation]:
     out += _checked("V", _shape_violations, cfg)
     numbered = [v for check in _NUMBERED for v in _checked("V", check, cfg)]
     numbered += _checked("V13", lambda c: _batch_violations(c, world_size), cfg)
+    numbered += _checked("V17", lambda c: _rank_violations(c, world_size), cfg)
     return out + sorted(numbered, key=lambda v: int(v.rule[1:]) if v.rule[1:].isdigit() else 0)
