@@ -363,9 +363,7 @@ def _widths(cfg: Config, source: SampleSource, split: str) -> tuple[int | None, 
     """(fixed padded width, per-step buckets) of ``source``'s batches; see data/buckets.py."""
     buckets = parse_buckets(cfg)
     seq = cfg.model.seq_length
-    if not hasattr(source, "batch"):  # fixed-length windows: model.seq_length must be a bucket
-        if buckets is not None:
-            pick_bucket(buckets, seq, lambda: f"data.dataset={cfg.data.dataset}: every sample (model.seq_length)")
+    if not hasattr(source, "batch"):  # fixed-length windows: model.seq_length is a bucket (V22), nothing to pick
         return None, None
     if buckets is None:
         return seq, None

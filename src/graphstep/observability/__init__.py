@@ -6,8 +6,8 @@ what it already has -- nothing here reads a device value on its own:
 * :mod:`.writers` -- ``MetricWriters`` writes the metrics rows the JSONL
   file gets (read from the device once per ``logger.log_interval``) to
   TensorBoard (``logger.tensorboard_dir``) and W&B (``logger.wandb_project``),
-  plus the capture events. A missing optional package is a one-line
-  :class:`MissingExtraError` (exit 2) before iteration 1.
+  plus the capture events. A missing optional package is refused by
+  validation (rule V21) before anything is built.
 * :mod:`.profiler` -- ``StepProfiler``: a PyTorch profiler trace of
   iterations ``profiling.profile_step_start..profile_step_end``, nsys's
   capture range (cudaProfilerStart/Stop) and the CUDA memory history.
@@ -18,7 +18,6 @@ what it already has -- nothing here reads a device value on its own:
 
 from .nvtx import PhaseRanges, open_ranges
 from .profiler import StepProfiler, trace_dir
-from .writers import MetricWriters, MissingExtraError, check_setup
+from .writers import MetricWriters, MissingExtraError
 
-__all__ = ["MetricWriters", "MissingExtraError", "PhaseRanges", "StepProfiler", "check_setup", "open_ranges",
-           "trace_dir"]
+__all__ = ["MetricWriters", "MissingExtraError", "PhaseRanges", "StepProfiler", "open_ranges", "trace_dir"]

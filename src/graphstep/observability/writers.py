@@ -11,9 +11,10 @@ is written under its own name. ``log_timers_to_tensorboard`` adds step time
 and tokens/s, ``log_memory_to_tensorboard`` the peak memory, and every
 capture is written as an event (iteration, graphs, seconds, memory added).
 
-Both packages are optional extras: :func:`check_setup` raises a one-line
-:class:`MissingExtraError` (exit 2) before the run is built when a field
-needs one that is not installed. W&B runs offline (``WANDB_MODE=offline``)
+Both packages are optional extras: validation refuses a field that needs one
+that is not installed (rule V21, before the run is built); the writers import
+it when the run starts (a package that is found but does not import is a
+one-line :class:`MissingExtraError`, exit 2). W&B runs offline (``WANDB_MODE=offline``)
 unless ``WANDB_MODE`` is set, so it needs no network and no login.
 """
 
@@ -51,20 +52,6 @@ def _require(module: str, extra: str, setting: str) -> Any:
         raise MissingExtraError(
             f"{setting} needs the {extra} package, which is not installed: pip install 'graphstep[{extra}]' "
             f"(or unset {setting.split('=')[0]})") from None
-
-
-def check_setup(cfg: Config) -> None:
-    """Before the run is built: the optional packages the config needs, and the profiling window."""
-    lg, pr = cfg.logger, cfg.profiling
-    if lg.tensorboard_dir:
-        _require("torch.utils.tensorboard", "tensorboard", f"logger.tensorboard_dir={lg.tensorboard_dir}")
-    if lg.wandb_project:
-        _require("wandb", "wandb", f"logger.wandb_project={lg.wandb_project}")
-    if lg.tensorboard_log_interval < 1:
-        raise ConfigError(f"logger.tensorboard_log_interval={lg.tensorboard_log_interval}: must be at least 1")
-    if (pr.use_pytorch_profiler or pr.use_nsys_profiler) and not 1 <= pr.profile_step_start <= pr.profile_step_end:
-        raise ConfigError(f"profiling.profile_step_start={pr.profile_step_start}, profiling.profile_step_end="
-                          f"{pr.profile_step_end}: profiled iterations need 1 <= start <= end (both inclusive)")
 
 
 class MetricWriters:

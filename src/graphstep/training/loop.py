@@ -55,7 +55,7 @@ from ..validation import resolve_cuda_graph_settings
 from ..data import build_data
 from ..doctor import capture_error_hook
 from ..models.hf import with_hf_shape
-from ..observability import MetricWriters, StepProfiler, check_setup, open_ranges
+from ..observability import MetricWriters, StepProfiler, open_ranges
 from .build import Run, build_run
 from .checkpoint import Checkpointer, TrainingState
 from .console import Console
@@ -171,7 +171,6 @@ def _train(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_mode
 
 def _preflight(cfg: Config, dp: DataParallel, device: torch.device) -> RunLock:
     """Writable outputs, enough memory, the run lock (rank 0): every rank fails together, before building."""
-    check_setup(cfg)  # tensorboard/wandb installed when asked for, a sane profiling window: the same on every rank
     lock = RunLock([d for _, d in output_dirs(cfg)] if dp.is_main else [])
     error: RunSetupError | None = None
     try:
