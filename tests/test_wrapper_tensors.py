@@ -227,5 +227,60 @@ def test_sequence_parallel_norm_gradients_on_two_ranks_equal_eager(tmp_path, dev
         assert report["equal"] == [True] * 3, (rank, report["max_diff"])
 
 
+# ---- item: the capture leaves module buffers as eager autograd saw them ---------------------------------------
+
+
+class MaskedLinear(nn.Module):
+    def __init__(self, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("mask", mask)  # the same tensor in every block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).masked_fill(self.mask, 0)  # saves the mask for backward
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_buffer_shared_by_an_eager_and_a_graphed_block_equal_eager(device):
+    """The eager block's backward needs the mask at the version it saved: the capture of the graphed block
+    (which reads the same buffer) must not write it back in place."""
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randn(4, 8, generator=g).to(device) for _ in range(4)]
+
+    def run(graphed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        mask = (torch.rand(4, 8) > 0.5).to(device)
+        net = nn.Sequential(MaskedLinear(mask), MaskedLinear(mask)).to(device)
+        layers = graphstep.graph_layers(net, ["1"], warmup_steps=1) if graphed else None
+        out = []
+        for x in batches:
+            loss = net(x).pow(2).sum()
+            loss.backward()
+            out += [loss.detach()] + [p.grad.clone() for p in net.parameters()]
+            net.zero_grad(set_to_none=False)
+        assert mask._version == 0  # nothing wrote the buffer
+        if layers is not None:
+            assert layers.captured
+            layers.close()
+        return out
+
+    for k, (a, b) in enumerate(zip(run(False), run(True))):
+        assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_twice_before_backward_is_a_graph_usage_error(device):
+    """docs/library.md: two forwards of a graphed module before the backward are a ``GraphUsageError`` -- not an
+    autograd error raised at the capture step by buffers the capture wrote back (BatchNorm saves its running
+    statistics for backward)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))).to(device)
+    graphstep.graph_layers(net, ["0"], warmup_steps=1)
+    with pytest.raises(GraphUsageError, match="before the backward"):
+        for _ in range(3):
+            a, b = net(torch.randn(4, 8, device=device)), net(torch.randn(4, 8, device=device))
+            (a + b).sum().backward()
+
+
 if __name__ == "__main__":  # the torchrun worker: test_wrapper_tensors.py OUT_DIR DEVICE
     _two_rank_worker(Path(sys.argv[1]), sys.argv[2])
