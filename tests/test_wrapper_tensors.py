@@ -282,5 +282,67 @@ def test_forward_twice_before_backward_is_a_graph_usage_error(device):
             (a + b).sum().backward()
 
 
+# ---- item: graph_step(modules=) refuses a replaced buffer ----------------------------------------------------
+
+
+def _captured_bn_step(device: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    graphed = graphstep.graph_step(step, warmup_steps=1, device=device, modules=[model])
+    for _ in range(3):
+        graphed(torch.randn(4, 8, device=device))
+    assert graphed.state == "replayed"
+    return model, graphed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_replaced_buffer_is_refused_before_the_replay(device):
+    model, graphed = _captured_bn_step(device)
+    before = model[1].running_mean.clone()
+    model[1].running_mean = torch.zeros(8, device=device)  # replaced, not updated in place
+    with pytest.raises(ContractError, match=r"buffer '1.running_mean' was replaced after capture"):
+        graphed(torch.randn(4, 8, device=device))
+    assert torch.equal(model[1].running_mean, torch.zeros(8, device=device))
+    assert not torch.equal(before, torch.zeros(8, device=device))
+
+
+def test_a_buffer_updated_in_place_or_a_replaced_submodule():
+    """In place is the contract (replays go on); a submodule swapped for a new one is refused too."""
+    model, graphed = _captured_bn_step("cpu")
+    with torch.no_grad():
+        model[1].running_var.copy_(torch.ones(8))
+    graphed(torch.randn(4, 8))
+    model[1] = nn.BatchNorm1d(8)
+    with pytest.raises(ContractError, match=r"submodule '1' was replaced after capture"):
+        graphed(torch.randn(4, 8))
+
+
+def test_a_dtensor_parameter_given_new_local_storage_is_refused(one_rank_group):
+    """A DTensor parameter's address is its local tensor's (its own ``data_ptr()`` is 0)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = parallelize_module(nn.Sequential(nn.Linear(8, 8)), _mesh("cpu"), {"0": ColwiseParallel()})
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).detach()
+
+    graphed = graphstep.graph_step(step, warmup_steps=1, modules=[model])
+    for _ in range(2):
+        graphed(torch.randn(4, 8))
+    model[0].weight._local_tensor = torch.zeros(8, 8)  # new storage under the same DTensor (as FSDP2 swaps it)
+    with pytest.raises(ContractError, match=r"parameter '0.weight' was replaced after capture"):
+        graphed(torch.randn(4, 8))
+
+
 if __name__ == "__main__":  # the torchrun worker: test_wrapper_tensors.py OUT_DIR DEVICE
     _two_rank_worker(Path(sys.argv[1]), sys.argv[2])
