@@ -61,6 +61,8 @@ def test_a_dtensor_of_another_layout_is_a_contract_error_naming_the_argument(one
         step(ones, _dtensor(ones, mesh))
     with pytest.raises(ContractError, match=r"argument \[1\] has another layout.*Replicate.*now DTensor.*Shard"):
         step(ones, _dtensor(ones, mesh, Shard(0)))
+    with pytest.raises(ContractError, match=r"argument \[1\] differs .*captured DTensor\(shape=\(4, 2\).*\(4, 3\)"):
+        step(ones, _dtensor(torch.ones(4, 3, device=device), mesh))
     with pytest.raises(ContractError, match=r"argument \[1\] has another layout.*DTensor.*now tensor"):
         step(ones, ones)
     with pytest.raises(ContractError, match=r"argument \[0\] has another layout.*tensor.*now DTensor"):

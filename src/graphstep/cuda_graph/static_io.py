@@ -186,19 +186,19 @@ class StaticInputs:
             if isinstance(old, torch.Tensor):
                 if not isinstance(new, torch.Tensor):
                     raise ContractError(f"{self.name}: argument {path} was a tensor at capture, now {_describe(new)}")
-                if (captured is not None or type(new) is not torch.Tensor) and layout(new) != captured:
-                    raise ContractError(
-                        f"{self.name}: argument {path} has another layout than at capture: captured "
-                        f"{describe_layout(old)}, now {describe_layout(new)}. The graph was captured for that "
-                        "layout (its collectives too): pass the same (e.g. x.redistribute(mesh, placements)), "
-                        "or capture again."
-                    )
                 if new.shape != old.shape or new.dtype != old.dtype:
                     raise ContractError(
                         f"{self.name}: argument {path} differs from the captured call: "
                         f"captured {_describe(old)}, now {_describe(new)}. A graph replays the captured shapes: "
                         "pad inputs to a fixed shape (or drop the last partial batch), or capture one graph "
                         "per shape."
+                    )
+                if (captured is not None or type(new) is not torch.Tensor) and layout(new) != captured:
+                    raise ContractError(
+                        f"{self.name}: argument {path} has another layout than at capture: captured "
+                        f"{describe_layout(old)}, now {describe_layout(new)}. The graph was captured for that "
+                        "layout (its collectives too): pass the same (e.g. x.redistribute(mesh, placements)), "
+                        "or capture again."
                     )
                 if self.device is None and new.device != old.device:
                     raise ContractError(
