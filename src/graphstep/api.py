@@ -32,6 +32,7 @@ from .cuda_graph.fsdp import prepare_fsdp
 from .cuda_graph.layers import LayerGraphs
 from .cuda_graph.registry import close_all_backends, get_backend
 from .cuda_graph.rng import get_rng_tracker
+from .cuda_graph.static_io import addresses
 from .integrations import transformers as _hf_decisions  # noqa: F401  (transformers' mask check, see there)
 
 log = logging.getLogger("graphstep")
@@ -64,32 +65,45 @@ def _diagnose_with_doctor(exc: CaptureError, failed: FailedCapture) -> None:
 
 
 class ParamGuard:
-    """Parameters must be updated in place after capture, never replaced: checks it before each replay."""
+    """Parameters and buffers must be updated in place after capture, never replaced: checks it before each replay.
+
+    ``arm()`` (right after the capture) notes every submodule, parameter and buffer of the modules with the
+    dict that holds it and where its data is (a DTensor's: its local tensor's); ``check()`` looks each one up
+    again in its dict -- no walk over the modules per replay -- and raises at the first one replaced.
+    """
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self.modules = list(modules)
-        self.snapshot: list[tuple[str, torch.Tensor, int]] | None = None
+        # (kind, qualified name, the dict that holds it, its key, the tensor or module, its addresses)
+        self.snapshot: list[tuple[str, str, dict, str, Any, tuple[int, ...]]] | None = None
 
-    def _params(self) -> Iterable[tuple[str, torch.Tensor]]:
-        for i, m in enumerate(self.modules):
-            for name, p in m.named_parameters():
-                yield (f"{i}.{name}" if len(self.modules) > 1 else name), p
+    def _held(self) -> Iterable[tuple[str, str, dict, str, Any, tuple[int, ...]]]:
+        for i, root in enumerate(self.modules):
+            prefix = f"{i}." if len(self.modules) > 1 else ""
+            for path, m in root.named_modules():
+                where = f"{prefix}{path}." if path else prefix
+                for name, child in m._modules.items():
+                    yield "submodule", where + name, m._modules, name, child, ()
+                for kind, held in (("parameter", m._parameters), ("buffer", m._buffers)):
+                    for name, t in held.items():
+                        if t is not None:
+                            yield kind, where + name, held, name, t, addresses(t)
 
     def arm(self) -> None:
-        self.snapshot = [(name, p, p.data_ptr()) for name, p in self._params()]
+        self.snapshot = list(self._held())
 
     def check(self) -> None:
         if self.snapshot is None:
             return
-        current = dict(self._params())
-        for name, p, ptr in self.snapshot:
-            now = current.get(name)
-            if now is not p or now.data_ptr() != ptr:
-                raise ContractError(
-                    f"parameter {name!r} was replaced after capture (a new tensor or new storage); the graph "
-                    "still reads and updates the old one. Update parameters in place, e.g. "
-                    "`with torch.no_grad(): p.copy_(new)`, or call reset() to capture again."
-                )
+        for kind, name, held, key, value, address in self.snapshot:
+            now = held.get(key)
+            if now is not value or (address and addresses(now) != address):
+                if kind == "submodule":
+                    what, fix = "a new module", "Replace submodules before the capture"
+                else:
+                    what, fix = "a new tensor or new storage", f"Update {kind}s in place (`t.copy_(new)` under no_grad)"
+                raise ContractError(f"{kind} {name!r} was replaced after capture ({what}); the graph still reads and "
+                                    f"updates the old one. {fix}, or call reset() to capture again.")
 
 
 class _GuardedStep(GraphedStep):
@@ -137,8 +151,8 @@ def graph_step(
         backend: ``auto`` (CUDA graphs on a GPU, the CPU replay backend elsewhere),
             ``cuda``, or ``replay`` (a dry run on any device).
         modules: models whose parameters the step updates; checked before each
-            replay for parameters replaced instead of updated in place, and at capture
-            for parameters or buffers the capture created.
+            replay for parameters, buffers or submodules replaced instead of updated in
+            place, and at capture for parameters or buffers the capture created.
         optimizers: optimizers whose state the capture must not create (those the
             step function refers to are found without being listed).
         generators: the RNG generators to register: a callable returning them, or

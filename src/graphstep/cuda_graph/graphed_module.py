@@ -29,6 +29,13 @@
 Inputs and outputs are handled as flat lists of pytree leaves; an input leaf
 index names the same argument at capture and at replay.
 
+DTensors (tensor subclasses that wrap other tensors) among the arguments, the
+outputs and the incoming gradients are compared and copied through their
+local tensors (static_io.py): their own ``data_ptr()`` is 0. An incoming
+gradient must have the layout (mesh, placements) the backward was captured
+with, else :class:`ContractError`; the parameter gradients handed to autograd
+are copies that keep the graph's placements (``Partial`` stays ``Partial``).
+
 Copy-free chaining: when the module's input at run time *is* another graph's
 output (or its incoming gradient is another graph's input gradient) the
 static buffer was captured as that very tensor, and replay copies nothing.
@@ -57,7 +64,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .backend import Graph, GraphBackend
 from .errors import ContractError, GraphUsageError
-from .static_io import StaticInputs
+from .static_io import (StaticInputs, addresses, clone_keeping_layout, copy_data, describe_layout,
+                        empty_keeping_layout, layout)
 
 
 MAIN_GRAD_HOOK_FLAG = "graphstep_main_grad_hook"
@@ -81,19 +89,13 @@ def accumulates_in_graph(p: torch.Tensor) -> bool:
     return all(getattr(h, MAIN_GRAD_HOOK_FLAG, False) for h in hooks)
 
 
-def _address(p: torch.Tensor) -> int:
-    """Where ``p``'s data is (a DTensor's: its local tensor's)."""
-    local = getattr(p, "_local_tensor", None)
-    return (local if local is not None else p).data_ptr()
-
-
 def _differentiable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
 def _sample(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
-        return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+        return clone_keeping_layout(leaf).requires_grad_(leaf.requires_grad)  # a DTensor keeps its placements
     return leaf
 
 
@@ -106,14 +108,15 @@ class ModuleGraph:
         self.name = name
         self.retain_graph = retain_graph
         self.params = [p for p in module.parameters() if p.requires_grad]  # taken again at capture
-        # every parameter and buffer the captured graphs read: (the dict that holds it, its name, its address)
-        self.watched: list[tuple[dict, str, int]] = []
+        # every parameter and buffer the captured graphs read: (the dict that holds it, its name, its addresses)
+        self.watched: list[tuple[dict, str, tuple[int, ...]]] = []
         self.sample: Any = None  # (args, kwargs) of the last warm-up call, detached copies
         self.static: StaticInputs | None = None
         self.out_leaves: list[Any] = []  # output leaves: graph-owned tensors and captured constants
         self.out_spec: Any = None
         self.outputs: list[torch.Tensor] = []  # the tensor output leaves, in order
         self.grad_out: list[torch.Tensor | None] = []
+        self.grad_out_layouts: list[Any] = []  # per output gradient buffer: a DTensor's layout, else None
         self.grad_in: list[torch.Tensor | None] = []
         self.fwd: Graph | None = None
         self.bwd: Graph | None = None
@@ -187,9 +190,9 @@ class ModuleGraph:
         for static, sample in zip(self.static.leaves, sample_leaves):
             if isinstance(sample, torch.Tensor) and sample.requires_grad:
                 static.requires_grad_(True)
-        self.static.tree = tree_unflatten(self.static.leaves, self.static.spec)
+        self.static.refresh()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.watched = [(d, name, _address(t)) for m in self.module.modules() for d in (m._parameters, m._buffers)
+        self.watched = [(d, name, addresses(t)) for m in self.module.modules() for d in (m._parameters, m._buffers)
                         for name, t in d.items() if t is not None]
         self.fwd = backend.new_graph(f"{self.name}.fwd", shared_pool=self.shared_pool)
         with backend.capture(self.fwd, generators), torch.enable_grad():
@@ -219,7 +222,7 @@ class ModuleGraph:
             # are copied in before every replay.
             for i in diff_out:
                 alias = grad_aliases.get(i)
-                self.grad_out[i] = alias if alias is not None else torch.empty_like(self.outputs[i])
+                self.grad_out[i] = alias if alias is not None else empty_keeping_layout(self.outputs[i])
             grads = torch.autograd.grad(
                 [self.outputs[i] for i in diff_out], inputs + self.param_aliases,
                 grad_outputs=[self.grad_out[i] for i in diff_out],
@@ -233,6 +236,7 @@ class ModuleGraph:
                     elif g is not None:
                         target.add_(g)
             self.param_grads = returned
+        self.grad_out_layouts = [layout(g) if g is not None else None for g in self.grad_out]
         it = iter(grads[: len(inputs)])
         self.grad_in = [next(it) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves]
 
@@ -258,7 +262,7 @@ class ModuleGraph:
         """Whether a parameter or buffer the graphs read is gone or elsewhere than at capture."""
         for d, name, address in self.watched:
             t = d.get(name)
-            if t is None or _address(t) != address:
+            if t is None or addresses(t) != address:
                 return True
         return False
 
@@ -271,19 +275,30 @@ class ModuleGraph:
     def replay_backward(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[tuple, tuple]:
         """Replay the backward graph: (input gradients, gradients of the returned parameters)."""
         self._check_in_graph_params()
-        for static, g in zip(self.grad_out, grads):
+        for i, (static, g, captured) in enumerate(zip(self.grad_out, grads, self.grad_out_layouts)):
             if static is None:
                 continue
             if g is None:
                 static.zero_()
-            elif g.data_ptr() != static.data_ptr():
-                static.copy_(g)
+            elif captured is None and type(g) is torch.Tensor:  # a plain gradient: the fast path
+                if g.data_ptr() != static.data_ptr():
+                    static.copy_(g)
+            elif layout(g) != captured:
+                raise ContractError(
+                    f"{self.name}: the gradient of output {i} has another layout than the captured backward's: "
+                    f"captured {describe_layout(static)}, now {describe_layout(g)}. Return the output to code "
+                    "that produces its gradient with the output's placements, or leave this module eager."
+                )
+            else:
+                copy_data(static, g)  # through the local tensors: a DTensor's data_ptr() is 0
         if self.bwd is not None:
             self.bwd.replay()
         self.pending_backward = False
         # A copy per returned gradient: autograd and the hooks get this backward's own
-        # gradient, which the next replay does not overwrite.
-        param_grads = tuple(g.clone() if g is not None else None for g in self.param_grads)
+        # gradient, which the next replay does not overwrite. A DTensor's copy keeps its
+        # placements (a Partial gradient stays Partial, reduced where eager reduces it).
+        param_grads = tuple(None if g is None else g.clone() if type(g) is torch.Tensor else clone_keeping_layout(g)
+                            for g in self.param_grads)
         return tuple(self.grad_in), param_grads
 
     def _check_in_graph_params(self) -> None:
@@ -308,6 +323,7 @@ class ModuleGraph:
         self.static = None
         self.out_leaves, self.outputs = [], []
         self.grad_out, self.grad_in, self.grad_targets, self.param_aliases = [], [], [], []
+        self.grad_out_layouts = []
         self.param_grads, self.returned, self.in_graph = [], [], []
         self.watched = []
         self.pending_backward = False

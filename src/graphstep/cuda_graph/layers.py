@@ -66,6 +66,7 @@ from .fsdp import gathered, prepare_fsdp, release_gathered
 from .graph_state import GraphState
 from .graphed_module import ModuleGraph, apply_graphed
 from .scopes import scope_modules
+from .static_io import local_tensors
 
 log = logging.getLogger("graphstep")
 
@@ -329,13 +330,40 @@ class LayerGraphs:
         self.step_order = None
 
 
-def _save_state(graphs: list[ModuleGraph], gens: list[torch.Generator]) -> StateBackup:
-    """The module buffers, the ``main_grad`` views and the RNG states a capture must leave as they were."""
-    saved = StateBackup()
-    for g in graphs:
-        saved.save_tensors(list(g.module.buffers()) + [getattr(p, "main_grad", None) for p in g.params])
-    saved.save_generators(gens)
-    return saved
+class _SavedState:
+    """The module buffers, the ``main_grad`` views and the RNG states a capture must leave as they were.
+
+    ``restore()`` writes a tensor back only where the capture changed it: writing back an unchanged
+    buffer would bump its autograd version counter, and an eager node that saved it (a mask shared
+    by an eager block and a graphed one) would refuse its backward ("modified by an inplace
+    operation"). A DTensor is compared and written through its local tensors (its own clone of a
+    ``Partial`` tensor would change the placements).
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor | None], gens: list[torch.Generator]) -> None:
+        self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: set[int] = set()
+        for t in tensors:
+            for local in local_tensors(t) if t is not None else ():
+                if id(local) not in seen:
+                    seen.add(id(local))
+                    self.tensors.append((local, local.detach().clone()))
+        self.generators = StateBackup()
+        self.generators.save_generators(gens)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, saved in self.tensors:
+                if not torch.equal(t, saved):  # a host sync, once per capture
+                    t.copy_(saved)
+        self.tensors.clear()
+        self.generators.restore()
+
+
+def _save_state(graphs: list[ModuleGraph], gens: list[torch.Generator]) -> _SavedState:
+    """What a capture must leave as it was (see :class:`_SavedState`)."""
+    tensors = [t for g in graphs for t in [*g.module.buffers(), *(getattr(p, "main_grad", None) for p in g.params)]]
+    return _SavedState(tensors, gens)
 
 
 def select_modules(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, nn.Module]]:

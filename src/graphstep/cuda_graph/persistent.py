@@ -28,15 +28,18 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-# (tensor id, storage address): a tensor replaced, or its storage replaced, counts as new
-_Key = tuple[int, int]
+from .static_io import local_tensors
+
+# (tensor id, storage addresses): a tensor replaced, or its storage replaced, counts as new
+_Key = tuple[int, tuple[int, ...]]
 
 
 def _storage_key(t: torch.Tensor) -> _Key:
+    """A DTensor's storage is its local tensor's (its own has no data pointer)."""
     try:
-        return id(t), t.untyped_storage().data_ptr()
+        return id(t), tuple(local.untyped_storage().data_ptr() for local in local_tensors(t))
     except Exception:
-        return id(t), 0
+        return id(t), ()
 
 
 def _expand(value: Any) -> Iterator[Any]:

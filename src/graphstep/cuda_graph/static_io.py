@@ -13,11 +13,23 @@ The input contract of graphstep's graphs:
 * static: parameters, buffers, optimizer state -- updated in place, never replaced;
 * copied in: the arguments given to a graphed call (batches), through this class;
 * graph-owned: everything the graph returns -- overwritten by the next replay.
+
+Tensor subclasses that wrap other tensors (``DTensor``, float8 tensors: any
+subclass with ``__tensor_flatten__``) have no memory of their own -- their
+``data_ptr()`` is 0 -- so they are compared, copied and cloned through the
+plain tensors they hold (:func:`local_tensors`): the static buffer of a
+DTensor argument is a DTensor of the same mesh and placements whose local
+tensor receives each call's local tensor. A DTensor argument whose mesh or
+placements differ from the captured one's (or a plain tensor where a DTensor
+was captured) is a :class:`ContractError`: the graph was captured for that
+layout, its collectives included. :func:`clone_keeping_layout` copies one
+keeping its placements (DTensor's own ``clone()`` of a ``Partial`` tensor
+returns a ``Replicate`` one, with an all-reduce).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
@@ -27,8 +39,102 @@ from .errors import ContractError
 
 def _describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
-        return f"tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
+        kind = type(x).__name__ if is_wrapper(x) else "tensor"
+        return f"{kind}(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
     return repr(x)
+
+
+# ---- tensor subclasses that wrap other tensors (DTensor) ----------------------
+
+
+def is_wrapper(t: Any) -> bool:
+    """Whether ``t`` is a tensor subclass holding its data in inner tensors (DTensor): its ``data_ptr()`` is 0."""
+    return (isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__")
+            and hasattr(type(t), "__tensor_unflatten__"))
+
+
+def local_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: ``[t]``, or a wrapper's inner tensors (a DTensor's local tensor)."""
+    if not is_wrapper(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    out: list[torch.Tensor] = []
+    for name in names:
+        inner = getattr(t, name)
+        if isinstance(inner, torch.Tensor):  # DTensor also names its (non-tensor) mesh
+            out += local_tensors(inner)
+    return out
+
+
+def addresses(t: torch.Tensor) -> tuple[int, ...]:
+    """Where ``t``'s data is: the address of each of its local tensors (a DTensor's: its local tensor's)."""
+    return tuple(x.data_ptr() for x in local_tensors(t))
+
+
+def _rebuild(t: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``t`` with ``make(local)`` in place of each local tensor: same subclass, mesh and placements."""
+    if not is_wrapper(t):
+        return make(t)
+    names, ctx = t.__tensor_flatten__()
+    inner = {}
+    for name in names:
+        value = getattr(t, name)
+        inner[name] = _rebuild(value, make) if isinstance(value, torch.Tensor) else value
+    return type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
+
+
+def clone_keeping_layout(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t``; a DTensor keeps its placements (its own ``clone()`` turns Partial into Replicate)."""
+    if not is_wrapper(t):
+        return t.detach().clone()
+    with torch.no_grad():
+        return _rebuild(t.detach(), torch.clone)
+
+
+def empty_keeping_layout(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor like ``t``; a DTensor: one of the same mesh and placements."""
+    if not is_wrapper(t):
+        return torch.empty_like(t)
+    with torch.no_grad():
+        return _rebuild(t.detach(), torch.empty_like)
+
+
+def layout(t: torch.Tensor) -> Any:
+    """What a wrapper's contract checks besides its global shape and dtype (None for a plain tensor): its
+    subclass, a DTensor's mesh and placements, and its local tensors' shapes and dtypes."""
+    if not is_wrapper(t):
+        return None
+    return (type(t), getattr(t, "device_mesh", None), tuple(getattr(t, "placements", ())),
+            tuple((tuple(x.shape), x.dtype) for x in local_tensors(t)))
+
+
+def describe_layout(t: Any) -> str:
+    if not isinstance(t, torch.Tensor) or not is_wrapper(t):
+        return _describe(t)
+    placements = getattr(t, "placements", None)
+    where = f" placements={tuple(placements)} on {t.device_mesh}" if placements is not None else ""
+    local = ", ".join(str(tuple(x.shape)) for x in local_tensors(t))
+    return f"{type(t).__name__}(shape={tuple(t.shape)},{where}, local shape {local})"
+
+
+def same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``b`` is ``a``, or holds exactly ``a``'s memory (through the local tensors of a wrapper)."""
+    if a is b:
+        return True
+    if not is_wrapper(a):
+        return _same_memory(a, b)
+    return all(_same_memory(x, y) for x, y in zip(local_tensors(a), local_tensors(b)))
+
+
+def copy_data(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst`` unless it is already there; a wrapper through its local tensors (of one layout)."""
+    if not is_wrapper(dst):
+        if not _same_memory(dst, src):
+            dst.copy_(src, non_blocking=True)
+        return
+    for x, y in zip(local_tensors(dst), local_tensors(src)):
+        if not _same_memory(x, y):
+            x.copy_(y, non_blocking=True)
 
 
 class StaticInputs:
@@ -43,15 +149,27 @@ class StaticInputs:
         leaves, self.spec = tree_flatten_with_path(example)
         self.paths = [_call_path(path) if call else keystr(path) for path, _ in leaves]
         self.leaves: list[Any] = []
-        for _, value in leaves:
-            if isinstance(value, torch.Tensor):
+        for path, value in zip(self.paths, (v for _, v in leaves)):
+            if isinstance(value, torch.Tensor) and is_wrapper(value):
+                if device is not None and value.device != device:
+                    raise ContractError(f"{self.name}: argument {path} is a {type(value).__name__} on "
+                                        f"{value.device}; the graph's inputs live on {device}: pass it there")
+                # its own local tensors, with the argument's mesh and placements
+                self.leaves.append(clone_keeping_layout(value))
+            elif isinstance(value, torch.Tensor):
                 target = device if device is not None else value.device
                 # detach(): the buffer must be a leaf of its own, not a copy that autograd links
                 # back to the example (a node made outside the capture, on another stream).
                 self.leaves.append(torch.empty_like(value, device=target).copy_(value.detach()))
             else:
                 self.leaves.append(value)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """After ``leaves`` changed (a buffer replaced by another graph's output): the tree and the layouts."""
         self.tree = tree_unflatten(self.leaves, self.spec)
+        # per leaf: a wrapper's layout (checked on every call), None for plain tensors and other values
+        self.layouts = [layout(t) if isinstance(t, torch.Tensor) else None for t in self.leaves]
 
     def check(self, value: Any) -> list[Any]:
         """The new call's leaves, after checking them against the contract."""
@@ -64,7 +182,7 @@ class StaticInputs:
                 f"(pass the same arguments, by the same names, every call).\n  captured: {captured}\n  now:      {now}"
             )
         out = []
-        for path, new, old in zip(self.paths, leaves, self.leaves):
+        for path, new, old, captured in zip(self.paths, leaves, self.leaves, self.layouts):
             if isinstance(old, torch.Tensor):
                 if not isinstance(new, torch.Tensor):
                     raise ContractError(f"{self.name}: argument {path} was a tensor at capture, now {_describe(new)}")
@@ -74,6 +192,13 @@ class StaticInputs:
                         f"captured {_describe(old)}, now {_describe(new)}. A graph replays the captured shapes: "
                         "pad inputs to a fixed shape (or drop the last partial batch), or capture one graph "
                         "per shape."
+                    )
+                if (captured is not None or type(new) is not torch.Tensor) and layout(new) != captured:
+                    raise ContractError(
+                        f"{self.name}: argument {path} has another layout than at capture: captured "
+                        f"{describe_layout(old)}, now {describe_layout(new)}. The graph was captured for that "
+                        "layout (its collectives too): pass the same (e.g. x.redistribute(mesh, placements)), "
+                        "or capture again."
                     )
                 if self.device is None and new.device != old.device:
                     raise ContractError(
@@ -89,8 +214,10 @@ class StaticInputs:
 
     def copy_in(self, value: Any) -> None:
         """Check ``value`` and copy its tensors into the static buffers."""
-        for dst, src in zip(self.leaves, self.check(value)):
-            if isinstance(dst, torch.Tensor) and not _same_memory(dst, src):
+        for dst, src, wrapped in zip(self.leaves, self.check(value), self.layouts):
+            if wrapped is not None:
+                copy_data(dst, src)  # through the local tensors: a DTensor's data_ptr() is 0
+            elif isinstance(dst, torch.Tensor) and not _same_memory(dst, src):
                 dst.copy_(src, non_blocking=True)
 
 
