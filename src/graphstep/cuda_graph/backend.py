@@ -93,6 +93,9 @@ class GraphBackend(ABC):
     # (lazy per-stream and per-thread initialisation, e.g. cuBLAS in autograd's
     # device thread, is illegal during a capture).
     needs_stream_warmup: bool = False
+    # Whether a torch optimizer built with fused=True (and capturable=False) can be captured: on the CPU
+    # its step counter stays a tensor, but on CUDA torch refuses to capture any optimizer that is not capturable.
+    captures_fused_optimizers: bool = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -241,6 +244,7 @@ class CudaGraphBackend(GraphBackend):
 
     name = "cuda"
     needs_stream_warmup = True
+    captures_fused_optimizers = False
 
     def __init__(self, device: torch.device, capture_error_mode: str = "thread_local") -> None:
         super().__init__(device)

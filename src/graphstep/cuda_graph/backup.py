@@ -17,14 +17,23 @@ to watch it. :class:`StateBackup` saves what that work could change and
 * ``save_generators(generators)`` -- each generator's state.
 
 ``restore()`` copies everything back (storages, then tensors, then
-generators), outside autograd, and forgets it; a second call does nothing.
+generators), outside autograd, and forgets it; a second call does nothing
+(``restore(keep=True)`` keeps the copies for another restore).
+
+:class:`StepSnapshot` is the host-side state of a whole step that a failed
+capture may leave changed (GraphedStep takes it before every capture and
+restores it when the capture fails): optimizer state and settings, parameter
+gradients, generators, FSDP2's state machine.
 """
 
 from __future__ import annotations
 
-from typing import Any, Container, Iterable
+from typing import Any, Container, Iterable, Sequence
 
 import torch
+from torch import nn
+
+from .fsdp import FsdpSnapshot
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -48,9 +57,17 @@ class StateBackup:
         return len(self._storages) + len(self._tensors) + len(self._generators)
 
     def save_storages(self, tensors: Iterable[Any], skip: Container[int] = ()) -> None:
-        """Copy each tensor's whole storage, unless already saved or its address is in ``skip``."""
+        """Copy each tensor's whole storage, unless already saved or its address is in ``skip``.
+
+        A wrapper subclass (DTensor) has no storage of its own: the storages of the tensors it wraps are
+        saved (a dispatch mode that sees DTensor's ops does not see the writes to its local tensor).
+        """
         for t in tensors:
             if not isinstance(t, torch.Tensor):
+                continue
+            flatten = getattr(t, "__tensor_flatten__", None)
+            if flatten is not None:
+                self.save_storages([getattr(t, name) for name in flatten()[0]], skip)
                 continue
             key = storage_key(t)
             if key == 0 or key in skip or key in self._storages:
@@ -69,8 +86,8 @@ class StateBackup:
         for gen in generators:
             self._generators.append((gen, gen.get_state()))
 
-    def restore(self) -> None:
-        """Write every saved copy back and forget them."""
+    def restore(self, *, keep: bool = False) -> None:
+        """Write every saved copy back and forget them (unless ``keep``)."""
         with torch.no_grad():
             for storage, saved in self._storages.values():
                 if storage.nbytes() != saved.nbytes():  # freed or regrown since saved (FSDP2's resharding)
@@ -80,7 +97,8 @@ class StateBackup:
                 t.copy_(saved)
         for gen, state in reversed(self._generators):  # a generator saved twice gets its first state
             gen.set_state(state)
-        self.clear()
+        if not keep:
+            self.clear()
 
     def clear(self) -> None:
         """Forget the copies without writing them back."""
@@ -88,3 +106,59 @@ class StateBackup:
         self._tensors.clear()
         self._tensor_ids.clear()
         self._generators.clear()
+
+
+class StepSnapshot:
+    """What a failed capture of a step may leave changed on the host, put back by :meth:`restore`.
+
+    A CUDA capture executes no device work, but the step's Python code runs in full until the
+    error, and so does its CPU work: FSDP2 moves through its forward and backward states and sets
+    gradients, ``zero_grad()`` sets them to None, a CPU step counter is incremented, generators
+    advance. The replay backend restores the tensors it recorded writes to and the generators, but
+    not that Python state either. Taken right before a capture, restored after a failed one (and again
+    after an ``on_capture_error`` hook that re-ran the step):
+
+    * each optimizer's ``param_groups`` (every setting, e.g. a learning rate a scheduler set) and
+      ``state`` (the per-parameter dicts as they were, state the capture created removed), and the
+      values of its tensors that live on another kind of device than the graph's (a CPU step counter:
+      CPU work runs during a CUDA capture);
+    * every parameter's ``.grad`` -- the same tensor object, or None -- of those optimizers and of
+      ``modules``;
+    * the generators' states;
+    * FSDP2's state of every ``fully_shard`` module inside ``modules`` (fsdp.py's :class:`FsdpSnapshot`).
+
+    Other host-side effects of the step (a Python counter, a CPU tensor outside the optimizers' state
+    on a CUDA capture) are not known here: keep them out of the captured step.
+    """
+
+    def __init__(self, *, optimizers: Sequence[torch.optim.Optimizer], modules: Sequence[nn.Module],
+                 generators: Iterable[torch.Generator], device: torch.device) -> None:
+        self.tensors = StateBackup()
+        self.tensors.save_generators(generators)
+        self.groups = [(group, dict(group)) for opt in optimizers for group in opt.param_groups]
+        self.states = [(opt, {p: (s, dict(s)) for p, s in opt.state.items()}) for opt in optimizers]
+        host = [v for opt in optimizers for s in opt.state.values() for v in s.values()]
+        host += [v for opt in optimizers for group in opt.param_groups for v in group.values()]
+        self.tensors.save_tensors(t for t in host if isinstance(t, torch.Tensor) and t.device.type != device.type)
+        self.fsdp = FsdpSnapshot(modules)
+        params = {id(p): p for opt in optimizers for group in opt.param_groups for p in group["params"]}
+        params.update((id(p), p) for m in modules for p in m.parameters())
+        self.grads = [(p, p.grad) for p in params.values()]
+
+    def restore(self) -> None:
+        """Put everything back; can be called again."""
+        self.fsdp.restore()  # first: resharding registers the sharded parameters whose grads come next
+        for p, grad in self.grads:
+            if p.grad is not grad:
+                p.grad = grad
+        for group, saved in self.groups:
+            group.clear()
+            group.update(saved)
+        for opt, saved in self.states:
+            for p in [p for p in opt.state if p not in saved]:
+                del opt.state[p]
+            for p, (state, contents) in saved.items():
+                state.clear()
+                state.update(contents)
+                opt.state[p] = state
+        self.tensors.restore(keep=True)

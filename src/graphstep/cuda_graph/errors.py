@@ -54,6 +54,9 @@ class CaptureError(GraphstepError, RuntimeError):
             return out_of_memory(exc, graph_name)
         if is_stream_capture_implicit(str(exc)):
             return accumulate_grad_stream(graph_name, f"the capture failed with: {first_line(exc)}")
+        refused = _TORCH_OPTIMIZER_REFUSAL.search(str(exc))
+        if refused:  # torch's own capture check, should an optimizer step reach it
+            return uncapturable_optimizer(refused.group(1), fused=False, fused_suffices=False)
         return cls(
             f"capture of graph {graph_name!r} failed: {exc}. Run `graphstep doctor` (or "
             "graphstep.doctor.check) on this step to find the line that breaks capture.",
@@ -68,6 +71,32 @@ class ContractError(GraphstepError, ValueError):
 
 class GraphUsageError(GraphstepError, RuntimeError):
     """A graphed object was used out of order (forward twice before backward, replay before capture...)."""
+
+
+# --------------------------------------------------------------------------
+# a torch optimizer that cannot be captured (both backends, before its step runs)
+
+OPTIMIZER_FIX = "create it with capturable=True on CUDA (fused=True on the CPU)"
+
+# torch.optim's _accelerator_graph_capture_health_check
+_TORCH_OPTIMIZER_REFUSAL = re.compile(r"graph capture of step\(\) for an instance of (\w+) but param_groups' "
+                                      r"capturable is False")
+
+
+def uncapturable_optimizer(name: str, *, fused: bool, fused_suffices: bool,
+                           where: SourceLine | None = None) -> CaptureError:
+    """A torch.optim optimizer whose ``step()`` keeps and reads its step counter on the host.
+
+    The same error on every backend (GraphedStep raises it from an optimizer step pre-hook, before the
+    step does anything); ``fused_suffices`` is False on CUDA, where torch refuses a fused optimizer's
+    capture too unless it is capturable.
+    """
+    if fused and not fused_suffices:
+        built = f"{name}(capturable=False, fused=True): on CUDA torch captures only capturable optimizers"
+    else:
+        built = f"{name}(capturable=False, fused=False) keeps its step counter on the host and reads it there"
+    return CaptureError(f"{name}.step() cannot be captured: {built}; {OPTIMIZER_FIX}",
+                        op=f"{name}.step", where=where, category="optimizer")
 
 
 # --------------------------------------------------------------------------

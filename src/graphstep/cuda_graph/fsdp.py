@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -154,3 +154,97 @@ def prepare_fsdp(model: nn.Module, modules: Sequence[nn.Module]) -> list[nn.Modu
     owners = fsdp_owners(model, modules)
     keep_gathered(owners)
     return owners
+
+
+# --------------------------------------------------------------------------
+# a failed capture: FSDP2's state put back as it was before
+
+
+_NOT_A_CONTAINER = object()
+
+
+def _copy_attrs(obj: Any) -> dict[str, tuple[Any, Any]]:
+    """``obj``'s attributes, each with a copy of its contents when it is a list, dict or set."""
+    saved = {}
+    for name, value in vars(obj).items():
+        if isinstance(value, (list, dict, set)):
+            saved[name] = (value, list(value) if isinstance(value, list) else value.copy())
+        else:
+            saved[name] = (value, _NOT_A_CONTAINER)
+    return saved
+
+
+def _put_attrs(obj: Any, saved: dict[str, tuple[Any, Any]]) -> None:
+    """Every attribute as saved (containers refilled in place: other objects may hold them); new ones removed."""
+    attrs = vars(obj)
+    for name in [n for n in attrs if n not in saved]:
+        del attrs[name]
+    for name, (value, contents) in saved.items():
+        if isinstance(value, list):
+            value[:] = contents
+        elif contents is not _NOT_A_CONTAINER:
+            value.clear()
+            value.update(contents)
+        attrs[name] = value
+
+
+class FsdpSnapshot:
+    """FSDP2's host-side state of some modules, taken before a capture and put back when it fails.
+
+    A failed capture leaves FSDP2's Python state machine where the capture stopped: parameter groups
+    unsharded (on a GPU their all-gathers never ran: the gathered parameters hold garbage), training
+    states mid-forward or mid-backward, pending all-gather and reduce-scatter states, the final backward
+    callback marked as queued, an unsharded parameter's gradient. :meth:`restore` reshards every group that
+    was sharded before, then puts back the attributes of every FSDP2 state of the modules, their shared
+    contexts and parameter groups (whatever their names), and the unsharded parameters' gradients. No
+    collective runs and nothing the capture recorded is waited on. The private FSDP2 names used here:
+    ``_get_fsdp_state``, ``_state_ctx``, ``_comm_ctx``, ``_fsdp_param_groups`` (see ``_groups``), a group's
+    ``_sharded_state`` and ``_to_sharded()``, an FSDPParam's ``_unsharded_param`` and
+    ``unsharded_accumulated_grad`` (torch 2.13).
+    """
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.objects: list[tuple[Any, dict[str, tuple[Any, Any]]]] = []
+        self.groups: list[tuple[Any, Any]] = []  # (group, its _sharded_state before)
+        self.params: list[tuple[Any, dict[str, Any], Any]] = []  # (FSDPParam, accumulated grad, unsharded grad)
+        fsdp_type = _fsdp_module_type()
+        if fsdp_type is None:
+            return
+        units = {id(u): u for m in modules for u in m.modules() if isinstance(u, fsdp_type)}
+        try:
+            self._take(units.values())
+        except (GraphUsageError, AttributeError) as e:
+            log.warning("this torch (%s) keeps FSDP2's state differently than graphstep expects (%s): a failed "
+                        "capture cannot put it back, and an eager run after one may differ", torch.__version__, e)
+            self.objects, self.groups, self.params = [], [], []
+
+    def _take(self, units: Iterable[nn.Module]) -> None:
+        seen: set[int] = set()
+        for unit in units:
+            state = unit._get_fsdp_state()
+            groups = _groups(unit)
+            for obj in (state, getattr(state, "_state_ctx", None), getattr(state, "_comm_ctx", None), *groups):
+                if obj is not None and id(obj) not in seen:
+                    seen.add(id(obj))
+                    self.objects.append((obj, _copy_attrs(obj)))
+            for group in groups:
+                self.groups.append((group, group._sharded_state))
+                for fp in group.fsdp_params:
+                    unsharded = vars(fp).get("_unsharded_param")
+                    accumulated = {k: vars(fp)[k] for k in ("unsharded_accumulated_grad",) if k in vars(fp)}
+                    self.params.append((fp, accumulated, None if unsharded is None else unsharded.grad))
+
+    def restore(self) -> None:
+        for group, before in self.groups:
+            if group._sharded_state != before and before.name == "SHARDED":
+                group._to_sharded()  # the module's sharded parameters registered again, the gathered ones freed
+        now = {id(group): group._sharded_state for group, _ in self.groups}
+        for obj, saved in self.objects:
+            _put_attrs(obj, saved)
+            if id(obj) in now:  # what its parameters are now (a group unsharded before may be sharded now)
+                vars(obj)["_sharded_state"] = now[id(obj)]
+        for fp, accumulated, grad in self.params:
+            vars(fp).update(accumulated)
+            unsharded = vars(fp).get("_unsharded_param")
+            if unsharded is not None and unsharded.grad is not grad:
+                unsharded.grad = grad

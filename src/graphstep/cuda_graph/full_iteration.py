@@ -32,6 +32,7 @@ Hooks (set by the caller; the mechanism decides nothing about them):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import traceback
 from dataclasses import dataclass
@@ -39,11 +40,13 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
-from .backend import Graph, GraphBackend
+from .backend import Graph, GraphBackend, default_generators
+from .backup import StepSnapshot
 from .decisions import DecisionLog
-from .errors import CaptureError
+from .errors import CaptureError, uncapturable_optimizer, user_frame
 from .graph_state import GraphState
 from .persistent import PersistentState
 from .static_io import StaticInputs
@@ -106,7 +109,9 @@ class GraphedStep:
         generators: the RNG generators the graph must register: a callable (called at capture time),
             an iterable of generators or one generator.
         shared_pool: capture into the backend's process-wide pool.
-        on_failure: ``"raise"`` or ``"eager"`` -- after a failed capture, keep running eagerly.
+        on_failure: ``"raise"`` or ``"eager"`` -- after a failed capture, keep running eagerly. Either way a
+            failed capture leaves the program as if it had not been tried: optimizer state and settings,
+            gradients, generators and FSDP2's state are put back (backup.py's :class:`StepSnapshot`).
         input_device: where the static input buffers live (default: where the first call's tensors are);
             later calls may pass tensors from another device (e.g. pinned CPU batches), copied in.
         modules, optimizers: persistent state the capture must not create (see persistent.py); the
@@ -202,16 +207,23 @@ class GraphedStep:
 
     def _capture(self) -> Any:
         self.graph = self.backend.new_graph(self.name, shared_pool=self.shared_pool)
+        generators = list(self.generators())
+        before = self._snapshot(generators)
         try:
             self.persistent.snapshot()
-            with self.backend.capture(self.graph, self.generators()), self.decisions.replaying():
+            with self.backend.capture(self.graph, generators), self.decisions.replaying(), \
+                    _capturable_optimizers_only(self.backend):
                 outputs = self._run()
             self._check_persistent_state()
-        except CaptureError as exc:
+        except BaseException as exc:
             if self.graph is not None:
                 self.graph.reset()
             self.graph = None
+            before.restore()  # the program goes on as if the capture had never been tried
+            if not isinstance(exc, CaptureError):
+                raise
             self._report_failure(exc)
+            before.restore()  # the hook may have re-run the step (the doctor puts tensors and RNG back, not the rest)
             if self.on_failure != "eager":
                 raise
             _drop_frames(exc)  # what the failed capture allocated dies with the traceback's frames
@@ -227,6 +239,12 @@ class GraphedStep:
         self.graph.replay()
         return outputs
 
+    def _snapshot(self, generators: list[torch.Generator]) -> StepSnapshot:
+        """What a failed capture must leave as it was (see backup.py's StepSnapshot)."""
+        return StepSnapshot(optimizers=self.persistent.all_optimizers(), modules=self.persistent.all_modules(),
+                            generators=[*generators, *default_generators(self.backend.device)],
+                            device=self.backend.device)
+
     def _report_failure(self, exc: CaptureError) -> None:
         """Hand the failure to ``on_capture_error``; what the hook raises is logged, never raised instead."""
         if self.on_capture_error is None:
@@ -241,7 +259,6 @@ class GraphedStep:
         created = self.persistent.created()
         if not created:
             return
-        self.persistent.rollback()
         shown = ", ".join(created[:4]) + (f" and {len(created) - 4} more" if len(created) > 4 else "")
         raise CaptureError(
             f"the capture of {self.name!r} created persistent state ({shown}); the graph would create it again on "
@@ -261,6 +278,29 @@ class GraphedStep:
         self.state = GraphState.EAGER
 
     close = reset
+
+
+@contextlib.contextmanager
+def _capturable_optimizers_only(backend: GraphBackend) -> Iterator[None]:
+    """While capturing, a torch optimizer whose step keeps its step counter on the host raises before it runs.
+
+    The same :class:`CaptureError` (category ``optimizer``) on every backend, from torch's public optimizer
+    step pre-hook: on CUDA torch would refuse the step itself with a message naming no fix, and a
+    non-capturable optimizer that torch does not check would read its step on the host and freeze it.
+    """
+    def check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        groups = [g for g in opt.param_groups if "capturable" in g]
+        fused_ok = backend.captures_fused_optimizers
+        if all(g["capturable"] or (fused_ok and g.get("fused")) for g in groups):
+            return None
+        raise uncapturable_optimizer(type(opt).__name__, fused=any(g.get("fused") for g in groups),
+                                     fused_suffices=fused_ok, where=user_frame())
+
+    handle = register_optimizer_step_pre_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _hook_list(hooks: Hooks) -> list[Callable[[], Any]]:

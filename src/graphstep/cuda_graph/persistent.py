@@ -15,8 +15,8 @@ parameter is re-initialised -- losses silently drift from eager's.
 * the parameters and buffers of the modules passed in;
 
 and, after the capture, names every one that is new or was replaced.
-:meth:`rollback` deletes the optimizer state the capture created, so an eager
-fallback creates it again as eager code would.
+The failed capture's state is then put back by GraphedStep (backup.py's
+:class:`StepSnapshot`), so an eager fallback creates it again as eager code would.
 """
 
 from __future__ import annotations
@@ -73,13 +73,21 @@ def referenced_objects(fn: Callable[..., Any]) -> Iterator[Any]:
             yield namespace[name]
 
 
-def find_optimizers(fn: Callable[..., Any]) -> list[torch.optim.Optimizer]:
-    found: dict[int, torch.optim.Optimizer] = {}
+def _find(fn: Callable[..., Any], kind: type) -> list[Any]:
+    found: dict[int, Any] = {}
     for obj in referenced_objects(fn):
         for value in _expand(obj):
-            if isinstance(value, torch.optim.Optimizer):
+            if isinstance(value, kind):
                 found.setdefault(id(value), value)
     return list(found.values())
+
+
+def find_optimizers(fn: Callable[..., Any]) -> list[torch.optim.Optimizer]:
+    return _find(fn, torch.optim.Optimizer)
+
+
+def find_modules(fn: Callable[..., Any]) -> list[nn.Module]:
+    return _find(fn, nn.Module)
 
 
 class PersistentState:
@@ -92,11 +100,16 @@ class PersistentState:
         self.optimizers = list(optimizers)
         self._optimizers: list[torch.optim.Optimizer] = []
         self._before: dict[str, _Key] = {}
-        self._state_keys: list[set[int]] = []
 
-    def _all_optimizers(self) -> list[torch.optim.Optimizer]:
+    def all_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers passed in, then those the step function refers to."""
         seen = {id(o) for o in self.optimizers}
         return self.optimizers + [o for o in find_optimizers(self.fn) if id(o) not in seen]
+
+    def all_modules(self) -> list[nn.Module]:
+        """The modules passed in, then those the step function refers to."""
+        seen = {id(m) for m in self.modules}
+        return self.modules + [m for m in find_modules(self.fn) if id(m) not in seen]
 
     def _tensors(self, optimizers: list[torch.optim.Optimizer]) -> Iterator[tuple[str, torch.Tensor]]:
         for opt in optimizers:
@@ -112,16 +125,9 @@ class PersistentState:
 
     def snapshot(self) -> None:
         """Before the capture."""
-        self._optimizers = self._all_optimizers()
-        self._state_keys = [{id(p) for p in opt.state} for opt in self._optimizers]
+        self._optimizers = self.all_optimizers()
         self._before = {name: _storage_key(t) for name, t in self._tensors(self._optimizers)}
 
     def created(self) -> list[str]:
         """After the capture: the persistent tensors the capture allocated or replaced."""
         return [name for name, t in self._tensors(self._optimizers) if self._before.get(name) != _storage_key(t)]
-
-    def rollback(self) -> None:
-        """Forget the optimizer state the capture created (an eager call creates it again, as eager code does)."""
-        for opt, before in zip(self._optimizers, self._state_keys):
-            for p in [p for p in opt.state if id(p) not in before]:
-                del opt.state[p]

@@ -105,6 +105,7 @@ class _Tape(Graph):
         self.keep: list[Any] = []  # tensors the tape holds alive (its "pool")
         self.num_ops = 0
         self._captured = False
+        self._first: list[Callable[[], None]] | None = None  # entries run before everything recorded
 
     @property
     def captured(self) -> bool:
@@ -115,6 +116,13 @@ class _Tape(Graph):
         if not self.runs or self.runs[-1][0] != grad:
             self.runs.append((grad, []))
         self.runs[-1][1].append(entry)
+
+    def add_first(self, entry: Callable[[], None]) -> None:
+        """An entry every replay runs before all the others (a host callback, grad mode irrelevant)."""
+        if self._first is None:
+            self._first = []
+            self.runs.insert(0, (torch.is_grad_enabled(), self._first))
+        self._first.append(entry)
 
     def replay(self) -> None:
         if not self._captured:
@@ -131,6 +139,7 @@ class _Tape(Graph):
     def reset(self) -> None:
         self.runs = []
         self.keep = []
+        self._first = None
         self._captured = False
 
 
@@ -226,6 +235,7 @@ class _Recorder(TorchDispatchMode):
         self.generators = generators
         self.device = device
         self.created: set[int] = set()
+        self.sized: set[int] = set()  # storages whose size at the start of a replay is taken care of
         self.backup = StateBackup()  # memory that existed before the capture, restored when it ends
         self.issued: dict[int, _Communication] = {}  # id of a c10d op's Work -> the tape entry that re-runs it
 
@@ -318,6 +328,22 @@ class _Recorder(TorchDispatchMode):
     def note_storage(self, storage: torch.UntypedStorage) -> None:
         """A storage (re)allocated by the captured work itself: never backed up or restored."""
         self.created.add(storage.data_ptr())
+        self.sized.add(storage.data_ptr())  # allocated by a recorded resize: replay repeats that resize
+
+    def note_resize(self, storage: torch.UntypedStorage, resize: Callable[[torch.UntypedStorage, int], Any]) -> None:
+        """Before a resize of ``storage``: if the capture allocated it, every replay starts with it at its size now.
+
+        A CUDA graph's pool keeps the memory of what its capture allocated, so its replays write where the
+        capture did even if the capture freed it (FSDP2's first all-gather in a capture allocates its
+        output with ``empty`` and frees it with ``resize_(0)``). Replay reruns the recorded resizes, so a
+        storage the capture allocated and then freed must be allocated again before the first op that writes it.
+        """
+        key = storage.data_ptr()
+        if key == 0 or key not in self.created or key in self.sized:
+            return
+        self.sized.add(key)
+        size = storage.nbytes()
+        self.tape.add_first(lambda: resize(storage, size) if storage.nbytes() != size else None)
 
     def _inplace_view(self, func, args: tuple, kwargs: dict) -> Any:
         target = args[0] if args else next(iter(kwargs.values()))

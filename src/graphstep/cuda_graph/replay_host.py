@@ -21,7 +21,8 @@ capture (on the recording thread only; other threads call the originals):
   its unsharded parameters around each use) are recorded as host callbacks:
   replay reallocates and frees at the same points, and the recorded ops
   refill the tensors that view the storage; memory a resize allocates is
-  the capture's own, never backed up or restored;
+  the capture's own, never backed up or restored; a storage the capture
+  allocated itself is given back its size at the start of every replay;
 * a collective's ``Work.wait()`` is recorded as a wait on the re-run
   collective at that point, and what a backend does inside it runs
   unrecorded (gloo copies a reduce-scatter's result out on every wait: it
@@ -150,6 +151,7 @@ def _recorded_resize(original: Callable[..., Any]) -> Callable[..., Any]:
     def resize_(self: torch.UntypedStorage, size: int) -> Any:
         if not _recording():
             return original(self, size)
+        active_recorder().note_resize(self, original)
         record_host_op(lambda: original(self, size))
         active_recorder().note_storage(self)
         return self

@@ -36,6 +36,7 @@ class RunBackend(GraphBackend):
         self.inner = inner
         self.name = inner.name
         self.needs_stream_warmup = inner.needs_stream_warmup
+        self.captures_fused_optimizers = inner.captures_fused_optimizers
 
     def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph:
         return self._track(self.inner.new_graph(name, shared_pool=shared_pool))
