@@ -148,3 +148,26 @@ def test_load_of_a_missing_checkpoint_starts_fresh_and_a_mismatched_one_says_why
     train(eager(tiny_config("train.train_iters=1", f"checkpoint.save={tmp_path / 'ck'}")))
     with pytest.raises(RuntimeError, match="cannot load checkpoint .*iter_0000001"):
         train(eager(tiny_config("train.train_iters=2", "model.hidden_size=32", f"checkpoint.load={tmp_path / 'ck'}")))
+
+
+def test_resharding_resume_takes_the_rng_streams_of_the_rank_with_the_same_place():
+    """Each rank continues the streams of the saved rank with its pipeline stage and tensor-parallel rank (its
+    data-parallel replica, else the first); where the checkpoint has no such rank, it keeps its own seeded ones."""
+    from graphstep.training.checkpoint import rng_source_rank
+    from graphstep.training.distributed import DataParallel
+    from graphstep.training.parallel import Layout
+
+    def sources(saved: dict, saved_world: int, world: int, **dims: int) -> list:
+        layout = Layout(dp=world // (dims.get("tp", 1) * dims.get("pp", 1)), **dims)
+        return [rng_source_rank(saved, saved_world, DataParallel(rank=r, world_size=world, layout=layout))
+                for r in range(world)]
+
+    pp2 = {"pp": 2, "dp": 1, "tp": 1}
+    assert sources(pp2, 2, 2, pp=2) == [0, 1]  # the same layout: every rank its own streams
+    assert sources(pp2, 2, 4, pp=2) == [0, 0, 1, 1]  # a second replica per stage continues its stage's streams
+    assert sources(pp2, 2, 1) == [0]
+    assert sources(pp2, 2, 2, tp=2) == [0, None]  # no tensor-parallel rank 1 saved: its own seeded streams
+    assert sources({"pp": 1, "dp": 2, "tp": 2}, 4, 4, tp=2) == [0, 1, 2, 3]
+    assert sources({"pp": 1, "dp": 2, "tp": 2}, 4, 2, tp=2) == [0, 1]
+    assert sources({"pp": 1, "dp": 1, "tp": 1}, 1, 2, pp=2) == [0, None]  # stage 1 was not saved
+    assert sources(None, 2, 2) == [0, 1] and sources(None, 2, 4) == [0, 0, 0, 0]  # saved without meta.layout

@@ -7,8 +7,12 @@ at iteration 3 and 6; resumes from its own iteration-3 checkpoint; and
 resumes from a checkpoint a single process saved at iteration 3. The single
 process (the test itself) then resumes from each layout's iteration-3
 checkpoint, and loads each layout's final checkpoint to compare weights.
-Dropout is off, so runs of different layouts compute the same thing up to
-the order of floating-point sums.
+Dropout is off there, so runs of different layouts compute the same thing up
+to the order of floating-point sums. The same launch trains each layout again
+with dropout on, saves at iteration 3 and resumes from it: the resumed
+iterations' losses and the final weights must equal the uninterrupted run's
+bit for bit (each rank's RNG streams are in the checkpoint, and a pipeline
+stage's set-up on the resumed run's first step draws nothing).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ COMMON = ["train.train_iters=6", "logger.log_interval=1", "model.attention_dropo
           "checkpoint.save_interval=3", "model.use_te_rng_tracker=true",
           "model.share_embeddings_and_output_weights=false"]  # pipeline stages do not tie (R28)
 GRAPHED = ["model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1"]
+DROPOUT = ["model.attention_dropout=0.1", "model.hidden_dropout=0.1"]
+EAGER = ["model.cuda_graph_impl=none"]
+DROPOUT_RUNS = {"pp2_eager": ("pp2", EAGER)}  # besides each layout graphed: the pipeline eager too
 
 
 def natural_digests(model: torch.nn.Module) -> dict[str, str]:
@@ -80,9 +87,24 @@ def _worker(out: Path, one_ckpt: str, layouts: dict[str, list[str]]) -> None:
                                       f"checkpoint.save={out / (name + '-from-one')}"))
             report[name] = {"whole": whole.losses, "own": own.losses, "from_one": other.losses,
                             "digest": natural_digests(whole.model)}
+        for name, (layout, graphs) in {**{n: (n, GRAPHED) for n in layouts}, **DROPOUT_RUNS}.items():
+            if layout in layouts:
+                report[f"{name}/dropout"] = _dropout_resume(out / f"{name}-dropout", [*graphs, *layouts[layout]])
     finally:
         (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
         dist.destroy_process_group()
+
+
+def _dropout_resume(save: Path, overrides: list[str]) -> dict:
+    """Dropout on: an uninterrupted run saving at 3, and a run resumed from it; losses and final weights."""
+    from conftest import tiny_config
+    from graphstep.training.loop import train
+
+    whole = train(tiny_config(*COMMON, *DROPOUT, *overrides, f"checkpoint.save={save}"), keep_model=True)
+    resumed = train(tiny_config(*COMMON, *DROPOUT, *overrides, f"checkpoint.load={save}/iter_0000003",
+                                f"checkpoint.save={save}-resumed"), keep_model=True)
+    return {"whole": whole.losses, "resumed": resumed.losses, "whole_digest": natural_digests(whole.model),
+            "resumed_digest": natural_digests(resumed.model)}
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +140,17 @@ def test_resume_at_the_same_layout_is_exact(runs, layout):
         assert case["own"] == case["whole"][3:]  # bit for bit, graphed
 
 
+@pytest.mark.parametrize("run", [*LAYOUTS, *DROPOUT_RUNS])
+def test_resume_with_dropout_is_exact(runs, run):
+    """Dropout on: every resumed iteration's loss and the final weights equal the uninterrupted run's, on every rank."""
+    _, _, reports = runs
+    for report in reports:
+        case = report[f"{run}/dropout"]
+        assert len(case["whole"]) == 6 and len(case["resumed"]) == 3
+        assert case["resumed"] == case["whole"][3:]  # bit for bit
+        assert case["resumed_digest"] == case["whole_digest"]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sharded_run_resumes_from_a_one_process_checkpoint(runs, layout):
     _, one, reports = runs
@@ -151,8 +184,8 @@ def test_one_process_loads_the_sharded_weights_bit_for_bit(runs, layout):
 
 
 def test_two_dimensional_layout_checkpoints_round_trip(runs):
-    """dp2 x tp2 with FSDP2 over the tensor-parallel shards, on 4 ranks: exact resume, a one-process checkpoint
-    resumed, and its final weights loaded by one process bit for bit."""
+    """dp2 x tp2 with FSDP2 over the tensor-parallel shards, on 4 ranks: exact resume (dropout off and on), a
+    one-process checkpoint resumed, and its final weights loaded by one process bit for bit."""
     from conftest import tiny_config
     from graphstep.training.loop import train
 
@@ -161,6 +194,9 @@ def test_two_dimensional_layout_checkpoints_round_trip(runs):
     for layout in LAYOUTS_2D:
         for report in reports:
             assert report[layout]["own"] == report[layout]["whole"][3:]
+            dropout = report[f"{layout}/dropout"]  # dropout on: exact too
+            assert len(dropout["resumed"]) == 3 and dropout["resumed"] == dropout["whole"][3:]
+            assert dropout["resumed_digest"] == dropout["whole_digest"]
         _close(reports[0][layout]["from_one"], one.losses[3:])
         loaded = train(tiny_config(*COMMON, f"checkpoint.load={tmp / '2d' / layout}/iter_0000006",
                                    "checkpoint.save_interval=null"), keep_model=True)

@@ -161,6 +161,43 @@ def test_a_one_stage_schedule_captured_whole_equals_eager(one_rank_group, device
     assert runs["eager"][0][-1] < runs["eager"][0][0]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_stage_set_up_again_on_resume_draws_no_dropout_masks(one_rank_group, device):
+    """A resume in one process: a new stage and schedule over the weights and RNG streams an uninterrupted stage
+    had after step 2 continue exactly as it does -- steps 3 and 4 bit-equal, losses and weights. torch sets the
+    new stage up on its first step with a real forward (dropout on); were that forward to draw from the tracker's
+    streams, every step after a resume would differ from the uninterrupted run."""
+    from graphstep.cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
+    from graphstep.models.transformer import GPTModel, ModelShape
+
+    def generators() -> list[torch.Generator]:
+        defaults = [torch.default_generator] + ([torch.cuda.default_generators[0]] if device == "cuda" else [])
+        return get_rng_tracker().generators() + defaults
+
+    g = torch.Generator().manual_seed(5)
+    data = [[{"tokens": torch.randint(0, 64, (2, 16), generator=g).to(device),
+              "labels": torch.randint(0, 64, (2, 16), generator=g).to(device)} for _ in range(3)]
+            for _ in range(4)]
+    shape = ModelShape.from_config(ModelConfig(**SHAPE, hidden_dropout=0.1, attention_dropout=0.1))
+    initialize_rng_tracker(0, device)
+    model = GPTModel(shape).to(device).train()
+    resumed_model = GPTModel(shape).to(device).train()
+    step = _sgd_one_stage(model, device, "1f1b")
+    losses = [step(batches).clone() for batches in data[:2]]
+    saved = [p.detach().clone() for p in model.parameters()], [gen.get_state() for gen in generators()]
+    losses += [step(batches).clone() for batches in data[2:]]
+
+    with torch.no_grad():  # what a checkpoint load does: weights and every generator's state, in place
+        for p, w in zip(resumed_model.parameters(), saved[0]):
+            p.copy_(w)
+    for gen, state in zip(generators(), saved[1]):
+        gen.set_state(state)
+    resumed_step = _sgd_one_stage(resumed_model, device, "1f1b")
+    resumed = [resumed_step(batches).clone() for batches in data[2:]]
+    assert all(torch.equal(a, b) for a, b in zip(losses[2:], resumed)), (losses, resumed)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters()))
+
+
 @pytest.mark.parametrize("schedule,slots", [("gpipe", 3), ("1f1b", 1)])
 @pytest.mark.parametrize("device", DEVICES)
 def test_per_layer_graphs_hold_every_micro_batch_in_flight(one_rank_group, device, schedule, slots):

@@ -135,3 +135,22 @@ def test_nested_forks_replay_as_eager_steps():
     eager, graphed = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
     assert not torch.equal(graphed[2], graphed[3])
+
+
+def test_preserved_leaves_every_stream_and_the_default_generator_where_they_were():
+    t = RNGTracker("cpu")
+    t.add("a", 1)
+    t.add("b", 2)
+    torch.manual_seed(5)
+    before = {**t.get_all_states(), "default": torch.default_generator.get_state()}
+    with t.preserved():
+        with t.fork("a"):
+            torch.rand(4)
+        with t.fork("b"):
+            torch.rand(4)
+        torch.rand(4)
+    after = {**t.get_all_states(), "default": torch.default_generator.get_state()}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    with t.fork("a"):  # and the stream draws on from there, as if the block had not run
+        x = torch.rand(4)
+    assert torch.equal(x, torch.rand(4, generator=torch.Generator().manual_seed(1)))

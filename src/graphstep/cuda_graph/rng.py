@@ -85,6 +85,24 @@ class RNGTracker:
         for name, state in states.items():
             self.states[name].set_state(state)
 
+    @contextlib.contextmanager
+    def preserved(self) -> Iterator[None]:
+        """Whatever the block draws, every stream and the default generators (the device's and the CPU's) are left
+        where they were: ``torch.random.fork_rng`` for the tracker's streams too.
+
+        For eager work that must not count as a draw, such as torch's set-up of a pipeline stage, which runs a real
+        forward to infer shapes (training/pipeline.py). Not for a capture: CUDA cannot copy a generator's state then.
+        """
+        gens = [*self.states.values(), self._default()]
+        if self.device.type != "cpu":
+            gens.append(torch.default_generator)
+        saved = [(gen, gen.get_state()) for gen in gens]
+        try:
+            yield
+        finally:
+            for gen, state in saved:
+                gen.set_state(state)
+
     def _default(self) -> torch.Generator:
         if self.device.type == "cuda":
             return torch.cuda.default_generators[self.device.index]

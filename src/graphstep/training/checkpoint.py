@@ -34,9 +34,19 @@ one iteration to the next, so a resumed run's losses are bit-identical:
   of another layout -- or one GPU -- loads them, DCP resharding;
 * ``scheduler.*``: the LR schedule's settings (checked on resume);
 * ``rng.rank<r>.*``: every RNG-tracker stream, torch's CPU and CUDA default
-  generators and Python's ``random``, per rank;
+  generators and Python's ``random``, per rank (each pipeline stage and
+  tensor-parallel rank has streams of its own);
 * ``data.train.*`` / ``data.valid.*``: the data iterators' positions;
-* ``meta.world_size``.
+* ``meta.world_size``, ``meta.layout`` (pipeline stages, data-parallel
+  replicas, tensor-parallel ranks).
+
+RNG streams on resume (:func:`rng_source_rank`): each rank takes the streams
+saved by the rank that had its place -- the same pipeline stage and
+tensor-parallel rank, and its data-parallel replica (the first one when the
+checkpoint has fewer) -- so at the same layout every rank continues its own
+streams, bit-exactly. A rank whose stage or tensor-parallel rank the
+checkpoint does not have keeps the streams this run seeded for it (Megatron
+ignores the RNG state on a (TP, PP) change); the log says so.
 
 Loading copies into the existing tensors (DCP loads in place), so addresses
 that graphs captured stay valid; graphs are still captured after the resume
@@ -132,11 +142,29 @@ class TrainingState:
                           "decay_iters": sched.decay_iters, "style": sched.style},
             "rng": {f"rank{dp.rank}": _rng_state(self.device)},
             "data": {"train": self.data.state_dict()},
-            "meta": {"world_size": dp.world_size},
+            "meta": {"world_size": dp.world_size, "layout": _layout(dp)},
         }
         if self.valid is not None:
             state["data"]["valid"] = self.valid.state_dict()
         return state
+
+
+def _layout(dp: DataParallel) -> dict[str, int]:
+    return {"pp": dp.layout.pp, "dp": dp.dp_size, "tp": dp.layout.tp}
+
+
+def rng_source_rank(saved: dict[str, int] | None, saved_world: int, dp: DataParallel) -> int | None:
+    """The saved rank whose RNG streams this rank continues (None: keep this run's seeded streams).
+
+    ``saved``: the checkpoint's ``meta.layout`` (None in a checkpoint saved before it was recorded: the own rank
+    at the same world size, else rank 0, as those checkpoints were loaded). Ranks are in (pp, dp, tp) order.
+    """
+    if saved is None:
+        return dp.rank if saved_world == dp.world_size else 0
+    if dp.pp_rank >= saved["pp"] or dp.tp_rank >= saved["tp"]:
+        return None
+    replica = dp.dp_rank if dp.dp_rank < saved["dp"] else 0
+    return (dp.pp_rank * saved["dp"] + replica) * saved["tp"] + dp.tp_rank
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -278,21 +306,25 @@ def load_checkpoint(path: Path, state: TrainingState, dp: DataParallel, *, finet
                     master.copy_(p)
         log.info("fine-tuning from %s: weights loaded, optimizer and iteration start fresh", path)
         return 0
-    saved_world = _saved_world_size(path, dp)
+    saved_world, saved_layout = _saved_meta(path, dp)
     template = state.state_dict(0, dp)
-    rng_rank = dp.rank
-    if saved_world != dp.world_size:
-        log.warning("resuming %d rank(s) from a checkpoint of %d rank(s): every rank takes rank 0's RNG streams "
-                    "and the data order continues, but the run is not bit-identical to an uninterrupted one",
-                    dp.world_size, saved_world)
-        rng_rank = 0
-        template["rng"] = {"rank0": template["rng"].pop(f"rank{dp.rank}")}
+    rng_rank = rng_source_rank(saved_layout, saved_world, dp)
+    if saved_world != dp.world_size or (saved_layout is not None and saved_layout != _layout(dp)):
+        how = ("each rank takes the RNG streams of the rank that had its stage and tensor-parallel rank (or keeps "
+               "its own seeded ones where the checkpoint has none)" if saved_layout is not None
+               else "every rank takes rank 0's RNG streams")
+        log.warning("resuming %s from a checkpoint of %s: %s and the data order continues, but the run is not "
+                    "bit-identical to an uninterrupted one", _describe(_layout(dp), dp.world_size),
+                    _describe(saved_layout, saved_world), how)
+    own_rng = template["rng"].pop(f"rank{dp.rank}")
+    template["rng"] = {f"rank{rng_rank}": own_rng} if rng_rank is not None else {}
     if "valid" in template["data"] and not _has_key(path, "data.valid."):  # saved by a run without evaluation
         del template["data"]["valid"]
     _dcp_load(template, path, dp)
     state.finish_load()
     _check_schedule(template["scheduler"], state.optimizer, path)
-    _set_rng_state(template["rng"][f"rank{rng_rank}"], state.device)
+    if rng_rank is not None:
+        _set_rng_state(template["rng"][f"rank{rng_rank}"], state.device)
     state.data.load_state_dict(template["data"]["train"])
     if state.valid is not None and "valid" in template["data"]:
         state.valid.load_state_dict(template["data"]["valid"])
@@ -321,10 +353,20 @@ def _has_key(path: Path, prefix: str) -> bool:
     return any(k.startswith(prefix) for k in keys)
 
 
-def _saved_world_size(path: Path, dp: DataParallel) -> int:
+def _saved_meta(path: Path, dp: DataParallel) -> tuple[int, dict[str, int] | None]:
+    """The checkpoint's world size and layout (None where it was saved without one)."""
     box: dict[str, Any] = {"meta": {"world_size": 0}}
+    if _has_key(path, "meta.layout."):
+        box["meta"]["layout"] = {"pp": 0, "dp": 0, "tp": 0}
     _dcp_load(box, path, dp)
-    return int(box["meta"]["world_size"])
+    layout = box["meta"].get("layout")
+    return int(box["meta"]["world_size"]), ({k: int(v) for k, v in layout.items()} if layout is not None else None)
+
+
+def _describe(layout: dict[str, int] | None, world: int) -> str:
+    if layout is None:
+        return f"{world} rank(s)"
+    return f"{world} rank(s) (pp{layout['pp']} x dp{layout['dp']} x tp{layout['tp']})"
 
 
 def _check_schedule(saved: dict[str, Any], optimizer: AdamW, path: Path) -> None:

@@ -27,6 +27,13 @@ The first step is eager (rule R29): it is when the stages exchange the
 shapes of what they send, on the host. Evaluation runs a forward-only GPipe
 pass over a stage of its own (its own receive buffers, for its own number
 of micro-batches).
+
+That first step's set-up draws no random numbers (:func:`_setup_draws_nothing`):
+torch 2.13 infers the shapes by running the stage's forward and backward
+once, with dropout, and shields only torch's default generators from it, not
+the RNG tracker's streams that dropout draws from. A resumed run sets its
+stages up again, so without this its dropout masks would be shifted from the
+uninterrupted run's from the resume on.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..cuda_graph.rng import get_rng_tracker
 from ..models.transformer import token_loss
 from .optim import GradBuffers
 from .step import Batch, EvalStep, TrainStep
@@ -139,7 +147,7 @@ class Pipeline:
         stage = PipelineStage(self.module, stage_index, stages, device, group=group)
         kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         # scale_grads=False: the loss function divides by the micro-batch count, as TrainStep does
-        self.train_schedule = kind(stage, num_micro_batches, loss_fn=self.loss, scale_grads=False)
+        self.train_schedule = _setup_draws_nothing(kind(stage, num_micro_batches, loss_fn=self.loss, scale_grads=False))
         self._eval: dict[int, Any] = {}
         # no merged last-stage outputs where torch can skip them (a copy of every micro-batch's logits)
         self._step_kwargs = {"return_outputs": False} if "return_outputs" in inspect.signature(kind.step).parameters \
@@ -151,7 +159,7 @@ class Pipeline:
             from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
             stage = PipelineStage(self.module, self.stage_index, self.stages, self.device, group=self.group)
-            self._eval[n] = ScheduleGPipe(stage, n, loss_fn=self.loss, scale_grads=False)
+            self._eval[n] = _setup_draws_nothing(ScheduleGPipe(stage, n, loss_fn=self.loss, scale_grads=False))
         return self._eval[n]
 
     def run(self, schedule: Any, batches: list[Batch], total: torch.Tensor, *, train: bool) -> None:
@@ -171,6 +179,30 @@ class Pipeline:
     def share_(self, t: torch.Tensor) -> None:
         """The last stage's ``t`` on every stage, in place (others hold zeros): a device all-reduce."""
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+
+
+def _setup_draws_nothing(schedule: Any) -> Any:
+    """``schedule`` with its stage set-up leaving every RNG stream where it was (see the module docstring).
+
+    A single-stage schedule calls ``_initialize_stage`` at the start of every step, and it sets the stage up
+    on the first (torch 2.13 infers the shapes there with a real forward and backward of the first
+    micro-batch, forking only torch's default generators). The wrapper keeps the tracker's streams and the
+    default generators around it in eager steps; a captured step comes after the eager first one (R29).
+    """
+    init = getattr(schedule, "_initialize_stage", None)
+    if init is None:
+        raise RuntimeError(f"torch {torch.__version__}: {type(schedule).__name__} has no _initialize_stage, which "
+                           "graphstep wraps so that a pipeline stage's set-up draws no dropout masks "
+                           "(training/pipeline.py, _setup_draws_nothing); verified on torch 2.13")
+
+    def initialize(*args: Any, **kwargs: Any) -> Any:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # set up already (R29)
+            return init(*args, **kwargs)
+        with get_rng_tracker().preserved():
+            return init(*args, **kwargs)
+
+    schedule._initialize_stage = initialize
+    return schedule
 
 
 def _forward_only(schedule: Any, args: tuple, target: torch.Tensor | None, kwargs: dict) -> None:
