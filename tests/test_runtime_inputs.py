@@ -1,0 +1,83 @@
+"""Bad inputs found at run time: one line naming the field or file and the fix, exit code 2, nothing lost.
+
+Output folders TensorBoard and W&B cannot write (found by the trainer's preflight, before the run is
+built), ``train.device=cuda`` under torchrun without a GPU, ``scripts/gpu-check`` without a GPU, checkpoints
+that do not fit the run (another model, nothing left to train, a file), ``export_hf`` over existing
+files, ``graphstep doctor --full-size`` of a model the host cannot hold -- and the tests themselves,
+which must not write into the checkout. The command-line cases run ``python -m graphstep`` as a user would
+(tests/test_user_errors.py's helpers); the others call the functions.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from graphstep.config import ConfigError, ModelConfig
+from graphstep.training.checkpoint_verify import CheckpointError
+from test_distributed import subprocess_env, torchrun
+from test_user_errors import QUICK_TRAIN, SRC, assert_one_line_error, run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_SHAPE = ["model.hidden_size=64", "model.ffn_hidden_size=128", "model.seq_length=32",
+              "train.micro_batch_size=2", "train.global_batch_size=4", "train.device=cpu"]
+
+
+def _graphstep_frames(output: str) -> list[str]:
+    """Traceback frames inside graphstep's own code (a launcher's traceback, e.g. torchrun's, is not ours)."""
+    return [line for line in output.splitlines() if line.strip().startswith("File ") and str(SRC / "graphstep") in line]
+
+
+# --------------------------------------------------------------------------
+# 1. TensorBoard and W&B folders: the preflight of training/rundir.py
+
+
+@pytest.mark.parametrize("field", ["logger.tensorboard_dir", "logger.wandb_save_dir"])
+def test_preflight_checks_the_tensorboard_and_wandb_folders(tmp_path, field):
+    from graphstep.training.rundir import RunSetupError, check_outputs_writable
+
+    (tmp_path / "afile").write_text("x")
+    cases = {"/proc/graphstep-test": "cannot be created there", str(tmp_path / "afile"): "afile is a file",
+             str(tmp_path / "afile" / "below"): "afile is a file"}
+    for path, why in cases.items():
+        cfg = tiny_config(f"{field}={path}", "logger.wandb_project=p")
+        with pytest.raises(RunSetupError) as err:
+            check_outputs_writable(cfg)
+        message = str(err.value)
+        assert message.startswith(f"{field}={path}: ") and why in message, message
+        assert f"choose another path for {field}" in message and "\n" not in message
+    ok = tiny_config(f"{field}={tmp_path / 'new' / 'folder'}", "logger.wandb_project=p")
+    check_outputs_writable(ok)  # created, probed, left empty
+    assert list((tmp_path / "new" / "folder").iterdir()) == []
+    check_outputs_writable(ok, metrics=False)  # other ranks write neither
+
+
+def test_wandb_folder_is_not_checked_without_a_project(tmp_path):
+    from graphstep.training.rundir import check_outputs_writable
+
+    check_outputs_writable(tiny_config("logger.wandb_save_dir=/proc/graphstep-test"))  # nothing will write there
+
+
+@pytest.mark.slow
+def test_unwritable_tensorboard_dir_is_one_line_before_the_run(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    proc = run_cli("train", *QUICK_TRAIN, "logger.tensorboard_dir=/proc/tb", cwd=tmp_path)
+    assert_one_line_error(proc, "logger.tensorboard_dir=/proc/tb", "choose another path for logger.tensorboard_dir")
+    proc = run_cli("train", *QUICK_TRAIN, "logger.tensorboard_dir=afile", cwd=tmp_path)
+    assert_one_line_error(proc, "logger.tensorboard_dir=afile", "afile is a file, not a directory")
+    assert "replay backend" not in proc.stderr  # refused before the run was built (its graphs set up)
+
+
+@pytest.mark.slow
+def test_unwritable_wandb_save_dir_is_one_line_before_the_run(tmp_path):
+    pytest.importorskip("wandb", reason="the wandb package is not installed")
+    proc = run_cli("train", *QUICK_TRAIN, "logger.wandb_project=p", "logger.wandb_save_dir=/proc/wb", cwd=tmp_path)
+    assert_one_line_error(proc, "logger.wandb_save_dir=/proc/wb", "choose another path for logger.wandb_save_dir")
