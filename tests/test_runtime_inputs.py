@@ -81,3 +81,22 @@ def test_unwritable_wandb_save_dir_is_one_line_before_the_run(tmp_path):
     pytest.importorskip("wandb", reason="the wandb package is not installed")
     proc = run_cli("train", *QUICK_TRAIN, "logger.wandb_project=p", "logger.wandb_save_dir=/proc/wb", cwd=tmp_path)
     assert_one_line_error(proc, "logger.wandb_save_dir=/proc/wb", "choose another path for logger.wandb_save_dir")
+
+
+# --------------------------------------------------------------------------
+# 2. train.device=cuda under torchrun on a machine without a GPU
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_device_under_torchrun_without_a_gpu_is_one_line_per_rank(tmp_path):
+    cmd = torchrun(2, "-m", "graphstep", "train", "train.device=cuda", *QUICK_TRAIN)
+    proc = subprocess.run(cmd, env=subprocess_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert not _graphstep_frames(output), output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("graphstep train:")]
+    assert 1 <= len(lines) <= 2 and len(set(lines)) == 1, output[-3000:]  # every rank that got there says the same
+    assert lines[0] == ("graphstep train: train.device=cuda but this machine has no CUDA device; "
+                        "use train.device=cpu or auto")
+    assert re.search(r"exitcode\s*: 2\b", output), output[-3000:]  # torchrun's summary: the worker exited 2
