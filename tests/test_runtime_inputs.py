@@ -100,3 +100,43 @@ def test_cuda_device_under_torchrun_without_a_gpu_is_one_line_per_rank(tmp_path)
     assert lines[0] == ("graphstep train: train.device=cuda but this machine has no CUDA device; "
                         "use train.device=cpu or auto")
     assert re.search(r"exitcode\s*: 2\b", output), output[-3000:]  # torchrun's summary: the worker exited 2
+
+
+# --------------------------------------------------------------------------
+# 3. scripts/gpu-check on a machine without a GPU
+
+
+def _can_run_scripts() -> bool:
+    """scripts/bootstrap.sh reuses this Python when it has these modules (else it would build a .venv)."""
+    return all(importlib.util.find_spec(m) for m in ("torch", "numpy", "yaml", "rich", "pytest", "hypothesis"))
+
+
+def _gpu_check(out: Path, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")}
+    clean.update(GRAPHSTEP_PYTHON=sys.executable, OUT=str(out), **env)
+    clean.pop("GRAPHSTEP_FORCE_VENV", None)
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check")], env=clean, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.skipif(not _can_run_scripts(), reason="scripts/bootstrap.sh would build a virtual environment")
+def test_gpu_check_without_a_gpu_says_so_and_fails(tmp_path):
+    proc = _gpu_check(tmp_path / "out")
+    output = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 2, output[-3000:]
+    assert "Traceback" not in output and len(output.splitlines()) == 1, output[-3000:]
+    assert output.startswith("scripts/gpu-check: no CUDA device is visible") and "a machine with a GPU" in output
+    assert not (tmp_path / "out").exists()  # nothing ran, nothing written
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _can_run_scripts(), reason="scripts/bootstrap.sh would build a virtual environment")
+def test_gpu_check_on_a_gpu_goes_on_past_the_device_check(tmp_path):
+    """On a GPU the script runs as before (here without its tests and benchmarks: they are what runs this)."""
+    proc = _gpu_check(tmp_path / "out", GPU_CHECK_TESTS="0", GPU_CHECK_BENCH=" ")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "no CUDA device" not in output and "gpu-check summary" in output
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert torch.cuda.get_device_name(0) in summary
