@@ -27,8 +27,8 @@ from test_distributed import subprocess_env, torchrun
 from test_user_errors import QUICK_TRAIN, SRC, assert_one_line_error, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_SHAPE = ["model.hidden_size=64", "model.ffn_hidden_size=128", "model.seq_length=32",
-              "train.micro_batch_size=2", "train.global_batch_size=4", "train.device=cpu"]
+TINY_SHAPE = ["model.hidden_size=64", "model.ffn_hidden_size=128", "model.seq_length=32", "train.micro_batch_size=2",
+              "train.global_batch_size=4", "train.device=cpu", "model.cuda_graph_impl=none"]  # eager: short runs (V19)
 
 
 def _graphstep_frames(output: str) -> list[str]:
@@ -140,3 +140,112 @@ def test_gpu_check_on_a_gpu_goes_on_past_the_device_check(tmp_path):
     assert "no CUDA device" not in output and "gpu-check summary" in output
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert torch.cuda.get_device_name(0) in summary
+
+
+# --------------------------------------------------------------------------
+# 4. checkpoints that do not fit the run
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """A 4-layer checkpoint saved at iteration 2 (and its config)."""
+    from graphstep.training.loop import train
+
+    root = tmp_path_factory.mktemp("ck4") / "ck"
+    train(tiny_config(*TINY_SHAPE, "model.num_layers=4", "train.train_iters=2", f"checkpoint.save={root}"))
+    return root
+
+
+def _load(root: Path, *overrides: str, iters: int = 4):
+    from graphstep.training.loop import train
+
+    return train(tiny_config(*TINY_SHAPE, f"train.train_iters={iters}", f"checkpoint.load={root}", *overrides))
+
+
+@pytest.mark.parametrize("finetune", [False, True])
+def test_checkpoint_of_another_depth_is_refused_naming_the_field(four_layers, finetune):
+    with pytest.raises(CheckpointError) as err:
+        _load(four_layers, "model.num_layers=2", f"checkpoint.finetune={str(finetune).lower()}")
+    message = str(err.value)
+    assert "iter_0000002" in message and "saved for another model" in message and "\n" not in message
+    assert "model.num_layers=4 (this run: 2)" in message and "set model.num_layers=4" in message
+
+
+def test_checkpoint_of_another_width_is_refused_naming_the_field(four_layers):
+    with pytest.raises(CheckpointError, match=r"model\.ffn_hidden_size=128 \(this run: 96\)"):
+        _load(four_layers, "model.num_layers=4", "model.ffn_hidden_size=96")
+
+
+def test_without_its_config_the_refusal_names_the_tensors(four_layers):
+    """Called as a library without configs: the names and shapes that differ."""
+    from graphstep.models import build_model
+    from graphstep.training.checkpoint import check_model_matches
+    from graphstep.training.distributed import DataParallel
+
+    path = four_layers / "iter_0000002"
+    two = build_model(tiny_config(*TINY_SHAPE, "model.num_layers=2").model, torch.device("cpu"))
+    with pytest.raises(CheckpointError, match=r"it holds layers\.2\.\S+, layers\.2\.\S+, layers\.2\.\S+ and \d+ more "
+                                              r"that this model lacks"):
+        check_model_matches(path, two, DataParallel())
+    wide = build_model(tiny_config(*TINY_SHAPE, "model.num_layers=4", "model.ffn_hidden_size=96").model,
+                       torch.device("cpu"))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.\S+ is \[\d+, \d+\] there, \[\d+, \d+\] here"):
+        check_model_matches(path, wide, DataParallel())
+    same = build_model(tiny_config(*TINY_SHAPE, "model.num_layers=4").model, torch.device("cpu"))
+    check_model_matches(path, same, DataParallel())  # the model that saved it
+
+
+@pytest.mark.parametrize("iters", [1, 2])
+def test_resume_with_nothing_left_to_train_is_refused(four_layers, iters):
+    with pytest.raises(CheckpointError) as err:
+        _load(four_layers, "model.num_layers=4", iters=iters)
+    message = str(err.value)
+    assert f"iter_0000002 is at iteration 2 and train.train_iters={iters}" in message
+    assert "raise train.train_iters above 2" in message
+    resumed = _load(four_layers, "model.num_layers=4", iters=3)  # one iteration left: trained
+    assert [r["iteration"] for r in resumed.rows] == [3]
+
+
+def test_finetune_from_a_later_iteration_is_not_a_resume(four_layers):
+    result = _load(four_layers, "model.num_layers=4", "checkpoint.finetune=true", iters=1)
+    assert [r["iteration"] for r in result.rows] == [1]
+
+
+def test_checkpoint_load_naming_a_file_is_refused(four_layers, tmp_path):
+    from graphstep.training.checkpoint_verify import choose_checkpoint
+
+    (tmp_path / "model.pt").write_bytes(b"x")
+    cases = {
+        tmp_path / "model.pt": "name a checkpoint.save folder",
+        four_layers / "latest_checkpointed_iteration.txt": f"set checkpoint.load={four_layers}",
+        four_layers / "iter_0000002" / ".metadata": f"set checkpoint.load={four_layers / 'iter_0000002'}",
+    }
+    for path, fix in cases.items():
+        with pytest.raises(CheckpointError) as err:
+            choose_checkpoint(path)
+        assert str(err.value).startswith(f"checkpoint.load={path} is a file, not a checkpoint folder; ")
+        assert fix in str(err.value)
+    with pytest.raises(CheckpointError, match=r"iter_0000009: no such checkpoint folder; intact checkpoints in .*"
+                                              r"iter_0000002"):
+        choose_checkpoint(four_layers / "iter_0000009")  # a typo in the iteration
+    assert choose_checkpoint(tmp_path / "not-yet") is None  # a save folder of a first run: starts from scratch
+
+
+@pytest.mark.slow
+def test_checkpoint_mistakes_are_one_line_on_the_command_line(four_layers, tmp_path):
+    common = [*QUICK_TRAIN, *TINY_SHAPE]
+    proc = run_cli("train", *common, "model.num_layers=2", "train.train_iters=4", f"checkpoint.load={four_layers}",
+                   cwd=tmp_path)
+    assert_one_line_error(proc, "model.num_layers=4 (this run: 2)", "set model.num_layers=4")
+    proc = run_cli("train", *common, "model.num_layers=4", "train.train_iters=1", f"checkpoint.load={four_layers}",
+                   cwd=tmp_path)
+    assert_one_line_error(proc, "iteration 2", "raise train.train_iters above 2")
+    proc = run_cli("train", *common, "model.num_layers=4", "train.train_iters=4",
+                   f"checkpoint.load={four_layers / 'latest_checkpointed_iteration.txt'}", cwd=tmp_path)
+    assert_one_line_error(proc, "is a file, not a checkpoint folder", f"set checkpoint.load={four_layers}")
+
+
+@pytest.mark.cuda
+def test_checkpoint_of_another_depth_is_refused_on_cuda(four_layers):
+    with pytest.raises(CheckpointError, match=r"model\.num_layers=4 \(this run: 2\)"):
+        _load(four_layers, "model.num_layers=2", "train.device=cuda")
