@@ -249,3 +249,95 @@ def test_checkpoint_mistakes_are_one_line_on_the_command_line(four_layers, tmp_p
 def test_checkpoint_of_another_depth_is_refused_on_cuda(four_layers):
     with pytest.raises(CheckpointError, match=r"model\.num_layers=4 \(this run: 2\)"):
         _load(four_layers, "model.num_layers=2", "train.device=cuda")
+
+
+# --------------------------------------------------------------------------
+# 5. export_hf: nothing lost
+
+
+def _tiny_model():
+    from graphstep.models import build_model
+
+    cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, vocab_size=64)
+    return build_model(cfg, torch.device("cpu")), cfg
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_export_refuses_a_non_empty_folder_and_overwrites_only_when_asked(tmp_path, umask_022):
+    from graphstep.models.hf import HFExportError, export_hf, load_hf
+
+    model, cfg = _tiny_model()
+    out = export_hf(model, cfg, tmp_path / "hf")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(before) == {"config.json", "model.safetensors"}
+    with torch.no_grad():
+        model.embedding.weight.add_(1.0)
+    with pytest.raises(HFExportError) as err:
+        export_hf(model, cfg, out)
+    assert isinstance(err.value, ConfigError) and "\n" not in str(err.value)
+    assert "not empty (config.json, model.safetensors)" in str(err.value) and "overwrite=True" in str(err.value)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("mine")
+    with pytest.raises(HFExportError, match="not empty"):
+        export_hf(model, cfg, tmp_path / "notes")
+    assert os.listdir(tmp_path / "notes") == ["README.md"]
+
+    export_hf(model, cfg, out, overwrite=True)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]  # no temporary file left
+    _, state = load_hf(out)
+    assert torch.equal(state["embedding.weight"], model.embedding.weight)
+
+
+def test_export_refuses_a_file_and_a_sharded_folder(tmp_path):
+    from graphstep.models.hf import HFExportError, export_hf
+
+    model, cfg = _tiny_model()
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(HFExportError, match="is a file"):
+        export_hf(model, cfg, tmp_path / "f")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(HFExportError, match="sharded checkpoint"):
+        export_hf(model, cfg, sharded, overwrite=True)
+    assert os.listdir(sharded) == ["model.safetensors.index.json"]
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask022", "umask027"])
+def test_exported_files_have_the_ordinary_mode(tmp_path, umask, mode):
+    from graphstep.models.hf import export_hf
+
+    model, cfg = _tiny_model()
+    old = os.umask(umask)
+    try:
+        out = export_hf(model, cfg, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    for name in ("config.json", "model.safetensors"):
+        assert (out / name).stat().st_mode & 0o777 == mode, name
+
+
+def test_a_failed_overwrite_leaves_the_old_files(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    from graphstep.models.hf import export_hf
+
+    model, cfg = _tiny_model()
+    out = export_hf(model, cfg, tmp_path / "hf")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def dies_midway(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_midway)
+    with pytest.raises(OSError, match="No space left"):
+        export_hf(model, cfg, out, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # old files whole, no temporary left
