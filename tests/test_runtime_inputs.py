@@ -341,3 +341,38 @@ def test_a_failed_overwrite_leaves_the_old_files(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         export_hf(model, cfg, out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # old files whole, no temporary left
+
+
+# --------------------------------------------------------------------------
+# 6. graphstep doctor --full-size: the memory check before building
+
+
+def test_doctor_refuses_a_full_size_model_the_host_cannot_hold_before_building(monkeypatch):
+    from graphstep.cuda_graph.devices import GiB
+    from graphstep.doctor import recipe
+    from graphstep.recipes import get_recipe
+    from graphstep.training import build
+    from graphstep.training.rundir import RunSetupError
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.delenv("GRAPHSTEP_SKIP_MEMORY_CHECK", raising=False)
+    monkeypatch.setattr(recipe, "available_memory", lambda device: 16 * GiB)
+    monkeypatch.setattr(build, "build_run", no_build)
+    with pytest.raises(RunSetupError) as err:
+        recipe.check_recipe(get_recipe("llama3_8b"), name="llama3_8b", full_size=True)
+    message = str(err.value)
+    assert "--recipe llama3_8b as judged needs about" in message and "16.0 GiB are available" in message
+    assert "8.03B parameters" in message and "drop --full-size" in message and "\n" not in message
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") > 250 * 2**30,
+                    reason="this machine could hold llama3_8b")
+def test_doctor_full_size_llama3_8b_is_one_line_on_a_small_machine(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    env.pop("GRAPHSTEP_SKIP_MEMORY_CHECK", None)
+    proc = subprocess.run([sys.executable, "-m", "graphstep", "doctor", "--recipe", "llama3_8b", "--full-size"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(proc, "GiB of host RAM", "drop --full-size")
