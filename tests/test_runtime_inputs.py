@@ -376,3 +376,19 @@ def test_doctor_full_size_llama3_8b_is_one_line_on_a_small_machine(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "graphstep", "doctor", "--recipe", "llama3_8b", "--full-size"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert_one_line_error(proc, "GiB of host RAM", "drop --full-size")
+
+
+# --------------------------------------------------------------------------
+# 7. the tests themselves write nothing into the checkout
+
+
+def test_tests_run_outside_the_checkout():
+    """conftest.py moves every test (and what it starts) into a scratch folder: a run's default outputs
+    (runs/metrics.jsonl) stay out of the repository, where a scripts/train of the same clone locks runs/."""
+    assert not Path.cwd().resolve().is_relative_to(ROOT), Path.cwd()
+
+
+def test_no_test_starts_a_process_in_the_checkout():
+    offenders = [f"{path.name}:{n}" for path in sorted((ROOT / "tests").glob("*.py"))
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\bcwd=(ROOT|HERE)\b", line)]
+    assert offenders == []
