@@ -62,6 +62,18 @@ def assert_same_run(a, b) -> None:
             assert torch.equal(pa, pb)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _outside_the_checkout(tmp_path_factory):
+    """Every test (and every process it starts) runs in a scratch folder, not in the checkout: what a run
+    writes by default relative to the working directory (``runs/metrics.jsonl``, W&B's ``wandb/``, the
+    profiler's ``profile/``) never lands in the repository, where a ``scripts/train`` of the same clone may
+    hold the lock of ``runs/``. Session-scoped, so module fixtures that train run there too."""
+    old = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(old)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_backends():
     """Each test starts and ends without graphs alive."""

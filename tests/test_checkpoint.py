@@ -20,20 +20,20 @@ from conftest import TINY, eager, tiny_config
 from graphstep.training.checkpoint import TRACKER, find_checkpoint, iter_dir_name
 from graphstep.training.loop import train
 from graphstep.training.metrics import read_metrics
-from test_distributed import HERE, ROOT, exact_list, subprocess_env
+from test_distributed import HERE, exact_list, subprocess_env
 
 RESUME = ["train.train_iters=20", "logger.log_interval=5"]
 
 
 def run_cli(*overrides: str, **env: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "graphstep", "train", *TINY, *overrides]
-    return subprocess.run(cmd, env=subprocess_env(**env), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run(cmd, env=subprocess_env(**env), capture_output=True, text=True, timeout=120)
 
 
 def killed_at(iteration: int, *overrides: str, hook: str = "after_iteration") -> str:
     """Train with ``graphstep train``'s config of ``overrides``; the ``hook`` of iteration N SIGKILLs the process."""
     cmd = [sys.executable, str(HERE / "kill_driver.py"), hook, str(iteration), *TINY, *overrides]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-4000:]
     return proc.stderr
 

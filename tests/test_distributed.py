@@ -55,7 +55,7 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 def torchrun_reports(script: str, tmp: Path, nproc: int, *args: str, timeout: float) -> list[dict]:
     """Run ``script`` under torchrun with ``tmp`` and ``args``; each rank's ``tmp/rank<r>.json``, in rank order."""
     proc = subprocess.run(torchrun(nproc, script, str(tmp), *args), env=subprocess_env(), capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+                          text=True, timeout=timeout, cwd=tmp)  # default outputs (runs/) land in tmp
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
 
@@ -132,7 +132,7 @@ def _resume_case(out: Path, device: str) -> dict[str, dict]:
 def run_workers(tmp: Path, device: str, runs: dict[str, list[str]], timeout: float) -> list[dict]:
     """Launch 2 ranks of this file's worker; returns each rank's report."""
     cmd = torchrun(2, str(Path(__file__).resolve()), str(tmp), device, json.dumps(runs))
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -198,7 +198,7 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_exits_without_hang(tmp
                  "logger.progress_bar=false", "data.corpus_max_bytes=300000", "data.split=90,10,0",
                  "model.cuda_graph_impl=full_iteration", "train.train_iters=100000", "logger.log_interval=1",
                  f"logger.metrics_path={metrics}"]
-    proc = subprocess.Popen(torchrun(2, "-m", "graphstep", "train", *overrides), env=subprocess_env(), cwd=ROOT,
+    proc = subprocess.Popen(torchrun(2, "-m", "graphstep", "train", *overrides), env=subprocess_env(), cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60

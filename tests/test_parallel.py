@@ -27,7 +27,6 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from test_distributed import report_runs, subprocess_env, torchrun, torchrun_reports  # noqa: E402
 
@@ -232,7 +231,7 @@ def test_documented_cpu_command_trains_tensor_parallel_graphed(tmp_path):
                    "model.use_te_rng_tracker=true", "train.train_iters=6", "logger.log_interval=1",
                    "logger.progress_bar=false", "data.corpus_max_bytes=300000", "data.split=90,10,0",
                    f"logger.metrics_path={metrics}")
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert "1 data-parallel x 2 tensor-parallel + sequence-parallel ranks" in output

@@ -29,7 +29,7 @@ from graphstep.training.memory import GiB, check_memory_fits, count_parameters, 
 from graphstep.training.metrics import keep_history, read_metrics
 from graphstep.training.rundir import LOCK_NAME, RunLock, RunSetupError
 from test_checkpoint import killed_at, run_cli
-from test_distributed import ROOT, exact_list, subprocess_env
+from test_distributed import exact_list, subprocess_env
 
 
 def with_metrics(cfg, path: Path | str):
@@ -199,7 +199,7 @@ def test_second_run_on_the_same_directory_is_refused_and_sigterm_releases_the_lo
     ck = tmp_path / "ck"
     cmd = [sys.executable, "-m", "graphstep", "train", *TINY, "train.train_iters=100000", "logger.log_interval=1000",
            f"checkpoint.save={ck}", "logger.metrics_path=null"]
-    first = subprocess.Popen(cmd, env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    first = subprocess.Popen(cmd, env=subprocess_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
     try:
         deadline = time.time() + 120
@@ -293,7 +293,7 @@ def test_llama3_8b_on_a_small_machine_exits_2_before_building():
     cmd = [sys.executable, "-m", "graphstep", "train", "--recipe", "llama3_8b", "train.device=cpu",
            "logger.metrics_path=null", "logger.progress_bar=false"]
     start = time.time()
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert_one_line_exit_2(proc, "needs about", "RAM available", "8.03B parameters", "weights", "activations")
     assert time.time() - start < 60
 

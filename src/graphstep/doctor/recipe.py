@@ -23,7 +23,11 @@ Big recipes (llama3_8b ...) are too slow to build on a CPU: unless
 to a proxy of the same structure (same layer kinds, attention grouping,
 experts and routing, graph settings) and says so in the report. Fields the
 user overrode are kept; a proxy starts from random weights (never ``model.hf_path``'s,
-which have the recipe's shape).
+which have the recipe's shape). Before building, the trainer's memory estimate
+(training/memory.py: parameters counted on the meta device, nothing
+allocated) is checked against the host's available RAM: a model that does not
+fit is refused in one line (exit 2) that says how much it needs and names
+the fix, instead of growing until the machine swaps or kills it.
 """
 
 from __future__ import annotations
@@ -31,13 +35,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import time
 from typing import Any, Iterator
 
 import torch
 
 from ..config import Config
+from ..cuda_graph.devices import GiB
+from ..training.memory import HEADROOM, SKIP_ENV, available_memory, estimate_memory
 from ..training.parallel import Layout
+from ..training.rundir import RunSetupError
 from ..cuda_graph.backend import CaptureReport, Graph, GraphBackend
 from ..validation import resolve_cuda_graph_settings, validate_config
 from .findings import Finding, Report
@@ -188,9 +196,32 @@ def check_recipe(cfg: Config, *, name: str = "recipe", full_size: bool = False, 
         report.notes.append(f"one warm-up iteration instead of {cfg.model.cuda_graph_warmup_steps} "
                             "(the count only delays the capture)")
         cfg.model.cuda_graph_warmup_steps = 1
+    _check_host_memory(cfg, name, full_size)
     settings = resolve_cuda_graph_settings(cfg)
     _run(cfg, settings, report)
     return report
+
+
+def _check_host_memory(cfg: Config, name: str, full_size: bool) -> None:
+    """Refuse (``RunSetupError``, exit 2) a judged run that would not fit the host's RAM; say when it is big."""
+    if os.environ.get(SKIP_ENV) == "1":
+        return
+    device = torch.device("cpu")
+    try:
+        estimate = estimate_memory(cfg, device)
+    except Exception as exc:  # a shape the meta build cannot take: the real build will say why
+        log.debug("doctor: no memory estimate (%s: %s)", type(exc).__name__, exc)
+        return
+    free = available_memory(device)
+    if estimate.total > HEADROOM * free:
+        fix = ("drop --full-size to judge a proxy of the same structure" if full_size else
+               "smaller model.* or train.micro_batch_size overrides (fields you set are never shrunk)")
+        raise RunSetupError(f"--recipe {name} as judged needs about {estimate.total / GiB:.1f} GiB of host RAM "
+                            f"but {free / GiB:.1f} GiB are available "
+                            f"({estimate.breakdown()}); {fix} ({SKIP_ENV}=1 skips this check)")
+    if estimate.parameters > MAX_PARAMS:
+        log.info("doctor: building %s as configured on the CPU (%.2fB parameters, about %.1f GiB): this takes a while",
+                 name, estimate.parameters / 1e9, estimate.total / GiB)
 
 
 def _parts(run: Any, cfg: Config, settings: Any) -> dict[str, Any]:

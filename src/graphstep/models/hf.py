@@ -28,6 +28,11 @@ is an error naming the key and the file.
 model.safetensors, experts per key as on the Hub -- which ``transformers``
 loads with the same logits. The model type follows the configuration: MoE
 is ``qwen3_moe``, q/k norms ``qwen3``, q/k/v bias ``qwen2``, else ``llama``.
+It writes into a new or empty folder only (``overwrite=True`` replaces the
+two files of a folder that has them; a sharded folder is refused even so,
+since its index would still name the old shards), each file through a
+temporary file in the same folder and ``os.replace``, with the ordinary
+file mode (0666 less the umask).
 
 The rotary tables need no conversion: graphstep's :class:`Rotary` is the
 rotate-half layout with ``cos``/``sin`` over the full head width, as in
@@ -39,6 +44,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
+import secrets
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -57,6 +64,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 class HFCheckpointError(ConfigError):
     """A Hugging Face directory graphstep cannot load as it is (the message says what and where)."""
+
+
+class HFExportError(ConfigError):
+    """An export target that would lose files: not empty, a file, or a sharded checkpoint (exit 2)."""
 
 
 # --------------------------------------------------------------------------
@@ -398,17 +409,56 @@ def graphstep_to_hf(state: dict[str, torch.Tensor], m: Any) -> dict[str, torch.T
     return out
 
 
-def export_hf(model: nn.Module, model_cfg: Any, path: str | Path, model_type: str | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads (``from_pretrained``)."""
+def export_hf(model: nn.Module, model_cfg: Any, path: str | Path, model_type: str | None = None, *,
+              overwrite: bool = False) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads (``from_pretrained``).
+
+    ``path`` must be a new or empty folder unless ``overwrite`` (then its config.json and
+    model.safetensors are replaced, each atomically); anything else raises ``HFExportError``.
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    _check_export_target(path, overwrite)
     dtype = next(model.parameters()).dtype
-    config = hf_config_for(model_cfg, model_type, dtype)
+    config = hf_config_for(model_cfg, model_type, dtype)  # refuses what has no HF equivalent, before writing
     state = {k: v.detach() for k, v in model.state_dict().items()}
     tensors = {k: v.cpu().contiguous().clone() for k, v in graphstep_to_hf(state, model_cfg).items()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    path.mkdir(parents=True, exist_ok=True)
+    _replace_file(path / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    _replace_file(path / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
     log.info("exported %s (%d tensors, %s) to %s", config["model_type"], len(tensors), config["dtype"], path)
     return path
+
+
+def _check_export_target(path: Path, overwrite: bool) -> None:
+    if path.exists() and not path.is_dir():
+        raise HFExportError(f"{path}: is a file; export_hf writes a folder (config.json + model.safetensors): "
+                            "name a new or empty folder")
+    entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if not entries:
+        return
+    if (path / "model.safetensors.index.json").exists():
+        raise HFExportError(f"{path}: holds a sharded checkpoint (model.safetensors.index.json), which loaders "
+                            "would still read instead of the export; export into a new or empty folder")
+    if not overwrite:
+        shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+        raise HFExportError(f"{path}: the folder is not empty ({shown}); export into a new or empty folder, "
+                            "or pass export_hf(..., overwrite=True) to replace its config.json and model.safetensors")
+
+
+def _replace_file(target: Path, write: Any) -> None:
+    """``write(tmp)`` into a temporary file beside ``target``, then ``os.replace`` it: ``target`` is either the old
+    file or the whole new one. The new file gets the mode an ordinary new file has (0666 less the umask)."""
+    tmp = target.with_name(f".{target.name}.tmp-{secrets.token_hex(3)}")
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

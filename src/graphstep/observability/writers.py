@@ -20,13 +20,14 @@ unless ``WANDB_MODE`` is set, so it needs no network and no login.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import math
 import os
 import resource
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -70,7 +71,8 @@ class MetricWriters:
         self.tb = self.wandb = None
         if enabled and lg.tensorboard_dir:
             tensorboard = _require("torch.utils.tensorboard", "tensorboard", f"logger.tensorboard_dir={lg.tensorboard_dir}")
-            self.tb = tensorboard.SummaryWriter(log_dir=lg.tensorboard_dir)
+            with _output_dir("logger.tensorboard_dir", lg.tensorboard_dir):
+                self.tb = tensorboard.SummaryWriter(log_dir=lg.tensorboard_dir)
         if enabled and lg.wandb_project:
             self.wandb = _open_wandb(cfg)
 
@@ -160,12 +162,24 @@ def _number(value: Any) -> float | None:
     return None
 
 
+@contextlib.contextmanager
+def _output_dir(field: str, path: str) -> Iterator[None]:
+    """A folder that cannot be created as a one-line ``ConfigError``; the trainer's preflight
+    (training/rundir.py) finds it before the run is built, this is for a folder lost since."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(f"{field}={path}: cannot create or write this folder ({exc.strerror or exc}); "
+                          f"choose another path for {field}") from None
+
+
 def _open_wandb(cfg: Config) -> Any:
     lg = cfg.logger
     wandb = _require("wandb", "wandb", f"logger.wandb_project={lg.wandb_project}")
     os.environ.setdefault("WANDB_MODE", "offline")  # no network, no login; the user's WANDB_MODE wins
     if lg.wandb_save_dir:
-        Path(lg.wandb_save_dir).mkdir(parents=True, exist_ok=True)
+        with _output_dir("logger.wandb_save_dir", lg.wandb_save_dir):
+            Path(lg.wandb_save_dir).mkdir(parents=True, exist_ok=True)
     run = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name, dir=lg.wandb_save_dir,
                      config=cfg.to_dict(), reinit="finish_previous")
     log.info("W&B run %s (%s mode) in %s", run.name, os.environ["WANDB_MODE"], run.dir)

@@ -70,6 +70,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
@@ -294,8 +295,15 @@ def _fsync_dir(path: Path) -> None:
 # loading
 
 
-def load_checkpoint(path: Path, state: TrainingState, dp: DataParallel, *, finetune: bool = False) -> int:
-    """Load ``path`` into ``state`` in place; returns the iteration to continue after (0 with finetune)."""
+def load_checkpoint(path: Path, state: TrainingState, dp: DataParallel, *, finetune: bool = False,
+                    config: Config | None = None) -> int:
+    """Load ``path`` into ``state`` in place; returns the iteration to continue after (0 with finetune).
+
+    First the model's parameter names and shapes are compared with the checkpoint's (every rank's together,
+    as pipeline stages hold parts of the model): a checkpoint of another model is refused, naming the
+    ``model.*`` field that differs when ``config`` (this run's) and the checkpoint's config.yaml say which.
+    """
+    check_model_matches(path, state.model, dp, config)
     if finetune:  # weights only: a fresh optimizer, schedule, data order and iteration count
         template: dict[str, Any] = {"model": state.model_state()}
         _dcp_load(template, path, dp)
@@ -369,6 +377,75 @@ def _describe(layout: dict[str, int] | None, world: int) -> str:
     return f"{world} rank(s) (pp{layout['pp']} x dp{layout['dp']} x tp{layout['tp']})"
 
 
+# The model fields that decide parameter names and shapes (a checkpoint of another value does not fit).
+SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "vocab_size", "share_embeddings_and_output_weights", "qk_layernorm", "add_qkv_bias",
+                "num_moe_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_enable_expert_bias",
+                "moe_shared_expert_intermediate_size", "hybrid_override_pattern", "mamba_state_dim",
+                "mamba_head_dim", "mamba_num_groups")
+
+
+def saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """``{parameter or buffer name: global shape}`` of the model a checkpoint holds (from DCP's index)."""
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k[len("model."):]: tuple(v.size) for k, v in keys.items() if k.startswith("model.") and hasattr(v, "size")}
+
+
+def check_model_matches(path: Path, model: nn.Module, dp: DataParallel, config: Config | None = None) -> None:
+    """Raise ``CheckpointError`` when ``path`` holds another model than ``model`` (names or shapes differ).
+
+    DCP loads the entries a state dict asks for and ignores the others, so without this a 4-layer
+    checkpoint loads into a 2-layer model, its last layers dropped. Every rank calls it.
+    """
+    wanted: dict[str, tuple[int, ...]] = {}
+    for part in dp.all_gather_object({k: tuple(t.shape) for k, t in model.state_dict().items()}):
+        wanted.update(part)  # global shapes (DTensors report theirs); pipeline stages hold parts of the model
+    saved = saved_model_shapes(path)
+    extra = [k for k in saved if k not in wanted]
+    missing = [k for k in wanted if k not in saved]
+    differ = [k for k in wanted if k in saved and saved[k] != wanted[k]]
+    if not (extra or missing or differ):
+        return
+    fields = _differing_shape_fields(path, config)
+    if fields:
+        what = ", ".join(f"model.{f}={a} (this run: {b})" for f, (a, b) in fields.items())
+        fix = ("set " + " ".join(f"model.{f}={a}" for f, (a, _) in fields.items())
+               + " to continue it, or point checkpoint.load at a checkpoint of this model")
+    else:
+        what = "; ".join(part for part in (
+            _some("it holds", extra, "that this model lacks"), _some("it lacks", missing, "that this model has"),
+            "; ".join(f"{k} is {list(saved[k])} there, {list(wanted[k])} here" for k in differ[:3])) if part)
+        fix = "give this run the model.* fields of the run that saved it, or point checkpoint.load elsewhere"
+    raise CheckpointError(f"cannot load checkpoint {path} into this run: it was saved for another model: {what}; "
+                          f"{fix}")
+
+
+def _some(lead: str, keys: list[str], tail: str) -> str:
+    if not keys:
+        return ""
+    shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    return f"{lead} {shown} {tail}"
+
+
+def _differing_shape_fields(path: Path, config: Config | None) -> dict[str, tuple[Any, Any]]:
+    """``{field: (saved value, this run's)}`` of ``SHAPE_FIELDS`` from the checkpoint's config.yaml (if any)."""
+    if config is None:
+        return {}
+    try:
+        saved = (yaml.safe_load((path / "config.yaml").read_text()) or {}).get("model") or {}
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return {}
+    return {f: (saved[f], getattr(config.model, f)) for f in SHAPE_FIELDS
+            if f in saved and saved[f] != getattr(config.model, f)}
+
+
+def saved_iteration(path: Path, dp: DataParallel) -> int:
+    """The iteration a checkpoint was saved at (read alone, before the whole load)."""
+    box: dict[str, Any] = {"iteration": 0}
+    _dcp_load(box, path, dp)
+    return int(box["iteration"])
+
+
 def _check_schedule(saved: dict[str, Any], optimizer: AdamW, path: Path) -> None:
     s = optimizer.schedule
     now = {"max_lr": s.max_lr, "min_lr": s.min_lr, "warmup_iters": s.warmup_iters, "decay_iters": s.decay_iters,
@@ -402,7 +479,13 @@ class Checkpointer:
         if path is None:
             log.warning("checkpoint.load=%s holds no complete checkpoint: training from the start", self.cfg.load)
             return 0
-        iteration = load_checkpoint(path, self.state, self.dp, finetune=self.cfg.finetune)
+        iters = self.config.train.train_iters
+        if not self.cfg.finetune and (saved := saved_iteration(path, self.dp)) >= iters:
+            raise CheckpointError(f"checkpoint.load={self.cfg.load}: {path.name} is at iteration {saved} and "
+                                  f"train.train_iters={iters}, so nothing is left to train; raise "
+                                  f"train.train_iters above {saved} to continue the run (or set "
+                                  "checkpoint.finetune=true to start a new one from its weights)")
+        iteration = load_checkpoint(path, self.state, self.dp, finetune=self.cfg.finetune, config=self.config)
         self.last_saved = iteration  # nothing to save again before the next iteration
         return iteration
 

@@ -12,7 +12,10 @@ then fails on it and says so.)
 ``choose_checkpoint(load)``:
 
 * ``load`` names one ``iter_NNNNNNN`` folder: it is used if intact, else
-  refused (``CheckpointError``, exit 2) with the list of intact ones beside it;
+  refused (``CheckpointError``, exit 2) with the list of intact ones beside it
+  -- also when it does not exist (a typo must not restart the run);
+* ``load`` names a file (a ``.pt``, a ``model.safetensors``, a file inside a
+  checkpoint folder): refused, naming what ``checkpoint.load`` takes;
 * ``load`` is a save directory: the tracker's iteration, else the newest
   ``iter_*`` folder; a damaged one is skipped with a warning naming the
   damaged file, and the newest intact one is taken; when every checkpoint is
@@ -88,7 +91,9 @@ def intact_checkpoints(root: Path) -> list[Path]:
 def choose_checkpoint(load: str | Path) -> Path | None:
     """The intact checkpoint to resume from (see the module docstring)."""
     root = Path(load)
-    if ITER_DIR.match(root.name) and root.is_dir():
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(_not_a_folder(root))
+    if ITER_DIR.match(root.name):
         return _exact(root)
     if not root.is_dir():
         return None
@@ -110,7 +115,27 @@ def choose_checkpoint(load: str | Path) -> Path | None:
     return None
 
 
+def _not_a_folder(path: Path) -> str:
+    where = next((p for p in path.parents if ITER_DIR.match(p.name)), None)
+    if where is not None:
+        hint = f"it is inside the checkpoint {where}: set checkpoint.load={where}"
+    elif (path.parent / TRACKER).is_file() or _iteration_dirs(path.parent):
+        hint = f"it is inside the checkpoint folder {path.parent}: set checkpoint.load={path.parent}"
+    elif path.suffix == ".safetensors" or (path.parent / "config.json").is_file():
+        hint = f"Hugging Face weights are read from a folder with model.hf_path={path.parent}"
+    else:
+        hint = ("name a checkpoint.save folder (its newest intact checkpoint is loaded) or one iter_NNNNNNN folder "
+                "in it")
+    return f"checkpoint.load={path} is a file, not a checkpoint folder; {hint}"
+
+
 def _exact(path: Path) -> Path:
+    if not path.is_dir():
+        intact = intact_checkpoints(path.parent)
+        others = ", ".join(str(p) for p in intact) if intact else "none"
+        raise CheckpointError(f"checkpoint.load={path}: no such checkpoint folder; intact checkpoints in "
+                              f"{path.parent}: {others} (name one, or checkpoint.load={path.parent} to take the "
+                              "newest)")
     problem = verify_checkpoint(path)
     if problem is None:
         return path

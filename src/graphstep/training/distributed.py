@@ -53,6 +53,7 @@ from ..cuda_graph.settings import CudaGraphSettings
 from .grad_reduce import ExpertParallelReducer, GradReducer, OverlappedGradReducer
 from .optim import GradBuffers
 from .parallel import DP, EDP, PP, Layout, build_mesh
+from .rundir import RunSetupError
 
 log = logging.getLogger("graphstep")
 
@@ -166,6 +167,14 @@ class DataParallel:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (through the gloo group)."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
     # ---- teardown ---------------------------------------------------------------
     def close(self) -> None:
         """Destroy the process group this module created; call after every graph was freed."""
@@ -206,13 +215,14 @@ def init_data_parallel(cfg: Config, settings: CudaGraphSettings, *,
         raise RuntimeError(f"WORLD_SIZE={world_size} but this PyTorch has no torch.distributed")
     rank, local_rank = _int_env(env, "RANK", 0), _int_env(env, "LOCAL_RANK", 0)
     use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
-    if cfg.train.device == "cuda" and not use_cuda:
-        raise RuntimeError("train.device=cuda but no CUDA device is available (use train.device=auto or cpu)")
+    if cfg.train.device.startswith("cuda") and not use_cuda:  # every rank says so and exits 2, before any group
+        raise RunSetupError(f"train.device={cfg.train.device} but this machine has no CUDA device; "
+                            "use train.device=cpu or auto")
     device_id = None
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: "
-                               "torchrun --nproc_per_node must not exceed the GPUs of a node")
+            raise RunSetupError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: "
+                                "torchrun --nproc_per_node must not exceed the GPUs of a node")
         torch.cuda.set_device(local_rank)
         device_id = torch.device("cuda", local_rank)
     dp = DataParallel(rank=rank, world_size=world_size, local_rank=local_rank,

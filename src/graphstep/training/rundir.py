@@ -3,12 +3,15 @@
 Two checks that turn a late, lossy failure into an immediate one-line error
 (``RunSetupError``, which the command line reports with exit code 2):
 
-* ``check_outputs_writable(cfg)`` -- ``checkpoint.save`` and
-  ``logger.metrics_path`` are created as the run would create them, and a
-  probe file is written and removed in each directory (an existing metrics
-  file is opened for appending, which changes nothing). A path that is a
-  file, a directory under a file, a read-only mount or missing permissions
-  are found here, not at the first save after hours of training.
+* ``check_outputs_writable(cfg)`` -- ``checkpoint.save``,
+  ``logger.metrics_path``, ``logger.tensorboard_dir`` and (with a
+  ``logger.wandb_project``) ``logger.wandb_save_dir`` are created as the run
+  would create them, and a probe file is written and removed in each
+  directory (an existing metrics file is opened for appending, which changes
+  nothing). A path that is a file, a directory under a file, a read-only
+  mount, a pseudo file system such as ``/proc`` or missing permissions are
+  found here, not at the first save after hours of training (nor as a
+  traceback from TensorBoard or W&B once the run is built).
 * ``RunLock`` -- each output directory gets ``.graphstep.lock`` holding the
   owner's pid, host and start time, locked with ``fcntl.flock``. A second
   run on the same directory is refused with the first one's pid and host.
@@ -61,10 +64,20 @@ def output_dirs(cfg: Config) -> list[tuple[str, Path]]:
 
 
 def check_outputs_writable(cfg: Config, *, metrics: bool = True) -> None:
-    """Raise ``RunSetupError`` naming the field when an output path cannot be written."""
+    """Raise ``RunSetupError`` naming the field when an output path cannot be written.
+
+    ``metrics``: also the outputs only the main rank writes (metrics file, TensorBoard, W&B).
+    """
     if cfg.checkpoint.save:
         _check_dir("checkpoint.save", Path(cfg.checkpoint.save))
-    if metrics and cfg.logger.metrics_path:
+    if not metrics:
+        return
+    lg = cfg.logger
+    if lg.tensorboard_dir:
+        _check_dir("logger.tensorboard_dir", Path(lg.tensorboard_dir))
+    if lg.wandb_project and lg.wandb_save_dir:  # without a project nothing is written there
+        _check_dir("logger.wandb_save_dir", Path(lg.wandb_save_dir))
+    if cfg.logger.metrics_path:
         path = Path(cfg.logger.metrics_path)
         if path.is_dir():
             raise RunSetupError(f"logger.metrics_path={path} is a directory; name a file such as {path / 'metrics.jsonl'}")
@@ -84,7 +97,7 @@ def _check_dir(field: str, directory: Path, *, shown: Path | None = None) -> Non
         directory.mkdir(parents=True, exist_ok=True)
         probe_directory(directory)
     except OSError as exc:
-        raise RunSetupError(f"{field}={shown}: cannot write in {directory} ({_why(exc)}); "
+        raise RunSetupError(f"{field}={shown}: cannot write in {directory} ({_why(exc, directory)}); "
                             f"choose another path for {field}") from None
 
 
@@ -102,16 +115,28 @@ def probe_directory(directory: Path) -> None:
             pass
 
 
-def _why(exc: OSError) -> str:
+def _why(exc: OSError, directory: Path | None = None) -> str:
     if isinstance(exc, (NotADirectoryError, FileExistsError)) or exc.errno in (errno.ENOTDIR, errno.EEXIST):
-        return f"{exc.filename or 'a part of the path'} is a file, not a directory"
+        return f"{_blocking_file(directory) or exc.filename or 'a part of the path'} is a file, not a directory"
     if isinstance(exc, PermissionError) or exc.errno in (errno.EACCES, errno.EPERM):
         return "permission denied"
     if exc.errno == errno.EROFS:
         return "read-only file system"
     if exc.errno == errno.ENOSPC:
         return "no space left on the device"
+    if exc.errno == errno.ENOENT:  # e.g. a folder under /proc, which takes no new entries
+        return "it cannot be created there: no such file or directory"
     return exc.strerror or type(exc).__name__
+
+
+def _blocking_file(directory: Path | None) -> Path | None:
+    """The first part of ``directory`` that exists and is not a directory (None if none)."""
+    if directory is None:
+        return None
+    for part in [*reversed(directory.parents), directory]:
+        if part.exists() and not part.is_dir():
+            return part
+    return None
 
 
 # --------------------------------------------------------------------------
