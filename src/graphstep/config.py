@@ -10,7 +10,9 @@ ignored.
 
 Overrides use the Bridge/Hydra dotted form (``model.cuda_graph_impl=local``,
 lists as ``model.cuda_graph_scope=[attn,mlp]``). Values are parsed as YAML
-scalars and checked against the field's annotation; an unknown key or a wrong
+scalars the way Bridge's OmegaConf reads them (``1e-4`` is a float; YAML files
+load the same way: :class:`YamlLoader`), ``null`` is a field's Megatron Core
+meaning where it has one (``recompute_modules``), and each value is checked against the field's annotation; an unknown key or a wrong
 type raises :class:`ConfigError` naming the key and the expected type. Keys
 set this way (overrides, YAML) are remembered as the user's own
 (:func:`explicit_keys`): where they disagree with a recipe's value, theirs wins.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 import typing
 from typing import Any, Union
@@ -52,6 +55,33 @@ from .config_sections import (  # noqa: F401  (the sections, importable from her
 )
 
 SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
+
+
+# --------------------------------------------------------------------------
+# YAML scalars as Megatron Bridge (OmegaConf) reads them
+
+
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, with floats as YAML 1.2 and OmegaConf write them.
+
+    YAML 1.1 (PyYAML) needs a dot in a float, so ``1e-4`` and ``-1e3`` are
+    strings there; OmegaConf -- and so Megatron Bridge, its YAML files and its
+    ``key=value`` overrides -- reads them as floats. config files and
+    overrides both load through this class.
+    """
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+
+                   |[-+]?\.[0-9][0-9_]*[eE][-+]?[0-9]+)$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def load_yaml_text(text: str) -> Any:
+    """One YAML document with :class:`YamlLoader` (``1e-4`` is a float, as in Bridge)."""
+    return yaml.load(text, Loader=YamlLoader)
 
 
 # --------------------------------------------------------------------------
@@ -112,6 +142,15 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+@functools.lru_cache(maxsize=None)
+def _field_metadata(cls: type) -> dict[str, Any]:
+    return {f.name: f.metadata for f in dataclasses.fields(cls)}
+
+
+def _metadata(cls: type, name: str) -> Any:
+    return _field_metadata(cls).get(name, {})
+
+
 def field_type(section: str, name: str) -> Any:
     sec_cls = _hints(Config)[section]
     return _hints(sec_cls)[name]
@@ -131,6 +170,9 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
         close = [n for n in hints if n.startswith(name[:4])][:5]
         hint = f"; similar: {', '.join(close)}" if close else ""
         raise ConfigError(f"{key!r}: unknown key in section {section!r}{hint}")
+    null_means = _metadata(type(sec), name).get("null_means")
+    if value is None and null_means is not None:
+        value = list(null_means) if isinstance(null_means, list) else null_means  # MCore's meaning of null
     ok, coerced = _matches(value, hints[name])
     if not ok:
         raise ConfigError(f"{key!r}: expected {_describe(hints[name])}, got {value!r} ({type(value).__name__})")
@@ -148,13 +190,13 @@ def explicit_keys(cfg: Config) -> frozenset[str]:
 
 
 def parse_value(text: str) -> Any:
-    """Parse an override value as YAML (``[a,b]``, ``true``, ``3``, ``1e-3``, ``null``).
+    """Parse an override value as YAML (``[a,b]``, ``true``, ``3``, ``1e-3``, ``null``), as OmegaConf does.
 
     A bracketed list YAML cannot read (``[attn,,mlp]``) is split on its commas;
     an empty item there is a :class:`ConfigError` naming its position.
     """
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = load_yaml_text(text) if text.strip() else ""
     except yaml.YAMLError:
         stripped = text.strip()
         return _parse_list(stripped) if stripped.startswith("[") and stripped.endswith("]") else text

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .config import Config, ConfigError, from_dict, iter_fields
+from .config import Config, ConfigError, from_dict, iter_fields, load_yaml_text
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -38,7 +38,7 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError(f"{path}:{line}: byte 0x{raw[exc.start]:02x} is not UTF-8; save the file as UTF-8 "
                           "text") from None
     try:
-        return yaml.safe_load(text)
+        return load_yaml_text(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

@@ -96,7 +96,9 @@ class ModelConfig:
 
     # --- recompute and offloading -----------------------------------------
     recompute_granularity: str | None = opt(None, "Activation recompute: null, full or selective.")
-    recompute_modules: list[str] = opt(["core_attn"], "Modules recomputed with selective recompute: core_attn, mlp, moe.")
+    recompute_modules: list[str] = opt(
+        ["core_attn"], "Modules recomputed with selective recompute: core_attn, mlp, moe; null = [core_attn] "
+        "(Megatron Core's default).", null_means=["core_attn"])
     cpu_offloading: bool = opt(False, "Offload activations/weights to the CPU.")
 
     # --- CUDA graphs ---------------------------------------------------------
