@@ -41,3 +41,191 @@ def test_recompute_modules_null_is_megatron_cores_default():
 def test_null_where_megatron_does_not_allow_it_is_still_a_type_error():
     with pytest.raises(ConfigError, match="model.num_layers"):
         apply_overrides(Config(), ["model.num_layers=null"])
+
+
+# --------------------------------------------------------------------------
+# Bridge's sections and names
+
+
+from graphstep.cli import main  # noqa: E402
+from graphstep.config import field_kind  # noqa: E402
+from graphstep.validation import normalize, resolve, validate  # noqa: E402
+
+
+def _rules(cfg: Config) -> dict[str, list[tuple[str, ...]]]:
+    out: dict[str, list[tuple[str, ...]]] = {}
+    for v in validate(cfg, env={}, device_capability=(9, 0)):
+        out.setdefault(v.rule, []).append(v.fields)
+    return out
+
+
+def test_dataset_is_the_data_section_and_validation_holds_the_eval_fields(tmp_path):
+    cfg = apply_overrides(Config(), ["dataset.split=90,10,0", "validation.eval_interval=5", "validation.eval_iters=2"])
+    assert (cfg.data.split, cfg.train.eval_interval, cfg.train.eval_iters) == ("90,10,0", 5, 2)
+    path = tmp_path / "b.yaml"
+    path.write_text("dataset:\n  seq_length: 128\nvalidation:\n  eval_iters: 3\n")
+    cfg = load_yaml(path)
+    assert cfg.data.seq_length == 128 and cfg.train.eval_iters == 3
+
+
+def test_an_unknown_validation_field_names_the_two_graphstep_takes():
+    with pytest.raises(ConfigError, match="validation.eval_interval and validation.eval_iters"):
+        apply_overrides(Config(), ["validation.full_validation=true"])
+
+
+@pytest.mark.parametrize("text", ["bf16_mixed", "bf16-mixed"])
+def test_mixed_precision_preset_as_one_value(text):
+    cfg = apply_overrides(Config(), [f"mixed_precision={text}"])
+    assert cfg.mixed_precision.preset == "bf16_mixed"
+    normalize(cfg)
+    assert cfg.model.params_dtype == "bf16" and not _rules(cfg)
+
+
+def test_mixed_precision_leaves_a_params_dtype_you_set():
+    cfg = apply_overrides(Config(), ["model.params_dtype=fp32", "mixed_precision=bf16_mixed"])
+    normalize(cfg)
+    assert cfg.model.params_dtype == "fp32"
+
+
+def test_mixed_precision_in_yaml_as_a_name_or_a_mapping(tmp_path):
+    (tmp_path / "a.yaml").write_text("mixed_precision: bf16_mixed\npeft: null\n")
+    assert load_yaml(tmp_path / "a.yaml").mixed_precision.preset == "bf16_mixed"
+    (tmp_path / "b.yaml").write_text("mixed_precision:\n  bf16: true\n  fp8: null\n")
+    assert load_yaml(tmp_path / "b.yaml").mixed_precision.bf16 is True
+
+
+@pytest.mark.parametrize("preset", ["bf16_with_fp8_current_scaling_mixed", "bf16_with_mxfp8_mixed",
+                                    "bf16_with_nvfp4_mixed", "bf16-with-fp8-delayed-scaling-mixed"])
+def test_fp8_presets_are_r32(preset):
+    cfg = apply_overrides(Config(), [f"mixed_precision={preset}"])
+    (v,) = validate(cfg, env={})
+    assert v.rule == "R32" and "FP8 and FP4 training are not implemented yet" in v.message
+    assert "mixed_precision=bf16_mixed" in v.fix
+
+
+def test_fp8_fields_and_an_unknown_preset_are_r32():
+    assert _rules(apply_overrides(Config(), ["mixed_precision.fp8=hybrid"]))["R32"] == [("mixed_precision.fp8",)]
+    assert "R32" in _rules(apply_overrides(Config(), ["mixed_precision=bf17_mixed"]))
+    assert _rules(apply_overrides(Config(), ["mixed_precision=fp16_mixed"])).keys() == {"R18"}
+
+
+def test_peft_null_passes_and_any_peft_value_is_r33(tmp_path):
+    assert not _rules(apply_overrides(Config(), ["peft=null"]))
+    assert _rules(apply_overrides(Config(), ["peft=lora"]))["R33"] == [("peft.scheme",)]
+    (tmp_path / "ft.yaml").write_text("peft:\n  dim: 8\n  alpha: 16\ncheckpoint:\n  pretrained_checkpoint: /ckpt\n")
+    found = _rules(load_yaml(tmp_path / "ft.yaml"))
+    assert sorted(found["R33"]) == [("checkpoint.pretrained_checkpoint",), ("peft.alpha",), ("peft.dim",)]
+
+
+@pytest.mark.parametrize("override, rule", [
+    ("optimizer.exp_avg_dtype=torch.bfloat16", "R34"), ("optimizer.main_params_dtype=fp16", "R34"),
+    ("model.recompute_method=uniform", "R35"), ("model.recompute_num_layers=1", "R35"),
+    ("model.fine_grained_activation_offloading=true", "R36"), ("model.offload_modules=[expert_fc1]", "R36"),
+    ("model.mtp_num_layers=1", "R37"), ("scheduler.max_lr=1e-4", "R39"), ("scheduler.min_lr=1e-5", "R39"),
+    ("checkpoint.ckpt_format=torch", "R18"), ("train.exit_duration_in_mins=230", "R18"),
+    ("model.moe_router_force_load_balancing=true", "R18"), ("model.moe_router_padding_for_fp8=true", "R32"),
+])
+def test_refused_values(override, rule):
+    key = override.split("=")[0]
+    assert _rules(apply_overrides(Config(), [override])) == {rule: [(key,)]}
+
+
+@pytest.mark.parametrize("override", [
+    "optimizer.exp_avg_dtype=torch.float32", "optimizer.main_grads_dtype=fp32", "optimizer.main_params_dtype=null",
+    "model.recompute_method=null", "model.offload_modules=[]", "model.offload_modules=null",
+    "checkpoint.ckpt_format=torch_dist", "checkpoint.ckpt_format=fsdp_dtensor", "model.moe_router_dtype=fp32",
+    "optimizer.use_precision_aware_optimizer=true", "checkpoint.async_save=true", "train.manual_gc=true",
+    "train.manual_gc_interval=100", "train.manual_gc_eval=100", "comm_overlap.tp_comm_overlap=true",
+    "dist.distributed_timeout_minutes=30", "tokenizer.tokenizer_type=NullTokenizer", "model.should_pad_vocab=true",
+])
+def test_what_graphstep_does_is_accepted(override):
+    assert not _rules(apply_overrides(Config(), [override]))
+
+
+def test_r38_bridge_dataset_and_tokenizer_agree_with_graphstep():
+    assert _rules(apply_overrides(Config(), ["dataset.seq_length=64"]))["R38"] == [("data.seq_length",
+                                                                                    "model.seq_length")]
+    assert not _rules(apply_overrides(Config(), ["dataset.seq_length=128"]))
+    assert "R38" in _rules(apply_overrides(Config(), ["tokenizer.tokenizer_type=SentencePieceTokenizer"]))
+    assert "R38" in _rules(apply_overrides(Config(), ["tokenizer.tokenizer_type=HuggingFaceTokenizer"]))
+    assert "R38" in _rules(apply_overrides(Config(), ["tokenizer.tokenizer_type=NullTokenizer",
+                                                      "tokenizer.vocab_size=300"]))
+    assert "R38" in _rules(apply_overrides(Config(), ["train.manual_gc_interval=-1"]))
+    assert "R38" in _rules(apply_overrides(Config(), ["rng.seed=5678", "dataset.random_seed=1234"]))
+    assert not _rules(apply_overrides(Config(), ["rng.seed=5678"]))  # Bridge's default random_seed is not yours
+    assert "R38" in _rules(apply_overrides(Config(), ["dataset.blend=[a,b]"]))
+
+
+def test_a_blend_becomes_indexed_data():
+    cfg = apply_overrides(Config(), ["dataset.blend=[[/d/a],null]"])
+    normalize(cfg)
+    assert (cfg.data.dataset, cfg.data.data_path) == ("indexed", "/d/a")
+
+
+def test_vocabulary_padding_as_megatron_pads_it():
+    cfg = apply_overrides(Config(), ["model.should_pad_vocab=true", "model.vocab_size=50257",
+                                     "model.tensor_model_parallel_size=2"])
+    normalize(cfg)
+    assert cfg.model.vocab_size == 50432  # a multiple of 128 x 2
+    normalize(cfg)
+    assert cfg.model.vocab_size == 50432
+
+
+def test_config_fields_marks_noops_and_refusals(capsys):
+    assert main(["config", "fields", "model"]) == 0
+    out = capsys.readouterr().out
+    assert "model.apply_rope_fusion (bool, default false): Fused RoPE kernel. [no-op: " in out
+    assert "model.recompute_method (str | null, default null): " in out and "[other values: R35]" in out
+    assert field_kind("train", "manual_gc") == ("acts", "")
+
+
+# --------------------------------------------------------------------------
+# train.manual_gc
+
+
+def test_manual_gc_policy(monkeypatch):
+    import gc
+
+    from graphstep.training.manual_gc import ManualGC
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation))
+    train = apply_overrides(Config(), ["train.manual_gc=true", "train.manual_gc_interval=3",
+                                       "train.manual_gc_eval=100"]).train
+    assert gc.isenabled()
+    with ManualGC(train) as policy:
+        assert not gc.isenabled() and calls == [2]
+        for it in range(1, 8):
+            policy.after_iteration(it)
+        assert calls == [2, 2, 2]  # at the start, after iterations 3 and 6
+        policy.before_eval()
+        policy.after_eval()
+        assert calls == [2, 2, 2, 2, 0]
+    assert gc.isenabled()
+    calls.clear()
+    with ManualGC(Config().train) as policy:  # off: nothing collected by hand, the collector stays on
+        policy.after_iteration(100)
+        policy.before_eval()
+        assert gc.isenabled() and calls == []
+
+
+def test_training_runs_with_the_collector_off_and_collects_between_steps(monkeypatch, tmp_path):
+    import gc
+
+    from conftest import tiny_config
+    from graphstep.training import loop
+
+    seen = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: seen.append((generation, gc.isenabled())) or real(generation))
+    states = []
+    monkeypatch.setattr(loop, "_host_nan_check", lambda *a: states.append(gc.isenabled()))
+    cfg = tiny_config("train.train_iters=4", "train.manual_gc=true", "train.manual_gc_interval=2",
+                      "train.eval_iters=1", "train.eval_interval=null", "rerun_state_machine.check_for_nan_in_loss=true",
+                      "model.cuda_graph_impl=none",
+                      tmp_path=tmp_path)
+    result = loop.train(cfg)
+    assert result.iterations == 4
+    assert gc.isenabled()  # restored after the run
+    assert states == [False] * 4  # every step ran with the automatic collector off
+    assert [g for g, _ in seen] == [2, 2, 2, 2, 0]  # start, iterations 2 and 4, around the final evaluation

@@ -279,19 +279,26 @@ def test_r16_needs_captured_collectives_and_registration() -> None:
 # --- R18 and V -----------------------------------------------------------------
 
 
-def _non_default(default):
+def _non_default(default, section: str, name: str):
+    """A value of the field's type other than its default."""
+    from graphstep.config import _matches, field_type
+
     if isinstance(default, bool):
         return not default
     if isinstance(default, int):
         return default + 1
-    return "e4m3"
+    for candidate in ("e4m3", 0.5, 7, [7], {"a": 1}):
+        ok, value = _matches(candidate, field_type(section, name))
+        if ok and value != default:
+            return value
+    raise AssertionError((section, name))
 
 
 @pytest.mark.parametrize("key", [f"{s}.{n}" for s, n, *_r, unsup in iter_fields() if unsup])
 def test_r18_every_unsupported_field(key: str) -> None:
     section, name = key.split(".")
     cfg = make()
-    setattr(getattr(cfg, section), name, _non_default(getattr(getattr(Config(), section), name)))
+    setattr(getattr(cfg, section), name, _non_default(getattr(getattr(Config(), section), name), section, name))
     (v,) = check(cfg)
     assert v.rule == "R18" and v.fields == (key,) and f"graphstep does not implement {key}" in v.message
 

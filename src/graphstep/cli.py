@@ -82,7 +82,7 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 
 def field_reference(section: str | None = None) -> str:
     """Every config field (or one section's) with its type, default and help: ``graphstep config fields``."""
-    from .config import SECTIONS, _describe, field_type, iter_fields
+    from .config import SECTIONS, _describe, field_kind, field_type, iter_fields
 
     if section is not None and section not in SECTIONS:
         raise ConfigError(f"unknown section {section!r}; sections: {', '.join(SECTIONS)}")
@@ -93,7 +93,10 @@ def field_reference(section: str | None = None) -> str:
         if sec != current:
             current = sec
             lines.append(f"{'' if not lines else chr(10)}{sec}:")
-        note = " [not implemented: only the default]" if unsupported else ""
+        kind, detail = field_kind(sec, name)
+        note = (" [not implemented: only the default]" if unsupported
+                else f" [no-op: {detail}]" if kind == "noop" else f" [other values: {detail}]" if kind == "refused"
+                else "")
         help_text = help_text.replace(" Not implemented by graphstep: only the default is accepted.", "")
         lines.append(f"  {sec}.{name} ({_describe(field_type(sec, name))}, default {dump_value(default)}): "
                      f"{help_text}{note}")

@@ -7,7 +7,7 @@ Three steps, always in this order (``resolve`` runs all three):
    tracker flags). :func:`apply_perf_flags` maps the perf-harness flags
    onto the config before it.
 2. :func:`validate` checks every numbered rule -- R1-R17 (graph_rules.py),
-   R18-R24 (run_rules.py), R25-R31 (parallel_rules.py) -- and every value rule, ``V`` and V1-V13
+   R18-R24 and R32-R39 (run_rules.py), R25-R31 (parallel_rules.py) -- and every value rule, ``V`` and V1-V13
    (values.py), and returns all violations at once, each with its rule id,
    the fields it names and the fix. It never raises, whatever the values: a
    rule that cannot even be evaluated reports itself. Given a config that is
@@ -28,6 +28,7 @@ an example override and its fix.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Mapping
 
@@ -38,12 +39,14 @@ from .graph_rules import GRAPH_RULES, make_view
 from .migrations import apply_perf_flags, normalize, normalized_copy
 from .report import ConfigValidationError, Violation, checked, format_violations
 from .parallel_rules import PARALLEL_RULES
-from .run_rules import REPLAY_COMPILE_REASON, RUN_RULES
+from .run_rules import REPLAY_COMPILE_REASON, RUN_RULES, noop_notes
 from .values import value_violations
+
+log = logging.getLogger("graphstep")
 
 __all__ = [
     "ConfigValidationError", "Violation", "REPLAY_COMPILE_REASON", "apply_perf_flags", "format_violations",
-    "normalize", "resolve", "settings_from", "validate",
+    "normalize", "noop_notes", "resolve", "settings_from", "validate",
     # the names callers used before the package existed
     "normalize_cuda_graph_config", "resolve_cuda_graph_settings", "validate_config", "validate_cuda_graph_config",
 ]
@@ -64,7 +67,7 @@ def _rule_violations(cfg: Config, env: Mapping[str, str], capability: tuple[int,
 
 def validate(cfg: Config, *, env: Mapping[str, str] | None = None, device_capability: tuple[int, int] | None = None,
              world_size: int | None = None, normalized: bool = False) -> list[Violation]:
-    """Every rule (R1-R31, V, V1-V13) on the normalised ``cfg``; all violations, never an exception.
+    """Every rule (R1-R39, V, V1-V13) on the normalised ``cfg``; all violations, never an exception.
 
     ``normalized=True``: ``cfg`` was normalised in place already (``resolve``); otherwise a normalised
     copy is judged. ``env`` (default ``os.environ``) gives ``WORLD_SIZE`` unless ``world_size`` is given.
@@ -108,7 +111,16 @@ def resolve(cfg: Config, *, env: Mapping[str, str] | None = None, device_capabil
     violations = validate(cfg, env=env, device_capability=device_capability, world_size=world_size, normalized=True)
     if violations:
         raise ConfigValidationError(violations)
+    for line in accepted_notes(cfg):  # once per run: resolve is called once per run
+        log.info("%s", line)
     return settings_from(cfg)
+
+
+def accepted_notes(cfg: Config) -> list[str]:
+    """What a valid config asks for that graphstep accepts but does differently: the no-op fields, in one line."""
+    notes = noop_notes(cfg)
+    return [f"accepted as no-ops (performance hints of Transformer Engine / Megatron Core kernels, no effect on the "
+            f"numbers): {'; '.join(notes)}"] if notes else []
 
 
 normalize_cuda_graph_config = normalize
