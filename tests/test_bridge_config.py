@@ -229,3 +229,136 @@ def test_training_runs_with_the_collector_off_and_collects_between_steps(monkeyp
     assert gc.isenabled()  # restored after the run
     assert states == [False] * 4  # every step ran with the automatic collector off
     assert [g for g, _ in seen] == [2, 2, 2, 2, 0]  # start, iterations 2 and 4, around the final evaluation
+
+
+# --------------------------------------------------------------------------
+# the CUDA-graph rules where Megatron Bridge / Megatron Core decide otherwise
+
+
+from graphstep.validation import apply_perf_flags  # noqa: E402
+
+GRAPHS = ["model.use_te_rng_tracker=true", "rerun_state_machine.check_for_nan_in_loss=false",
+          "ddp.check_for_nan_in_grad=false"]
+EXPERTS = ["model.num_moe_experts=4", "model.moe_router_topk=1"]
+
+
+def _graph_rules(*overrides: str) -> dict[str, list[tuple[str, ...]]]:
+    return _rules(apply_overrides(Config(), GRAPHS + list(overrides)))
+
+
+def test_grad_nan_check_passes_with_full_iteration_and_the_loss_check_does_not():
+    assert not _graph_rules("model.cuda_graph_impl=full_iteration", "ddp.check_for_nan_in_grad=true")
+    assert "R6" in _graph_rules("model.cuda_graph_impl=full_iteration", "rerun_state_machine.check_for_nan_in_loss=true")
+
+
+def test_the_grad_nan_check_runs_after_the_replay_never_inside_a_capture(monkeypatch, tmp_path):
+    from conftest import tiny_config
+    from graphstep.cuda_graph.replay_host import active_recorder
+    from graphstep.training import loop
+
+    real, calls = loop._host_nan_check, []
+
+    def probe(cfg, it, loss, grad_norm):
+        calls.append((it, active_recorder() is not None))  # the replay backend's capture is recording
+        real(cfg, it, loss, grad_norm)
+
+    monkeypatch.setattr(loop, "_host_nan_check", probe)
+    cfg = tiny_config("train.train_iters=5", "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1",
+                      "ddp.check_for_nan_in_grad=true", "model.cuda_graph_backend=replay", tmp_path=tmp_path)
+    result = loop.train(cfg)
+    assert result.graphs >= 1  # the step was captured and replayed
+    assert calls == [(it, False) for it in range(1, 6)]
+
+
+def test_the_grad_nan_check_stops_a_full_iteration_run_on_a_nonfinite_gradient(tmp_path):
+    from conftest import tiny_config
+    from graphstep.training import loop
+
+    cfg = tiny_config("train.train_iters=6", "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1",
+                      "ddp.check_for_nan_in_grad=true", "model.cuda_graph_backend=replay", "optimizer.lr=1e30",
+                      "optimizer.clip_grad=0", "scheduler.lr_warmup_iters=0", tmp_path=tmp_path)
+    with pytest.raises(FloatingPointError, match="ddp.check_for_nan_in_grad"):
+        loop.train(cfg)
+
+
+@pytest.mark.parametrize("module, dropout", [("core_attn", "attention_dropout"), ("mlp", "hidden_dropout")])
+def test_full_iteration_refuses_recompute_of_dropout_regions_as_megatron_core(module, dropout):
+    found = _graph_rules("model.cuda_graph_impl=full_iteration", "model.recompute_granularity=selective",
+                         f"model.recompute_modules=[{module}]", f"model.{dropout}=0.1")
+    assert found == {"R15": [("model.recompute_modules", f"model.{dropout}", "model.cuda_graph_impl")]}
+    assert not _graph_rules("model.cuda_graph_impl=full_iteration", "model.recompute_granularity=selective",
+                            f"model.recompute_modules=[{module}]")
+    assert not _graph_rules("model.recompute_granularity=selective", f"model.recompute_modules=[{module}]",
+                            f"model.{dropout}=0.1")  # no graphs: recompute with dropout is eager's business
+
+
+def test_moe_recompute_is_refused():
+    found = _graph_rules("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[moe_router,"
+                         "moe_preprocess]", "model.recompute_granularity=selective", "model.recompute_modules=[moe]",
+                         *EXPERTS)
+    assert "R35" in found
+
+
+def test_moe_router_scope_with_one_expert_is_refused():
+    found = _graph_rules("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn,moe_router,"
+                         "moe_preprocess]", "model.num_moe_experts=1", "model.moe_router_topk=1")
+    assert list(found) == ["R9"]
+    assert not _graph_rules("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn,moe_router,"
+                            "moe_preprocess]", *EXPERTS)
+
+
+def test_alltoall_with_capacity_and_no_padding_under_moe_preprocess_is_refused():
+    scoped = ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn,moe_router,moe_preprocess]",
+              "model.moe_token_dispatcher_type=alltoall", "model.moe_expert_capacity_factor=1.0", *EXPERTS]
+    assert list(_graph_rules(*scoped)) == ["R12"]
+    assert not _graph_rules(*scoped, "model.moe_pad_expert_input_to_capacity=true")
+
+
+def test_allgather_with_variable_seq_lengths_is_refused():
+    found = _graph_rules("model.variable_seq_lengths=true", *EXPERTS)
+    assert found == {"R23": [("model.moe_token_dispatcher_type", "model.variable_seq_lengths")]}
+    assert not _graph_rules("model.variable_seq_lengths=true", "model.moe_token_dispatcher_type=alltoall", *EXPERTS)
+    assert not _graph_rules("model.variable_seq_lengths=true")  # dense: no dispatcher
+
+
+def test_mamba_scope_without_mamba_layers_is_allowed_beside_other_scopes():
+    assert not _graph_rules("model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mamba]")
+    assert list(_graph_rules("model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba]")) == ["R13"]
+
+
+def test_extensions_are_said_once_in_the_log(caplog):
+    import logging
+
+    cfg = apply_overrides(Config(), GRAPHS + ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]",
+                                              *EXPERTS])
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        resolve(cfg, env={})
+    text = [r.getMessage() for r in caplog.records]
+    assert sum("a graphstep extension -- Megatron Bridge takes local for full_iteration only" in t for t in text) == 1
+    assert sum("graphed dropless: a graphstep extension" in t for t in text) == 1
+
+
+def test_perf_flags_as_bridges_harness():
+    cfg = Config()  # Megatron's defaults: both host-side NaN checks on
+    apply_perf_flags(cfg, "local", "full_iteration")
+    assert cfg.rerun_state_machine.check_for_nan_in_loss is False and cfg.ddp.check_for_nan_in_grad is True
+    assert cfg.model.use_te_rng_tracker is True and cfg.rng.te_rng_tracker is True
+    assert not validate(cfg, env={})
+    off = apply_overrides(Config(), ["model.use_te_rng_tracker=true", "rng.te_rng_tracker=true"])
+    apply_perf_flags(off, "none", None)
+    assert off.model.use_te_rng_tracker is False and off.rng.te_rng_tracker is False
+
+
+def test_perf_flags_on_the_command_line(capsys):
+    from graphstep.recipes import get_recipe
+
+    assert get_recipe("llama3_8b").rerun_state_machine.check_for_nan_in_loss is False  # graph_ready
+    assert main(["config", "validate", "--recipe", "llama3_8b", "rerun_state_machine.check_for_nan_in_loss=true",
+                 "ddp.check_for_nan_in_grad=true", "--cuda_graph_impl", "local", "--cuda_graph_scope",
+                 "full_iteration"]) == 2  # an override after the flags is yours: R6
+    capsys.readouterr()
+    assert main(["config", "validate", "--recipe", "llama3_8b", "--config", "/dev/null", "--cuda_graph_impl", "local",
+                 "--cuda_graph_scope", "full_iteration"]) == 0
+    assert main(["config", "show", "--recipe", "llama3_8b", "--cuda_graph_impl", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "use_te_rng_tracker: false" in out and "te_rng_tracker: false" in out

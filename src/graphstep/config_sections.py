@@ -177,7 +177,7 @@ class ModelConfig:
     expert_tensor_parallel_size: int | None = opt(None, "Tensor parallel inside experts; only null or 1 (R31).")
     sequence_parallel: bool = opt(
         False, "With tensor parallelism: norms, dropout and residuals run on sequence shards (DTensor "
-        "SequenceParallel); needs tensor_model_parallel_size > 1 (R25)."
+        "SequenceParallel); set to false with tensor_model_parallel_size=1, as Megatron Bridge does."
     )
     fp8: str | None = unsupported(None, "FP8 training.")
     variable_seq_lengths: bool = opt(False, "Samples of different lengths (needs data.seq_length_buckets with graphs).")

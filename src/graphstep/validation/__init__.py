@@ -117,10 +117,25 @@ def resolve(cfg: Config, *, env: Mapping[str, str] | None = None, device_capabil
 
 
 def accepted_notes(cfg: Config) -> list[str]:
-    """What a valid config asks for that graphstep accepts but does differently: the no-op fields, in one line."""
-    notes = noop_notes(cfg)
-    return [f"accepted as no-ops (performance hints of Transformer Engine / Megatron Core kernels, no effect on the "
-            f"numbers): {'; '.join(notes)}"] if notes else []
+    """What a valid, normalised config asks for that graphstep accepts but Megatron Bridge does differently:
+    the no-op fields in one line, and one line per deliberate extension (docs/rules.md)."""
+    notes, out = noop_notes(cfg), []
+    if notes:
+        out.append(f"accepted as no-ops (performance hints of Transformer Engine / Megatron Core kernels, no effect "
+                   f"on the numbers): {'; '.join(notes)}")
+    m = cfg.model
+    modules = [str(x) for x in m.cuda_graph_modules] if isinstance(m.cuda_graph_modules, list) else []
+    if m.cuda_graph_impl == "local":
+        out.append(f"model.cuda_graph_impl=local with per-layer scopes ({modules or 'the whole layer'}): a graphstep "
+                   "extension -- Megatron Bridge takes local for full_iteration only (per-layer graphs there are "
+                   "transformer_engine); graphstep captures Megatron Core's per-layer local path")
+    moe_graphed = "moe" in modules or (m.cuda_graph_impl in ("local", "transformer_engine") and not modules) \
+        or m.cuda_graph_impl == "full_iteration"
+    if moe_graphed and m.num_moe_experts is not None and m.moe_expert_capacity_factor is None \
+            and (m.hybrid_override_pattern is None or "E" in str(m.hybrid_override_pattern)):
+        out.append("the MoE block is graphed dropless: a graphstep extension -- Megatron Core graphs the moe scope "
+                   "only with drop-and-pad; graphstep's sync-free dropless MoE keeps its group sizes on the device")
+    return out
 
 
 normalize_cuda_graph_config = normalize

@@ -7,9 +7,10 @@
 ``cuda_graph_impl`` / ``cuda_graph_modules`` and is set to None (the
 full-iteration graph is always stored as ``cuda_graph_impl=full_iteration``
 with ``cuda_graph_modules=[]``); ``none`` clears the coverage; the two RNG
-tracker flags are made equal; ``local`` captures ``moe_router`` and
-``moe_preprocess`` together (a tracker flag the user set wins over a
-recipe's); and Megatron Bridge's fields that act through graphstep's own
+tracker flags are made equal (either on turns both on, as in Megatron
+Bridge); ``sequence_parallel`` is turned off with one tensor-parallel rank (as
+Bridge does); ``local`` captures ``moe_router`` and ``moe_preprocess``
+together; and Megatron Bridge's fields that act through graphstep's own
 (:func:`_bridge_fields`: a precision preset, comm_overlap's ddp overrides,
 the tokenizer, a dataset blend, vocabulary padding). It never raises and is idempotent: anything it cannot migrate
 without losing information (conflicting or malformed values) is left as it
@@ -41,26 +42,29 @@ def coverage_field(cfg: Config) -> str:
 
 
 def _sync_trackers(cfg: Config) -> list[str]:
-    """Make the two RNG tracker flags equal (Bridge keeps them so).
+    """Make the two RNG tracker flags equal as Megatron Bridge does: either one on turns both on.
 
-    A value the user set (override or YAML: ``explicit_keys``) wins over a recipe's or a default; when
-    neither or both were set by the user, either flag on turns both on -- except that two explicit values
-    that disagree are left for rule R19 to report.
+    (Bridge's ConfigContainer: ``if rng.te_rng_tracker or model.use_te_rng_tracker`` both become true, whoever
+    set which; to turn the tracker off, set both to false.)
     """
     model_on, rng_on = cfg.model.use_te_rng_tracker is True, cfg.rng.te_rng_tracker is True
     if model_on == rng_on:
         return []
-    explicit = explicit_keys(cfg) & {"model.use_te_rng_tracker", "rng.te_rng_tracker"}
-    if len(explicit) == 2:
-        return []
-    if len(explicit) == 1:
-        (chosen,) = explicit
-        value = model_on if chosen == "model.use_te_rng_tracker" else rng_on
-    else:
-        chosen, value = ("model.use_te_rng_tracker" if model_on else "rng.te_rng_tracker"), True
-    cfg.model.use_te_rng_tracker = cfg.rng.te_rng_tracker = value
-    other = "rng.te_rng_tracker" if chosen == "model.use_te_rng_tracker" else "model.use_te_rng_tracker"
-    return [f"{other} set to {fmt(value)} to match {chosen}={fmt(value)} (one switch: the graph-safe RNG tracker)"]
+    chosen, other = (("model.use_te_rng_tracker", "rng.te_rng_tracker") if model_on
+                     else ("rng.te_rng_tracker", "model.use_te_rng_tracker"))
+    cfg.model.use_te_rng_tracker = cfg.rng.te_rng_tracker = True
+    return [f"{other} set to true to match {chosen}=true (one switch: the graph-safe RNG tracker; either on turns "
+            "both on, as in Megatron Bridge)"]
+
+
+def _sequence_parallel(cfg: Config) -> list[str]:
+    """``sequence_parallel=true`` with one tensor-parallel rank is set to false, as Megatron Bridge does."""
+    m = cfg.model
+    if m.sequence_parallel is True and m.tensor_model_parallel_size == 1:
+        m.sequence_parallel = False
+        return ["model.sequence_parallel set to false: model.tensor_model_parallel_size=1 has no sequence to shard "
+                "(as Megatron Bridge does)"]
+    return []
 
 
 def _migrate_deprecated_flags(model: Any) -> list[str]:
@@ -210,7 +214,7 @@ def _normalize(cfg: Config, *, warn: bool) -> list[str]:
     # and the router/preprocess pairing needs the migrated modules.
     if cfg.model.cuda_graph_scope is not None:
         cfg.__dict__[_COVERAGE_KEY] = "model.cuda_graph_scope"
-    notes = _bridge_fields(cfg) + _sync_trackers(cfg)
+    notes = _bridge_fields(cfg) + _sync_trackers(cfg) + _sequence_parallel(cfg)
     deprecated = _migrate_deprecated_flags(cfg.model)
     notes += deprecated + _migrate_coverage(cfg.model) + _pair_router_preprocess(cfg.model)
     if warn:

@@ -31,12 +31,8 @@ _TRACKERS = ("model.use_te_rng_tracker", "rng.te_rng_tracker")
 
 
 def _r19(v: View) -> list[Violation]:
-    model, rng = v.cfg.model.use_te_rng_tracker, v.cfg.rng.te_rng_tracker
-    if model is rng or not explicit_keys(v.cfg) >= set(_TRACKERS):
-        return []
-    return [_v("R19", _TRACKERS, f"model.use_te_rng_tracker={_fmt(model)} and rng.te_rng_tracker={_fmt(rng)} are "
-               "both set by you and disagree: they are one switch (the graph-safe RNG tracker).",
-               "set both to the same value, or set only one (the other follows).")]
+    """Retired: as in Megatron Bridge, either tracker flag on turns both on (migrations.py), whoever set them."""
+    return []
 
 
 COMPILE_COMPONENTS = ("model", "loss")
@@ -257,7 +253,13 @@ DISPATCHERS = ("allgather", "alltoall")
 
 
 def _r23(v: View) -> list[Violation]:
-    value = v.cfg.model.moe_token_dispatcher_type
+    m = v.cfg.model
+    value = m.moe_token_dispatcher_type
+    if _str(value) == "allgather" and m.variable_seq_lengths is True and m.num_moe_experts is not None:
+        return [_v("R23", ["model.moe_token_dispatcher_type", "model.variable_seq_lengths"], "model.moe_token_"
+                   "dispatcher_type=allgather with model.variable_seq_lengths=true: Megatron Core's allgather "
+                   "dispatcher takes no variable sequence lengths (it refuses the pair).",
+                   "set model.moe_token_dispatcher_type=alltoall, or model.variable_seq_lengths=false.")]
     if _str(value) in DISPATCHERS:
         return []
     return [_v("R23", ["model.moe_token_dispatcher_type"], f"model.moe_token_dispatcher_type={_fmt(value)} is not "
@@ -276,8 +278,20 @@ def _r24(v: View) -> list[Violation]:
                "set train.check_for_nan_on_device=true, or train.skip_step_on_nan=false.")]
 
 
+def _r35(v: View) -> list[Violation]:
+    out = _refused(v, "R35")
+    m = v.cfg.model
+    if m.recompute_granularity == "selective" and "moe" in (_names(m.recompute_modules) or []) \
+            and m.num_moe_experts is not None:
+        out.append(_v("R35", ["model.recompute_modules", "model.num_moe_experts"], "model.recompute_modules has moe: "
+                      "recomputing graphstep's MoE block is not implemented (it would re-run the router's in-place "
+                      "statistics; Megatron Core refuses it with the moe_router graph too).",
+                      "remove moe from model.recompute_modules (recompute core_attn or mlp)."))
+    return out
+
+
 RUN_RULES = (("R18", _r18), ("R19", _r19), ("R20", _r20), ("R21", _r21), ("R22", _r22), ("R23", _r23),
              ("R24", _r24), ("R32", _r32), ("R33", lambda v: _refused(v, "R33")),
-             ("R34", lambda v: _refused(v, "R34")), ("R35", lambda v: _refused(v, "R35")),
+             ("R34", lambda v: _refused(v, "R34")), ("R35", _r35),
              ("R36", lambda v: _refused(v, "R36")), ("R37", lambda v: _refused(v, "R37")), ("R38", _r38),
              ("R39", lambda v: _refused(v, "R39")))
