@@ -86,6 +86,22 @@ def _clear_coverage(model: Any) -> list[str]:
     return ["model.cuda_graph_scope/cuda_graph_modules ignored: model.cuda_graph_impl=none"] if had else []
 
 
+def _scope_replaces_recipe_modules(cfg: Config) -> list[str]:
+    """A ``cuda_graph_scope`` you set replaces the coverage a recipe set in ``cuda_graph_modules``.
+
+    Megatron Bridge's recipes write the legacy scope field; graphstep's recipes write modules. Pasted onto
+    a graphstep recipe, the scope you wrote is the coverage (as the perf flag's is); both fields set by you
+    stay a conflict (R2).
+    """
+    m, explicit = cfg.model, explicit_keys(cfg)
+    if m.cuda_graph_scope is None or "model.cuda_graph_scope" not in explicit or "model.cuda_graph_modules" in explicit:
+        return []
+    if isinstance(m.cuda_graph_modules, list) and not m.cuda_graph_modules:
+        return []
+    m.cuda_graph_modules = []
+    return ["model.cuda_graph_modules of the recipe replaced by the model.cuda_graph_scope you set"]
+
+
 def _migrate_coverage(model: Any) -> list[str]:
     """Fold cuda_graph_scope into cuda_graph_impl/cuda_graph_modules; leave conflicts and garbage alone."""
     impl, scope_raw = as_str(model.cuda_graph_impl), model.cuda_graph_scope
@@ -214,7 +230,7 @@ def _normalize(cfg: Config, *, warn: bool) -> list[str]:
     # and the router/preprocess pairing needs the migrated modules.
     if cfg.model.cuda_graph_scope is not None:
         cfg.__dict__[_COVERAGE_KEY] = "model.cuda_graph_scope"
-    notes = _bridge_fields(cfg) + _sync_trackers(cfg) + _sequence_parallel(cfg)
+    notes = _bridge_fields(cfg) + _sync_trackers(cfg) + _sequence_parallel(cfg) + _scope_replaces_recipe_modules(cfg)
     deprecated = _migrate_deprecated_flags(cfg.model)
     notes += deprecated + _migrate_coverage(cfg.model) + _pair_router_preprocess(cfg.model)
     if warn:
