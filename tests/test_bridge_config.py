@@ -362,3 +362,27 @@ def test_perf_flags_on_the_command_line(capsys):
     assert main(["config", "show", "--recipe", "llama3_8b", "--cuda_graph_impl", "none"]) == 0
     out = capsys.readouterr().out
     assert "use_te_rng_tracker: false" in out and "te_rng_tracker: false" in out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_grad_nan_check_runs_after_the_replay_on_cuda(monkeypatch, tmp_path):
+    """The CPU test above on a GPU: the full-iteration CUDA graph, and the host check never inside its capture."""
+    import torch
+
+    from conftest import tiny_config
+    from graphstep.training import loop
+
+    real, calls = loop._host_nan_check, []
+
+    def probe(cfg, it, loss, grad_norm):
+        calls.append((it, torch.cuda.is_current_stream_capturing()))
+        real(cfg, it, loss, grad_norm)
+
+    monkeypatch.setattr(loop, "_host_nan_check", probe)
+    cfg = tiny_config("train.train_iters=5", "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1",
+                      "ddp.check_for_nan_in_grad=true", "train.device=cuda", "model.cuda_graph_backend=cuda",
+                      tmp_path=tmp_path)
+    result = loop.train(cfg)
+    assert result.graphs >= 1
+    assert calls == [(it, False) for it in range(1, 6)]
