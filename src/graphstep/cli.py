@@ -69,7 +69,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    from .validation import format_violations, validate_config
+    from .validation import accepted_notes, format_violations, validate_config
+    from .validation.migrations import normalized_copy
 
     cfg = resolve_config(args)
     violations = validate_config(cfg)
@@ -77,6 +78,8 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
         print(format_violations(violations))
         return 2
     print(f"config OK ({args.recipe}{' + overrides' if args.overrides else ''}): no rule violated")
+    for note in accepted_notes(normalized_copy(cfg)):  # what a run would log once: no-ops, extensions
+        print(f"  note: {note}")
     return 0
 
 

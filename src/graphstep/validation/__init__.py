@@ -46,7 +46,7 @@ log = logging.getLogger("graphstep")
 
 __all__ = [
     "ConfigValidationError", "Violation", "REPLAY_COMPILE_REASON", "apply_perf_flags", "format_violations",
-    "normalize", "noop_notes", "resolve", "settings_from", "validate",
+    "accepted_notes", "normalize", "noop_notes", "resolve", "settings_from", "validate",
     # the names callers used before the package existed
     "normalize_cuda_graph_config", "resolve_cuda_graph_settings", "validate_config", "validate_cuda_graph_config",
 ]
