@@ -11,7 +11,13 @@ what stands in for the read, and each exception is checked in turn:
 * fields the resolved ``CudaGraphSettings`` carries are read through it;
 * the deprecated flags are migrated into ``model.cuda_graph_impl``;
 * fields graphstep implements one way only are refused by a rule for any
-  other value (R18 for the ``unsupported`` fields; the others named here).
+  other value (R18 for the ``unsupported`` fields, R32-R39 for the ``refused``
+  ones -- each checked to break its rule; the others named here);
+* Megatron Bridge's fields that act through graphstep's own ones are mapped
+  onto them by the normalisation (``MAPPED``, each mapping checked);
+* the no-op fields (``noop``: performance hints of Transformer Engine /
+  Megatron kernels) are accepted whatever their value and named in the one
+  log line of the run (each checked: accepted, reported, reported once).
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ import pathlib
 
 import pytest
 
-from graphstep.config import Config, apply_overrides, iter_fields
-from graphstep.validation import normalize, validate
+import logging
+
+from graphstep.config import Config, _matches, apply_overrides, field_kind, field_type, iter_fields, refused_values
+from graphstep.validation import noop_notes, normalize, resolve, validate
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "src" / "graphstep"
 CONFIG_CODE = ("config.py", "config_sections.py", "config_files.py", "validation/")
@@ -57,6 +65,35 @@ REFUSED_OTHERWISE = {
                                            "model.use_te_rng_tracker=true",
                                            "rerun_state_machine.check_for_nan_in_loss=false",
                                            "ddp.check_for_nan_in_grad=false"]),
+    # Megatron Bridge's fields that must agree with graphstep's own (R38) or stay constant (R18)
+    "data.seq_length": ("R38", ["dataset.seq_length=64"]),
+    "data.random_seed": ("R38", ["dataset.random_seed=7"]),
+    "data.seed": ("R38", ["dataset.seed=7"]),
+    "tokenizer.vocab_size": ("R38", ["tokenizer.tokenizer_type=NullTokenizer", "tokenizer.vocab_size=1000"]),
+    "scheduler.start_weight_decay": ("R18", ["scheduler.start_weight_decay=0.0"]),
+    "scheduler.end_weight_decay": ("R18", ["scheduler.end_weight_decay=0.0"]),
+}
+
+# Bridge field -> (overrides, the graphstep field normalisation sets, the value it gets)
+MAPPED = {
+    "model.should_pad_vocab": (["model.should_pad_vocab=true", "model.vocab_size=250"], "model.vocab_size", 256),
+    "model.make_vocab_size_divisible_by": (["model.should_pad_vocab=true", "model.vocab_size=250",
+                                           "model.make_vocab_size_divisible_by=100"], "model.vocab_size", 300),
+    "data.blend": (["dataset.blend=[[a,b],[0.3,0.7]]"], "data.data_path", "0.3 a 0.7 b"),
+    "tokenizer.tokenizer_type": (["tokenizer.tokenizer_type=HuggingFaceTokenizer", "tokenizer.tokenizer_model=/t"],
+                                 "data.tokenizer", "/t"),
+    "tokenizer.tokenizer_model": (["tokenizer.tokenizer_type=HuggingFaceTokenizer", "tokenizer.tokenizer_model=/t"],
+                                  "data.tokenizer", "/t"),
+    "mixed_precision.preset": (["mixed_precision=bf16_mixed"], "model.params_dtype", "bf16"),
+    "mixed_precision.bf16": (["mixed_precision.bf16=true"], "model.params_dtype", "bf16"),
+    "mixed_precision.fp32": (["mixed_precision.fp32=true"], "model.params_dtype", "fp32"),
+    "mixed_precision.params_dtype": (["mixed_precision.params_dtype=torch.bfloat16"], "model.params_dtype", "bf16"),
+    "mixed_precision.grad_reduce_in_fp32": (["mixed_precision.grad_reduce_in_fp32=false"],
+                                            "ddp.grad_reduce_in_fp32", False),
+    "comm_overlap.overlap_grad_reduce": (["comm_overlap.overlap_grad_reduce=true"], "ddp.overlap_grad_reduce", True),
+    "comm_overlap.overlap_param_gather": (["comm_overlap.overlap_param_gather=true"], "ddp.overlap_param_gather",
+                                          True),
+    "comm_overlap.bucket_size": (["comm_overlap.bucket_size=1000"], "ddp.bucket_size", 1000),
 }
 
 
@@ -76,12 +113,24 @@ def attributes_read() -> set[str]:
     return found
 
 
-def _changed(value):
+def _changed(value, section=None, name=None):
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):
         return value + 1
+    if section is not None:
+        return _value_of_type(section, name, value)
     return "e4m3" if value is None else value
+
+
+def _value_of_type(section, name, default):
+    """A value of the field's type that differs from ``default``."""
+    hint = field_type(section, name)
+    for candidate in (not default if isinstance(default, bool) else True, 7, 0.5, "e4m3", ["x"], [7], {"a": 1}):
+        ok, coerced = _matches(candidate, hint)
+        if ok and coerced != default:
+            return coerced
+    raise AssertionError((section, name, hint))
 
 
 def test_the_scanner_sees_attributes_and_getattr(tmp_path, monkeypatch):
@@ -95,9 +144,9 @@ def test_the_scanner_sees_attributes_and_getattr(tmp_path, monkeypatch):
 
 def test_every_field_is_read_outside_config_and_validation():
     read = attributes_read()
-    excepted = set(THROUGH_SETTINGS) | set(MIGRATED) | set(REFUSED_OTHERWISE)
-    unread = [f"{section}.{name}" for section, name, _v, _d, _h, unsupported in iter_fields()
-              if not unsupported and name not in read and f"{section}.{name}" not in excepted]
+    excepted = set(THROUGH_SETTINGS) | set(MIGRATED) | set(REFUSED_OTHERWISE) | set(MAPPED)
+    unread = [f"{section}.{name}" for section, name, _v, _d, _h, _u in iter_fields()
+              if field_kind(section, name)[0] == "acts" and name not in read and f"{section}.{name}" not in excepted]
     assert not unread, (f"fields nobody reads: {unread}; make them act, or refuse the values graphstep does not "
                         "implement with a rule (and list them in REFUSED_OTHERWISE)")
 
@@ -105,7 +154,11 @@ def test_every_field_is_read_outside_config_and_validation():
 def test_the_exceptions_are_not_read_directly():
     """An exception that code reads directly after all is stale: remove it from its list."""
     read = attributes_read()
-    stale = [key for key in (*THROUGH_SETTINGS, *MIGRATED, *REFUSED_OTHERWISE) if key.split(".")[1] in read]
+    # a name that several sections share (dataset.seq_length, model.seq_length) is read for the other one
+    names = [n for _s, n, _v, _d, _h, _u in iter_fields()]
+    shared = {n for n in names if names.count(n) > 1}
+    stale = [key for key in (*THROUGH_SETTINGS, *MIGRATED, *REFUSED_OTHERWISE, *MAPPED)
+             if key.split(".")[1] in read and key.split(".")[1] not in shared]
     assert not stale, f"read directly now: remove from the exception lists: {stale}"
 
 
@@ -137,6 +190,70 @@ def test_unsupported_fields_are_refused_when_changed():
     assert fields
     for section, name, default in fields:
         cfg = Config()
-        setattr(getattr(cfg, section), name, _changed(default))
+        setattr(getattr(cfg, section), name, _changed(default, section, name))
         found = [v for v in validate(cfg, env={}) if v.rule == "R18"]
         assert [v.fields for v in found] == [(f"{section}.{name}",)], (section, name)
+
+
+@pytest.mark.parametrize("key", sorted(MAPPED))
+def test_bridge_fields_act_through_graphsteps_own(key):
+    overrides, target, value = MAPPED[key]
+    cfg = apply_overrides(Config(), overrides)
+    normalize(cfg)
+    section, name = target.split(".")
+    assert getattr(getattr(cfg, section), name) == value
+
+
+def _refused_fields():
+    return [(s, n, d) for s, n, _v, d, _h, _u in iter_fields() if refused_values(s, n) is not None]
+
+
+def test_refused_fields_break_their_rule_when_changed():
+    fields = _refused_fields()
+    assert len(fields) > 30
+    for section, name, default in fields:
+        rule, _accepted = refused_values(section, name)
+        value = _value_of_type(section, name, default)
+        cfg = Config()
+        setattr(getattr(cfg, section), name, value)
+        found = [v for v in validate(cfg, env={}) if v.rule == rule and f"{section}.{name}" in v.fields]
+        assert found, (section, name, value, rule)
+        setattr(getattr(cfg, section), name, default)
+        assert not [v for v in validate(cfg, env={}) if f"{section}.{name}" in v.fields], (section, name)
+
+
+def _noop_fields():
+    return [(s, n, d) for s, n, _v, d, _h, _u in iter_fields() if field_kind(s, n)[0] == "noop"]
+
+
+def test_noop_fields_are_accepted_and_reported():
+    fields = _noop_fields()
+    assert {"model.apply_rope_fusion", "model.bias_activation_fusion", "model.cross_entropy_loss_fusion",
+            "model.cross_entropy_fusion_impl", "model.moe_permute_fusion", "model.moe_grouped_gemm",
+            "model.transformer_impl", "model.attention_backend",
+            "model.gradient_accumulation_fusion"} <= {f"{s}.{n}" for s, n, _d in fields}
+    for section, name, default in fields:
+        value = _value_of_type(section, name, default)
+        cfg = Config()
+        setattr(getattr(cfg, section), name, value)
+        assert not [v for v in validate(cfg, env={}) if f"{section}.{name}" in v.fields], (section, name)
+        notes = noop_notes(cfg)
+        assert len(notes) == 1 and notes[0].startswith(f"{section}.{name}=") and field_kind(section, name)[1] in notes[0]
+        assert noop_notes(Config()) == []
+
+
+def test_noop_fields_set_at_their_default_are_reported_too():
+    cfg = apply_overrides(Config(), ["model.apply_rope_fusion=false"])  # the user's own choice, even the default
+    assert noop_notes(cfg) == ["model.apply_rope_fusion=false (graphstep: applies RoPE with plain tensor ops "
+                               "(captured in the graphs))"]
+
+
+def test_a_run_reports_its_noop_fields_in_one_log_line(caplog):
+    cfg = apply_overrides(Config(), ["model.apply_rope_fusion=true", "model.transformer_impl=local",
+                                     "comm_overlap.tp_comm_overlap=true"])
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        resolve(cfg, env={})
+    lines = [r.getMessage() for r in caplog.records if "no-op" in r.getMessage()]
+    assert len(lines) == 1
+    for key in ("model.apply_rope_fusion=true", "model.transformer_impl=local", "comm_overlap.tp_comm_overlap=true"):
+        assert key in lines[0]

@@ -94,11 +94,8 @@ CASES = {
     "R5": Case("R5", ("model.cuda_graph_impl=local", "model.use_te_rng_tracker=false"),
                "graph-safe RNG tracker is off", "model.use_te_rng_tracker=true", ("model.cuda_graph_impl=local",)),
     "R6": Case("R6", ("model.cuda_graph_impl=full_iteration", "rerun_state_machine.check_for_nan_in_loss=true"),
-               "cannot run host-side NaN checks", "train.check_for_nan_on_device=true",
-               ("model.cuda_graph_impl=full_iteration", "train.check_for_nan_on_device=true")),
-    "R6-grad": Case("R6", ("model.cuda_graph_impl=full_iteration", "ddp.check_for_nan_in_grad=true"),
-                    "ddp.check_for_nan_in_grad=true", "train.skip_step_on_nan=true",
-                    ("model.cuda_graph_impl=local", "ddp.check_for_nan_in_grad=true")),
+               "Megatron's host-side check inside the step", "train.check_for_nan_on_device=true",
+               ("model.cuda_graph_impl=full_iteration", "ddp.check_for_nan_in_grad=true")),
     "R7": Case("R7", ("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[moe,moe_router]")
                + EXPERTS,
                "the router would be captured twice", "moe_router with moe_preprocess",
@@ -145,9 +142,8 @@ CASES = {
                       "remove moe_preprocess and moe_router", ("model.cuda_graph_impl=local",
                                                                "model.cuda_graph_modules=[moe_router]") + EXPERTS),
     "R13": Case("R13", ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba]"),
-                "has no Mamba layer (model.hybrid_override_pattern=null)", "remove mamba",
-                ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba]",
-                 "model.hybrid_override_pattern=M*")),
+                "has no Mamba layer (model.hybrid_override_pattern=null)", "[attn,mamba]",
+                ("model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mamba]")),
     "R14": Case("R14", ("model.cuda_graph_impl=local", "model.cpu_offloading=true"), "model.cpu_offloading=true",
                 "model.cpu_offloading=false", ("model.cuda_graph_impl=full_iteration", "model.cpu_offloading=true")),
     "R15-full": Case("R15", ("model.cuda_graph_impl=local", "model.recompute_granularity=full"),
@@ -202,8 +198,6 @@ CASES = {
                               "model.hidden_size=96"), "model.num_attention_heads=3 does not divide over "
                       "model.tensor_model_parallel_size=2 ranks", "set model.tensor_model_parallel_size to a divisor "
                       "of 3", ("model.tensor_model_parallel_size=2", "model.num_attention_heads=4"), {"WORLD_SIZE": "2"}),
-    "R25-sp": Case("R25", ("model.sequence_parallel=true",), "model.tensor_model_parallel_size=1",
-                   "model.sequence_parallel=false", ("model.sequence_parallel=false",)),
     "R26": Case("R26", ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim"),
                 "ddp.data_parallel_sharding_strategy=optim is not implemented: optim (ZeRO-1) keeps gradients whole",
                 "set ddp.data_parallel_sharding_strategy=optim_grads (ZeRO-2)",
@@ -279,19 +273,26 @@ def test_r16_needs_captured_collectives_and_registration() -> None:
 # --- R18 and V -----------------------------------------------------------------
 
 
-def _non_default(default):
+def _non_default(default, section: str, name: str):
+    """A value of the field's type other than its default."""
+    from graphstep.config import _matches, field_type
+
     if isinstance(default, bool):
         return not default
     if isinstance(default, int):
         return default + 1
-    return "e4m3"
+    for candidate in ("e4m3", 0.5, 7, [7], {"a": 1}):
+        ok, value = _matches(candidate, field_type(section, name))
+        if ok and value != default:
+            return value
+    raise AssertionError((section, name))
 
 
 @pytest.mark.parametrize("key", [f"{s}.{n}" for s, n, *_r, unsup in iter_fields() if unsup])
 def test_r18_every_unsupported_field(key: str) -> None:
     section, name = key.split(".")
     cfg = make()
-    setattr(getattr(cfg, section), name, _non_default(getattr(getattr(Config(), section), name)))
+    setattr(getattr(cfg, section), name, _non_default(getattr(getattr(Config(), section), name), section, name))
     (v,) = check(cfg)
     assert v.rule == "R18" and v.fields == (key,) and f"graphstep does not implement {key}" in v.message
 
@@ -436,7 +437,7 @@ def test_perf_flags_set_impl_scope_and_both_trackers() -> None:
 
 def test_all_violations_are_reported_together() -> None:
     cfg = make("model.cuda_graph_impl=full_iteration", "model.cuda_graph_modules=[attn]",
-               "model.use_te_rng_tracker=false", "ddp.check_for_nan_in_grad=true")
+               "model.use_te_rng_tracker=false", "rerun_state_machine.check_for_nan_in_loss=true")
     found = check(cfg)
     assert rules(found) >= {"R4", "R5", "R6"}
     text = format_violations(found)
@@ -446,7 +447,7 @@ def test_all_violations_are_reported_together() -> None:
 
 def test_resolve_raises_with_every_rule_id() -> None:
     cfg = make("model.cuda_graph_impl=full_iteration", "model.cuda_graph_modules=[attn]",
-               "model.use_te_rng_tracker=false", "ddp.check_for_nan_in_grad=true", "model.fp8=e4m3")
+               "model.use_te_rng_tracker=false", "rerun_state_machine.check_for_nan_in_loss=true", "model.fp8=e4m3")
     with pytest.raises(ConfigValidationError) as info:
         resolve_cuda_graph_settings(cfg, env={})
     assert isinstance(info.value, ConfigError)
@@ -607,28 +608,26 @@ def test_numbered_rules_stop_training_before_it_starts() -> None:
         resolve_cuda_graph_settings(make("optimizer.lr=-1"), env={})
 
 
-def test_explicit_tracker_flag_wins_over_the_recipe() -> None:
+def test_either_tracker_flag_on_turns_both_on_as_in_bridge() -> None:
     from graphstep.recipes import get_recipe
 
     cfg = get_recipe("llama3_tiny")  # the recipe turns both flags on
-    apply_overrides(cfg, ["model.cuda_graph_impl=none", "model.use_te_rng_tracker=false"])
+    apply_overrides(cfg, ["model.use_te_rng_tracker=false"])  # rng.te_rng_tracker is still on: both on
+    assert "R5" not in rules(check(cfg)) and "R19" not in rules(check(cfg))
     normalize_cuda_graph_config(cfg)
-    assert cfg.model.use_te_rng_tracker is False and cfg.rng.te_rng_tracker is False
+    assert cfg.model.use_te_rng_tracker is True and cfg.rng.te_rng_tracker is True
+    cfg = make("model.use_te_rng_tracker=false", "rng.te_rng_tracker=true", "model.cuda_graph_impl=local")
+    assert not check(cfg)  # Bridge accepts it (R19 is retired)
     cfg = get_recipe("llama3_tiny")
-    apply_overrides(cfg, ["model.use_te_rng_tracker=false"])  # graphs stay on: R5, not a silent flip
+    apply_overrides(cfg, ["model.use_te_rng_tracker=false", "rng.te_rng_tracker=false"])  # both off: R5 with graphs
     assert "R5" in rules(check(cfg))
-    cfg = Config()
-    apply_overrides(cfg, ["rng.te_rng_tracker=true"])  # a default yields to the explicit value
-    normalize_cuda_graph_config(cfg)
-    assert cfg.model.use_te_rng_tracker is True
 
 
-def test_r19_two_explicit_tracker_values_disagree() -> None:
-    cfg = make("model.use_te_rng_tracker=true", "rng.te_rng_tracker=false")
-    (found,) = [v for v in check(cfg) if v.rule == "R19"]
-    assert "both set by you and disagree" in found.message
-    assert found.fields == ("model.use_te_rng_tracker", "rng.te_rng_tracker")
-    assert "R19" not in rules(check(make("model.use_te_rng_tracker=false", "rng.te_rng_tracker=false")))
+def test_sequence_parallel_with_one_tensor_parallel_rank_is_turned_off_as_in_bridge() -> None:
+    cfg = make("model.sequence_parallel=true")
+    assert not check(cfg)
+    notes = normalize_cuda_graph_config(cfg)
+    assert cfg.model.sequence_parallel is False and any("sequence_parallel set to false" in n for n in notes)
 
 
 # --------------------------------------------------------------------------

@@ -69,7 +69,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    from .validation import format_violations, validate_config
+    from .validation import accepted_notes, format_violations, validate_config
+    from .validation.migrations import normalized_copy
 
     cfg = resolve_config(args)
     violations = validate_config(cfg)
@@ -77,12 +78,14 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
         print(format_violations(violations))
         return 2
     print(f"config OK ({args.recipe}{' + overrides' if args.overrides else ''}): no rule violated")
+    for note in accepted_notes(normalized_copy(cfg)):  # what a run would log once: no-ops, extensions
+        print(f"  note: {note}")
     return 0
 
 
 def field_reference(section: str | None = None) -> str:
     """Every config field (or one section's) with its type, default and help: ``graphstep config fields``."""
-    from .config import SECTIONS, _describe, field_type, iter_fields
+    from .config import SECTIONS, _describe, field_kind, field_type, iter_fields
 
     if section is not None and section not in SECTIONS:
         raise ConfigError(f"unknown section {section!r}; sections: {', '.join(SECTIONS)}")
@@ -93,7 +96,10 @@ def field_reference(section: str | None = None) -> str:
         if sec != current:
             current = sec
             lines.append(f"{'' if not lines else chr(10)}{sec}:")
-        note = " [not implemented: only the default]" if unsupported else ""
+        kind, detail = field_kind(sec, name)
+        note = (" [not implemented: only the default]" if unsupported
+                else f" [no-op: {detail}]" if kind == "noop" else f" [other values: {detail}]" if kind == "refused"
+                else "")
         help_text = help_text.replace(" Not implemented by graphstep: only the default is accepted.", "")
         lines.append(f"  {sec}.{name} ({_describe(field_type(sec, name))}, default {dump_value(default)}): "
                      f"{help_text}{note}")

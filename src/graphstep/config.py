@@ -10,7 +10,9 @@ ignored.
 
 Overrides use the Bridge/Hydra dotted form (``model.cuda_graph_impl=local``,
 lists as ``model.cuda_graph_scope=[attn,mlp]``). Values are parsed as YAML
-scalars and checked against the field's annotation; an unknown key or a wrong
+scalars the way Bridge's OmegaConf reads them (``1e-4`` is a float; YAML files
+load the same way: :class:`YamlLoader`), ``null`` is a field's Megatron Core
+meaning where it has one (``recompute_modules``), and each value is checked against the field's annotation; an unknown key or a wrong
 type raises :class:`ConfigError` naming the key and the expected type. Keys
 set this way (overrides, YAML) are remembered as the user's own
 (:func:`explicit_keys`): where they disagree with a recipe's value, theirs wins.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 import typing
 from typing import Any, Union
@@ -48,10 +51,53 @@ from .config_sections import (  # noqa: F401  (the sections, importable from her
     CheckpointConfig,
     LoggerConfig,
     ProfilingConfig,
+    TokenizerConfig,
+    CommOverlapConfig,
+    DistConfig,
+    MixedPrecisionConfig,
+    PeftConfig,
+    PRECISION_PRESETS,
     Config,
 )
 
 SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
+
+# Bridge's names where graphstep's differ: a section (``dataset.*`` is ``data.*``) and single keys
+# (Bridge moved eval_interval/eval_iters into its validation section; graphstep keeps them in train).
+SECTION_ALIASES: dict[str, str] = {"dataset": "data"}
+KEY_ALIASES: dict[str, str] = {"validation.eval_interval": "train.eval_interval",
+                               "validation.eval_iters": "train.eval_iters"}
+# Sections Bridge also takes as one value (``mixed_precision=bf16_mixed``, ``peft=lora``, ``peft=null``):
+# the field a scalar goes to. null resets the section to its defaults (Bridge's "none").
+SECTION_VALUES: dict[str, str] = {"mixed_precision": "preset", "peft": "scheme", "comm_overlap": ""}
+_ALL_SECTIONS = ", ".join(SECTIONS + tuple(SECTION_ALIASES) + ("validation",))
+
+
+# --------------------------------------------------------------------------
+# YAML scalars as Megatron Bridge (OmegaConf) reads them
+
+
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, with floats as YAML 1.2 and OmegaConf write them.
+
+    YAML 1.1 (PyYAML) needs a dot in a float, so ``1e-4`` and ``-1e3`` are
+    strings there; OmegaConf -- and so Megatron Bridge, its YAML files and its
+    ``key=value`` overrides -- reads them as floats. config files and
+    overrides both load through this class.
+    """
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+
+                   |[-+]?\.[0-9][0-9_]*[eE][-+]?[0-9]+)$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def load_yaml_text(text: str) -> Any:
+    """One YAML document with :class:`YamlLoader` (``1e-4`` is a float, as in Bridge)."""
+    return yaml.load(text, Loader=YamlLoader)
 
 
 # --------------------------------------------------------------------------
@@ -104,6 +150,10 @@ def _matches(value: Any, tp: Any) -> tuple[bool, Any]:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return True, str(value)  # `data.split=100` parses as a number
         return isinstance(value, str), value
+    if tp is Any:
+        return True, value
+    if tp is dict or typing.get_origin(tp) is dict:
+        return isinstance(value, dict), value
     raise TypeError(f"unsupported annotation {tp!r}")
 
 
@@ -112,26 +162,71 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+@functools.lru_cache(maxsize=None)
+def _field_metadata(cls: type) -> dict[str, Any]:
+    return {f.name: f.metadata for f in dataclasses.fields(cls)}
+
+
+def _metadata(cls: type, name: str) -> Any:
+    return _field_metadata(cls).get(name, {})
+
+
 def field_type(section: str, name: str) -> Any:
     sec_cls = _hints(Config)[section]
     return _hints(sec_cls)[name]
 
 
+def canonical_key(key: str) -> str:
+    """graphstep's name of a Bridge key: ``dataset.seq_length`` -> ``data.seq_length``,
+    ``validation.eval_iters`` -> ``train.eval_iters``; other keys unchanged."""
+    if key in KEY_ALIASES:
+        return KEY_ALIASES[key]
+    section, dot, name = key.partition(".")
+    return f"{SECTION_ALIASES[section]}.{name}" if dot and section in SECTION_ALIASES else key
+
+
+def set_section_value(cfg: Config, section: str, value: Any) -> None:
+    """A whole section given as one value, as Bridge allows: ``mixed_precision=bf16_mixed``, ``peft=null``."""
+    target = SECTION_VALUES[section]
+    if value is None:
+        setattr(cfg, section, type(getattr(cfg, section))())
+        cfg.__dict__.setdefault("_explicit_keys", set()).add(section)
+        return
+    if not target:
+        raise ConfigError(f"{section}={value!r}: {section} takes a mapping of fields or null")
+    set_value(cfg, f"{section}.{target}", value.replace("-", "_") if isinstance(value, str) else value)
+
+
 def set_value(cfg: Config, key: str, value: Any) -> None:
-    """Set ``section.field`` to ``value`` after checking its type."""
+    """Set ``section.field`` to ``value`` after checking its type (Bridge's aliases accepted)."""
+    if key in SECTION_VALUES:
+        return set_section_value(cfg, key, value)
+    key = canonical_key(key)
     parts = key.split(".")
     if len(parts) != 2:
-        raise ConfigError(f"{key!r}: keys have the form section.field (sections: {', '.join(SECTIONS)})")
+        raise ConfigError(f"{key!r}: keys have the form section.field (sections: {_ALL_SECTIONS})")
     section, name = parts
     if section not in SECTIONS:
-        raise ConfigError(f"{key!r}: unknown section {section!r} (sections: {', '.join(SECTIONS)})")
+        known = "validation.eval_interval and validation.eval_iters" if section == "validation" else None
+        if known:
+            raise ConfigError(f"{key!r}: unknown key in section 'validation' (graphstep takes {known}; "
+                              "the other validation fields are not implemented)")
+        raise ConfigError(f"{key!r}: unknown section {section!r} (sections: {_ALL_SECTIONS})")
     sec = getattr(cfg, section)
     hints = _hints(type(sec))
     if name not in hints:
         close = [n for n in hints if n.startswith(name[:4])][:5]
         hint = f"; similar: {', '.join(close)}" if close else ""
         raise ConfigError(f"{key!r}: unknown key in section {section!r}{hint}")
+    null_means = _metadata(type(sec), name).get("null_means")
+    if value is None and null_means is not None:
+        value = list(null_means) if isinstance(null_means, list) else null_means  # MCore's meaning of null
     ok, coerced = _matches(value, hints[name])
+    if not ok and isinstance(value, str) and value.lstrip().startswith("{"):  # an override's mapping
+        try:
+            ok, coerced = _matches(load_yaml_text(value), hints[name])
+        except yaml.YAMLError:
+            pass
     if not ok:
         raise ConfigError(f"{key!r}: expected {_describe(hints[name])}, got {value!r} ({type(value).__name__})")
     setattr(sec, name, coerced)
@@ -148,13 +243,13 @@ def explicit_keys(cfg: Config) -> frozenset[str]:
 
 
 def parse_value(text: str) -> Any:
-    """Parse an override value as YAML (``[a,b]``, ``true``, ``3``, ``1e-3``, ``null``).
+    """Parse an override value as YAML (``[a,b]``, ``true``, ``3``, ``1e-3``, ``null``), as OmegaConf does.
 
     A bracketed list YAML cannot read (``[attn,,mlp]``) is split on its commas;
     an empty item there is a :class:`ConfigError` naming its position.
     """
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = load_yaml_text(text) if text.strip() else ""
     except yaml.YAMLError:
         stripped = text.strip()
         return _parse_list(stripped) if stripped.startswith("[") and stripped.endswith("]") else text
@@ -193,13 +288,35 @@ def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"a config is a mapping of sections, got {type(data).__name__}")
     for section, values in data.items():
-        if section not in SECTIONS:
-            raise ConfigError(f"{section!r}: unknown section (sections: {', '.join(SECTIONS)})")
+        if section in SECTION_VALUES and not isinstance(values, dict):
+            set_section_value(cfg, section, values)
+            continue
+        if section not in SECTIONS and section not in SECTION_ALIASES and section != "validation":
+            raise ConfigError(f"{section!r}: unknown section (sections: {_ALL_SECTIONS})")
         if not isinstance(values, dict):
             raise ConfigError(f"{section!r}: expected a mapping of fields, got {type(values).__name__}")
         for name, value in values.items():
             set_value(cfg, f"{section}.{name}", value)
     return cfg
+
+
+def field_kind(section: str, name: str) -> tuple[str, str]:
+    """What a field does: ``("acts", "")``, ``("noop", what graphstep does instead)``, or
+    ``("refused", rule)`` for a field whose values other than its accepted ones a numbered rule refuses."""
+    meta = _metadata(_hints(Config)[section], name)
+    if "noop" in meta:
+        return "noop", meta["noop"]
+    if meta.get("unsupported"):
+        return "refused", "R18"
+    if "rule" in meta:
+        return "refused", meta["rule"]
+    return "acts", ""
+
+
+def refused_values(section: str, name: str) -> tuple[str, tuple[Any, ...]] | None:
+    """``(rule, accepted values)`` of a field declared with ``refused(...)``; None for the others."""
+    meta = _metadata(_hints(Config)[section], name)
+    return (meta["rule"], meta["allowed"]) if "rule" in meta else None
 
 
 def iter_fields(cfg: Config | None = None):

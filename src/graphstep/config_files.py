@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .config import Config, ConfigError, from_dict, iter_fields
+from .config import Config, ConfigError, field_kind, from_dict, iter_fields, load_yaml_text
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -38,7 +38,7 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError(f"{path}:{line}: byte 0x{raw[exc.start]:02x} is not UTF-8; save the file as UTF-8 "
                           "text") from None
     try:
-        return yaml.safe_load(text)
+        return load_yaml_text(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
@@ -71,21 +71,40 @@ def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
+def _kind_cell(section: str, name: str) -> str:
+    kind, detail = field_kind(section, name)
+    if kind == "noop":
+        return f"no-op: {detail}"
+    if kind == "refused":
+        return f"refused by {detail} otherwise" if detail != "R18" else "not implemented (R18 otherwise)"
+    return "acts"
+
+
 def markdown_reference() -> str:
-    """docs/config.md: every field with its default and help (a test keeps the file equal to this)."""
+    """docs/config.md: every field with its default, what it does and its help (a test keeps the file equal to this)."""
     out = ["# Configuration reference", "",
-           "Generated from `graphstep/config.py` (`python -m graphstep.config_files > docs/config.md`); a test",
-           "keeps it in sync. Fields marked *not implemented* exist for Megatron Bridge compatibility: any value other",
-           "than the default is rule R18 (see rules.md).", ""]
+           "Generated from `graphstep/config_sections.py` (`python -m graphstep.config_files > docs/config.md`); a test",
+           "keeps it in sync. Section and field names are Megatron Bridge's; Bridge's `dataset.*` is the `data`",
+           "section here, `validation.eval_interval`/`validation.eval_iters` are `train.eval_interval`/`eval_iters`,",
+           "and `mixed_precision=NAME` / `peft=NAME` (a whole section as one value) set `mixed_precision.preset` /",
+           "`peft.scheme`. Numbers read as Bridge's OmegaConf reads them (`1e-4` is a float).", "",
+           "The column *does* says what each field does -- the three ways:", "",
+           "- **acts**: graphstep does what Megatron Bridge does with it (some through graphstep's own field, named in",
+           "  the meaning: `mixed_precision=bf16_mixed` sets `model.params_dtype=bf16`);",
+           "- **no-op: ...**: a performance hint of Transformer Engine or Megatron kernels with no effect on the",
+           "  numbers; any value is accepted, and a run names the ones you set in one log line with what graphstep",
+           "  does instead (the text after *no-op:*);",
+           "- **refused by R*n* otherwise** / **not implemented (R18 otherwise)**: graphstep implements the default",
+           "  (and the values the meaning lists); any other value asks for a feature graphstep lacks and breaks that",
+           "  rule (rules.md), which says why and what to write instead.", ""]
     section = None
-    for sec, name, _value, default, help_text, unsupported_field in iter_fields():
+    for sec, name, _value, default, help_text, _unsupported in iter_fields():
         if sec != section:
             section = sec
-            out += ["", f"## `{sec}`", "", "| field | default | meaning |", "|---|---|---|"]
-        note = " *(not implemented)*" if unsupported_field else ""
+            out += ["", f"## `{sec}`", "", "| field | default | does | meaning |", "|---|---|---|---|"]
         text = help_text.replace(" Not implemented by graphstep: only the default is accepted.", "")
         out.append(f"| `{sec}.{name}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` "
-                   f"| {text}{note} |")
+                   f"| {_kind_cell(sec, name)} | {text} |")
     return "\n".join(out) + "\n"
 
 

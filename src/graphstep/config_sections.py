@@ -31,6 +31,26 @@ def unsupported(default: Any, help: str) -> Any:
     return opt(default, help + " Not implemented by graphstep: only the default is accepted.", unsupported=True)
 
 
+def noop(default: Any, help: str, instead: str) -> Any:
+    """A Megatron/Transformer Engine performance hint with no effect on the numbers: accepted, logged once.
+
+    ``instead`` says what graphstep does in its place (the log line and docs/config.md quote it).
+    """
+    return opt(default, help, noop=instead)
+
+
+def refused(default: Any, help: str, rule: str, allowed: tuple[Any, ...] | None = None) -> Any:
+    """A Megatron field whose other values ask for a feature graphstep lacks: rule ``rule`` refuses them.
+
+    ``allowed`` lists the accepted values (default: only ``default``); strings compare case-insensitively.
+    """
+    return opt(default, help, rule=rule, allowed=allowed if allowed is not None else (default,))
+
+
+# dtype spellings Bridge's recipes and overrides use for fp32 (torch.float32 on the command line too)
+FP32 = (None, "fp32", "float32", "torch.float32")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """The model shape, precision, recompute and CUDA-graph settings."""
@@ -96,7 +116,9 @@ class ModelConfig:
 
     # --- recompute and offloading -----------------------------------------
     recompute_granularity: str | None = opt(None, "Activation recompute: null, full or selective.")
-    recompute_modules: list[str] = opt(["core_attn"], "Modules recomputed with selective recompute: core_attn, mlp, moe.")
+    recompute_modules: list[str] = opt(
+        ["core_attn"], "Modules recomputed with selective recompute: core_attn, mlp, moe; null = [core_attn] "
+        "(Megatron Core's default).", null_means=["core_attn"])
     cpu_offloading: bool = opt(False, "Offload activations/weights to the CPU.")
 
     # --- CUDA graphs ---------------------------------------------------------
@@ -155,10 +177,115 @@ class ModelConfig:
     expert_tensor_parallel_size: int | None = opt(None, "Tensor parallel inside experts; only null or 1 (R31).")
     sequence_parallel: bool = opt(
         False, "With tensor parallelism: norms, dropout and residuals run on sequence shards (DTensor "
-        "SequenceParallel); needs tensor_model_parallel_size > 1 (R25)."
+        "SequenceParallel); set to false with tensor_model_parallel_size=1, as Megatron Bridge does."
     )
     fp8: str | None = unsupported(None, "FP8 training.")
     variable_seq_lengths: bool = opt(False, "Samples of different lengths (needs data.seq_length_buckets with graphs).")
+
+    # --- Megatron Bridge fields: vocabulary padding (acts), then what graphstep refuses and the kernel hints
+    should_pad_vocab: bool = opt(
+        False, "Pad model.vocab_size up to a multiple of make_vocab_size_divisible_by x tensor_model_parallel_size "
+        "(Bridge: the tokenizer's vocabulary padded for the kernels; the padded rows are trained logits).")
+    make_vocab_size_divisible_by: int = opt(128, "With should_pad_vocab: the multiple model.vocab_size is padded to.")
+    recompute_method: str | None = refused(
+        None, "Megatron's layer-wise full recompute (uniform or block over recompute_num_layers layers).", "R35")
+    recompute_num_layers: int | None = refused(None, "Layers per recompute_method group.", "R35")
+    fine_grained_activation_offloading: bool = refused(False, "Offload chosen activations to the host.", "R36")
+    offload_modules: list[str] | None = refused(
+        None, "Modules whose activations fine-grained offloading moves to the host.", "R36", allowed=(None, []))
+    cpu_offloading_num_layers: int = refused(0, "Layers whose activations are offloaded to the CPU.", "R36")
+    cpu_offloading_weights: bool = refused(False, "Offload weights to the CPU too.", "R36")
+    activation_offload_fraction: float | None = refused(None, "Fraction of activations offloaded.", "R36")
+    delay_offload_until_cuda_graph: bool = noop(
+        False, "Offloading: delay offloads until the CUDA graph.", "no offloading (R36 refuses it), so nothing to delay")
+    min_offloaded_tensor_size: int | None = noop(
+        None, "Offloading: smallest tensor offloaded.", "no offloading (R36 refuses it)")
+    fine_grained_offloading_max_inflight_offloads: int | None = noop(
+        None, "Offloading: offloads in flight.", "no offloading (R36 refuses it)")
+    mtp_num_layers: int | None = refused(None, "Multi-token prediction layers.", "R37")
+    mtp_hybrid_override_pattern: str | None = refused(None, "Layer pattern of the MTP block.", "R37")
+    mtp_loss_scaling_factor: float | None = noop(
+        None, "Weight of the multi-token-prediction loss.", "no MTP layers (R37 refuses mtp_num_layers), so no MTP loss")
+    mtp_use_repeated_layer: bool = noop(False, "MTP: one layer repeated.", "no MTP layers (R37)")
+    keep_mtp_spec_in_bf16: bool = noop(False, "MTP: keep the MTP block in bf16 under FP8.", "no MTP layers (R37)")
+    mtp_eval_in_bf16: bool = noop(False, "MTP: evaluate in bf16.", "no MTP layers (R37)")
+    fp8_param: bool | None = refused(None, "FP8 parameters.", "R32", allowed=(None, False))
+    fp8_param_gather: bool = refused(False, "All-gather parameters in FP8.", "R32")
+    fp8_output_proj: bool = refused(False, "FP8 output projection.", "R32")
+    quant_recipe: str | None = refused(None, "A quantisation recipe (FP8/FP4 per layer).", "R32")
+    tp_only_amax_red: bool = noop(False, "FP8: reduce amax over tensor-parallel ranks only.", "no FP8 (R32)")
+    moe_router_padding_for_fp8: bool = refused(False, "Pad each expert's tokens to FP8's alignment.", "R32")
+    moe_router_padding_for_quantization: bool = refused(False, "Pad each expert's tokens to FP8/FP4 alignment.", "R32")
+    moe_router_force_load_balancing: bool = unsupported(
+        False, "Benchmarking: route tokens at random, evenly over the experts (changes the numbers).")
+    moe_expert_rank_capacity_factor: float | None = unsupported(None, "Capacity factor per expert-parallel rank.")
+    moe_mlp_glu_interleave_size: int | None = unsupported(None, "Interleaved GLU weight layout of the experts.")
+    moe_paged_stash: bool = unsupported(False, "Paged stash of MoE activations.")
+    moe_router_dtype: str | None = refused(
+        None, "dtype of the router logits; graphstep's router computes them in fp32 (null and fp32 accepted).",
+        "R18", allowed=FP32)
+    pipeline_model_parallel_layout: str | list[Any] | None = unsupported(
+        None, "Megatron's explicit layer layout over pipeline stages (num_layers_in_first/last_pipeline_stage "
+        "give graphstep's uneven splits).")
+    account_for_embedding_in_pipeline_split: bool = unsupported(False, "Count the embedding as a layer in the split.")
+    account_for_loss_in_pipeline_split: bool = unsupported(False, "Count the loss as a layer in the split.")
+    calculate_per_token_loss: bool = unsupported(False, "Average the loss over all tokens of the step (not per micro-batch).")
+    deterministic_mode: bool = unsupported(False, "Deterministic kernels throughout.")
+    yarn_original_max_position_embeddings: int | None = unsupported(None, "YaRN RoPE scaling (graphstep: plain RoPE).")
+    yarn_rotary_scaling_factor: float | None = unsupported(None, "YaRN RoPE scaling factor.")
+    rotary_scaling_factor: float | None = unsupported(None, "Llama 3.1 RoPE frequency scaling.")
+    hf_model_id: str | None = noop(
+        None, "The Hugging Face model a Bridge provider was converted from (metadata).",
+        "nothing: the model shape is the recipe's and the overrides'; model.hf_path loads a local checkpoint")
+    hf_model_revision: str | None = noop(None, "Revision of hf_model_id (metadata).", "nothing (metadata)")
+    init_model_with_meta_device: bool = noop(
+        False, "Build the model on the meta device before initialising it.",
+        "builds the model on its device and initialises it there (the same initial distribution)")
+    # kernel and scheduling hints of Transformer Engine / Megatron Core: the same numbers without them
+    transformer_impl: str = noop(
+        "transformer_engine", "Layer implementation: transformer_engine or local (Megatron's kernels).",
+        "its own PyTorch layers (SDPA attention, SwiGLU MLP, RMSNorm) whatever this says")
+    attention_backend: str | None = noop(
+        None, "Transformer Engine attention backend: flash, fused, unfused, local or auto.",
+        "torch's scaled_dot_product_attention, which picks its own kernel")
+    apply_rope_fusion: bool = noop(False, "Fused RoPE kernel.", "applies RoPE with plain tensor ops (captured in the graphs)")
+    fused_single_qkv_rope: bool = noop(False, "RoPE fused into one QKV kernel.", "plain RoPE (as apply_rope_fusion)")
+    bias_activation_fusion: bool = noop(False, "Fused bias + activation kernel.", "SwiGLU with plain ops (no biases)")
+    cross_entropy_loss_fusion: bool = noop(False, "Fused cross-entropy kernel.", "torch's cross_entropy in fp32")
+    cross_entropy_fusion_impl: str = noop(
+        "native", "Fused cross-entropy implementation: native or te.", "torch's cross_entropy in fp32")
+    gradient_accumulation_fusion: bool = noop(
+        False, "Accumulate weight gradients into fp32 main_grad inside the GEMM.",
+        "accumulates into its fp32 gradient buffers after each backward (the same sums)")
+    masked_softmax_fusion: bool = noop(True, "Fused masked softmax.", "SDPA's causal attention")
+    persist_layer_norm: bool = noop(False, "Persistent layer-norm kernel.", "RMSNorm with torch's kernels")
+    use_fused_weighted_squared_relu: bool = noop(False, "Fused weighted squared-ReLU kernel.", "plain ops")
+    use_transformer_engine_op_fuser: bool = noop(False, "Transformer Engine's operation fuser.", "plain ops")
+    disable_parameter_transpose_cache: bool = noop(
+        False, "Transformer Engine: do not cache transposed weights.", "no transpose cache (torch's GEMMs)")
+    moe_grouped_gemm: bool = noop(False, "Experts as one grouped GEMM.", "its own expert kernels (models/moe.py)")
+    moe_permute_fusion: bool = noop(False, "Fused token permutation.", "permutes with plain indexing ops")
+    moe_router_fusion: bool = noop(False, "Fused router top-k and scores.", "the router with plain ops, in fp32")
+    moe_shared_expert_overlap: bool = noop(
+        False, "Overlap the shared expert with token dispatch.", "runs the shared expert after the dispatch")
+    moe_a2a_overlap: bool = noop(False, "Overlap MoE all-to-all with computation (1F1B).", "no overlap")
+    overlap_dispatch_backward_with_experts_wgrad: bool = noop(False, "Overlap dispatch backward with wgrad.", "no overlap")
+    high_priority_a2a_comm_stream: bool = noop(False, "High-priority stream for MoE all-to-all.", "torch's streams")
+    moe_flex_dispatcher_backend: str | None = noop(
+        None, "Backend of the flex dispatcher: deepep or hybridep.",
+        "nothing: read only with moe_token_dispatcher_type=flex, which R23 refuses")
+    moe_flex_dispatcher_num_sms: int | None = noop(None, "SMs of the flex dispatcher.", "nothing (flex: R23)")
+    moe_hybridep_num_sms: int | None = noop(None, "SMs of HybridEP.", "nothing (flex: R23)")
+    moe_hybridep_num_sms_preprocessing: int | None = noop(None, "SMs of HybridEP preprocessing.", "nothing (flex: R23)")
+    moe_hybridep_pad_uneven_dispatch_inputs: bool = noop(False, "HybridEP padding.", "nothing (flex: R23)")
+    moe_permute_fusion_into_hybridep: bool = noop(False, "Permutation fused into HybridEP.", "nothing (flex: R23)")
+    moe_deepep_num_sms: int | None = noop(None, "SMs of DeepEP.", "nothing (flex: R23)")
+    moe_pad_experts_for_cuda_graph_inference: bool = noop(
+        False, "Inference: pad experts for CUDA graphs.", "nothing: graphstep trains (its MoE graphs are sync-free)")
+    overlap_p2p_comm: bool = noop(False, "Overlap pipeline send/receive with computation.", "torch's pipeline schedule")
+    batch_p2p_comm: bool = noop(True, "Batch pipeline send/receive.", "torch's pipeline schedule")
+    cp_comm_type: str | list[str] | None = noop(
+        None, "Context-parallel communication.", "nothing: context parallelism is 1 (R30)")
 
 
 @dataclass(kw_only=True)
@@ -176,7 +303,23 @@ class TrainConfig:
     skip_step_on_nan: bool = opt(False, "Skip the optimizer update in-graph when the loss or gradients are not finite.")
     device: str = opt("auto", "auto (cuda when available, else cpu), cuda, cpu.")
     exit_signal_handler: bool = opt(True, "Stop cleanly after the current step on SIGINT/SIGTERM.")
-    manual_gc: bool = unsupported(False, "Manual garbage collection.")
+    manual_gc: bool = opt(
+        False, "Manual garbage collection (Bridge's policy): Python's automatic collector is off for the run and "
+        "collects only every manual_gc_interval iterations, outside every graph (and around evaluations with "
+        "manual_gc_eval), so no collection lands inside a capture or a timed step.")
+    manual_gc_interval: int = opt(0, "With manual_gc: collect every N iterations; 0 = only at the start (>= 0, R38).")
+    manual_gc_eval: bool | int = opt(
+        True, "With manual_gc: collect before each evaluation and collect its young objects after it (any true value).")
+    empty_unused_memory_level: int = noop(
+        0, "Empty torch's CUDA cache every iteration (1, 2).",
+        "never empties the cache: the graphs' memory pools stay allocated for their replays")
+    check_optimizer_step_success: bool = noop(
+        True, "Check that the optimizer step succeeded (fp16 loss scaling).", "nothing: no loss scaling (bf16/fp32)")
+    skip_sync_grad_norm_across_mp: bool = unsupported(
+        False, "Skip the gradient-norm reduction over model-parallel ranks (changes clipping).")
+    exit_duration_in_mins: int | None = unsupported(None, "Stop after this many minutes.")
+    exit_interval: int | None = unsupported(None, "Stop after an iteration that is a multiple of this.")
+    rampup_batch_size: list[int] | None = unsupported(None, "Batch-size ramp-up.")
 
 
 @dataclass(kw_only=True)
@@ -197,6 +340,24 @@ class OptimizerConfig:
         "ddp.use_distributed_optimizer (optimizer state sharded with FSDP2)."
     )
     fp16: bool = unsupported(False, "fp16 with loss scaling.")
+    use_precision_aware_optimizer: bool = noop(
+        False, "Bridge's precision-aware optimizer: the dtypes below choose the optimizer's precisions.",
+        "keeps master weights, main gradients and both Adam moments in fp32 either way (a dtype below other than "
+        "fp32 is R34), so both values train the same")
+    main_params_dtype: str | None = refused(None, "dtype of the master weights (fp32).", "R34", allowed=FP32)
+    main_grads_dtype: str | None = refused(None, "dtype of the main gradients (fp32).", "R34", allowed=FP32)
+    exp_avg_dtype: str | None = refused(None, "dtype of Adam's first moment (fp32).", "R34", allowed=FP32)
+    exp_avg_sq_dtype: str | None = refused(None, "dtype of Adam's second moment (fp32).", "R34", allowed=FP32)
+    optimizer_cpu_offload: bool = refused(False, "Run the optimizer on the host.", "R36")
+    offload_optimizer_states: bool = refused(False, "Keep optimizer states on the host.", "R36")
+    optimizer_offload_fraction: float = noop(1.0, "Fraction of the optimizer offloaded.", "no offloading (R36)")
+    overlap_cpu_optimizer_d2h_h2d: bool = noop(False, "Overlap host optimizer copies.", "no offloading (R36)")
+    overlap_param_gather: bool = noop(
+        False, "Megatron's optimizer copy of ddp.overlap_param_gather.", "reads ddp.overlap_param_gather")
+    overlap_param_gather_with_optimizer_step: bool = noop(
+        False, "Overlap the parameter all-gather with the optimizer step.", "gathers after the step (FSDP2)")
+    apply_wd_to_qk_layernorm: bool = unsupported(False, "Weight decay on the q/k layer-norm weights.")
+    reuse_grad_buf_for_mxfp8_param_ag: bool = refused(False, "MXFP8 parameter all-gather.", "R32")
 
 
 @dataclass(kw_only=True)
@@ -206,6 +367,23 @@ class SchedulerConfig:
     lr_warmup_iters: int = opt(20, "Linear warm-up iterations.")
     lr_decay_iters: int | None = opt(None, "Iterations of the decay; null = train.train_iters.")
     lr_decay_style: str = opt("cosine", "Decay after warm-up: cosine, linear or constant.")
+    lr_warmup_init: float = refused(
+        0.0, "Learning rate the warm-up starts from; graphstep's warm-up starts at 0.", "R18")
+    start_weight_decay: float | None = opt(
+        None, "Weight decay at the start (Megatron's weight-decay schedule); null or optimizer.weight_decay (R18).")
+    end_weight_decay: float | None = opt(
+        None, "Weight decay at the end; null or optimizer.weight_decay: graphstep's weight decay is constant (R18).")
+    weight_decay_incr_style: str = refused("constant", "Weight-decay schedule: constant.", "R18")
+    override_opt_param_scheduler: bool = noop(
+        False, "Take the schedule from the config, not the checkpoint.",
+        "always computes the schedule from the config and the step (a checkpoint stores only the step)")
+    use_checkpoint_opt_param_scheduler: bool = unsupported(False, "Take the schedule from the checkpoint.")
+    lr_warmup_fraction: float | None = unsupported(None, "Warm-up as a fraction of the decay (use lr_warmup_iters).")
+    max_lr: float | None = refused(
+        None, "Not a field of Bridge's SchedulerConfig (some recipes assign it; Bridge's scheduler never reads "
+        "it): the peak rate is optimizer.lr.", "R39")
+    min_lr: float | None = refused(
+        None, "Not a field of Bridge's SchedulerConfig: the final rate is optimizer.min_lr.", "R39")
 
 
 @dataclass(kw_only=True)
@@ -231,6 +409,33 @@ class DataConfig:
     split: str = opt("98,2,0", "Train/validation/test split of the documents.")
     corpus_max_bytes: int = opt(4_000_000, "Byte cap of the embedded standard-library corpus.")
     packed_sequences: bool = unsupported(False, "Packed sequences with per-document attention masks.")
+    # --- Bridge's dataset section (``dataset.*`` is this section)
+    seq_length: int | None = opt(
+        None, "Bridge's dataset.seq_length: null, or equal to model.seq_length (R38): graphstep's samples are "
+        "model.seq_length tokens.")
+    blend: list[Any] | None = opt(
+        None, "Bridge's blend: [[prefix, ...], [weight, ...] or null]; sets data.data_path (a weighted blend) and "
+        "data.dataset=indexed.")
+    blend_per_split: list[Any] | None = unsupported(None, "One blend per split.")
+    random_seed: int = opt(1234, "Bridge's dataset seed; graphstep's sample order comes from rng.seed, so only "
+                           "rng.seed's value is accepted (R38).")
+    seed: int | None = opt(None, "Bridge's other name of random_seed (null or rng.seed, R38).")
+    num_workers: int = noop(2, "Data-loader worker processes.", "reads samples in the training process")
+    pin_memory: bool = noop(True, "Pin loaded batches.", "pins batches on a GPU whatever this says")
+    persistent_workers: bool = noop(False, "Keep data-loader workers alive.", "no workers (see num_workers)")
+    dataloader_type: str | None = noop(None, "single, cyclic or external.", "its own sequential loader per rank")
+    mmap_bin_files: bool = noop(True, "Memory-map the .bin files.", "memory-maps indexed data")
+    num_dataset_builder_threads: int = noop(1, "Threads building the dataset index.", "builds it in one thread")
+    fast_cache_load: bool = noop(False, "Bridge's index cache.", "builds its index at start")
+    defer_npy_index_mmap: bool = noop(False, "Map the index lazily.", "builds its index at start")
+    path_to_cache: str | None = noop(None, "Directory of the index cache.", "no index cache")
+    create_attention_mask: bool = noop(
+        False, "Build an attention-mask tensor per sample.", "causal attention without a mask tensor (the same numbers)")
+    skip_getting_attention_mask_from_dataset: bool = noop(True, "Do not read masks from the dataset.", "no masks")
+    reset_position_ids: bool = unsupported(False, "Restart position ids at each document.")
+    reset_attention_mask: bool = unsupported(False, "Attention masks per document.")
+    eod_mask_loss: bool = unsupported(False, "No loss on end-of-document tokens.")
+    dataset_kwargs: dict[str, Any] | None = unsupported(None, "Extra arguments of Bridge's dataset class.")
 
 
 @dataclass(kw_only=True)
@@ -240,6 +445,7 @@ class RNGConfig:
     seed: int = opt(1234, "Base seed; ranks derive theirs from it as Megatron does.")
     te_rng_tracker: bool = opt(False, "Graph-safe RNG tracker (kept equal to model.use_te_rng_tracker).")
     data_parallel_random_init: bool = opt(False, "Different initial weights per data-parallel rank.")
+    inference_rng_tracker: bool = noop(False, "Inference RNG tracker.", "nothing: graphstep trains")
 
 
 @dataclass(kw_only=True)
@@ -273,6 +479,21 @@ class DDPConfig:
         False, "FSDP2: each decoder layer prefetches the next layer's parameter all-gather explicitly before its "
         "forward (false: FSDP2's implicit prefetch); needs sharded data parallel (R26)."
     )
+    check_for_large_grads: bool = unsupported(False, "Host-side check for unexpectedly large gradients.")
+    num_distributed_optimizer_instances: int = unsupported(1, "Replicas of the distributed optimizer.")
+    outer_dp_sharding_strategy: str = unsupported("no_shard", "Hybrid FSDP's outer sharding.")
+    megatron_fsdp_main_params_dtype: str | None = refused(None, "FSDP master weights dtype (fp32).", "R34", allowed=FP32)
+    megatron_fsdp_main_grads_dtype: str | None = refused(None, "FSDP main gradients dtype (fp32).", "R34", allowed=FP32)
+    megatron_fsdp_grad_comm_dtype: str | None = refused(None, "FSDP gradient reduction dtype (fp32).", "R34",
+                                                        allowed=FP32)
+    reuse_grad_buf_for_mxfp8_param_ag: bool = refused(False, "MXFP8 parameter all-gather.", "R32")
+    keep_fp8_transpose_cache: bool = noop(False, "FP8 transpose cache.", "no FP8 (R32), so no cache")
+    fsdp_double_buffer: bool = noop(False, "Megatron FSDP's double buffer.", "FSDP2's own buffers")
+    fsdp_manual_registration: bool = noop(False, "Megatron FSDP's NCCL buffer registration.", "FSDP2's own buffers")
+    nccl_ub: bool = noop(False, "NCCL user buffers.", "torch's NCCL buffers")
+    suggested_communication_unit_size: int | None = noop(None, "Megatron FSDP's unit size.", "FSDP2 per layer")
+    num_buckets: int | None = noop(None, "Number of all-reduce buckets.", "buckets of ddp.bucket_size elements")
+    pad_buckets_for_high_nccl_busbw: bool = noop(False, "Pad buckets for NCCL bandwidth.", "unpadded buckets")
 
 
 @dataclass(kw_only=True)
@@ -297,6 +518,7 @@ class RerunStateMachineConfig:
 
     check_for_nan_in_loss: bool = opt(True, "Host-side NaN check of the loss (syncs the host).")
     check_for_spiky_loss: bool = unsupported(False, "Spiky-loss detection.")
+    rerun_mode: str = unsupported("disabled", "Megatron's rerun state machine (re-running suspicious steps).")
 
 
 @dataclass(kw_only=True)
@@ -307,6 +529,29 @@ class CheckpointConfig:
     load: str | None = opt(None, "Directory to resume from (its latest complete checkpoint).")
     save_interval: int | None = opt(None, "Save every N iterations (and at the end when save is set).")
     finetune: bool = opt(False, "Load weights only; start at iteration 0 with fresh optimizer state.")
+    pretrained_checkpoint: str | None = refused(
+        None, "Bridge's fine-tuning start point (weights only, when load has no checkpoint).", "R33")
+    ckpt_format: str = refused(
+        "torch_dist", "Checkpoint format: torch_dist or fsdp_dtensor, both saved as graphstep's torch.distributed."
+        "checkpoint (DCP) directories; torch (one file per rank) and torch_dcp are R18.", "R18",
+        allowed=("torch_dist", "fsdp_dtensor"))
+    fully_parallel_save: bool = noop(True, "Spread the save over data-parallel ranks.", "each rank writes its own "
+                                     "shards with DCP")
+    fully_parallel_load: bool = noop(False, "Spread the load over data-parallel ranks.", "each rank reads its "
+                                     "shards with DCP")
+    async_save: bool = noop(
+        False, "Save in the background.", "saves synchronously after the step (the same files; the step waits)")
+    async_strategy: str = noop("nvrx", "Background save backend.", "synchronous saves (see async_save)")
+    ckpt_assume_constant_structure: bool = noop(False, "Reuse the save plan.", "DCP plans each save")
+    dist_ckpt_strictness: str = noop(
+        "assume_ok_unexpected", "How loading treats keys that do not match.",
+        "loads strictly: a checkpoint whose keys differ is a one-line error naming them")
+    most_recent_k: int = unsupported(-1, "Keep only the k latest checkpoints.")
+    save_optim: bool = unsupported(True, "Save the optimizer state.")
+    save_rng: bool = unsupported(True, "Save the RNG state.")
+    load_optim: bool = unsupported(True, "Load the optimizer state (false: checkpoint.finetune=true loads weights "
+                                   "only).")
+    load_rng: bool = unsupported(True, "Load the RNG state.")
 
 
 @dataclass(kw_only=True)
@@ -326,6 +571,24 @@ class LoggerConfig:
     wandb_exp_name: str | None = opt(None, "Weights & Biases run name.")
     wandb_save_dir: str | None = opt(
         None, "Directory of the W&B run files; offline (WANDB_MODE=offline) unless WANDB_MODE is set.")
+    wandb_entity: str | None = unsupported(None, "Weights & Biases entity (team).")
+    log_throughput: bool = noop(
+        False, "Show the throughput in the log line.", "shows tokens/s in every log line (TFLOP/s in TensorBoard "
+        "with log_timers_to_tensorboard)")
+    log_throughput_to_tensorboard: bool = noop(
+        False, "Throughput to TensorBoard.", "writes it with log_timers_to_tensorboard")
+    log_params_norm: bool = unsupported(False, "Log the parameter norm.")
+    log_progress: bool = unsupported(False, "Write progress.txt.")
+    log_validation_ppl_to_tensorboard: bool = unsupported(False, "Validation perplexity to TensorBoard.")
+    log_loss_scale_to_tensorboard: bool = noop(True, "The fp16 loss scale to TensorBoard.", "no loss scale (bf16/fp32)")
+    log_world_size_to_tensorboard: bool = noop(False, "The world size to TensorBoard.", "logs the layout at start")
+    timing_log_level: int = noop(0, "Megatron's timer detail.", "times whole steps (step_ms)")
+    timing_log_option: str = noop("minmax", "Timers over ranks.", "rank 0's step time")
+    tensorboard_queue_size: int = noop(1000, "TensorBoard writer queue.", "the writer's default")
+    logging_level: int | None = noop(None, "Python logging level.", "INFO (-v: DEBUG)")
+    filter_warnings: bool = noop(True, "Filter warnings.", "Python's warning filters")
+    save_config_filepath: str | None = unsupported(None, "Write the resolved config here (graphstep config show "
+                                                   "prints it).")
 
 
 @dataclass(kw_only=True)
@@ -341,6 +604,144 @@ class ProfilingConfig:
     record_shapes: bool = opt(False, "Record operator input shapes in the PyTorch profiler trace.")
     record_memory_history: bool = opt(False, "Record CUDA allocator history over the profiled iterations.")
     memory_snapshot_path: str = opt("snapshot.pickle", "Where the memory history snapshot is written.")
+    nvtx_ranges: bool = noop(
+        False, "NVTX ranges around Megatron's phases.", "marks its own phases with NVTX ranges whenever "
+        "use_nsys_profiler is on")
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    """Bridge's tokenizer section, mapped onto data.tokenizer (the tokenizer loader)."""
+
+    tokenizer_type: str | None = opt(
+        None, "NullTokenizer (token ids as they are: mock or pre-tokenized data; vocab_size ids), "
+        "HuggingFaceTokenizer (tokenizer_model: a local directory or tokenizer.json, which becomes data.tokenizer), "
+        "or null (data.tokenizer decides); other tokenizers are R38.")
+    tokenizer_model: str | None = opt(None, "HuggingFaceTokenizer: the tokenizer's local path (sets data.tokenizer).")
+    vocab_size: int | None = opt(None, "NullTokenizer: ids 0..vocab_size-1; at most model.vocab_size (R38).")
+    hf_tokenizer_kwargs: dict[str, Any] | None = noop(
+        None, "Extra arguments of the Hugging Face tokenizer.", "loads tokenizer.json with the tokenizers library")
+    use_tokenizer_vocab_size: bool = noop(False, "Take the model's vocabulary from the tokenizer.",
+                                          "model.vocab_size is the recipe's (V9 checks it holds every id)")
+    make_vocab_size_divisible_by: int = noop(128, "The tokenizer's padding multiple.", "model.should_pad_vocab "
+                                             "with model.make_vocab_size_divisible_by")
+    tensor_model_parallel_size: int = noop(1, "The tokenizer's copy of the layout.", "model.tensor_model_parallel_size")
+    rank: int = noop(0, "The tokenizer's copy of the rank.", "the process's rank")
+    null_tokenizer_eod_id: int | None = noop(None, "NullTokenizer's end-of-document id.", "no document masks")
+
+
+@dataclass(kw_only=True)
+class CommOverlapConfig:
+    """Bridge's comm_overlap section: how Megatron overlaps communication with computation.
+
+    Scheduling only -- the same numbers either way; graphstep's DTensor/FSDP2 collectives run as torch
+    schedules them. Two fields act: they set their ddp counterparts, as in Bridge.
+    """
+
+    tp_comm_overlap: bool = noop(False, "Transformer Engine userbuffer overlap of tensor-parallel GEMMs.",
+                                 "DTensor's collectives, not overlapped with the GEMMs")
+    tp_comm_overlap_cfg: str | dict[str, Any] | None = noop(None, "Userbuffer settings.", "no userbuffers")
+    tp_comm_bootstrap_backend: str | None = noop(None, "Userbuffer bootstrap.", "no userbuffers")
+    overlap_moe_expert_parallel_comm: bool = noop(False, "Overlap expert-parallel all-to-all.", "no overlap")
+    delay_wgrad_compute: bool = noop(False, "Delay weight-gradient GEMMs for overlap.", "autograd's order")
+    defer_embedding_wgrad_compute: bool = noop(False, "Defer the embedding's weight gradient.", "autograd's order")
+    wgrad_deferral_limit: int | None = noop(None, "Deferral limit.", "autograd's order")
+    overlap_param_gather_with_optimizer_step: bool = noop(False, "Overlap gathers with the step.", "no overlap")
+    align_param_gather: bool | None = noop(None, "Align parameter gathers over pipeline stages.", "no alignment")
+    overlap_p2p_comm: bool | None = noop(None, "Pipeline send/receive overlap.", "torch's pipeline schedule")
+    batch_p2p_comm: bool | None = noop(None, "Batched pipeline send/receive.", "torch's pipeline schedule")
+    overlap_grad_reduce: bool | None = opt(None, "Set: the value of ddp.overlap_grad_reduce (Bridge's override).")
+    overlap_param_gather: bool | None = opt(None, "Set: the value of ddp.overlap_param_gather (Bridge's override).")
+    bucket_size: int | None = opt(None, "Set: the value of ddp.bucket_size (Bridge's override).")
+
+
+@dataclass(kw_only=True)
+class DistConfig:
+    """Bridge's dist section: how the process group starts (graphstep joins torchrun's, training/distributed.py)."""
+
+    distributed_backend: str = refused("nccl", "Collective backend: nccl (gloo on the CPU, chosen by graphstep).",
+                                       "R18", allowed=("nccl", "gloo"))
+    distributed_timeout_minutes: int = noop(10, "Timeout of collectives.", "torch's default process-group timeout")
+    align_grad_reduce: bool = noop(True, "Align gradient reductions over pipeline stages.", "torch's schedule")
+    use_megatron_fsdp: bool = noop(False, "Bridge's start-up copy of ddp.use_megatron_fsdp.", "reads ddp.use_megatron_fsdp")
+    use_tp_pp_dp_mapping: bool = unsupported(False, "Order ranks tensor-pipeline-data (graphstep: its mesh order).")
+    use_gloo_process_groups: bool = noop(True, "Extra gloo groups.", "gloo only on the CPU")
+    enable_megatron_core_experimental: bool = noop(False, "Megatron Core's experimental features.", "nothing")
+    high_priority_stream_groups: list[str] | None = noop(None, "High-priority communication streams.", "torch's streams")
+    nccl_communicator_config_path: str | None = noop(None, "NCCL communicator settings.", "NCCL's environment")
+    lazy_init: bool = noop(False, "Initialise lazily.", "joins torchrun's group at start")
+    external_gpu_device_mapping: bool = noop(False, "Device mapping done outside.", "LOCAL_RANK picks the device")
+
+
+# Bridge's named precision recipes (``mixed_precision=NAME``; hyphens allowed, as in Bridge)
+PRECISION_PRESETS = ("bf16_mixed", "fp16_mixed", "bf16_with_fp8_delayed_scaling_mixed",
+                     "fp16_with_fp8_delayed_scaling_mixed", "bf16_with_mxfp8_mixed", "fp16_with_mxfp8_mixed",
+                     "bf16_with_fp8_current_scaling_mixed", "nemotron_h_bf16_with_fp8_current_scaling_mixed",
+                     "nanov2_bf16_with_fp8_current_scaling_mixed", "fp16_with_fp8_current_scaling_mixed",
+                     "bf16_with_fp8_subchannel_scaling_mixed", "fp16_with_fp8_subchannel_scaling_mixed",
+                     "bf16_with_nvfp4_mixed", "nemotron_3_super_bf16_with_nvfp4_mixed")
+
+
+@dataclass(kw_only=True)
+class MixedPrecisionConfig:
+    """Bridge's mixed_precision: a preset name (``mixed_precision=bf16_mixed``) or these fields.
+
+    bf16 acts (bf16 parameters, fp32 master weights and gradient reduction: graphstep's bf16 training);
+    FP8 and FP4 are not implemented yet (R32); fp16 with loss scaling is R18.
+    """
+
+    preset: str | None = opt(
+        None, "Bridge's preset name, written mixed_precision=NAME: bf16_mixed (acts: model.params_dtype=bf16 "
+        "unless you set it); the fp8/mxfp8/nvfp4 presets are R32, fp16_mixed R18.")
+    bf16: bool = opt(False, "bf16 training: model.params_dtype=bf16 unless you set it.")
+    fp16: bool = refused(False, "fp16 with loss scaling.", "R18")
+    fp32: bool = opt(False, "fp32 training: model.params_dtype=fp32 unless you set it.")
+    params_dtype: str | None = opt(None, "Set: model.params_dtype (bf16/bfloat16/torch.bfloat16 or fp32 spellings).")
+    pipeline_dtype: str | None = noop(None, "dtype sent between stages.", "sends the parameter dtype (model.pipeline_dtype)")
+    autocast_enabled: bool = unsupported(False, "torch.autocast around the forward.")
+    autocast_dtype: str | None = noop(None, "autocast's dtype.", "no autocast (autocast_enabled is R18)")
+    grad_reduce_in_fp32: bool = opt(True, "Set to false: ddp.grad_reduce_in_fp32=false (as Bridge copies it; R22 "
+                                    "with more than one data-parallel rank).")
+    fp8: str | None = refused(None, "FP8 format (e4m3, hybrid).", "R32")
+    fp8_recipe: str = noop("tensorwise", "FP8 scaling recipe.", "nothing: read only with fp8, which R32 refuses")
+    fp8_param: bool | None = refused(None, "FP8 parameters.", "R32", allowed=(None, False))
+    fp8_param_gather: bool = refused(False, "FP8 parameter all-gather.", "R32")
+    fp8_dot_product_attention: bool = refused(False, "FP8 attention.", "R32")
+    fp8_multi_head_attention: bool = refused(False, "FP8 multi-head attention.", "R32")
+    fp8_wgrad: bool = noop(True, "FP8 weight gradients.", "nothing: read only with fp8 (R32)")
+    fp8_margin: int = noop(0, "FP8 scaling margin.", "nothing: read only with fp8 (R32)")
+    fp8_amax_history_len: int = noop(1, "FP8 amax history.", "nothing: read only with fp8 (R32)")
+    fp8_amax_compute_algo: str = noop("most_recent", "FP8 amax algorithm.", "nothing: read only with fp8 (R32)")
+    first_last_layers_bf16: bool = noop(False, "FP8: first/last layers in bf16.", "nothing: read only with fp8 (R32)")
+    num_layers_at_start_in_bf16: int = noop(0, "FP8: leading bf16 layers.", "nothing: read only with fp8 (R32)")
+    num_layers_at_end_in_bf16: int = noop(0, "FP8: trailing bf16 layers.", "nothing: read only with fp8 (R32)")
+    reuse_grad_buf_for_mxfp8_param_ag: bool = refused(False, "MXFP8 parameter all-gather.", "R32")
+    fp4: str | None = refused(None, "FP4 format.", "R32")
+    fp4_recipe: str = noop("nvfp4", "FP4 recipe.", "nothing: read only with fp4 (R32)")
+    fp4_param: bool | None = refused(None, "FP4 parameters.", "R32", allowed=(None, False))
+    fp4_param_gather: bool = refused(False, "FP4 parameter all-gather.", "R32")
+    loss_scale: float | None = refused(None, "fp16 static loss scale.", "R18")
+    initial_loss_scale: float | None = noop(4294967296.0, "fp16 initial loss scale.", "no loss scaling (fp16: R18)")
+    min_loss_scale: float = noop(1.0, "fp16 minimum loss scale.", "no loss scaling (fp16: R18)")
+    loss_scale_window: float = noop(1000.0, "fp16 loss-scale window.", "no loss scaling (fp16: R18)")
+    hysteresis: int = noop(2, "fp16 loss-scale hysteresis.", "no loss scaling (fp16: R18)")
+
+
+@dataclass(kw_only=True)
+class PeftConfig:
+    """Bridge's peft section (LoRA, DoRA): parameter-efficient fine-tuning is not implemented yet (R33).
+
+    ``peft=null`` (Bridge's pre-training default) is accepted; any scheme or field is R33.
+    """
+
+    scheme: str | None = refused(None, "The scheme, written peft=NAME (lora, dora).", "R33")
+    target_modules: list[str] | None = refused(None, "Modules the adapters wrap.", "R33")
+    dim: int | None = refused(None, "Adapter rank.", "R33")
+    alpha: float | None = refused(None, "Adapter scaling.", "R33")
+    dropout: float | None = refused(None, "Adapter dropout.", "R33")
+    dropout_position: str | None = refused(None, "Where adapter dropout applies.", "R33")
+    lora_A_init_method: str | None = refused(None, "Init of A.", "R33")
+    lora_B_init_method: str | None = refused(None, "Init of B.", "R33")
 
 
 @dataclass(kw_only=True)
@@ -359,6 +760,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    comm_overlap: CommOverlapConfig = field(default_factory=CommOverlapConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

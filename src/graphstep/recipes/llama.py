@@ -101,6 +101,11 @@ def llama3_8b() -> Config:
     return _llama3(graph_ready(Config()), 32, 4096, 14336, 32, 8, False)
 
 
+def llama3_70b() -> Config:
+    """Llama 3 70B: 80 layers, d=8192, SwiGLU 28672, 64 heads / 8 KV heads, vocabulary 128256, sequence 8192."""
+    return _llama3(graph_ready(Config()), 80, 8192, 28672, 64, 8, False)
+
+
 def dense_1b_bench() -> Config:
     """Llama 3.2 1B at sequence 2048, micro-batch 2, mock data: a compute-bound shape for ``graphstep bench``."""
     cfg = llama32_1b()

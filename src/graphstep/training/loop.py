@@ -22,7 +22,8 @@ The loop reads top to bottom:
    averaged over ranks), optimizer step, per-iteration scalars queued on the
    device; on logging steps, one host read of the queued scalars, a log line
    and metrics rows (rank 0 writes them, to TensorBoard and W&B too); the
-   profiling window and its phase ranges (observability/);
+   profiling window and its phase ranges (observability/); with
+   ``train.manual_gc``, garbage collections only between steps (training/manual_gc.py);
 5. evaluation every ``train.eval_interval``; a checkpoint every
    ``checkpoint.save_interval`` and at the end;
 6. teardown in ``finally``: the run's graphs (and only them: a graph made
@@ -58,6 +59,7 @@ from ..models.hf import with_hf_shape
 from ..observability import MetricWriters, StepProfiler, open_ranges
 from .build import Run, build_run
 from .checkpoint import Checkpointer, TrainingState
+from .manual_gc import ManualGC
 from .console import Console
 from .memory import check_memory_fits
 from .distributed import DataParallel, init_data_parallel
@@ -252,8 +254,9 @@ def _iterate(cfg: Config, run: Run, data: Any, valid: Any, ckpt: Checkpointer, h
              next(run.model.parameters()).dtype, device, runner.describe,
              f", {dp.layout.describe()}" + (f" ({reducer.describe()})" if reducer is not None else "")
              if dp.enabled or dp.layout.needs_mesh else "")
+    collector = ManualGC(tr)  # train.manual_gc: collections only between steps (training/manual_gc.py)
     try:
-        with _StopFlag(tr.exit_signal_handler) as stop, console:
+        with _StopFlag(tr.exit_signal_handler) as stop, console, collector:
             t_log = time.perf_counter()
             profiler.begin(start + 1)
             for it in range(start + 1, tr.train_iters + 1):  # 4
@@ -281,8 +284,9 @@ def _iterate(cfg: Config, run: Run, data: Any, valid: Any, ckpt: Checkpointer, h
                     writers.capture(it, runner.reports)  # evaluation graphs too
                     _report(console, rows, dt, tokens_per_iter, device, tr.train_iters, result)
                 if valid is not None and tr.eval_interval and it % tr.eval_interval == 0 and not last:
-                    _evaluate(runner, valid, tr.eval_iters, it, console, result)  # 5
+                    _evaluate(runner, valid, tr.eval_iters, it, console, result, collector)  # 5
                 ckpt.after_iteration(it, last=last)
+                collector.after_iteration(it)
                 if hooks.after_iteration is not None:
                     hooks.after_iteration(it)
                 result.iterations = it
@@ -290,7 +294,7 @@ def _iterate(cfg: Config, run: Run, data: Any, valid: Any, ckpt: Checkpointer, h
                     result.stopped_by_signal = True
                     break
             if valid is not None and not result.stopped_by_signal:
-                _evaluate(runner, valid, tr.eval_iters, result.iterations, console, result)
+                _evaluate(runner, valid, tr.eval_iters, result.iterations, console, result, collector)
     finally:  # 6: the caller closes the run right after
         profiler.close()
         recorder.close()
@@ -361,7 +365,10 @@ def _fmt(v: Any, digits: int = 4) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
-def _evaluate(runner, valid, iters: int, it: int, console: Console, result: TrainResult) -> None:
+def _evaluate(runner, valid, iters: int, it: int, console: Console, result: TrainResult,
+              collector: ManualGC) -> None:
+    collector.before_eval()
     loss = float(runner.evaluate(valid, iters))  # a host read, on evaluation steps only
+    collector.after_eval()
     result.eval_losses.append((it, loss))
     console.line(f"eval at iter {it}: loss {loss:.4f}")

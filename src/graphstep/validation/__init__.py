@@ -7,7 +7,7 @@ Three steps, always in this order (``resolve`` runs all three):
    tracker flags). :func:`apply_perf_flags` maps the perf-harness flags
    onto the config before it.
 2. :func:`validate` checks every numbered rule -- R1-R17 (graph_rules.py),
-   R18-R24 (run_rules.py), R25-R31 (parallel_rules.py) -- and every value rule, ``V`` and V1-V22
+   R18-R24 and R32-R39 (run_rules.py), R25-R31 (parallel_rules.py) -- and every value rule, ``V`` and V1-V22
    (values.py), and returns all violations at once, each with its rule id,
    the fields it names and the fix. It never raises, whatever the values: a
    rule that cannot even be evaluated reports itself. Given a config that is
@@ -28,6 +28,7 @@ an example override and its fix.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Mapping
 
@@ -38,12 +39,14 @@ from .graph_rules import GRAPH_RULES, make_view
 from .migrations import apply_perf_flags, normalize, normalized_copy
 from .report import ConfigValidationError, Violation, checked, format_violations
 from .parallel_rules import PARALLEL_RULES
-from .run_rules import REPLAY_COMPILE_REASON, RUN_RULES
+from .run_rules import REPLAY_COMPILE_REASON, RUN_RULES, noop_notes
 from .values import value_violations
+
+log = logging.getLogger("graphstep")
 
 __all__ = [
     "ConfigValidationError", "Violation", "REPLAY_COMPILE_REASON", "apply_perf_flags", "format_violations",
-    "normalize", "resolve", "settings_from", "validate",
+    "accepted_notes", "normalize", "noop_notes", "resolve", "settings_from", "validate",
     # the names callers used before the package existed
     "normalize_cuda_graph_config", "resolve_cuda_graph_settings", "validate_config", "validate_cuda_graph_config",
 ]
@@ -64,7 +67,7 @@ def _rule_violations(cfg: Config, env: Mapping[str, str], capability: tuple[int,
 
 def validate(cfg: Config, *, env: Mapping[str, str] | None = None, device_capability: tuple[int, int] | None = None,
              world_size: int | None = None, normalized: bool = False) -> list[Violation]:
-    """Every rule (R1-R31, V, V1-V22) on the normalised ``cfg``; all violations, never an exception.
+    """Every rule (R1-R39, V, V1-V22) on the normalised ``cfg``; all violations, never an exception.
 
     ``normalized=True``: ``cfg`` was normalised in place already (``resolve``); otherwise a normalised
     copy is judged. ``env`` (default ``os.environ``) gives ``WORLD_SIZE`` unless ``world_size`` is given.
@@ -108,7 +111,31 @@ def resolve(cfg: Config, *, env: Mapping[str, str] | None = None, device_capabil
     violations = validate(cfg, env=env, device_capability=device_capability, world_size=world_size, normalized=True)
     if violations:
         raise ConfigValidationError(violations)
+    for line in accepted_notes(cfg):  # once per run: resolve is called once per run
+        log.info("%s", line)
     return settings_from(cfg)
+
+
+def accepted_notes(cfg: Config) -> list[str]:
+    """What a valid, normalised config asks for that graphstep accepts but Megatron Bridge does differently:
+    the no-op fields in one line, and one line per deliberate extension (docs/rules.md)."""
+    notes, out = noop_notes(cfg), []
+    if notes:
+        out.append(f"accepted as no-ops (performance hints of Transformer Engine / Megatron Core kernels, no effect "
+                   f"on the numbers): {'; '.join(notes)}")
+    m = cfg.model
+    modules = [str(x) for x in m.cuda_graph_modules] if isinstance(m.cuda_graph_modules, list) else []
+    if m.cuda_graph_impl == "local":
+        out.append(f"model.cuda_graph_impl=local with per-layer scopes ({modules or 'the whole layer'}): a graphstep "
+                   "extension -- Megatron Bridge takes local for full_iteration only (per-layer graphs there are "
+                   "transformer_engine); graphstep captures Megatron Core's per-layer local path")
+    moe_graphed = "moe" in modules or (m.cuda_graph_impl in ("local", "transformer_engine") and not modules) \
+        or m.cuda_graph_impl == "full_iteration"
+    if moe_graphed and m.num_moe_experts is not None and m.moe_expert_capacity_factor is None \
+            and (m.hybrid_override_pattern is None or "E" in str(m.hybrid_override_pattern)):
+        out.append("the MoE block is graphed dropless: a graphstep extension -- Megatron Core graphs the moe scope "
+                   "only with drop-and-pad; graphstep's sync-free dropless MoE keeps its group sizes on the device")
+    return out
 
 
 normalize_cuda_graph_config = normalize

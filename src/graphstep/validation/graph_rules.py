@@ -150,15 +150,20 @@ def _r5(v: View) -> list[Violation]:
 
 
 def _r6(v: View) -> list[Violation]:
-    checks = ["rerun_state_machine.check_for_nan_in_loss", "ddp.check_for_nan_in_grad"]
-    on = [f for f in checks if _get(v.cfg, f) is True]
-    if v.impl != "full_iteration" or not on:
+    """Megatron Bridge refuses the host-side loss check with the full-iteration graph; so does graphstep.
+
+    ``ddp.check_for_nan_in_grad`` passes (Bridge has no such rule): graphstep's check reads the gradient norm
+    the replayed graph wrote, on the host after the replay -- never inside a capture (training/loop.py).
+    """
+    if v.impl != "full_iteration" or v.cfg.rerun_state_machine.check_for_nan_in_loss is not True:
         return []
-    offending, turn_off = ", ".join(f + "=true" for f in on), " and ".join(f + "=false" for f in on)
-    return [_v("R6", on + ["model.cuda_graph_impl"], f"the full-iteration graph cannot run host-side NaN checks "
-               f"({offending}): they sync the host inside the captured step.", f"set {turn_off}; "
-               "graphstep's graph-safe train.check_for_nan_on_device=true replaces them (add "
-               "train.skip_step_on_nan=true to skip the update on NaN/Inf).")]
+    return [_v("R6", ["rerun_state_machine.check_for_nan_in_loss", "model.cuda_graph_impl"], "the full-iteration "
+               "graph owns the loss: rerun_state_machine.check_for_nan_in_loss=true is Megatron's host-side check "
+               "inside the step (Megatron Bridge refuses it with full_iteration too).", "set "
+               "rerun_state_machine.check_for_nan_in_loss=false; graphstep's graph-safe "
+               "train.check_for_nan_on_device=true replaces it (add train.skip_step_on_nan=true to skip the update "
+               "on NaN/Inf; ddp.check_for_nan_in_grad=true stays allowed: it reads the gradient norm after the "
+               "replay).")]
 
 
 def _r7(v: View) -> list[Violation]:
@@ -184,6 +189,12 @@ def _experts(v: View) -> bool:
 
 def _r9(v: View) -> list[Violation]:
     asked = [s for s in MOE_SCOPES if v.has(s)]
+    experts = _int(v.cfg.model.num_moe_experts)
+    if v.has("moe_router") and experts == 1 and _experts(v):
+        return [_v("R9", v.cov + ("model.num_moe_experts",), f"{v.cov[0]} has moe_router but "
+                   "model.num_moe_experts=1: there is nothing to route (Megatron Core refuses the router graph "
+                   "with one expert).", f"remove moe_router and moe_preprocess from {v.cov[-1]} (graph the block: "
+                   "moe), or give the model more experts.")]
     if not asked or _experts(v):
         return []
     m = v.cfg.model
@@ -264,6 +275,16 @@ def _r11(v: View) -> list[Violation]:
 
 
 def _r12(v: View) -> list[Violation]:
+    m = v.cfg.model
+    if (v.has("moe_preprocess") and _experts(v) and _str(m.moe_token_dispatcher_type) == "alltoall"
+            and m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity is not True):
+        return [_v("R12", v.cov + ("model.moe_token_dispatcher_type", "model.moe_expert_capacity_factor",
+                                   "model.moe_pad_expert_input_to_capacity"), f"{v.cov[0]} has moe_preprocess with "
+                   "the alltoall dispatcher and a capacity factor without padding: the tokens each expert keeps "
+                   "are counted on the host (Megatron Core refuses it).",
+                   "set model.moe_pad_expert_input_to_capacity=true (drop-and-pad), or "
+                   "model.moe_expert_capacity_factor=null (dropless), or remove moe_router and moe_preprocess from "
+                   f"{v.cov[-1]}.")]
     if not v.has("moe_preprocess") or not _experts(v) or (why := _routing_syncs(v)) is None:
         return []
     paired = " (local captures it with moe_router)" if v.impl == "local" else ""
@@ -274,12 +295,16 @@ def _r12(v: View) -> list[Violation]:
 
 
 def _r13(v: View) -> list[Violation]:
+    """The mamba scope on a model without Mamba layers graphs nothing there, which Megatron Core allows;
+    refused only when it is the only scope, so that the per-layer impl would capture no graph at all."""
     pattern = _str(v.cfg.model.hybrid_override_pattern)
-    if not v.has("mamba") or (pattern is not None and "M" in pattern):
+    if not v.has("mamba") or (pattern is not None and "M" in pattern) or set(_strs(v.names)) - {"mamba"}:
         return []
-    return [_v("R13", v.cov + ("model.hybrid_override_pattern",), f"{v.cov[0]} has mamba but the model has no Mamba "
-               f"layer (model.hybrid_override_pattern={_fmt(v.cfg.model.hybrid_override_pattern)}).",
-               f"remove mamba from {v.cov[-1]}, or set a hybrid_override_pattern with M layers.")]
+    return [_v("R13", v.cov + ("model.hybrid_override_pattern",), f"{v.cov[0]}={_fmt(v.names)} asks for mamba alone "
+               f"but the model has no Mamba layer (model.hybrid_override_pattern="
+               f"{_fmt(v.cfg.model.hybrid_override_pattern)}): {_impl_f(v)} would capture no graph.",
+               f"graph other scopes too (e.g. {v.cov[-1]}=[attn,mamba]), or set a hybrid_override_pattern with M "
+               "layers, or model.cuda_graph_impl=none.")]
 
 
 def _r14(v: View) -> list[Violation]:
@@ -292,6 +317,8 @@ def _r14(v: View) -> list[Violation]:
 
 def _r15(v: View) -> list[Violation]:
     m = v.cfg.model
+    if v.impl == "full_iteration":
+        return _r15_full_iteration(v)
     if not v.per_layer:
         return []
     if m.recompute_granularity == "full":
@@ -312,6 +339,23 @@ def _r15(v: View) -> list[Violation]:
                           f"of {module} inside the graphed {scope} scope would redraw dropout (model.{dropout}={p}).",
                           f"set model.{dropout}=0.0, or remove {module} from model.recompute_modules, or stop graphing "
                           f"{ungraph}."))
+    return out
+
+
+def _r15_full_iteration(v: View) -> list[Violation]:
+    """Megatron Core refuses graphed recompute regions that draw dropout; the full-iteration graph holds them all."""
+    m, out = v.cfg.model, []
+    if m.recompute_granularity != "selective":
+        return out
+    recomputed = _strs(_names(m.recompute_modules))
+    for module, dropout in (("core_attn", "attention_dropout"), ("mlp", "hidden_dropout"), ("moe", "hidden_dropout")):
+        p = _num(getattr(m, dropout))
+        if module in recomputed and p is not None and p > 0:
+            out.append(_v("R15", ["model.recompute_modules", f"model.{dropout}", "model.cuda_graph_impl"],
+                          f"selective recompute of {module} inside the full-iteration graph would redraw its dropout "
+                          f"(model.{dropout}={p}): Megatron Core refuses graphed recompute regions with dropout.",
+                          f"set model.{dropout}=0.0, or remove {module} from model.recompute_modules, or "
+                          "model.cuda_graph_impl=none."))
     return out
 
 

@@ -7,9 +7,12 @@
 ``cuda_graph_impl`` / ``cuda_graph_modules`` and is set to None (the
 full-iteration graph is always stored as ``cuda_graph_impl=full_iteration``
 with ``cuda_graph_modules=[]``); ``none`` clears the coverage; the two RNG
-tracker flags are made equal; ``local`` captures ``moe_router`` and
-``moe_preprocess`` together (a tracker flag the user set wins over a
-recipe's). It never raises and is idempotent: anything it cannot migrate
+tracker flags are made equal (either on turns both on, as in Megatron
+Bridge); ``sequence_parallel`` is turned off with one tensor-parallel rank (as
+Bridge does); ``local`` captures ``moe_router`` and ``moe_preprocess``
+together; and Megatron Bridge's fields that act through graphstep's own
+(:func:`_bridge_fields`: a precision preset, comm_overlap's ddp overrides,
+the tokenizer, a dataset blend, vocabulary padding). It never raises and is idempotent: anything it cannot migrate
 without losing information (conflicting or malformed values) is left as it
 is, for validation to report. It remembers which coverage field the user
 wrote (``coverage_field``) so that messages name it after the migration.
@@ -39,26 +42,29 @@ def coverage_field(cfg: Config) -> str:
 
 
 def _sync_trackers(cfg: Config) -> list[str]:
-    """Make the two RNG tracker flags equal (Bridge keeps them so).
+    """Make the two RNG tracker flags equal as Megatron Bridge does: either one on turns both on.
 
-    A value the user set (override or YAML: ``explicit_keys``) wins over a recipe's or a default; when
-    neither or both were set by the user, either flag on turns both on -- except that two explicit values
-    that disagree are left for rule R19 to report.
+    (Bridge's ConfigContainer: ``if rng.te_rng_tracker or model.use_te_rng_tracker`` both become true, whoever
+    set which; to turn the tracker off, set both to false.)
     """
     model_on, rng_on = cfg.model.use_te_rng_tracker is True, cfg.rng.te_rng_tracker is True
     if model_on == rng_on:
         return []
-    explicit = explicit_keys(cfg) & {"model.use_te_rng_tracker", "rng.te_rng_tracker"}
-    if len(explicit) == 2:
-        return []
-    if len(explicit) == 1:
-        (chosen,) = explicit
-        value = model_on if chosen == "model.use_te_rng_tracker" else rng_on
-    else:
-        chosen, value = ("model.use_te_rng_tracker" if model_on else "rng.te_rng_tracker"), True
-    cfg.model.use_te_rng_tracker = cfg.rng.te_rng_tracker = value
-    other = "rng.te_rng_tracker" if chosen == "model.use_te_rng_tracker" else "model.use_te_rng_tracker"
-    return [f"{other} set to {fmt(value)} to match {chosen}={fmt(value)} (one switch: the graph-safe RNG tracker)"]
+    chosen, other = (("model.use_te_rng_tracker", "rng.te_rng_tracker") if model_on
+                     else ("rng.te_rng_tracker", "model.use_te_rng_tracker"))
+    cfg.model.use_te_rng_tracker = cfg.rng.te_rng_tracker = True
+    return [f"{other} set to true to match {chosen}=true (one switch: the graph-safe RNG tracker; either on turns "
+            "both on, as in Megatron Bridge)"]
+
+
+def _sequence_parallel(cfg: Config) -> list[str]:
+    """``sequence_parallel=true`` with one tensor-parallel rank is set to false, as Megatron Bridge does."""
+    m = cfg.model
+    if m.sequence_parallel is True and m.tensor_model_parallel_size == 1:
+        m.sequence_parallel = False
+        return ["model.sequence_parallel set to false: model.tensor_model_parallel_size=1 has no sequence to shard "
+                "(as Megatron Bridge does)"]
+    return []
 
 
 def _migrate_deprecated_flags(model: Any) -> list[str]:
@@ -78,6 +84,22 @@ def _clear_coverage(model: Any) -> list[str]:
                                                      and not model.cuda_graph_modules)
     model.cuda_graph_scope, model.cuda_graph_modules = None, []
     return ["model.cuda_graph_scope/cuda_graph_modules ignored: model.cuda_graph_impl=none"] if had else []
+
+
+def _scope_replaces_recipe_modules(cfg: Config) -> list[str]:
+    """A ``cuda_graph_scope`` you set replaces the coverage a recipe set in ``cuda_graph_modules``.
+
+    Megatron Bridge's recipes write the legacy scope field; graphstep's recipes write modules. Pasted onto
+    a graphstep recipe, the scope you wrote is the coverage (as the perf flag's is); both fields set by you
+    stay a conflict (R2).
+    """
+    m, explicit = cfg.model, explicit_keys(cfg)
+    if m.cuda_graph_scope is None or "model.cuda_graph_scope" not in explicit or "model.cuda_graph_modules" in explicit:
+        return []
+    if isinstance(m.cuda_graph_modules, list) and not m.cuda_graph_modules:
+        return []
+    m.cuda_graph_modules = []
+    return ["model.cuda_graph_modules of the recipe replaced by the model.cuda_graph_scope you set"]
 
 
 def _migrate_coverage(model: Any) -> list[str]:
@@ -119,12 +141,96 @@ def _pair_router_preprocess(model: Any) -> list[str]:
     return [f"model.cuda_graph_modules: {added} added (local captures moe_router and moe_preprocess together)"]
 
 
+_BF16 = ("bf16", "bfloat16", "torch.bfloat16")
+_FP32 = ("fp32", "float32", "torch.float32")
+
+
+def _lower(value: Any) -> str | None:
+    text = as_str(value)
+    return text.lower() if text is not None else None
+
+
+def _precision(cfg: Config, explicit: frozenset[str]) -> list[str]:
+    """Bridge's mixed_precision onto model.params_dtype and ddp.grad_reduce_in_fp32 (a value you set wins)."""
+    mp, notes = cfg.mixed_precision, []
+    dtype = _lower(mp.params_dtype)
+    want = ("bf16" if dtype in _BF16 else "fp32" if dtype in _FP32 else None)
+    if want is None and (mp.bf16 is True or _lower(mp.preset) == "bf16_mixed"):
+        want = "bf16"
+    if want is None and mp.fp32 is True:
+        want = "fp32"
+    if want is not None and "model.params_dtype" not in explicit and cfg.model.params_dtype != want:
+        cfg.model.params_dtype = want
+        notes.append(f"model.params_dtype={want} from mixed_precision")
+    if mp.grad_reduce_in_fp32 is False and "ddp.grad_reduce_in_fp32" not in explicit \
+            and cfg.ddp.grad_reduce_in_fp32 is not False:
+        cfg.ddp.grad_reduce_in_fp32 = False
+        notes.append("ddp.grad_reduce_in_fp32=false from mixed_precision.grad_reduce_in_fp32")
+    return notes
+
+
+def _comm_overlap(cfg: Config) -> list[str]:
+    """comm_overlap's overlap_grad_reduce, overlap_param_gather and bucket_size, when set, are the ddp values."""
+    notes = []
+    for name in ("overlap_grad_reduce", "overlap_param_gather", "bucket_size"):
+        value = getattr(cfg.comm_overlap, name)
+        if value is not None and getattr(cfg.ddp, name) != value:
+            setattr(cfg.ddp, name, value)
+            notes.append(f"ddp.{name}={fmt(value)} from comm_overlap.{name}")
+    return notes
+
+
+def _tokenizer(cfg: Config) -> list[str]:
+    t = cfg.tokenizer
+    if as_str(t.tokenizer_type) == "HuggingFaceTokenizer" and as_str(t.tokenizer_model) and cfg.data.tokenizer == "byte":
+        cfg.data.tokenizer = t.tokenizer_model
+        return [f"data.tokenizer={t.tokenizer_model} from tokenizer.tokenizer_model"]
+    return []
+
+
+def _blend(cfg: Config) -> list[str]:
+    """Bridge's ``blend: [[prefixes], [weights] or null]`` as data.data_path (a weighted blend) on indexed data."""
+    blend = cfg.data.blend
+    if not isinstance(blend, (list, tuple)) or not blend or not isinstance(blend[0], (list, tuple)):
+        return []  # null, or malformed: R38 reports it
+    prefixes = list(blend[0])
+    weights = list(blend[1]) if len(blend) > 1 and isinstance(blend[1], (list, tuple)) else None
+    if weights is not None and len(weights) != len(prefixes):
+        return []
+    path = (" ".join(f"{w} {p}" for w, p in zip(weights, prefixes)) if weights else
+            (prefixes[0] if len(prefixes) == 1 else prefixes))
+    cfg.data.data_path, cfg.data.dataset, cfg.data.blend = path, "indexed", None
+    return [f"data.data_path={fmt(path)}, data.dataset=indexed from data.blend"]
+
+
+def _pad_vocab(cfg: Config) -> list[str]:
+    m = cfg.model
+    if m.should_pad_vocab is not True or not isinstance(m.vocab_size, int):
+        return []
+    tp = m.tensor_model_parallel_size if isinstance(m.tensor_model_parallel_size, int) else 1
+    multiple = (m.make_vocab_size_divisible_by if isinstance(m.make_vocab_size_divisible_by, int) else 1) * max(1, tp)
+    if multiple < 1:
+        return []
+    padded = -(-m.vocab_size // multiple) * multiple
+    if padded == m.vocab_size:
+        return []
+    note = f"model.vocab_size {m.vocab_size} padded to {padded} (model.should_pad_vocab, a multiple of {multiple})"
+    m.vocab_size = padded
+    return [note]
+
+
+def _bridge_fields(cfg: Config) -> list[str]:
+    """Megatron Bridge's fields that act through graphstep's own ones (docs/config.md: "acts")."""
+    explicit = explicit_keys(cfg)
+    return _precision(cfg, explicit) + _comm_overlap(cfg) + _tokenizer(cfg) + _blend(cfg) + _pad_vocab(cfg)
+
+
 def _normalize(cfg: Config, *, warn: bool) -> list[str]:
     # Order matters: the deprecated flags decide the impl, the impl decides how the scope migrates,
     # and the router/preprocess pairing needs the migrated modules.
     if cfg.model.cuda_graph_scope is not None:
         cfg.__dict__[_COVERAGE_KEY] = "model.cuda_graph_scope"
-    notes = _sync_trackers(cfg)
+    notes = _bridge_fields(cfg) + _sync_trackers(cfg) + _sequence_parallel(cfg) + _scope_replaces_recipe_modules(cfg)
     deprecated = _migrate_deprecated_flags(cfg.model)
     notes += deprecated + _migrate_coverage(cfg.model) + _pair_router_preprocess(cfg.model)
     if warn:
@@ -149,13 +255,17 @@ def apply_perf_flags(cfg: Config, impl: str | None, scope: str | None) -> None:
     """The perf-harness flags ``--cuda_graph_impl X --cuda_graph_scope a,b``, applied as Bridge's harness does.
 
     The scope flag replaces the coverage (``cuda_graph_modules`` is reset so a recipe's modules cannot
-    conflict with it). Whenever graphs end up on, both RNG tracker flags are turned on.
+    conflict with it). Whenever graphs end up on, both RNG tracker flags are turned on; when they end up
+    off (``--cuda_graph_impl none``, or a recipe without graphs), both are turned off; with the
+    full-iteration graph the host-side loss check is turned off (Bridge's harness does all three).
     """
     if impl is not None:
         cfg.model.cuda_graph_impl = impl
     if scope is not None:
         cfg.model.cuda_graph_scope = [part.strip() for part in str(scope).split(",") if part.strip()]
         cfg.model.cuda_graph_modules = []
-    if as_str(normalized_copy(cfg).model.cuda_graph_impl) in ("local", "transformer_engine", "full_iteration"):
-        cfg.model.use_te_rng_tracker = True
-        cfg.rng.te_rng_tracker = True
+    resolved = as_str(normalized_copy(cfg).model.cuda_graph_impl)
+    if resolved in ("local", "transformer_engine", "full_iteration", "none"):
+        cfg.model.use_te_rng_tracker = cfg.rng.te_rng_tracker = resolved != "none"
+    if resolved == "full_iteration":
+        cfg.rerun_state_machine.check_for_nan_in_loss = False

@@ -1,4 +1,5 @@
-"""The run rules R18-R24: unimplemented fields, the tracker flags, torch.compile, and what training refused late.
+"""The run rules R18-R24 and R32-R39: unimplemented fields, the tracker flags, torch.compile, what training
+refused late, and Megatron Bridge's fields whose values ask for what graphstep lacks.
 
 Same shape as graph_rules.py (``_rN(view) -> list[Violation]`` over a
 :class:`~graphstep.validation.graph_rules.View`). R21-R24 are the checks the
@@ -7,6 +8,12 @@ buckets, ``ddp.grad_reduce_in_fp32``, the token dispatcher, skipping a step on
 NaN without the flag it skips on); the trainer keeps its guards, which a
 validated config never reaches.
 
+R32-R39 judge the fields config_sections.py declares with ``refused(default,
+help, rule, allowed)``: a value outside ``allowed`` breaks that rule, whose
+reason (:data:`REFUSED_REASONS`) says which feature it asks for. The fields
+declared with ``noop`` are accepted whatever their value; :func:`noop_notes`
+is the one log line that says so (``resolve`` logs it once per run).
+
 docs/rules.md describes every rule with an example override and its fix.
 """
 
@@ -14,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphstep.config import explicit_keys, iter_fields
+from graphstep.config import PRECISION_PRESETS, explicit_keys, field_kind, iter_fields, refused_values
 
 from .graph_rules import View, _impl_f
 from .report import Violation, as_num as _num, as_str as _str, fmt as _fmt, names as _names
@@ -24,12 +31,8 @@ _TRACKERS = ("model.use_te_rng_tracker", "rng.te_rng_tracker")
 
 
 def _r19(v: View) -> list[Violation]:
-    model, rng = v.cfg.model.use_te_rng_tracker, v.cfg.rng.te_rng_tracker
-    if model is rng or not explicit_keys(v.cfg) >= set(_TRACKERS):
-        return []
-    return [_v("R19", _TRACKERS, f"model.use_te_rng_tracker={_fmt(model)} and rng.te_rng_tracker={_fmt(rng)} are "
-               "both set by you and disagree: they are one switch (the graph-safe RNG tracker).",
-               "set both to the same value, or set only one (the other follows).")]
+    """Retired: as in Megatron Bridge, either tracker flag on turns both on (migrations.py), whoever set them."""
+    return []
 
 
 COMPILE_COMPONENTS = ("model", "loss")
@@ -85,7 +88,143 @@ def _r18(v: View) -> list[Violation]:
     return [_v("R18", [f"{section}.{name}"], f"graphstep does not implement {section}.{name} (set to {_fmt(value)}).",
                f"set {section}.{name}={_fmt(default)} (its default).")
             for section, name, value, default, _help, unsupported in iter_fields(v.cfg)
-            if unsupported and _differs(value, default)]
+            if unsupported and _differs(value, default)] + _refused(v, "R18")
+
+
+def _accepted(value: Any, allowed: tuple[Any, ...]) -> bool:
+    for a in allowed:
+        if isinstance(a, str) and isinstance(value, str):
+            if value.lower() == a.lower():
+                return True
+        elif type(value) is type(a) and not _differs(value, a):
+            return True
+    return False
+
+
+# rule -> (what the refused values ask for, the general fix); the fields are declared with refused(...)
+REFUSED_REASONS = {
+    "R18": ("graphstep does not implement this value", ""),
+    "R32": ("FP8 and FP4 training are not implemented yet: graphstep trains in bf16 (fp32 master weights) or fp32",
+            "; for bf16 write mixed_precision=bf16_mixed"),
+    "R33": ("parameter-efficient fine-tuning (LoRA/DoRA) and Bridge's pretrained_checkpoint start are not "
+            "implemented yet", "; to fine-tune all weights from a checkpoint: checkpoint.load=DIR "
+            "checkpoint.finetune=true"),
+    "R34": ("graphstep's optimizer keeps its master weights, main gradients and Adam moments in fp32 (the "
+            "precision-aware optimizer's lower-precision states are not implemented)", ""),
+    "R35": ("Megatron's layer-wise full recompute (recompute_method uniform/block over recompute_num_layers) is not "
+            "implemented: graphstep recomputes modules (model.recompute_granularity=selective with "
+            "model.recompute_modules)", "; to save activation memory use model.recompute_granularity=selective "
+            "model.recompute_modules=[core_attn,mlp]"),
+    "R36": ("activation, weight and optimizer offloading to the host are not implemented (inside graphs they would "
+            "copy to the host at every replay)", "; to save memory use selective recompute or FSDP2 "
+            "(ddp.use_megatron_fsdp=true)"),
+    "R37": ("multi-token prediction (MTP) layers are not implemented", ""),
+    "R39": ("not a field of Megatron Bridge's SchedulerConfig: Bridge's scheduler never reads it",
+            "; set the peak and final rates as optimizer.lr and optimizer.min_lr"),
+}
+
+
+def _refused(v: View, rule: str) -> list[Violation]:
+    """The fields declared ``refused(..., rule)`` whose value is not one of their accepted values."""
+    out = []
+    reason, fix = REFUSED_REASONS[rule]
+    for section, name, value, _default, _help, _unsupported in iter_fields(v.cfg):
+        declared = refused_values(section, name)
+        if declared is None or declared[0] != rule or _accepted(value, declared[1]):
+            continue
+        key, accepted = f"{section}.{name}", declared[1]
+        choices = " or ".join(f"{key}={_fmt(a)}" for a in accepted[:3])
+        out.append(_v(rule, [key], f"{key}={_fmt(value)}: {reason}.", f"set {choices}{fix}."))
+    return out
+
+
+_FP8_PRESET = ("fp8", "fp4")
+
+
+def _r32(v: View) -> list[Violation]:
+    out = _refused(v, "R32")
+    preset = v.cfg.mixed_precision.preset
+    name = _str(preset)
+    if preset is None:
+        return out
+    if name is None or name.replace("-", "_") not in PRECISION_PRESETS:
+        out.append(_v("R32", ["mixed_precision.preset"], f"mixed_precision={_fmt(preset)} is not one of Megatron "
+                      f"Bridge's precision presets ({', '.join(PRECISION_PRESETS)}).", "write "
+                      "mixed_precision=bf16_mixed (or leave mixed_precision unset)."))
+    elif any(tag in name for tag in _FP8_PRESET):
+        out.append(_v("R32", ["mixed_precision.preset"], f"mixed_precision={name}: {REFUSED_REASONS['R32'][0]}.",
+                      "write mixed_precision=bf16_mixed."))
+    elif name.startswith("fp16"):
+        out.append(_v("R18", ["mixed_precision.preset"], f"mixed_precision={name}: fp16 with loss scaling is not "
+                      "implemented by graphstep.", "write mixed_precision=bf16_mixed."))
+    return out
+
+
+def _r38(v: View) -> list[Violation]:
+    """Bridge's dataset, tokenizer and manual-gc fields agree with what graphstep does."""
+    cfg, out = v.cfg, []
+    d, t, explicit = cfg.data, cfg.tokenizer, explicit_keys(cfg)
+    if d.seq_length is not None and d.seq_length != cfg.model.seq_length:
+        out.append(_v("R38", ["data.seq_length", "model.seq_length"], f"dataset.seq_length={_fmt(d.seq_length)} "
+                      f"differs from model.seq_length={_fmt(cfg.model.seq_length)}: graphstep's samples are "
+                      "model.seq_length tokens (Bridge requires the two equal too).",
+                      f"set dataset.seq_length={_fmt(cfg.model.seq_length)} (or null)."))
+    for key in ("data.random_seed", "data.seed"):
+        value = _get_field(cfg, key)
+        if key in explicit and value is not None and value != cfg.rng.seed:
+            out.append(_v("R38", [key, "rng.seed"], f"{key.replace('data.', 'dataset.')}={_fmt(value)} differs from "
+                          f"rng.seed={_fmt(cfg.rng.seed)}: graphstep derives the sample order from rng.seed.",
+                          f"set rng.seed={_fmt(value)} and drop {key.replace('data.', 'dataset.')}."))
+    blend = d.blend
+    if blend is not None and not (isinstance(blend, list) and blend and isinstance(blend[0], list)
+                                  and (len(blend) == 1 or blend[1] is None
+                                       or (isinstance(blend[1], list) and len(blend[1]) == len(blend[0])))):
+        out.append(_v("R38", ["data.blend"], f"dataset.blend={_fmt(blend)} is not [[prefix, ...], [weight, ...]] "
+                      "(or [[prefix, ...], null]).", "write dataset.blend=[[pathA,pathB],[0.7,0.3]], or "
+                      "data.data_path='0.7 pathA 0.3 pathB'."))
+    kind = _str(t.tokenizer_type)
+    if t.tokenizer_type is not None and kind not in ("NullTokenizer", "HuggingFaceTokenizer"):
+        out.append(_v("R38", ["tokenizer.tokenizer_type"], f"tokenizer.tokenizer_type={_fmt(t.tokenizer_type)} is "
+                      "not implemented: graphstep reads Hugging Face tokenizer.json files and raw token ids.",
+                      "set tokenizer.tokenizer_type=HuggingFaceTokenizer with tokenizer.tokenizer_model=PATH, or "
+                      "NullTokenizer."))
+    if kind == "HuggingFaceTokenizer" and not _str(t.tokenizer_model):
+        out.append(_v("R38", ["tokenizer.tokenizer_model"], "tokenizer.tokenizer_type=HuggingFaceTokenizer without "
+                      "tokenizer.tokenizer_model.", "set tokenizer.tokenizer_model to the tokenizer's local "
+                      "directory or tokenizer.json."))
+    if kind == "NullTokenizer" and isinstance(t.vocab_size, int) and isinstance(cfg.model.vocab_size, int) \
+            and t.vocab_size > cfg.model.vocab_size:
+        out.append(_v("R38", ["tokenizer.vocab_size", "model.vocab_size"], f"tokenizer.vocab_size={t.vocab_size} "
+                      f"ids do not fit model.vocab_size={cfg.model.vocab_size}.",
+                      f"set model.vocab_size={t.vocab_size} or more (model.should_pad_vocab=true pads it)."))
+    gc_interval = cfg.train.manual_gc_interval
+    if isinstance(gc_interval, int) and gc_interval < 0:
+        out.append(_v("R38", ["train.manual_gc_interval"], f"train.manual_gc_interval={gc_interval} is negative.",
+                      "set train.manual_gc_interval=0 (collect only at the start) or a positive interval."))
+    s = cfg.scheduler
+    for key, value in (("scheduler.start_weight_decay", s.start_weight_decay),
+                       ("scheduler.end_weight_decay", s.end_weight_decay)):
+        if value is not None and _differs(value, cfg.optimizer.weight_decay):
+            out.append(_v("R18", [key, "optimizer.weight_decay"], f"{key}={_fmt(value)} differs from "
+                          f"optimizer.weight_decay={_fmt(cfg.optimizer.weight_decay)}: graphstep does not implement "
+                          "a weight-decay schedule (its weight decay is constant).",
+                          f"set {key}=null or optimizer.weight_decay={_fmt(value)} (constant)."))
+    return out
+
+
+def _get_field(cfg: Any, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def noop_notes(cfg: Any) -> list[str]:
+    """One entry per no-op field you set or that differs from its default: ``key=value (graphstep: ...)``."""
+    explicit, out = explicit_keys(cfg), []
+    for section, name, value, default, _help, _unsupported in iter_fields(cfg):
+        kind, instead = field_kind(section, name)
+        if kind == "noop" and (f"{section}.{name}" in explicit or _differs(value, default)):
+            out.append(f"{section}.{name}={_fmt(value)} (graphstep: {instead})")
+    return out
 
 
 
@@ -114,7 +253,13 @@ DISPATCHERS = ("allgather", "alltoall")
 
 
 def _r23(v: View) -> list[Violation]:
-    value = v.cfg.model.moe_token_dispatcher_type
+    m = v.cfg.model
+    value = m.moe_token_dispatcher_type
+    if _str(value) == "allgather" and m.variable_seq_lengths is True and m.num_moe_experts is not None:
+        return [_v("R23", ["model.moe_token_dispatcher_type", "model.variable_seq_lengths"], "model.moe_token_"
+                   "dispatcher_type=allgather with model.variable_seq_lengths=true: Megatron Core's allgather "
+                   "dispatcher takes no variable sequence lengths (it refuses the pair).",
+                   "set model.moe_token_dispatcher_type=alltoall, or model.variable_seq_lengths=false.")]
     if _str(value) in DISPATCHERS:
         return []
     return [_v("R23", ["model.moe_token_dispatcher_type"], f"model.moe_token_dispatcher_type={_fmt(value)} is not "
@@ -133,5 +278,20 @@ def _r24(v: View) -> list[Violation]:
                "set train.check_for_nan_on_device=true, or train.skip_step_on_nan=false.")]
 
 
+def _r35(v: View) -> list[Violation]:
+    out = _refused(v, "R35")
+    m = v.cfg.model
+    if m.recompute_granularity == "selective" and "moe" in (_names(m.recompute_modules) or []) \
+            and m.num_moe_experts is not None:
+        out.append(_v("R35", ["model.recompute_modules", "model.num_moe_experts"], "model.recompute_modules has moe: "
+                      "recomputing graphstep's MoE block is not implemented (it would re-run the router's in-place "
+                      "statistics; Megatron Core refuses it with the moe_router graph too).",
+                      "remove moe from model.recompute_modules (recompute core_attn or mlp)."))
+    return out
+
+
 RUN_RULES = (("R18", _r18), ("R19", _r19), ("R20", _r20), ("R21", _r21), ("R22", _r22), ("R23", _r23),
-             ("R24", _r24))
+             ("R24", _r24), ("R32", _r32), ("R33", lambda v: _refused(v, "R33")),
+             ("R34", lambda v: _refused(v, "R34")), ("R35", _r35),
+             ("R36", lambda v: _refused(v, "R36")), ("R37", lambda v: _refused(v, "R37")), ("R38", _r38),
+             ("R39", lambda v: _refused(v, "R39")))

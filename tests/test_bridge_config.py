@@ -1,0 +1,388 @@
+"""Megatron Bridge configurations: numbers and nulls as Bridge reads them, its sections and fields, its rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphstep.config import Config, ConfigError, apply_overrides, parse_value
+from graphstep.config_files import load_yaml
+
+
+# --------------------------------------------------------------------------
+# numbers and null, as OmegaConf (Bridge) reads them
+
+
+@pytest.mark.parametrize("text, value", [("1e-4", 1e-4), ("5e-6", 5e-6), ("-1e3", -1000.0), ("+1E+3", 1000.0),
+                                         ("1.5e3", 1500.0), (".5e-2", 0.005), ("0.1", 0.1)])
+def test_exponent_numbers_are_floats_in_overrides(text, value):
+    assert parse_value(text) == value and isinstance(parse_value(text), float)
+    cfg = apply_overrides(Config(), [f"optimizer.lr={text}"])
+    assert cfg.optimizer.lr == value
+
+
+@pytest.mark.parametrize("text", ["1e", "e5", "1e-", "abc", "98,2,0"])
+def test_non_numbers_stay_strings(text):
+    assert parse_value(text) == text
+
+
+def test_exponent_numbers_are_floats_in_yaml(tmp_path):
+    path = tmp_path / "bridge.yaml"
+    path.write_text("optimizer:\n  lr: 1e-4\n  min_lr: 5e-6\n  adam_eps: 1e-8\nmodel:\n  init_method_std: 2e-2\n")
+    cfg = load_yaml(path)
+    assert (cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.adam_eps) == (1e-4, 5e-6, 1e-8)
+    assert cfg.model.init_method_std == 0.02
+
+
+def test_recompute_modules_null_is_megatron_cores_default():
+    cfg = apply_overrides(Config(), ["model.recompute_modules=[mlp]", "model.recompute_modules=null"])
+    assert cfg.model.recompute_modules == ["core_attn"]
+
+
+def test_null_where_megatron_does_not_allow_it_is_still_a_type_error():
+    with pytest.raises(ConfigError, match="model.num_layers"):
+        apply_overrides(Config(), ["model.num_layers=null"])
+
+
+# --------------------------------------------------------------------------
+# Bridge's sections and names
+
+
+from graphstep.cli import main  # noqa: E402
+from graphstep.config import field_kind  # noqa: E402
+from graphstep.validation import normalize, resolve, validate  # noqa: E402
+
+
+def _rules(cfg: Config) -> dict[str, list[tuple[str, ...]]]:
+    out: dict[str, list[tuple[str, ...]]] = {}
+    for v in validate(cfg, env={}, device_capability=(9, 0)):
+        out.setdefault(v.rule, []).append(v.fields)
+    return out
+
+
+def test_dataset_is_the_data_section_and_validation_holds_the_eval_fields(tmp_path):
+    cfg = apply_overrides(Config(), ["dataset.split=90,10,0", "validation.eval_interval=5", "validation.eval_iters=2"])
+    assert (cfg.data.split, cfg.train.eval_interval, cfg.train.eval_iters) == ("90,10,0", 5, 2)
+    path = tmp_path / "b.yaml"
+    path.write_text("dataset:\n  seq_length: 128\nvalidation:\n  eval_iters: 3\n")
+    cfg = load_yaml(path)
+    assert cfg.data.seq_length == 128 and cfg.train.eval_iters == 3
+
+
+def test_an_unknown_validation_field_names_the_two_graphstep_takes():
+    with pytest.raises(ConfigError, match="validation.eval_interval and validation.eval_iters"):
+        apply_overrides(Config(), ["validation.full_validation=true"])
+
+
+@pytest.mark.parametrize("text", ["bf16_mixed", "bf16-mixed"])
+def test_mixed_precision_preset_as_one_value(text):
+    cfg = apply_overrides(Config(), [f"mixed_precision={text}"])
+    assert cfg.mixed_precision.preset == "bf16_mixed"
+    normalize(cfg)
+    assert cfg.model.params_dtype == "bf16" and not _rules(cfg)
+
+
+def test_mixed_precision_leaves_a_params_dtype_you_set():
+    cfg = apply_overrides(Config(), ["model.params_dtype=fp32", "mixed_precision=bf16_mixed"])
+    normalize(cfg)
+    assert cfg.model.params_dtype == "fp32"
+
+
+def test_mixed_precision_in_yaml_as_a_name_or_a_mapping(tmp_path):
+    (tmp_path / "a.yaml").write_text("mixed_precision: bf16_mixed\npeft: null\n")
+    assert load_yaml(tmp_path / "a.yaml").mixed_precision.preset == "bf16_mixed"
+    (tmp_path / "b.yaml").write_text("mixed_precision:\n  bf16: true\n  fp8: null\n")
+    assert load_yaml(tmp_path / "b.yaml").mixed_precision.bf16 is True
+
+
+@pytest.mark.parametrize("preset", ["bf16_with_fp8_current_scaling_mixed", "bf16_with_mxfp8_mixed",
+                                    "bf16_with_nvfp4_mixed", "bf16-with-fp8-delayed-scaling-mixed"])
+def test_fp8_presets_are_r32(preset):
+    cfg = apply_overrides(Config(), [f"mixed_precision={preset}"])
+    (v,) = validate(cfg, env={})
+    assert v.rule == "R32" and "FP8 and FP4 training are not implemented yet" in v.message
+    assert "mixed_precision=bf16_mixed" in v.fix
+
+
+def test_fp8_fields_and_an_unknown_preset_are_r32():
+    assert _rules(apply_overrides(Config(), ["mixed_precision.fp8=hybrid"]))["R32"] == [("mixed_precision.fp8",)]
+    assert "R32" in _rules(apply_overrides(Config(), ["mixed_precision=bf17_mixed"]))
+    assert _rules(apply_overrides(Config(), ["mixed_precision=fp16_mixed"])).keys() == {"R18"}
+
+
+def test_peft_null_passes_and_any_peft_value_is_r33(tmp_path):
+    assert not _rules(apply_overrides(Config(), ["peft=null"]))
+    assert _rules(apply_overrides(Config(), ["peft=lora"]))["R33"] == [("peft.scheme",)]
+    (tmp_path / "ft.yaml").write_text("peft:\n  dim: 8\n  alpha: 16\ncheckpoint:\n  pretrained_checkpoint: /ckpt\n")
+    found = _rules(load_yaml(tmp_path / "ft.yaml"))
+    assert sorted(found["R33"]) == [("checkpoint.pretrained_checkpoint",), ("peft.alpha",), ("peft.dim",)]
+
+
+@pytest.mark.parametrize("override, rule", [
+    ("optimizer.exp_avg_dtype=torch.bfloat16", "R34"), ("optimizer.main_params_dtype=fp16", "R34"),
+    ("model.recompute_method=uniform", "R35"), ("model.recompute_num_layers=1", "R35"),
+    ("model.fine_grained_activation_offloading=true", "R36"), ("model.offload_modules=[expert_fc1]", "R36"),
+    ("model.mtp_num_layers=1", "R37"), ("scheduler.max_lr=1e-4", "R39"), ("scheduler.min_lr=1e-5", "R39"),
+    ("checkpoint.ckpt_format=torch", "R18"), ("train.exit_duration_in_mins=230", "R18"),
+    ("model.moe_router_force_load_balancing=true", "R18"), ("model.moe_router_padding_for_fp8=true", "R32"),
+])
+def test_refused_values(override, rule):
+    key = override.split("=")[0]
+    assert _rules(apply_overrides(Config(), [override])) == {rule: [(key,)]}
+
+
+@pytest.mark.parametrize("override", [
+    "optimizer.exp_avg_dtype=torch.float32", "optimizer.main_grads_dtype=fp32", "optimizer.main_params_dtype=null",
+    "model.recompute_method=null", "model.offload_modules=[]", "model.offload_modules=null",
+    "checkpoint.ckpt_format=torch_dist", "checkpoint.ckpt_format=fsdp_dtensor", "model.moe_router_dtype=fp32",
+    "optimizer.use_precision_aware_optimizer=true", "checkpoint.async_save=true", "train.manual_gc=true",
+    "train.manual_gc_interval=100", "train.manual_gc_eval=100", "comm_overlap.tp_comm_overlap=true",
+    "dist.distributed_timeout_minutes=30", "tokenizer.tokenizer_type=NullTokenizer", "model.should_pad_vocab=true",
+])
+def test_what_graphstep_does_is_accepted(override):
+    assert not _rules(apply_overrides(Config(), [override]))
+
+
+def test_r38_bridge_dataset_and_tokenizer_agree_with_graphstep():
+    assert _rules(apply_overrides(Config(), ["dataset.seq_length=64"]))["R38"] == [("data.seq_length",
+                                                                                    "model.seq_length")]
+    assert not _rules(apply_overrides(Config(), ["dataset.seq_length=128"]))
+    assert "R38" in _rules(apply_overrides(Config(), ["tokenizer.tokenizer_type=SentencePieceTokenizer"]))
+    assert "R38" in _rules(apply_overrides(Config(), ["tokenizer.tokenizer_type=HuggingFaceTokenizer"]))
+    assert "R38" in _rules(apply_overrides(Config(), ["tokenizer.tokenizer_type=NullTokenizer",
+                                                      "tokenizer.vocab_size=300"]))
+    assert "R38" in _rules(apply_overrides(Config(), ["train.manual_gc_interval=-1"]))
+    assert "R38" in _rules(apply_overrides(Config(), ["rng.seed=5678", "dataset.random_seed=1234"]))
+    assert not _rules(apply_overrides(Config(), ["rng.seed=5678"]))  # Bridge's default random_seed is not yours
+    assert "R38" in _rules(apply_overrides(Config(), ["dataset.blend=[a,b]"]))
+
+
+def test_a_blend_becomes_indexed_data():
+    cfg = apply_overrides(Config(), ["dataset.blend=[[/d/a],null]"])
+    normalize(cfg)
+    assert (cfg.data.dataset, cfg.data.data_path) == ("indexed", "/d/a")
+
+
+def test_vocabulary_padding_as_megatron_pads_it():
+    cfg = apply_overrides(Config(), ["model.should_pad_vocab=true", "model.vocab_size=50257",
+                                     "model.tensor_model_parallel_size=2"])
+    normalize(cfg)
+    assert cfg.model.vocab_size == 50432  # a multiple of 128 x 2
+    normalize(cfg)
+    assert cfg.model.vocab_size == 50432
+
+
+def test_config_fields_marks_noops_and_refusals(capsys):
+    assert main(["config", "fields", "model"]) == 0
+    out = capsys.readouterr().out
+    assert "model.apply_rope_fusion (bool, default false): Fused RoPE kernel. [no-op: " in out
+    assert "model.recompute_method (str | null, default null): " in out and "[other values: R35]" in out
+    assert field_kind("train", "manual_gc") == ("acts", "")
+
+
+# --------------------------------------------------------------------------
+# train.manual_gc
+
+
+def test_manual_gc_policy(monkeypatch):
+    import gc
+
+    from graphstep.training.manual_gc import ManualGC
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation))
+    train = apply_overrides(Config(), ["train.manual_gc=true", "train.manual_gc_interval=3",
+                                       "train.manual_gc_eval=100"]).train
+    assert gc.isenabled()
+    with ManualGC(train) as policy:
+        assert not gc.isenabled() and calls == [2]
+        for it in range(1, 8):
+            policy.after_iteration(it)
+        assert calls == [2, 2, 2]  # at the start, after iterations 3 and 6
+        policy.before_eval()
+        policy.after_eval()
+        assert calls == [2, 2, 2, 2, 0]
+    assert gc.isenabled()
+    calls.clear()
+    with ManualGC(Config().train) as policy:  # off: nothing collected by hand, the collector stays on
+        policy.after_iteration(100)
+        policy.before_eval()
+        assert gc.isenabled() and calls == []
+
+
+def test_training_runs_with_the_collector_off_and_collects_between_steps(monkeypatch, tmp_path):
+    import gc
+
+    from conftest import tiny_config
+    from graphstep.training import loop
+
+    seen = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: seen.append((generation, gc.isenabled())) or real(generation))
+    states = []
+    monkeypatch.setattr(loop, "_host_nan_check", lambda *a: states.append(gc.isenabled()))
+    cfg = tiny_config("train.train_iters=4", "train.manual_gc=true", "train.manual_gc_interval=2",
+                      "train.eval_iters=1", "train.eval_interval=null", "rerun_state_machine.check_for_nan_in_loss=true",
+                      "model.cuda_graph_impl=none",
+                      tmp_path=tmp_path)
+    result = loop.train(cfg)
+    assert result.iterations == 4
+    assert gc.isenabled()  # restored after the run
+    assert states == [False] * 4  # every step ran with the automatic collector off
+    assert [g for g, _ in seen] == [2, 2, 2, 2, 0]  # start, iterations 2 and 4, around the final evaluation
+
+
+# --------------------------------------------------------------------------
+# the CUDA-graph rules where Megatron Bridge / Megatron Core decide otherwise
+
+
+from graphstep.validation import apply_perf_flags  # noqa: E402
+
+GRAPHS = ["model.use_te_rng_tracker=true", "rerun_state_machine.check_for_nan_in_loss=false",
+          "ddp.check_for_nan_in_grad=false"]
+EXPERTS = ["model.num_moe_experts=4", "model.moe_router_topk=1"]
+
+
+def _graph_rules(*overrides: str) -> dict[str, list[tuple[str, ...]]]:
+    return _rules(apply_overrides(Config(), GRAPHS + list(overrides)))
+
+
+def test_grad_nan_check_passes_with_full_iteration_and_the_loss_check_does_not():
+    assert not _graph_rules("model.cuda_graph_impl=full_iteration", "ddp.check_for_nan_in_grad=true")
+    assert "R6" in _graph_rules("model.cuda_graph_impl=full_iteration", "rerun_state_machine.check_for_nan_in_loss=true")
+
+
+def test_the_grad_nan_check_runs_after_the_replay_never_inside_a_capture(monkeypatch, tmp_path):
+    from conftest import tiny_config
+    from graphstep.cuda_graph.replay_host import active_recorder
+    from graphstep.training import loop
+
+    real, calls = loop._host_nan_check, []
+
+    def probe(cfg, it, loss, grad_norm):
+        calls.append((it, active_recorder() is not None))  # the replay backend's capture is recording
+        real(cfg, it, loss, grad_norm)
+
+    monkeypatch.setattr(loop, "_host_nan_check", probe)
+    cfg = tiny_config("train.train_iters=5", "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1",
+                      "ddp.check_for_nan_in_grad=true", "model.cuda_graph_backend=replay", tmp_path=tmp_path)
+    result = loop.train(cfg)
+    assert result.graphs >= 1  # the step was captured and replayed
+    assert calls == [(it, False) for it in range(1, 6)]
+
+
+def test_the_grad_nan_check_stops_a_full_iteration_run_on_a_nonfinite_gradient(tmp_path):
+    from conftest import tiny_config
+    from graphstep.training import loop
+
+    cfg = tiny_config("train.train_iters=6", "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1",
+                      "ddp.check_for_nan_in_grad=true", "model.cuda_graph_backend=replay", "optimizer.lr=1e30",
+                      "optimizer.clip_grad=0", "scheduler.lr_warmup_iters=0", tmp_path=tmp_path)
+    with pytest.raises(FloatingPointError, match="ddp.check_for_nan_in_grad"):
+        loop.train(cfg)
+
+
+@pytest.mark.parametrize("module, dropout", [("core_attn", "attention_dropout"), ("mlp", "hidden_dropout")])
+def test_full_iteration_refuses_recompute_of_dropout_regions_as_megatron_core(module, dropout):
+    found = _graph_rules("model.cuda_graph_impl=full_iteration", "model.recompute_granularity=selective",
+                         f"model.recompute_modules=[{module}]", f"model.{dropout}=0.1")
+    assert found == {"R15": [("model.recompute_modules", f"model.{dropout}", "model.cuda_graph_impl")]}
+    assert not _graph_rules("model.cuda_graph_impl=full_iteration", "model.recompute_granularity=selective",
+                            f"model.recompute_modules=[{module}]")
+    assert not _graph_rules("model.recompute_granularity=selective", f"model.recompute_modules=[{module}]",
+                            f"model.{dropout}=0.1")  # no graphs: recompute with dropout is eager's business
+
+
+def test_moe_recompute_is_refused():
+    found = _graph_rules("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[moe_router,"
+                         "moe_preprocess]", "model.recompute_granularity=selective", "model.recompute_modules=[moe]",
+                         *EXPERTS)
+    assert "R35" in found
+
+
+def test_moe_router_scope_with_one_expert_is_refused():
+    found = _graph_rules("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn,moe_router,"
+                         "moe_preprocess]", "model.num_moe_experts=1", "model.moe_router_topk=1")
+    assert list(found) == ["R9"]
+    assert not _graph_rules("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn,moe_router,"
+                            "moe_preprocess]", *EXPERTS)
+
+
+def test_alltoall_with_capacity_and_no_padding_under_moe_preprocess_is_refused():
+    scoped = ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn,moe_router,moe_preprocess]",
+              "model.moe_token_dispatcher_type=alltoall", "model.moe_expert_capacity_factor=1.0", *EXPERTS]
+    assert list(_graph_rules(*scoped)) == ["R12"]
+    assert not _graph_rules(*scoped, "model.moe_pad_expert_input_to_capacity=true")
+
+
+def test_allgather_with_variable_seq_lengths_is_refused():
+    found = _graph_rules("model.variable_seq_lengths=true", *EXPERTS)
+    assert found == {"R23": [("model.moe_token_dispatcher_type", "model.variable_seq_lengths")]}
+    assert not _graph_rules("model.variable_seq_lengths=true", "model.moe_token_dispatcher_type=alltoall", *EXPERTS)
+    assert not _graph_rules("model.variable_seq_lengths=true")  # dense: no dispatcher
+
+
+def test_mamba_scope_without_mamba_layers_is_allowed_beside_other_scopes():
+    assert not _graph_rules("model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mamba]")
+    assert list(_graph_rules("model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba]")) == ["R13"]
+
+
+def test_extensions_are_said_once_in_the_log(caplog):
+    import logging
+
+    cfg = apply_overrides(Config(), GRAPHS + ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]",
+                                              *EXPERTS])
+    with caplog.at_level(logging.INFO, logger="graphstep"):
+        resolve(cfg, env={})
+    text = [r.getMessage() for r in caplog.records]
+    assert sum("a graphstep extension -- Megatron Bridge takes local for full_iteration only" in t for t in text) == 1
+    assert sum("graphed dropless: a graphstep extension" in t for t in text) == 1
+
+
+def test_perf_flags_as_bridges_harness():
+    cfg = Config()  # Megatron's defaults: both host-side NaN checks on
+    apply_perf_flags(cfg, "local", "full_iteration")
+    assert cfg.rerun_state_machine.check_for_nan_in_loss is False and cfg.ddp.check_for_nan_in_grad is True
+    assert cfg.model.use_te_rng_tracker is True and cfg.rng.te_rng_tracker is True
+    assert not validate(cfg, env={})
+    off = apply_overrides(Config(), ["model.use_te_rng_tracker=true", "rng.te_rng_tracker=true"])
+    apply_perf_flags(off, "none", None)
+    assert off.model.use_te_rng_tracker is False and off.rng.te_rng_tracker is False
+
+
+def test_perf_flags_on_the_command_line(capsys):
+    from graphstep.recipes import get_recipe
+
+    assert get_recipe("llama3_8b").rerun_state_machine.check_for_nan_in_loss is False  # graph_ready
+    assert main(["config", "validate", "--recipe", "llama3_8b", "rerun_state_machine.check_for_nan_in_loss=true",
+                 "ddp.check_for_nan_in_grad=true", "--cuda_graph_impl", "local", "--cuda_graph_scope",
+                 "full_iteration"]) == 2  # an override after the flags is yours: R6
+    capsys.readouterr()
+    assert main(["config", "validate", "--recipe", "llama3_8b", "--config", "/dev/null", "--cuda_graph_impl", "local",
+                 "--cuda_graph_scope", "full_iteration"]) == 0
+    assert main(["config", "show", "--recipe", "llama3_8b", "--cuda_graph_impl", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "use_te_rng_tracker: false" in out and "te_rng_tracker: false" in out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_grad_nan_check_runs_after_the_replay_on_cuda(monkeypatch, tmp_path):
+    """The CPU test above on a GPU: the full-iteration CUDA graph, and the host check never inside its capture."""
+    import torch
+
+    from conftest import tiny_config
+    from graphstep.training import loop
+
+    real, calls = loop._host_nan_check, []
+
+    def probe(cfg, it, loss, grad_norm):
+        calls.append((it, torch.cuda.is_current_stream_capturing()))
+        real(cfg, it, loss, grad_norm)
+
+    monkeypatch.setattr(loop, "_host_nan_check", probe)
+    cfg = tiny_config("train.train_iters=5", "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1",
+                      "ddp.check_for_nan_in_grad=true", "train.device=cuda", "model.cuda_graph_backend=cuda",
+                      tmp_path=tmp_path)
+    result = loop.train(cfg)
+    assert result.graphs >= 1
+    assert calls == [(it, False) for it in range(1, 6)]

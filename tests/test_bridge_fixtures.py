@@ -1,0 +1,83 @@
+"""Megatron Bridge-style configurations (tests/fixtures/bridge/) validate on graphstep's recipes, and the tiny ones train.
+
+The files are graphstep's own, written in the shape of Bridge's recipes (dotted
+overrides a line, as its recipe functions set their fields) and of its
+tutorial YAML files (its section and field names).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from graphstep.cli import main, resolve_config, build_parser
+from graphstep.training.loop import train
+from graphstep.validation import validate
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "bridge"
+WORLD = {"llama3_70b": "8"}  # the 70B layout: tensor parallel over 8 ranks
+
+
+def overrides(recipe: str) -> list[str]:
+    lines = (FIXTURES / f"{recipe}.overrides").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def config(*argv: str):
+    args = build_parser().parse_args(["config", "validate", *argv])
+    return resolve_config(args)
+
+
+@pytest.mark.parametrize("recipe", ["llama3_8b", "llama3_70b", "qwen3_30b_a3b", "gpt_oss_20b", "nemotron_h_tiny"])
+def test_bridge_recipe_settings_validate_unchanged(recipe, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", WORLD.get(recipe, "1"))
+    assert len(overrides(recipe)) > 40
+    assert main(["config", "validate", "--recipe", recipe, *overrides(recipe)]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "no rule violated" in out
+    assert "note: accepted as no-ops" in out and "model.apply_rope_fusion=true (graphstep: " in out
+
+
+def test_the_70b_recipe_has_llama3_70bs_shape():
+    m = config("--recipe", "llama3_70b").model
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups,
+            m.vocab_size, m.seq_length) == (80, 8192, 28672, 64, 8, 128256, 8192)
+
+
+def test_bridges_tensor_by_pipeline_70b_layout_is_refused_by_a_rule_not_an_unknown_key(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    cfg = config("--recipe", "llama3_70b", *overrides("llama3_70b"), "model.tensor_model_parallel_size=4",
+                 "model.pipeline_model_parallel_size=4", "model.pipeline_dtype=bf16")
+    assert {v.rule for v in validate(cfg)} == {"R29"}
+
+
+def test_the_pretrain_yaml_validates(capsys):
+    assert main(["config", "validate", "--recipe", "llama32_1b", "--config",
+                 str(FIXTURES / "llama32_1b_pretrain.yaml")]) == 0, capsys.readouterr()
+    cfg = config("--recipe", "llama32_1b", "--config", str(FIXTURES / "llama32_1b_pretrain.yaml"))
+    assert (cfg.optimizer.lr, cfg.data.seq_length, cfg.model.seq_length) == (3e-4, 2048, 2048)
+
+
+def test_the_finetune_yaml_reads_and_only_the_finetuning_rule_refuses_it():
+    cfg = config("--recipe", "llama32_1b", "--config", str(FIXTURES / "llama32_1b_finetune.yaml"))
+    found = validate(cfg, env={})
+    assert {v.rule for v in found} == {"R33"}
+    assert sorted(v.fields for v in found) == [("checkpoint.pretrained_checkpoint",), ("peft.alpha",), ("peft.dim",)]
+
+
+def test_the_tiny_bridge_yaml_trains(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = config("--recipe", "llama3_tiny", "--config", str(FIXTURES / "tiny_pretrain.yaml"),
+                 "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176")
+    assert not validate(cfg, env={})
+    result = train(cfg)
+    assert result.iterations == 4 and len(result.eval_losses) == 2
+    assert all(row["loss"] == row["loss"] for row in result.rows)  # finite numbers
+
+
+def test_the_tiny_hybrid_with_bridge_settings_trains(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = config("--recipe", "nemotron_h_tiny", *overrides("nemotron_h_tiny"), "model.cuda_graph_backend=replay")
+    result = train(cfg)
+    assert result.iterations == 4 and result.graphs >= 1
