@@ -47,9 +47,12 @@ def _describe(x: Any) -> str:
 # ---- tensor subclasses that wrap other tensors (DTensor) ----------------------
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # the replay path's common case, decided by one type look-up
+
+
 def is_wrapper(t: Any) -> bool:
     """Whether ``t`` is a tensor subclass holding its data in inner tensors (DTensor): its ``data_ptr()`` is 0."""
-    return (isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__")
+    return (type(t) not in _PLAIN and isinstance(t, torch.Tensor) and hasattr(t, "__tensor_flatten__")
             and hasattr(type(t), "__tensor_unflatten__"))
 
 
@@ -68,6 +71,8 @@ def local_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 def addresses(t: torch.Tensor) -> tuple[int, ...]:
     """Where ``t``'s data is: the address of each of its local tensors (a DTensor's: its local tensor's)."""
+    if type(t) in _PLAIN:  # checked for every watched tensor before every replay
+        return (t.data_ptr(),)
     return tuple(x.data_ptr() for x in local_tensors(t))
 
 
