@@ -333,11 +333,13 @@ class LayerGraphs:
 class _SavedState:
     """The module buffers, the ``main_grad`` views and the RNG states a capture must leave as they were.
 
-    ``restore()`` writes a tensor back only where the capture changed it: writing back an unchanged
-    buffer would bump its autograd version counter, and an eager node that saved it (a mask shared
-    by an eager block and a graphed one) would refuse its backward ("modified by an inplace
-    operation"). A DTensor is compared and written through its local tensors (its own clone of a
-    ``Partial`` tensor would change the placements).
+    ``restore()`` writes the saved values back through ``t.data``, which shares the storage but not the
+    autograd version counter: an eager node that saved the buffer (a mask shared by an eager block and a
+    graphed one; BatchNorm's running statistics when the capture comes between an eager forward and its
+    backward) would otherwise refuse its backward ("modified by an inplace operation") -- and on CUDA the
+    stream warm-up really changes BatchNorm's statistics, so there is something to write back. A
+    DTensor is written through its local tensors (its own clone of a ``Partial`` tensor would change the
+    placements).
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor | None], gens: list[torch.Generator]) -> None:
@@ -354,8 +356,7 @@ class _SavedState:
     def restore(self) -> None:
         with torch.no_grad():
             for t, saved in self.tensors:
-                if not torch.equal(t, saved):  # a host sync, once per capture
-                    t.copy_(saved)
+                t.data.copy_(saved)  # .data: the value comes back, the version counter stays
         self.tensors.clear()
         self.generators.restore()
 
