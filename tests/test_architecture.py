@@ -5,7 +5,9 @@
 * No import cycle among graphstep's modules. Every ``import`` statement
   counts -- module level, inside functions (lazy imports), under
   ``TYPE_CHECKING`` -- since a lazy import is a dependency all the same.
-* No source file over 450 lines.
+* No source file over 800 lines. Files follow concepts (STYLE.md, habit 9): a
+  concept is not cut in pieces to meet a line count; the cap only catches a
+  file that has grown to hold several.
 
 Known exceptions are listed below, each with what removes it. A test checks
 that the list is exactly what the source shows: a new exception fails, and so
@@ -22,7 +24,7 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "graphstep"
 MECHANISM = "graphstep.cuda_graph"
-MAX_LINES = 450
+MAX_LINES = 800
 
 # cuda_graph modules that still import other graphstep packages (none: the rules live in graphstep.validation).
 KNOWN_FOREIGN_IMPORTS_TO_REMOVE: set[tuple[str, str]] = set()
