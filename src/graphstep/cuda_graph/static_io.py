@@ -50,10 +50,25 @@ def _describe(x: Any) -> str:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # the replay path's common case, decided by one type look-up
 
 
+def _lazy_tensor_types() -> tuple[type, ...]:
+    """Subclasses that are plain tensors whose data is still arriving: the result of a functional collective
+    (``AsyncCollectiveTensor``, what tensor parallel's ``use_local_output`` hands a module) waits for its
+    collective in its own dispatch, so it is read and copied as a plain tensor -- its inner tensor, copied
+    directly, would be read before the collective has filled it. Verified on torch 2.11 and 2.13."""
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except ImportError:  # torch without distributed
+        return ()
+    return (AsyncCollectiveTensor,)
+
+
+_LAZY = _lazy_tensor_types()
+
+
 def is_wrapper(t: Any) -> bool:
     """Whether ``t`` is a tensor subclass holding its data in inner tensors (DTensor): its ``data_ptr()`` is 0."""
-    return (type(t) not in _PLAIN and isinstance(t, torch.Tensor) and hasattr(t, "__tensor_flatten__")
-            and hasattr(type(t), "__tensor_unflatten__"))
+    return (type(t) not in _PLAIN and isinstance(t, torch.Tensor) and not isinstance(t, _LAZY)
+            and hasattr(t, "__tensor_flatten__") and hasattr(type(t), "__tensor_unflatten__"))
 
 
 def local_tensors(t: torch.Tensor) -> list[torch.Tensor]:
