@@ -38,6 +38,16 @@ def tiny_config(*overrides: str, recipe: str = "llama3_tiny", tmp_path=None) -> 
     return cfg
 
 
+def graph_config(*overrides: str) -> Config:
+    """The default config made graph-friendly (the RNG tracker on, the host-side NaN checks off), plus overrides:
+    the baseline of the rule tests."""
+    cfg = Config()
+    cfg.model.use_te_rng_tracker = True
+    cfg.rerun_state_machine.check_for_nan_in_loss = False
+    cfg.ddp.check_for_nan_in_grad = False
+    return apply_overrides(cfg, list(overrides))
+
+
 def eager(cfg: Config) -> Config:
     cfg.model.cuda_graph_impl = "none"
     cfg.model.cuda_graph_modules = []

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphstep.config import Config, ConfigError, apply_overrides, iter_fields
+from conftest import graph_config
 from graphstep.validation import graph_rules
 from graphstep.cuda_graph import settings as cg
 from graphstep.cuda_graph.settings import CudaGraphSettings, GraphImpl
@@ -35,12 +36,8 @@ MULTI_GPU_EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold
 
 
 def make(*overrides: str) -> Config:
-    """The graph-friendly baseline plus overrides."""
-    cfg = Config()
-    cfg.model.use_te_rng_tracker = True
-    cfg.rerun_state_machine.check_for_nan_in_loss = False
-    cfg.ddp.check_for_nan_in_grad = False
-    return apply_overrides(cfg, list(overrides))
+    """The graph-friendly baseline plus overrides (conftest.graph_config)."""
+    return graph_config(*overrides)
 
 
 def check(cfg: Config, env: dict[str, str] | None = None, **kwargs) -> list[Violation]:

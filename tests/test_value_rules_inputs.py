@@ -17,18 +17,15 @@ from pathlib import Path
 import pytest
 
 from graphstep.config import Config, apply_overrides
+from conftest import graph_config
 from graphstep.validation import format_violations, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def make(*overrides: str) -> Config:
-    """The graph-friendly baseline plus overrides (as tests/test_settings_rules.py builds its cases)."""
-    cfg = Config()
-    cfg.model.use_te_rng_tracker = True
-    cfg.rerun_state_machine.check_for_nan_in_loss = False
-    cfg.ddp.check_for_nan_in_grad = False
-    return apply_overrides(cfg, list(overrides))
+    """The graph-friendly baseline plus overrides (conftest.graph_config)."""
+    return graph_config(*overrides)
 
 
 def check(cfg: Config, world_size: int = 1):
