@@ -11,7 +11,8 @@ from graphstep.config import Config, apply_overrides
 from graphstep.cuda_graph.backend import Graph
 from graphstep.recipes import get_recipe
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (scripts/test) each worker takes one core; alone, the tests take up to two.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 # llama3_tiny at a test size: 4 micro-batches, dropout 0.1 everywhere.
 TINY = [
