@@ -115,11 +115,12 @@ class ModelConfig:
     mamba_chunk_size: int = opt(32, "Chunk length of the SSD scan.")
 
     # --- recompute and offloading -----------------------------------------
-    recompute_granularity: str | None = opt(None, "Activation recompute: null, full or selective.")
+    recompute_granularity: str | None = opt(
+        None, "Activation recompute: null, full (whole layers, see recompute_method) or selective (recompute_modules).")
     recompute_modules: list[str] = opt(
         ["core_attn"], "Modules recomputed with selective recompute: core_attn, mlp, moe; null = [core_attn] "
         "(Megatron Core's default).", null_means=["core_attn"])
-    cpu_offloading: bool = opt(False, "Offload activations/weights to the CPU.")
+    cpu_offloading: bool = refused(False, "Offload activations/weights to the CPU.", "R36")
 
     # --- CUDA graphs ---------------------------------------------------------
     cuda_graph_impl: str = opt("none", "Capture mechanism: none, local, transformer_engine or full_iteration.")
@@ -187,9 +188,12 @@ class ModelConfig:
         False, "Pad model.vocab_size up to a multiple of make_vocab_size_divisible_by x tensor_model_parallel_size "
         "(Bridge: the tokenizer's vocabulary padded for the kernels; the padded rows are trained logits).")
     make_vocab_size_divisible_by: int = opt(128, "With should_pad_vocab: the multiple model.vocab_size is padded to.")
-    recompute_method: str | None = refused(
-        None, "Megatron's layer-wise full recompute (uniform or block over recompute_num_layers layers).", "R35")
-    recompute_num_layers: int | None = refused(None, "Layers per recompute_method group.", "R35")
+    recompute_method: str | None = opt(
+        None, "With recompute_granularity=full: uniform (the layers in runs of recompute_num_layers, each run "
+        "recomputed from its input) or block (the first recompute_num_layers layers of each stage, one by one); "
+        "null = uniform.")
+    recompute_num_layers: int | None = opt(None, "With recompute_granularity=full: layers per run (uniform) or "
+                                           "layers recomputed (block); null = 1 (uniform) or every layer (block).")
     fine_grained_activation_offloading: bool = refused(False, "Offload chosen activations to the host.", "R36")
     offload_modules: list[str] | None = refused(
         None, "Modules whose activations fine-grained offloading moves to the host.", "R36", allowed=(None, []))

@@ -54,6 +54,7 @@ class ModelShape:
     init_std: float
     recompute_core_attn: bool = False
     recompute_mlp: bool = False
+    recompute_layers: tuple[str, int | None] | None = None  # full recompute: (method, num_layers)
 
     @classmethod
     def from_config(cls, m) -> "ModelShape":
@@ -83,7 +84,26 @@ class ModelShape:
             init_std=m.init_method_std,
             recompute_core_attn=selective and "core_attn" in m.recompute_modules,
             recompute_mlp=selective and "mlp" in m.recompute_modules,
+            recompute_layers=((m.recompute_method or "uniform", m.recompute_num_layers)
+                              if m.recompute_granularity == "full" else None),
         )
+
+
+def recompute_runs(n: int, full: tuple[str, int | None] | None) -> list[tuple[int, int, bool]]:
+    """A stage's ``n`` layers as runs ``(start, stop, recomputed)`` under full recompute, Megatron Core's meaning.
+
+    ``uniform`` (the default): runs of ``num_layers`` (default 1) layers, each run
+    keeping only its input for the backward and recomputing the rest; ``block``:
+    the first ``num_layers`` layers (default all) one by one, the others kept.
+    """
+    if full is None:
+        return [(0, n, False)]
+    method, k = full
+    if method == "block":
+        k = n if k is None else min(k, n)
+        return [(i, i + 1, True) for i in range(k)] + ([(k, n, False)] if k < n else [])
+    k = k or 1
+    return [(i, min(i + k, n), True) for i in range(0, n, k)]
 
 
 class RMSNorm(nn.Module):
@@ -295,8 +315,15 @@ class GPTModel(nn.Module):
         hidden state to a hidden state or the logits.
         """
         h = self.embedding(x) if self.embedding is not None else x
-        for layer in self.graph_layers():
-            h = layer(h)
+        layers = self.graph_layers()
+        full = self.shape.recompute_layers if self.training else None
+        for start, stop, recomputed in recompute_runs(len(layers), full):
+            if recomputed:
+                # Full recompute: only the run's input is kept; its backward re-runs the layers without replaying
+                # the RNG, which rule R35 makes safe (no dropout in a recomputed layer).
+                h = checkpoint(_run_layers, layers[start:stop], h, use_reentrant=False, preserve_rng_state=False)
+            else:
+                h = _run_layers(layers[start:stop], h)
         if self.final_layernorm is None:
             return h
         h = self.final_layernorm(h)
@@ -315,6 +342,12 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits
         return token_loss(logits, labels, loss_mask)
+
+
+def _run_layers(layers: list[nn.Module], h: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        h = layer(h)
+    return h
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,9 +45,11 @@ residual-stream terms ``r`` and inner terms ``i``, ``r + i/tp`` on a rank
     mamba  r = e * 2h            i = e * 8h + 4 * heads * chunk   in_proj, conv, gate (d_inner = 2h), SSD chunks
     logits V * (e + 8)           logits, fp32 log-softmax and its gradient: gathered whole on every rank
 
-With ``model.recompute_granularity=full`` a layer keeps only its input
-(``e * h`` per token, a residual term) plus one layer's full terms during its
-recompute. On the CPU with attention dropout, PyTorch's math attention also
+With ``model.recompute_granularity=full`` each recomputed run of layers
+(``recompute_method``: runs of ``recompute_num_layers`` layers, or the first
+``recompute_num_layers`` layers one by one) keeps only its input (``e * h``
+per token, a residual term), plus the largest run's full terms during its
+recompute; the layers outside the runs keep theirs. On the CPU with attention dropout, PyTorch's math attention also
 keeps the scores, an inner term: ``b * heads * s^2 * (e + 1)`` per layer.
 The estimate is a lower bound of what a step uses -- allocator
 fragmentation, workspaces, graph pools, FSDP2's prefetched layer and its
@@ -74,6 +76,7 @@ from ..config import Config
 from ..cuda_graph.devices import GiB
 from ..models import build_model, resolve_dtype
 from ..models.hybrid import layer_kinds
+from ..models.transformer import recompute_runs
 from .parallel import Layout
 from .rundir import RunSetupError
 
@@ -207,10 +210,10 @@ def activation_bytes_per_sample(cfg: Config, e: int, device: torch.device, layou
         return _split(residual + inner, tp) if sp else residual + _split(inner, tp)
 
     layers = [on_rank(sum(blocks[k][0] for k in kinds), sum(blocks[k][1] for k in kinds)) for kinds in layer_kinds(m)]
-    if m.recompute_granularity == "full":
-        per_token = on_rank(e * m.hidden_size, 0) * len(layers) + max(layers)
-    else:
-        per_token = sum(layers)
+    full = (m.recompute_method or "uniform", m.recompute_num_layers) if m.recompute_granularity == "full" else None
+    runs = recompute_runs(len(layers), full)
+    per_token = sum(on_rank(e * m.hidden_size, 0) if recomputed else sum(layers[a:b]) for a, b, recomputed in runs)
+    per_token += max((sum(layers[a:b]) for a, b, recomputed in runs if recomputed), default=0)
     return m.seq_length * (per_token + m.vocab_size * (e + 8))
 
 

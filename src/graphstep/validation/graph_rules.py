@@ -307,14 +307,6 @@ def _r13(v: View) -> list[Violation]:
                "layers, or model.cuda_graph_impl=none.")]
 
 
-def _r14(v: View) -> list[Violation]:
-    if not v.per_layer or v.cfg.model.cpu_offloading is not True:
-        return []
-    return [_v("R14", ["model.cpu_offloading", "model.cuda_graph_impl"], f"model.cpu_offloading=true moves tensors "
-               f"to the host while {_impl_f(v)} graphs are replayed.",
-               "set model.cpu_offloading=false, or use model.cuda_graph_impl=full_iteration.")]
-
-
 def _r15(v: View) -> list[Violation]:
     m = v.cfg.model
     if v.impl == "full_iteration":
@@ -406,6 +398,6 @@ def _r17(v: View) -> list[Violation]:
 
 GRAPH_RULES = (
     ("R1", _r1), ("R2", _r2), ("R3", _r3), ("R4", _r4), ("R5", _r5), ("R6", _r6), ("R7", _r7), ("R8", _r8),
-    ("R9", _r9), ("R10", _r10), ("R11", _r11), ("R12", _r12), ("R13", _r13), ("R14", _r14), ("R15", _r15),
+    ("R9", _r9), ("R10", _r10), ("R11", _r11), ("R12", _r12), ("R13", _r13), ("R15", _r15),
     ("R16", _r16), ("R17", _r17),
 )

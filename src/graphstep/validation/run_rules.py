@@ -111,10 +111,6 @@ REFUSED_REASONS = {
             "checkpoint.finetune=true"),
     "R34": ("graphstep's optimizer keeps its master weights, main gradients and Adam moments in fp32 (the "
             "precision-aware optimizer's lower-precision states are not implemented)", ""),
-    "R35": ("Megatron's layer-wise full recompute (recompute_method uniform/block over recompute_num_layers) is not "
-            "implemented: graphstep recomputes modules (model.recompute_granularity=selective with "
-            "model.recompute_modules)", "; to save activation memory use model.recompute_granularity=selective "
-            "model.recompute_modules=[core_attn,mlp]"),
     "R36": ("activation, weight and optimizer offloading to the host are not implemented (inside graphs they would "
             "copy to the host at every replay)", "; to save memory use selective recompute or FSDP2 "
             "(ddp.use_megatron_fsdp=true)"),
@@ -279,14 +275,41 @@ def _r24(v: View) -> list[Violation]:
 
 
 def _r35(v: View) -> list[Violation]:
-    out = _refused(v, "R35")
-    m = v.cfg.model
-    if m.recompute_granularity == "selective" and "moe" in (_names(m.recompute_modules) or []) \
-            and m.num_moe_experts is not None:
+    """Activation recompute that graphstep cannot make exact: its recompute re-runs a region without replaying the
+    RNG, so a recomputed region must draw no dropout; and the MoE block's router statistics are updated in place."""
+    m, out = v.cfg.model, []
+    layer_wise = [k for k in ("recompute_method", "recompute_num_layers") if getattr(m, k) is not None]
+    if layer_wise and m.recompute_granularity != "full":
+        keys = [f"model.{k}" for k in layer_wise]
+        out.append(_v("R35", keys + ["model.recompute_granularity"], f"{', '.join(keys)} set, but "
+                      f"model.recompute_granularity={_fmt(m.recompute_granularity)}: the layer-wise method is read "
+                      "only with full recompute.", f"set model.recompute_granularity=full, or {keys[0]}=null."))
+    if m.recompute_granularity == "full":
+        if m.num_moe_experts is not None:
+            out.append(_v("R35", ["model.recompute_granularity", "model.num_moe_experts"], "model.recompute_"
+                          "granularity=full on an MoE model: recomputing graphstep's MoE block would re-run the "
+                          "router's in-place statistics.", "set model.recompute_granularity=null, or selective "
+                          "recompute of core_attn or mlp."))
+        dropouts = [k for k in ("attention_dropout", "hidden_dropout") if (_num(getattr(m, k)) or 0) > 0]
+        if dropouts:
+            out.append(_v("R35", ["model.recompute_granularity"] + [f"model.{k}" for k in dropouts],
+                          f"model.recompute_granularity=full with {', '.join(f'model.{k}' for k in dropouts)} > 0: "
+                          "the recomputed layers would draw other dropout masks than their forward.",
+                          f"set {' '.join(f'model.{k}=0.0' for k in dropouts)} (as Bridge's pre-training recipes "
+                          "do), or model.recompute_granularity=selective."))
+    recomputed = _names(m.recompute_modules) or []
+    if m.recompute_granularity == "selective" and "moe" in recomputed and m.num_moe_experts is not None:
         out.append(_v("R35", ["model.recompute_modules", "model.num_moe_experts"], "model.recompute_modules has moe: "
                       "recomputing graphstep's MoE block is not implemented (it would re-run the router's in-place "
                       "statistics; Megatron Core refuses it with the moe_router graph too).",
                       "remove moe from model.recompute_modules (recompute core_attn or mlp)."))
+    graphed_attn = v.impl == "full_iteration" or (v.per_layer and v.covers("attn"))  # R15 judges those
+    if (m.recompute_granularity == "selective" and "core_attn" in recomputed and not graphed_attn
+            and (_num(m.attention_dropout) or 0) > 0):
+        out.append(_v("R35", ["model.recompute_modules", "model.attention_dropout"], "selective recompute of "
+                      f"core_attn with model.attention_dropout={_fmt(m.attention_dropout)}: the recomputed "
+                      "attention would draw another dropout mask than its forward.",
+                      "set model.attention_dropout=0.0, or remove core_attn from model.recompute_modules."))
     return out
 
 

@@ -46,6 +46,7 @@ _CHOICES: dict[str, tuple[str | None, ...]] = {
     "model.cuda_graph_on_failure": ("raise", "eager"),
     "model.params_dtype": ("auto", "bf16", "fp32"),
     "model.recompute_granularity": (None, "full", "selective"),
+    "model.recompute_method": (None, "uniform", "block"),
     "model.moe_router_score_function": ("softmax", "sigmoid"),
     "model.moe_router_load_balancing_type": ("aux_loss", "none"),
     "model.normalization": ("RMSNorm",),
@@ -62,6 +63,7 @@ _MINIMUM: dict[str, int] = {
     "model.vocab_size": 1, "model.num_attention_heads": 1, "model.num_query_groups": 1, "model.num_moe_experts": 1,
     "model.moe_router_topk": 1, "model.moe_layer_freq": 1, "train.micro_batch_size": 1, "train.global_batch_size": 1,
     "train.train_iters": 0, "logger.log_interval": 1, "logger.tensorboard_log_interval": 1, "ddp.bucket_size": 1,
+    "model.recompute_num_layers": 1,
 }
 
 
