@@ -104,3 +104,12 @@ def test_selective_attention_recompute_with_dropout_is_refused_wherever_attentio
     assert "R35" in _rules(*selective, "model.cuda_graph_impl=local", "model.cuda_graph_modules=[mlp]")
     graphed = _rules(*selective, "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn]")
     assert "R15" in graphed and "R35" not in graphed  # one rule per case: R15 judges graphed attention
+
+
+def test_full_recompute_of_a_hybrid_model_trains_exactly_as_without():
+    overrides = [*NO_DROPOUT, "train.train_iters=4", "train.eval_iters=0", "train.device=cpu",
+                 "model.hybrid_override_pattern=M-*-", "model.num_moe_experts=null"]  # Mamba, MLP, attention, MLP
+    plain = train(eager(tiny_config(*overrides, recipe="nemotron_h_tiny")), keep_model=True)
+    recomputed = train(eager(tiny_config(*overrides, "model.recompute_granularity=full", recipe="nemotron_h_tiny")),
+                       keep_model=True)
+    assert_same_run(plain, recomputed)
