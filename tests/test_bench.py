@@ -1,10 +1,9 @@
 """graphstep bench without a GPU: row names, derived columns, the table, the chart and the recipes' rows;
-the multi-rank rows' overrides, refusals and rank plumbing (2 gloo processes under torchrun, ``__main__`` below)."""
+the multi-rank rows' overrides, refusals and rank plumbing (2 gloo processes under torchrun, ``ranks_worker``)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from graphstep.bench.run import (
 )
 from graphstep.recipes import get_recipe
 
-HERE = Path(__file__).resolve().parent
+from helpers.launch import torchrun_reports
 
 
 def test_split_rows_keeps_commas_inside_brackets():
@@ -396,7 +395,7 @@ def test_world_size_from_env_refuses_garbage(env, message):
         world_size_from_env(env)
 
 
-def _ranks_worker(out: Path) -> None:
+def ranks_worker(out: str) -> None:
     """A torchrun worker: join as the bench does (gloo on the CPU), agree on rows, write this rank's view."""
     from graphstep.bench.ranks import Ranks, max_over_ranks
     from graphstep.bench.run import plan_row
@@ -420,15 +419,12 @@ def _ranks_worker(out: Path) -> None:
             report["built"] = str(exc)
         ranks.all_built(built=True)  # everyone did: no error
     finally:
-        (out / f"rank{r}.json").write_text(json.dumps(report))
+        (Path(out) / f"rank{r}.json").write_text(json.dumps(report))
         ranks.close()
 
 
 def test_ranks_agree_on_two_gloo_processes(tmp_path):
-    sys.path.insert(0, str(HERE))
-    from test_distributed import torchrun_reports
-
-    reports = torchrun_reports(str(Path(__file__).resolve()), tmp_path, 2, timeout=300)
+    reports = torchrun_reports(__file__, "ranks_worker", tmp_path, 2, timeout=300)
     assert [(r["rank"], r["world"], r["main"], r["backend"]) for r in reports] == [(0, 2, True, "gloo"),
                                                                                (1, 2, False, "gloo")]
     assert reports[0]["max"] == reports[1]["max"] == [2.0, 5.0, 0.0]
@@ -438,7 +434,3 @@ def test_ranks_agree_on_two_gloo_processes(tmp_path):
     assert reports[0]["rows"][1] == reports[1]["rows"][1] == [0.25, None, None]  # None on every rank stays None
     assert reports[0]["built"] == "rank 1 could not build this row (its error is in its output); every rank skipped it"
     assert reports[1]["built"] == "ok"  # the rank that failed keeps its own error
-
-
-if __name__ == "__main__":
-    _ranks_worker(Path(sys.argv[1]))

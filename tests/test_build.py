@@ -299,8 +299,7 @@ def test_doctor_builds_a_hugging_face_run_as_the_trainer_does(tmp_path):
     """model.hf_path: the doctor judges the checkpoint's shape with its weights, or a proxy from random weights."""
     pytest.importorskip("transformers")
     from graphstep.doctor import check_recipe
-    from test_hf import make_hf
-    from test_sft import sft_overrides, write_sft
+    from helpers.data import make_hf, sft_overrides, write_sft
 
     make_hf("llama", tmp_path / "hf")
     common = [*sft_overrides(write_sft(tmp_path / "sft.jsonl", n=24)), f"model.hf_path={tmp_path / 'hf'}", *FULL]

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import contextlib
 import json
 import logging
@@ -300,16 +301,15 @@ def test_one_user_frame_finder_for_capture_errors_and_the_doctor(tmp_path):
     assert frames.is_internal(doctor_frames.__file__) and frames.is_internal(graphstep.api.__file__)
     helper = tmp_path / "wrapper_helper.py"
     helper.write_text("from graphstep.cuda_graph.frames import user_frame\n\ndef where():\n    return user_frame()\n")
-    sys.path.insert(0, str(tmp_path))
+    spec = importlib.util.spec_from_file_location("wrapper_helper", helper)
+    wrapper_helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wrapper_helper)
     try:
-        import wrapper_helper
-
         assert wrapper_helper.where().filename == str(helper)  # a user file until marked internal
         frames.mark_internal(str(tmp_path))
         here = wrapper_helper.where()
         assert here.filename == __file__ and "here = wrapper_helper.where()" in here.line
     finally:
-        sys.path.remove(str(tmp_path))
         frames._MARKED.discard(os.path.realpath(tmp_path) + os.sep)
         frames.is_internal.cache_clear()
 

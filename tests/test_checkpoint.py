@@ -9,33 +9,18 @@ runs, as with an OOM kill or a lost node. The trainer has no kill switch.
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import TINY, eager, tiny_config
+from conftest import eager, tiny_config
 from graphstep.training.checkpoint import TRACKER, find_checkpoint, iter_dir_name
 from graphstep.training.loop import train
 from graphstep.training.metrics import read_metrics
-from test_distributed import HERE, exact_list, subprocess_env
+from helpers.cli import killed_at
+from helpers.launch import exact_list
 
 RESUME = ["train.train_iters=20", "logger.log_interval=5"]
-
-
-def run_cli(*overrides: str, **env: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "graphstep", "train", *TINY, *overrides]
-    return subprocess.run(cmd, env=subprocess_env(**env), capture_output=True, text=True, timeout=120)
-
-
-def killed_at(iteration: int, *overrides: str, hook: str = "after_iteration") -> str:
-    """Train with ``graphstep train``'s config of ``overrides``; the ``hook`` of iteration N SIGKILLs the process."""
-    cmd = [sys.executable, str(HERE / "kill_driver.py"), hook, str(iteration), *TINY, *overrides]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-4000:]
-    return proc.stderr
 
 
 GRAPHS = {"full_iteration": ["model.cuda_graph_impl=full_iteration"], "eager": ["model.cuda_graph_impl=none"],

@@ -12,21 +12,19 @@ gives every data-parallel rank the same dropout stream, so with dropout on the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
+import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from helpers.launch import exact_list, param_digest, report_runs, subprocess_env, torchrun, torchrun_reports
+
 ITERS = 8
 
 # name -> overrides on top of conftest.TINY (dropout off, see the module docstring)
@@ -39,82 +37,28 @@ COMMON = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0", f"train.tra
           "logger.log_interval=1", "train.eval_iters=2", "train.eval_interval=4"]
 
 
-def subprocess_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{HERE}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("WORLD_SIZE", None)
-    env.update(extra)
-    return env
-
-
-def torchrun(nproc: int, *args: str) -> list[str]:
-    """``torchrun --standalone`` (a free port picked by torchrun's own rendezvous) as a command line."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-
-
-def torchrun_reports(script: str, tmp: Path, nproc: int, *args: str, timeout: float) -> list[dict]:
-    """Run ``script`` under torchrun with ``tmp`` and ``args``; each rank's ``tmp/rank<r>.json``, in rank order."""
-    proc = subprocess.run(torchrun(nproc, script, str(tmp), *args), env=subprocess_env(), capture_output=True,
-                          text=True, timeout=timeout, cwd=tmp)  # default outputs (runs/) land in tmp
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
-
-
-def report_runs(out: Path, device: str, runs: dict[str, Any], run: Callable[[Any], dict]) -> None:
-    """A torchrun worker: join the group, ``run(spec)`` for each named run, and write this rank's reports to
-    ``out/rank<r>.json`` (also when a run fails, so the test shows what came before)."""
-    import torch.distributed as dist
-
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    report: dict[str, dict] = {}
-    try:
-        for name, spec in runs.items():
-            report[name] = run(spec)
-    finally:
-        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
-        dist.destroy_process_group()
-
-
-def param_digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 # --------------------------------------------------------------------------
 # the torchrun worker
 
 
-def _worker(out: Path, device: str, runs: dict[str, list[str]]) -> None:
-    import torch.distributed as dist
-
+def dp_worker(out: str, device: str, runs: str) -> None:
+    """The torchrun worker: each run of ``runs`` (JSON: name -> overrides), then the resume case."""
     from conftest import tiny_config
     from graphstep.training.loop import train
 
-    backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend)  # the caller's group: train() uses it and leaves it to us
-    rank = dist.get_rank()
-    report: dict[str, dict] = {}
-    try:
-        for name, overrides in runs.items():
-            t0 = time.perf_counter()
-            result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
-            report[name] = {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
-                            "eval": result.eval_losses,
-                            "step_ms": [r["step_ms"] for r in result.rows], "params": param_digest(result.model),
-                            "seconds": time.perf_counter() - t0}
-        report.update(_resume_case(out, device))
-    finally:
-        (out / f"rank{rank}.json").write_text(json.dumps(report))
-        dist.destroy_process_group()
+    def run(overrides: list[str]) -> dict:
+        if overrides == "resume":
+            return _resume_case(Path(out), device)
+        t0 = time.perf_counter()
+        result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
+        return {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
+                "eval": result.eval_losses, "step_ms": [r["step_ms"] for r in result.rows],
+                "params": param_digest(result.model), "seconds": time.perf_counter() - t0}
+
+    report_runs(Path(out), device, {**json.loads(runs), "resume": "resume"}, run)
 
 
-def _resume_case(out: Path, device: str) -> dict[str, dict]:
+def _resume_case(out: Path, device: str) -> dict:
     """2 ranks: save at iteration 3, resume from it; iterations 4..6 must equal the uninterrupted run."""
     from conftest import tiny_config
     from graphstep.training.loop import train
@@ -125,16 +69,13 @@ def _resume_case(out: Path, device: str) -> dict[str, dict]:
             "checkpoint.save_interval=3"]
     whole = train(tiny_config(*base))  # dropout on: per-rank RNG streams are in the checkpoint
     resumed = train(tiny_config(*base, f"checkpoint.load={ckpt}/iter_0000003"))
-    return {"resume": {"whole": [r["loss"] for r in whole.rows], "resumed": [r["loss"] for r in resumed.rows],
-                       "resumed_iters": [r["iteration"] for r in resumed.rows]}}
+    return {"whole": [r["loss"] for r in whole.rows], "resumed": [r["loss"] for r in resumed.rows],
+            "resumed_iters": [r["iteration"] for r in resumed.rows]}
 
 
 def run_workers(tmp: Path, device: str, runs: dict[str, list[str]], timeout: float) -> list[dict]:
-    """Launch 2 ranks of this file's worker; returns each rank's report."""
-    cmd = torchrun(2, str(Path(__file__).resolve()), str(tmp), device, json.dumps(runs))
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=tmp)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    """2 ranks of this file's worker; each rank's report."""
+    return torchrun_reports(__file__, "dp_worker", tmp, 2, device, json.dumps(runs), timeout=timeout)
 
 
 # --------------------------------------------------------------------------
@@ -307,9 +248,28 @@ def test_r16_stops_a_data_parallel_nccl_run_before_the_process_group_exists():
                                 env={**env, "NCCL_GRAPH_REGISTER": "0"})
 
 
-def exact_list(values: list) -> list[torch.Tensor]:
-    return [torch.tensor(v, dtype=torch.float32).view(torch.int32).item() for v in values]
+GPU_ITERS = 30
+GPU_RUNS = {name: [*overrides, f"train.train_iters={GPU_ITERS}"] for name, overrides in DP_RUNS.items()}
 
 
-if __name__ == "__main__":  # the torchrun worker: test_distributed.py OUT_DIR DEVICE RUNS_JSON
-    _worker(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_graphs_equal_eager_and_exit_without_hang(tmp_path, capsys):
+    reports = run_workers(tmp_path, "cuda", GPU_RUNS, timeout=600)  # a hang at exit fails here
+    for report in reports:
+        for name in ("full_iteration", "attn_mlp"):
+            assert exact_list(report[name]["losses"]) == exact_list(report["eager"]["losses"]), name
+            assert report[name]["params"] == report["eager"]["params"], name
+            assert report[name]["states"][2:5] == ["eager", "captured", "replayed"], name
+        resume = report["resume"]
+        assert resume["resumed_iters"] == [4, 5, 6]
+        assert exact_list(resume["resumed"]) == exact_list(resume["whole"][3:])
+    for name in GPU_RUNS:
+        assert reports[0][name]["losses"] == reports[1][name]["losses"]
+        assert reports[0][name]["params"] == reports[1][name]["params"]
+    with capsys.disabled():
+        print("\n2 x GPU data parallel (tiny llama, bf16, NCCL), median step time after capture:")
+        for name in GPU_RUNS:
+            r = reports[0][name]
+            steady = [ms for ms, st in zip(r["step_ms"], r["states"]) if st != "captured"][5:]
+            print(f"  {name:15s} {statistics.median(steady):7.2f} ms/step   whole run {r['seconds']:.1f} s")

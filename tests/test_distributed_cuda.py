@@ -1,15 +1,11 @@
-"""Data parallel on two GPUs (NCCL) with graphs, and exact resume on a GPU. Run by scripts/gpu-check.
+"""Exact resume on a GPU after SIGKILL, with graphs. Run by scripts/gpu-check.
 
-Each test starts real processes: torchrun with 2 ranks running the worker of
-test_distributed.py (eager, full-iteration graph with the optimizer graph,
-per-layer ``[attn,mlp]`` graphs, then a checkpoint/resume case), or
-``python -m graphstep train`` killed with SIGKILL. A run that hangs at exit
-(graphs alive while the process group is destroyed) fails on the timeout.
+Each test starts a real ``python -m graphstep train`` killed with SIGKILL
+(test_distributed.py holds the two-GPU data-parallel case, beside its CPU
+form).
 """
 
 from __future__ import annotations
-
-import statistics
 
 import pytest
 import torch
@@ -18,37 +14,11 @@ from conftest import tiny_config
 from graphstep.training.checkpoint import find_checkpoint
 from graphstep.training.loop import train
 from graphstep.training.metrics import read_metrics
-from test_checkpoint import killed_at
-from test_distributed import DP_RUNS, exact_list, run_workers
+from helpers.cli import killed_at
+from helpers.launch import exact_list
 
 pytestmark = pytest.mark.cuda
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-GPU_ITERS = 30
-GPU_RUNS = {name: [*overrides, f"train.train_iters={GPU_ITERS}"] for name, overrides in DP_RUNS.items()}
-
-
-@two_gpus
-def test_two_gpus_graphs_equal_eager_and_exit_without_hang(tmp_path, capsys):
-    reports = run_workers(tmp_path, "cuda", GPU_RUNS, timeout=600)  # a hang at exit fails here
-    for report in reports:
-        for name in ("full_iteration", "attn_mlp"):
-            assert exact_list(report[name]["losses"]) == exact_list(report["eager"]["losses"]), name
-            assert report[name]["params"] == report["eager"]["params"], name
-            assert report[name]["states"][2:5] == ["eager", "captured", "replayed"], name
-        resume = report["resume"]
-        assert resume["resumed_iters"] == [4, 5, 6]
-        assert exact_list(resume["resumed"]) == exact_list(resume["whole"][3:])
-    for name in GPU_RUNS:
-        assert reports[0][name]["losses"] == reports[1][name]["losses"]
-        assert reports[0][name]["params"] == reports[1][name]["params"]
-    with capsys.disabled():
-        print("\n2 x GPU data parallel (tiny llama, bf16, NCCL), median step time after capture:")
-        for name in GPU_RUNS:
-            r = reports[0][name]
-            steady = [ms for ms, st in zip(r["step_ms"], r["states"]) if st != "captured"][5:]
-            print(f"  {name:15s} {statistics.median(steady):7.2f} ms/step   whole run {r['seconds']:.1f} s")
 
 
 @one_gpu

@@ -11,7 +11,6 @@ import importlib
 import json
 import pathlib
 import re
-import sys
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ from graphstep.recipes import RECIPES, get_recipe
 from conftest import NeverCapturedGraph
 
 HERE = pathlib.Path(__file__).parent
-CASES = sorted(p for p in (HERE / "doctor_cases").glob("*.py") if not p.name.startswith("_"))
-sys.path.insert(0, str(HERE))
+CASES = sorted(p for p in (HERE / "doctor_cases").glob("*.py") if not p.name.startswith("_"))  # tests/ is on
+# sys.path (conftest.py's folder), so the cases import as doctor_cases.NAME
 
 
 def _markers(path: pathlib.Path) -> list[tuple[str, int]]:

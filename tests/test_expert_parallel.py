@@ -1,6 +1,6 @@
 """Expert parallel under torchrun: each rank holds its share of the experts; graphed runs equal eager, bit for bit.
 
-One torchrun launch runs this file as its worker (``__main__`` below). Each
+One torchrun launch runs this file's ``layouts_worker`` on each rank. Each
 rank trains a tiny Qwen3-MoE (8 experts, top-2, dropless and sync-free) with
 its experts split over the expert-parallel ranks, eagerly and with the
 full-iteration, optimizer and evaluation graphs (and per-layer ``[attn, moe]``
@@ -22,17 +22,13 @@ parallel to float tolerance.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from test_distributed import report_runs, torchrun_reports  # noqa: E402
-from test_parallel import train_report  # noqa: E402
-from test_parallel_checkpoint import load_weights, natural_digests, whole_model_digests  # noqa: E402
+from helpers.launch import report_runs, torchrun_reports
+from helpers.reports import load_weights, natural_digests, train_report, whole_model_digests
 
 ITERS = 10
 COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
@@ -57,12 +53,15 @@ STATS = ("aux_loss_sum", "z_loss_sum", "tokens_per_expert")  # per-rank router s
 PLAIN = {"ep2": ["train.global_batch_size=8"], "ep2_edp2": ["train.global_batch_size=16", f"train.train_iters={ITERS_4}"]}
 
 
-def _worker(out: Path, device: str, layouts: dict[str, list[str]]) -> None:
+def layouts_worker(out: str, device: str, which: str) -> None:
+    """The torchrun worker: each layout of the dict named ``which`` (LAYOUTS also with the alltoall dispatcher
+    and a checkpoint resume)."""
     from graphstep.config import apply_overrides
     from graphstep.models.moe import MoEBlock, moe_routers
     from graphstep.recipes import get_recipe
     from graphstep.training.loop import train
 
+    layouts, out = globals()[which], Path(out)
     runs = {}
     for name, layout in layouts.items():
         runs[f"{name}/eager"] = [*layout, *DROPOUT, *EAGER]
@@ -97,7 +96,7 @@ def _worker(out: Path, device: str, layouts: dict[str, list[str]]) -> None:
 
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
-    return torchrun_reports(str(Path(__file__).resolve()), tmp, nproc, device, layouts, timeout=timeout)
+    return torchrun_reports(__file__, "layouts_worker", tmp, nproc, device, layouts, timeout=timeout)
 
 
 def check_layout(reports: list[dict], layout: str, rtol: float = 2e-5, iters: int = ITERS) -> None:
@@ -208,7 +207,3 @@ def test_expert_parallel_on_two_gpus_graphed_equal_eager(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine)")
     check_layout(run_layouts(tmp_path, "cuda", timeout=900), "ep2", rtol=2e-2)  # bf16
-
-
-if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), sys.argv[2], globals()[sys.argv[3]])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from torch import nn
 
 import graphstep
 
-HERE = Path(__file__).resolve().parent
+from helpers.launch import subprocess_env, torchrun, worker
 DEVICES = [
     pytest.param("cpu"),
     pytest.param("cuda", marks=[pytest.mark.cuda,
@@ -101,17 +100,9 @@ def test_hook_added_after_capture_to_an_in_graph_parameter_is_refused():
         model(torch.randn(4, 8)).sum().backward()
 
 
-def _ddp_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(PYTHONPATH=f"{HERE.parent / 'src'}{os.pathsep}{HERE}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
 def _run_ddp_workers(device: str, tmp_path: Path, nproc: int) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(Path(__file__).resolve()), device, str(tmp_path)]
-    proc = subprocess.run(cmd, env=_ddp_env(), capture_output=True, text=True, timeout=300)
+    cmd = torchrun(nproc, *worker(__file__, "ddp_worker", device, tmp_path))
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -144,7 +135,7 @@ def test_graph_layers_under_real_ddp_equal_eager_ddp(device, tmp_path):
         assert not torch.equal(runs[mode, 0]["local"], runs[mode, 1]["local"])
 
 
-def _ddp_worker(device: str, out: Path) -> None:
+def ddp_worker(device: str, out: str) -> None:
     """One rank: eager DDP, then DDP around a graph_layers model; saves losses, params, grads."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -175,11 +166,7 @@ def _ddp_worker(device: str, out: Path) -> None:
             losses.append(loss.detach().clone())
         graphstep.close_all()
         torch.save({"losses": [t.cpu() for t in losses], "grads": [g.cpu() for g in grads], "local": local.cpu(),
-                    "params": [p.detach().cpu() for p in model.parameters()]}, out / f"{mode}_{rank}.pt")
+                    "params": [p.detach().cpu() for p in model.parameters()]}, Path(out) / f"{mode}_{rank}.pt")
         del ddp
     dist.barrier()
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _ddp_worker(sys.argv[1], Path(sys.argv[2]))

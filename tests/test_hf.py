@@ -15,35 +15,11 @@ from graphstep.models import build_model
 from graphstep.models.hf import HFCheckpointError, config_from_hf, export_hf, load_hf
 from graphstep.models.moe_router import topk_routing
 from graphstep.training.loop import train
-from test_sft import sft_overrides, write_sft
+from helpers.data import HF_COMMON, MODELS, make_hf, sft_overrides, write_sft
 
 transformers = pytest.importorskip("transformers")
 
 SEQ = 32
-COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64)
-MODELS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, rope_theta=50000.0)),
-    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
-    "qwen3_moe_unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                               dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    norm_topk_prob=False, num_hidden_layers=3, mlp_only_layers=[1])),
-}
-
-
-def make_hf(name: str, path, seed: int = 0):
-    """A random `transformers` model, every parameter perturbed (norms and biases too), saved to ``path``."""
-    config_cls, model_cls, extra = MODELS[name]
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**COMMON, **extra})).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            p.copy_((1.0 if pname.endswith("norm.weight") else 0.0) + 0.2 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
 
 
 def graphstep_model(path, **fields):
@@ -106,7 +82,7 @@ def test_rotary_is_transformers_rotate_half():
 
     from graphstep.models.transformer import Rotary
 
-    config = transformers.LlamaConfig(**COMMON, rope_theta=50000.0)
+    config = transformers.LlamaConfig(**HF_COMMON, rope_theta=50000.0)
     cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1), torch.arange(SEQ)[None])
     x = torch.randn(2, 4, SEQ, 16)
     expected, _ = apply_rotary_pos_emb(x, x, cos, sin)

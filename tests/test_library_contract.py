@@ -488,21 +488,17 @@ def test_documented_teardown_exits_cleanly_on_two_gloo_ranks(tmp_path):
     launches, 6 clean exits (exit 0, no abort at interpreter exit), and on every rank nothing of graphstep left
     holding a c10d object after close_all() (no backend, tape entry, kept Work or recorder)."""
     import json
-    import os
     import subprocess
-    import sys
-    from pathlib import Path
 
-    tests = Path(__file__).resolve().parent
-    env = dict(os.environ, PYTHONPATH=f"{tests.parent / 'src'}{os.pathsep}{tests}", OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
+    from helpers.launch import subprocess_env, torchrun
+
+    env = subprocess_env()
     failures = []
     for run in range(6):
         out = tmp_path / f"launch{run}"
         out.mkdir()
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               str(tests / "library_teardown_worker.py"), str(out)],
-                              env=env, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(torchrun(2, "-m", "helpers.library_teardown_worker", str(out)), env=env, cwd=out,
+                              capture_output=True, text=True, timeout=120)
         reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
         if (proc.returncode != 0 or "terminate called" in proc.stderr or len(reports) != 2
                 or any(r["state"] != "eager" or r["held"] for r in reports)):

@@ -18,17 +18,14 @@ global batch, up to the order of floating-point sums.
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from test_distributed import report_runs, subprocess_env, torchrun, torchrun_reports  # noqa: E402
+from helpers.launch import report_runs, subprocess_env, torchrun, torchrun_reports
+from helpers.reports import assert_graphed_equals_eager, train_report
 
 ITERS = 8
 COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
@@ -69,39 +66,26 @@ LAYOUTS_2D = {
 }
 
 
-def shard_digest(model: torch.nn.Module) -> str:
-    """This rank's part of every parameter (the local tensor of a DTensor)."""
-    from graphstep.training.parallel import local_tensor
-
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(local_tensor(p).detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def train_report(result) -> dict:
-    """What a layout test compares of a training run: losses, states, evaluation losses, this rank's weights."""
-    return {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
-            "eval": result.eval_losses, "shard": shard_digest(result.model), "graphs": result.graphs}
-
-
-def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool) -> None:
+def layouts_worker(out: str, device: str, which: str) -> None:
+    """The torchrun worker: every layout of the dict named ``which`` eager, graphed and with layer graphs (and,
+    for LAYOUTS, the dropout-free runs compared with one process)."""
     from conftest import tiny_config
     from graphstep.training.loop import train
 
+    layouts = globals()[which]
     runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
             for name, layout in layouts.items() for mode in ("eager", "graphed")}
     runs.update({f"{name}/layers": [*layouts[name], *graphs] for name, graphs in PER_LAYER.items()
                  if name in layouts})
-    if compare:
+    if which == "LAYOUTS":
         runs.update({f"{name}/nodrop": [*layouts[name], *NO_DROPOUT, *EAGER] for name in COMPARED})
         runs["dp2/nodrop"] = [*NO_DROPOUT, *EAGER]
-    report_runs(out, device, runs, lambda overrides: train_report(
+    report_runs(Path(out), device, runs, lambda overrides: train_report(
         train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)))
 
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
-    return torchrun_reports(str(Path(__file__).resolve()), tmp, nproc, device, layouts, timeout=timeout)
+    return torchrun_reports(__file__, "layouts_worker", tmp, nproc, device, layouts, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -207,18 +191,6 @@ def test_layouts_on_two_gpus_graphed_equal_eager(tmp_path):
         for report in reports:
             assert report[f"{layout}/layers"]["losses"] == report[f"{layout}/eager"]["losses"], layout
             assert report[f"{layout}/layers"]["shard"] == report[f"{layout}/eager"]["shard"], layout
-
-
-def assert_graphed_equals_eager(reports: list[dict], layouts: dict) -> None:
-    """Every rank's graphed run of each layout: the eager run's losses and weights, bit for bit."""
-    for layout in layouts:
-        for report in reports:
-            assert report[f"{layout}/graphed"]["losses"] == report[f"{layout}/eager"]["losses"], layout
-            assert report[f"{layout}/graphed"]["shard"] == report[f"{layout}/eager"]["shard"], layout
-
-
-if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), sys.argv[2], globals()[sys.argv[3]], compare=sys.argv[3] == "LAYOUTS")
 
 
 def test_documented_cpu_command_trains_tensor_parallel_graphed(tmp_path):

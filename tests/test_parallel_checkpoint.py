@@ -1,7 +1,7 @@
 """Checkpoints of sharded and pipelined runs: exact resume at the same layout, and resharding to and from one
 process.
 
-A torchrun launch of 2 gloo ranks (this file's ``__main__``) trains each
+A torchrun launch of 2 gloo ranks (this file's ``checkpoint_worker``) trains each
 layout of ``LAYOUTS`` for 6 iterations with the full-iteration graph, saving
 at iteration 3 and 6; resumes from its own iteration-3 checkpoint; and
 resumes from a checkpoint a single process saved at iteration 3. The single
@@ -17,18 +17,13 @@ stage's set-up on the resumed run's first step draws nothing).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from test_distributed import subprocess_env, torchrun  # noqa: E402
+from helpers.launch import report_runs, torchrun_reports
+from helpers.reports import load_weights, natural_digests, whole_model_digests
 
 LAYOUTS = {
     "tp2_sp": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
@@ -48,66 +43,30 @@ EAGER = ["model.cuda_graph_impl=none"]
 DROPOUT_RUNS = {"pp2_eager": ("pp2", EAGER)}  # besides each layout graphed: the pipeline eager too
 
 
-def natural_digests(model: torch.nn.Module) -> dict[str, str]:
-    """Each parameter this rank's model holds, in its natural layout (gathered when sharded), hashed by name."""
-    from graphstep.training.checkpoint_layout import LayoutEntries
-
-    out = {}
-    for key, t in sorted(LayoutEntries().model(model).items()):
-        whole = t.full_tensor() if hasattr(t, "full_tensor") else t
-        out[key] = hashlib.sha256(whole.detach().float().contiguous().numpy().tobytes()).hexdigest()
-    return out
-
-
-def whole_model_digests(reports: list[dict], layout: str) -> dict[str, str]:
-    """The union of the ranks' parameters (pipeline stages hold different ones); ranks holding one agree."""
-    merged: dict[str, str] = {}
-    for report in reports:
-        for key, digest in report[layout]["digest"].items():
-            assert merged.setdefault(key, digest) == digest, key
-    return merged
-
-
-def load_weights(cfg) -> torch.nn.Module:
-    """One process's model of ``cfg`` holding the weights of ``cfg.checkpoint.load`` (a final checkpoint: a
-    resume from it would have nothing left to train, which the trainer refuses)."""
-    from graphstep.training.build import build_run
-    from graphstep.training.checkpoint import TrainingState, load_checkpoint
-    from graphstep.training.distributed import DataParallel
-
-    def restore(model: torch.nn.Module, optimizer) -> int:
-        return load_checkpoint(Path(cfg.checkpoint.load), TrainingState(model, optimizer, data=None), DataParallel(),
-                               finetune=True, config=cfg)
-
-    run = build_run(cfg, device=torch.device("cpu"), restore=restore)
-    run.close()
-    return run.model
-
-
-def _worker(out: Path, one_ckpt: str, layouts: dict[str, list[str]]) -> None:
-    import torch.distributed as dist
-
+def checkpoint_worker(out: str, one_ckpt: str, which: str) -> None:
+    """The torchrun worker: each layout of the dict named ``which`` trained with saves, resumed from its own
+    checkpoint and from one process's, then the dropout resumes."""
     from conftest import tiny_config
     from graphstep.training.loop import train
 
-    dist.init_process_group("gloo")
-    report: dict[str, dict] = {}
-    try:
-        for name, layout in layouts.items():
-            save = out / name
-            whole = train(tiny_config(*COMMON, *GRAPHED, *layout, f"checkpoint.save={save}"), keep_model=True)
-            own = train(tiny_config(*COMMON, *GRAPHED, *layout, f"checkpoint.load={save}/iter_0000003",
-                                    f"checkpoint.save={out / (name + '-own')}"))
-            other = train(tiny_config(*COMMON, *GRAPHED, *layout, f"checkpoint.load={one_ckpt}",
-                                      f"checkpoint.save={out / (name + '-from-one')}"))
-            report[name] = {"whole": whole.losses, "own": own.losses, "from_one": other.losses,
-                            "digest": natural_digests(whole.model)}
-        for name, (layout, graphs) in {**{n: (n, GRAPHED) for n in layouts}, **DROPOUT_RUNS}.items():
-            if layout in layouts:
-                report[f"{name}/dropout"] = _dropout_resume(out / f"{name}-dropout", [*graphs, *layouts[layout]])
-    finally:
-        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
-        dist.destroy_process_group()
+    out_dir, layouts = Path(out), globals()[which]
+
+    def run(name: str) -> dict:
+        if name.endswith("/dropout"):
+            layout, graphs = {**{n: (n, GRAPHED) for n in layouts}, **DROPOUT_RUNS}[name[:-len("/dropout")]]
+            return _dropout_resume(out_dir / f"{name[:-len('/dropout')]}-dropout", [*graphs, *layouts[layout]])
+        layout, save = layouts[name], out_dir / name
+        whole = train(tiny_config(*COMMON, *GRAPHED, *layout, f"checkpoint.save={save}"), keep_model=True)
+        own = train(tiny_config(*COMMON, *GRAPHED, *layout, f"checkpoint.load={save}/iter_0000003",
+                                f"checkpoint.save={out_dir / (name + '-own')}"))
+        other = train(tiny_config(*COMMON, *GRAPHED, *layout, f"checkpoint.load={one_ckpt}",
+                                  f"checkpoint.save={out_dir / (name + '-from-one')}"))
+        return {"whole": whole.losses, "own": own.losses, "from_one": other.losses,
+                "digest": natural_digests(whole.model)}
+
+    dropout = [f"{n}/dropout" for n, (layout, _) in {**{n: (n, GRAPHED) for n in layouts}, **DROPOUT_RUNS}.items()
+               if layout in layouts]
+    report_runs(out_dir, "cpu", {name: name for name in [*layouts, *dropout]}, run)
 
 
 def _dropout_resume(save: Path, overrides: list[str]) -> dict:
@@ -135,10 +94,7 @@ def runs(tmp_path_factory):
 def launch(out: Path, one_ckpt: Path, nproc: int, layouts: str) -> list[dict]:
     """``nproc`` ranks of this file's worker over the layouts named; each rank's report."""
     out.mkdir(exist_ok=True)
-    cmd = torchrun(nproc, str(Path(__file__).resolve()), str(out), str(one_ckpt), layouts)
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=out)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return torchrun_reports(__file__, "checkpoint_worker", out, nproc, one_ckpt, layouts, timeout=600)
 
 
 def _close(a: list[float], b: list[float]) -> None:
@@ -211,7 +167,3 @@ def test_two_dimensional_layout_checkpoints_round_trip(runs):
         _close(reports[0][layout]["from_one"], one.losses[3:])
         loaded = load_weights(tiny_config(*COMMON, f"checkpoint.load={tmp / '2d' / layout}/iter_0000006"))
         assert natural_digests(loaded) == whole_model_digests(reports, layout) == reports[3][layout]["digest"]
-
-
-if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), sys.argv[2], globals()[sys.argv[3]])

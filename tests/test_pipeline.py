@@ -1,6 +1,6 @@
 """Pipeline parallel (torch.distributed.pipelining) under torchrun: graphed runs equal eager, bit for bit.
 
-One torchrun launch runs this file as its worker (``__main__`` below). Each
+One torchrun launch runs this file's ``layouts_worker`` on each rank. Each
 rank trains every layout of ``LAYOUTS`` eagerly and with the full-iteration,
 optimizer and evaluation graphs -- the whole schedule, sends and receives
 included, captured once per rank -- and writes per run the per-iteration
@@ -15,16 +15,13 @@ the same global batch and the same initial weights, up to rounding.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from test_distributed import report_runs, torchrun_reports  # noqa: E402
-from test_parallel import assert_graphed_equals_eager, train_report  # noqa: E402
+from helpers.launch import report_runs, torchrun_reports
+from helpers.reports import assert_graphed_equals_eager, train_report
 
 ITERS = 10
 COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
@@ -49,13 +46,16 @@ LAYOUTS_4 = {"pp2_dp2": ["model.pipeline_model_parallel_size=2", "model.num_laye
                          "train.global_batch_size=16", "train.train_iters=4"]}  # 4 processes on CI's 2 cores
 
 
-def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool) -> None:
+def layouts_worker(out: str, device: str, which: str) -> None:
+    """The torchrun worker: each layout of the dict named ``which`` eager and graphed (for LAYOUTS also without
+    dropout and with layer graphs)."""
     from conftest import tiny_config
     from graphstep.training.loop import train
 
+    layouts = globals()[which]
     runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
             for name, layout in layouts.items() for mode in ("eager", "graphed")}
-    if compare:
+    if which == "LAYOUTS":
         runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT, *EAGER] for name, layout in layouts.items()})
         runs.update({f"{name}/layers": [*layouts[name], *graphs] for name, graphs in PER_LAYER.items()})
 
@@ -63,11 +63,11 @@ def _worker(out: Path, device: str, layouts: dict[str, list[str]], compare: bool
         result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
         return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()]}
 
-    report_runs(out, device, runs, run)
+    report_runs(Path(out), device, runs, run)
 
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
-    return torchrun_reports(str(Path(__file__).resolve()), tmp, nproc, device, layouts, timeout=timeout)
+    return torchrun_reports(__file__, "layouts_worker", tmp, nproc, device, layouts, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_pipeline_on_two_gpus_graphed_equal_eager(tmp_path):
     assert_graphed_equals_eager(run_layouts(tmp_path, "cuda", timeout=900), LAYOUTS)
 
 
-def _exchange_worker(out: Path) -> None:
+def exchange_worker(out: str) -> None:
     """Each rank posts a receive from its peer, then a send to it, then waits on both: the order a pipeline
     schedule uses. A replay that waited on each receive as soon as it re-posted it would block both ranks."""
     from datetime import timedelta
@@ -181,18 +181,11 @@ def _exchange_worker(out: Path) -> None:
                 step = graphstep.graph_step(step, warmup_steps=1, device="cpu")
             results[mode] = [step(torch.arange(4.0) + i).tolist() for i in range(5)] + [weight.tolist()]
     finally:
-        (out / f"rank{rank}.json").write_text(json.dumps(results))
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
         graphstep.close_all()
         dist.destroy_process_group()
 
 
 def test_replayed_exchange_waits_where_the_capture_waited(tmp_path):
-    for report in torchrun_reports(str(Path(__file__).resolve()), tmp_path, 2, "cpu", "EXCHANGE", timeout=180):
+    for report in torchrun_reports(__file__, "exchange_worker", tmp_path, 2, timeout=180):
         assert report["graphed"] == report["eager"] and len(report["eager"]) == 6
-
-
-if __name__ == "__main__":
-    if sys.argv[3] == "EXCHANGE":
-        _exchange_worker(Path(sys.argv[1]))
-    else:
-        _worker(Path(sys.argv[1]), sys.argv[2], globals()[sys.argv[3]], compare=sys.argv[3] == "LAYOUTS")

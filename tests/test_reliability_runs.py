@@ -28,8 +28,8 @@ from graphstep.training.loop import pick_device, train
 from graphstep.training.memory import GiB, check_memory_fits, count_parameters, estimate_memory
 from graphstep.training.metrics import keep_history, read_metrics
 from graphstep.training.rundir import LOCK_NAME, RunLock, RunSetupError
-from test_checkpoint import killed_at, run_cli
-from test_distributed import exact_list, subprocess_env
+from helpers.cli import killed_at, run_train
+from helpers.launch import exact_list, subprocess_env
 
 
 def with_metrics(cfg, path: Path | str):
@@ -56,7 +56,7 @@ def assert_one_line_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> 
 def test_checkpoint_save_that_is_a_file_fails_before_training(tmp_path):
     target = tmp_path / "a_file"
     target.write_text("not a directory")
-    proc = run_cli("train.train_iters=50", f"checkpoint.save={target}", "checkpoint.save_interval=50",
+    proc = run_train("train.train_iters=50", f"checkpoint.save={target}", "checkpoint.save_interval=50",
                    "logger.metrics_path=null")
     line = assert_one_line_exit_2(proc, f"checkpoint.save={target}", "not a directory")
     assert "iter " not in proc.stderr, line  # died before the first iteration, not at the first save
@@ -144,7 +144,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, save
 def test_damaged_exact_checkpoint_is_refused_with_the_intact_ones(tmp_path, saved_run):
     root = _copy(saved_run[0], tmp_path / "ck")
     _damage(root / "iter_0000004", "truncated")
-    proc = run_cli("train.train_iters=6", f"checkpoint.load={root / 'iter_0000004'}", "logger.metrics_path=null")
+    proc = run_train("train.train_iters=6", f"checkpoint.load={root / 'iter_0000004'}", "logger.metrics_path=null")
     assert_one_line_exit_2(proc, "iter_0000004", "__0_0.distcp is truncated", f"intact checkpoints: {root}/iter_0000002")
 
 
@@ -206,7 +206,7 @@ def test_second_run_on_the_same_directory_is_refused_and_sigterm_releases_the_lo
         while not (ck / LOCK_NAME).exists() or not (ck / LOCK_NAME).read_text().strip():
             assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
             time.sleep(0.2)
-        second = run_cli("train.train_iters=4", f"checkpoint.save={ck}", "logger.metrics_path=null")
+        second = run_train("train.train_iters=4", f"checkpoint.save={ck}", "logger.metrics_path=null")
         assert_one_line_exit_2(second, f"pid {first.pid} on {socket.gethostname()}", str(ck))
         assert first.poll() is None  # the first run goes on
     finally:
@@ -312,7 +312,7 @@ def test_device_cuda_without_a_gpu_is_one_line(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_device_cuda_without_a_gpu_exits_2():
-    proc = run_cli("train.train_iters=4", "train.device=cuda", "logger.metrics_path=null")
+    proc = run_train("train.train_iters=4", "train.device=cuda", "logger.metrics_path=null")
     assert_one_line_exit_2(proc, "train.device=cuda but this machine has no CUDA device")
 
 

@@ -23,8 +23,8 @@ import torch
 from conftest import tiny_config
 from graphstep.config import ConfigError, ModelConfig
 from graphstep.training.checkpoint_verify import CheckpointError
-from test_distributed import subprocess_env, torchrun
-from test_user_errors import QUICK_TRAIN, SRC, assert_one_line_error, run_cli
+from helpers.cli import QUICK_TRAIN, SRC, assert_one_line_error, run_cli
+from helpers.launch import subprocess_env, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SHAPE = ["model.hidden_size=64", "model.ffn_hidden_size=128", "model.seq_length=32", "train.micro_batch_size=2",

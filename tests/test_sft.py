@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -15,31 +14,14 @@ from graphstep.config import Config, ConfigError, apply_overrides
 from graphstep.data import SFTDataError, build_data
 from graphstep.data.buckets import BucketError, pick_bucket
 from graphstep.training.loop import train
+from helpers.data import sft_overrides, write_sft
 
 BUCKETS = "data.seq_length_buckets=[16,32,64]"
-
-
-def write_sft(path: Path, n: int = 48, seed: int = 0) -> Path:
-    """Examples whose lengths fall in three buckets: about half short, a third medium, the rest long."""
-    rng = random.Random(seed)
-    lines = []
-    for i in range(n):
-        total = rng.choice([rng.randint(6, 16)] * 5 + [rng.randint(17, 32)] * 3 + [rng.randint(33, 64)] * 2)
-        cut = rng.randint(1, total - 2)
-        text = "".join(rng.choice("abcdefgh ") for _ in range(total - 1))  # + eod = total tokens
-        lines.append(json.dumps({"prompt": text[:cut], "response": text[cut:], "id": i}))
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")
 def sft_file(tmp_path_factory) -> Path:
     return write_sft(tmp_path_factory.mktemp("sft") / "train.jsonl")
-
-
-def sft_overrides(path: Path, *more: str) -> list[str]:
-    return ["data.dataset=sft", f"data.data_path={path}", "data.split=100,0,0", "model.seq_length=64",
-            "train.micro_batch_size=1", "train.global_batch_size=2", *more]
 
 
 def make_cfg(*overrides: str) -> Config:

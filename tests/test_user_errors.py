@@ -10,39 +10,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import graphstep
+from helpers.cli import QUICK_TRAIN, assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.slow  # a Python process per case: about 4 s each on an idle core
-
-SRC = Path(graphstep.__file__).resolve().parents[1]
-QUICK_TRAIN = ["train.train_iters=1", "train.eval_iters=0", "logger.progress_bar=false", "logger.metrics_path=null",
-               "data.corpus_max_bytes=200000"]
-QUICK_TRAIN += ["model.cuda_graph_impl=none"]  # one iteration is shorter than any graph warm-up (V19)
-
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(SRC), GRAPHSTEP_SKIP_MEMORY_CHECK="1")
-    return subprocess.run([sys.executable, "-m", "graphstep", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    """Exit code 2, one ``graphstep ...:`` error line holding every needle, and no traceback."""
-    both = proc.stdout + proc.stderr
-    assert "Traceback" not in both, both[-3000:]
-    assert proc.returncode == 2, both[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("graphstep ")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
-
 
 # --------------------------------------------------------------------------
 # 1. --config files

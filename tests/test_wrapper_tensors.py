@@ -1,13 +1,12 @@
 """Graphs over tensor subclasses and module state: DTensor arguments, outputs and gradients (compared and copied
 through their local tensors, placements kept), and a capture that leaves module buffers as eager autograd saw
 them; ``graph_step(..., modules=)`` refusing replaced buffers. One-rank meshes in this process (gloo, or NCCL for
-the ``cuda`` twins); the two-rank sequence-parallel case runs this file under torchrun (``__main__`` below).
+the ``cuda`` twins); the two-rank sequence-parallel case runs this file's ``two_rank_worker`` under torchrun.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from torch import nn
 import graphstep
 from graphstep import ContractError, GraphUsageError
 
-HERE = Path(__file__).resolve().parent
+from helpers.launch import torchrun_reports
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 TWO_RANKS = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
@@ -194,7 +193,7 @@ def test_a_partial_gradient_stays_partial(one_rank_group, device):
         assert torch.equal(a, b)
 
 
-def _two_rank_worker(out: Path, device: str) -> None:
+def two_rank_worker(out: str, device: str) -> None:
     """A torchrun worker: the norm's accumulated gradient over 2 micro-batches, eager and graphed, on 2 ranks."""
     import os
 
@@ -211,7 +210,7 @@ def _two_rank_worker(out: Path, device: str) -> None:
         report["equal"] = [torch.equal(a, b) for (_, a), (_, b) in zip(eager, graphed)]
         report["max_diff"] = max((a - b).abs().max().item() for (_, a), (_, b) in zip(eager, graphed))
     finally:
-        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+        (Path(out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
         graphstep.close_all()
         dist.destroy_process_group()
 
@@ -220,10 +219,7 @@ def _two_rank_worker(out: Path, device: str) -> None:
 def test_sequence_parallel_norm_gradients_on_two_ranks_equal_eager(tmp_path, device):
     """2 ranks, 2 micro-batches: the accumulated norm-weight gradient keeps eager's ``Partial(sum)`` and its
     bits (a ``Replicate`` copy per micro-batch would all-reduce each and round differently)."""
-    sys.path.insert(0, str(HERE))
-    from test_distributed import torchrun_reports
-
-    reports = torchrun_reports(str(Path(__file__).resolve()), tmp_path, 2, device, timeout=300)
+    reports = torchrun_reports(__file__, "two_rank_worker", tmp_path, 2, device, timeout=300)
     for rank, report in enumerate(reports):
         assert report["placements"] == [["(Partial(sum),)"] * 3] * 2, rank
         assert report["equal"] == [True] * 3, (rank, report["max_diff"])
@@ -344,7 +340,3 @@ def test_a_dtensor_parameter_given_new_local_storage_is_refused(one_rank_group):
     model[0].weight._local_tensor = torch.zeros(8, 8)  # new storage under the same DTensor (as FSDP2 swaps it)
     with pytest.raises(ContractError, match=r"parameter '0.weight' was replaced after capture"):
         graphed(torch.randn(4, 8))
-
-
-if __name__ == "__main__":  # the torchrun worker: test_wrapper_tensors.py OUT_DIR DEVICE
-    _two_rank_worker(Path(sys.argv[1]), sys.argv[2])

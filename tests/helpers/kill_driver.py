@@ -1,6 +1,6 @@
 """A training process that kills itself with SIGKILL at a chosen moment (for the exact-resume tests).
 
-    python tests/kill_driver.py HOOK N [graphstep train arguments ...]
+    python -m helpers.kill_driver HOOK N [graphstep train arguments ...]
 
 runs ``train(cfg, hooks=RunHooks(HOOK=...))`` on the config the same
 arguments give ``graphstep train``, and SIGKILLs the process when the hook
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
 
     hook, at, rest = argv[0], int(argv[1]), argv[2:]
     if hook not in {f.name for f in dataclasses.fields(RunHooks)}:
-        raise SystemExit(f"kill_driver.py: unknown hook {hook!r}; use one of RunHooks' fields")
+        raise SystemExit(f"helpers.kill_driver: unknown hook {hook!r}; use one of RunHooks' fields")
 
     def kill(iteration: int) -> None:
         if iteration == at:

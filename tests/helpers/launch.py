@@ -1,0 +1,73 @@
+"""Subprocesses and torchrun launches of the tests, and the per-rank reports their workers write."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+TESTS = Path(__file__).resolve().parents[1]
+ROOT = TESTS.parent
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a test's subprocess: graphstep's sources and the tests' helpers importable, one thread."""
+    env = dict(os.environ)
+    env.update(PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{TESTS}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    env.update(extra)
+    return env
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """``torchrun --standalone`` (a free port picked by torchrun's own rendezvous) as a command line."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def worker(test_file: str | Path, function: str, *args: Any) -> list[str]:
+    """The arguments that run ``function(*args)`` of ``test_file`` in a fresh process (helpers/worker.py)."""
+    return ["-m", "helpers.worker", f"{Path(test_file).resolve()}::{function}", *map(str, args)]
+
+
+def torchrun_reports(test_file: str | Path, function: str, tmp: Path, nproc: int, *args: Any,
+                     timeout: float) -> list[dict]:
+    """``function(tmp, *args)`` of ``test_file`` on ``nproc`` torchrun ranks; each rank's ``tmp/rank<r>.json``."""
+    proc = subprocess.run(torchrun(nproc, *worker(test_file, function, tmp, *args)), env=subprocess_env(),
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp)  # default outputs land in tmp
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def report_runs(out: Path, device: str, runs: dict[str, Any], run: Callable[[Any], dict]) -> None:
+    """A torchrun worker's body: join the group, ``run(spec)`` for each named run, and write this rank's reports
+    to ``out/rank<r>.json`` (also when a run fails, so the test shows what came before)."""
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")  # train() uses the caller's group
+    report: dict[str, dict] = {}
+    try:
+        for name, spec in runs.items():
+            report[name] = run(spec)
+    finally:
+        (Path(out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def exact_list(values: list) -> list[int]:
+    """float32 values as their bit patterns: lists equal only when every value is bit-identical."""
+    return [torch.tensor(v, dtype=torch.float32).view(torch.int32).item() for v in values]
