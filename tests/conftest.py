@@ -94,22 +94,6 @@ def _fresh_backends():
     close_all_backends()
 
 
-def pytest_collection_modifyitems(config, items):
-    """Mark the tests listed in tests/slow_tests.txt `slow` (scripts/test --quick leaves them out).
-
-    The list holds node ids (a whole file, a test, or one parametrized case) measured with
-    `pytest --durations`; keeping it here leaves the test files themselves untouched.
-    """
-    from pathlib import Path
-
-    listed = Path(__file__).with_name("slow_tests.txt").read_text().splitlines()
-    slow = {line.split("#", 1)[0].strip() for line in listed} - {""}
-    for item in items:
-        node = item.nodeid
-        if node in slow or node.split("[", 1)[0] in slow or node.split("::", 1)[0] in slow:
-            item.add_marker(pytest.mark.slow)
-
-
 def poison_iteration(monkeypatch, bad: int) -> None:
     """Every micro-batch of iteration ``bad`` gets a NaN loss mask (the loss is NaN)."""
     from graphstep.training import loop

@@ -38,6 +38,7 @@ LAYERS = ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]
 # a run owns, counts and closes its graphs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graphs, captured", [(FULL, 1), (LAYERS, 2 * 2 * 2)], ids=["full_iteration", "attn_mlp"])
 def test_two_runs_in_one_process_each_count_their_own_graphs(graphs, captured):
     """full iteration: the training graph (no evaluation); per-layer: 2 layers x (attn, mlp) x (fwd, bwd)."""
@@ -83,6 +84,7 @@ def test_run_close_resets_its_graphs_and_only_them():
 # the trainer, the doctor and the bench build the same run
 
 
+@pytest.mark.slow
 def test_bench_iteration_equals_the_trainer_bit_for_bit():
     from graphstep.bench.harness import graphstep_row
 
@@ -168,6 +170,7 @@ def test_ranks_meet_once_before_each_capture_of_a_collective_graph():
 # run hooks
 
 
+@pytest.mark.slow
 def test_run_hooks_see_every_iteration_and_every_save_before_its_rename(tmp_path):
     ckpt = tmp_path / "ck"
     seen: list[tuple[str, int]] = []
@@ -191,6 +194,7 @@ def test_run_hooks_see_every_iteration_and_every_save_before_its_rename(tmp_path
 NAN_RUN = FULL + ["optimizer.optimizer_cuda_graph=true", "train.train_iters=7"]
 
 
+@pytest.mark.slow
 def test_device_nan_check_on_flags_and_skips_the_poisoned_step(monkeypatch):
     poison_iteration(monkeypatch, 5)
     result = train(tiny_config(*NAN_RUN, "train.check_for_nan_on_device=true", "train.skip_step_on_nan=true"),
@@ -213,6 +217,7 @@ def test_device_nan_check_off_has_no_flag_and_skips_nothing(monkeypatch):
     assert not all(torch.isfinite(p).all() for p in result.model.parameters())
 
 
+@pytest.mark.slow
 def test_device_nan_check_off_computes_no_flag_in_the_steps():
     cfg = tiny_config(*FULL, "optimizer.optimizer_cuda_graph=true", "model.cuda_graph_warmup_steps=1",
                       "train.check_for_nan_on_device=false")
@@ -295,6 +300,7 @@ def test_gpu_device_nan_check_on_and_off(monkeypatch, check):
         assert [r["loss"] for r in result.rows][4:] == ["nan"] * 3 and not finite
 
 
+@pytest.mark.slow
 def test_doctor_builds_a_hugging_face_run_as_the_trainer_does(tmp_path):
     """model.hf_path: the doctor judges the checkpoint's shape with its weights, or a proxy from random weights."""
     pytest.importorskip("transformers")

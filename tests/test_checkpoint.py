@@ -27,6 +27,7 @@ GRAPHS = {"full_iteration": ["model.cuda_graph_impl=full_iteration"], "eager": [
           "attn_mlp": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graphs", list(GRAPHS))
 def test_resume_after_sigkill_is_bit_exact(tmp_path, graphs):
     """20 iterations, checkpoint at 10, SIGKILL at 15, resume: iterations 11-20 equal an uninterrupted run."""
@@ -50,6 +51,7 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path, graphs):
     assert resumed.iterations == 20
 
 
+@pytest.mark.slow
 def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = ["train.train_iters=4", "logger.log_interval=1", "model.cuda_graph_impl=full_iteration",
@@ -127,6 +129,7 @@ def test_load_copies_in_place_and_restores_everything(tmp_path):
     assert float(opt2.step_t) == 0.0 and state2.data.state_dict()["consumed_samples"] == 0
 
 
+@pytest.mark.slow
 def test_load_of_a_missing_checkpoint_starts_fresh_and_a_mismatched_one_says_why(tmp_path):
     result = train(eager(tiny_config("train.train_iters=2", f"checkpoint.load={tmp_path / 'none'}")))
     assert [r["iteration"] for r in result.rows] == [1, 2]

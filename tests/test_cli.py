@@ -89,6 +89,7 @@ def test_yaml_round_trip(tmp_path):
         load_yaml(tmp_path / "bad.yaml")
 
 
+@pytest.mark.slow
 def test_train_command_writes_metrics(tmp_path):
     metrics = tmp_path / "m.jsonl"
     code = main(["train", "train.train_iters=4", "model.num_layers=1", "model.seq_length=32", "train.eval_iters=0",

@@ -25,6 +25,8 @@ import torch
 
 from helpers.launch import exact_list, param_digest, report_runs, subprocess_env, torchrun, torchrun_reports
 
+pytestmark = pytest.mark.slow
+
 ITERS = 8
 
 # name -> overrides on top of conftest.TINY (dropout off, see the module docstring)

@@ -126,6 +126,7 @@ def test_a_step_that_raises_is_an_error_finding_at_its_line():
 SMALL = ["model.seq_length=16", "train.micro_batch_size=1", "logger.progress_bar=false"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_every_recipe_gives_no_finding(name):
     cfg = apply_overrides(get_recipe(name), SMALL)
@@ -147,6 +148,7 @@ def _item_in_forward(monkeypatch, cls):
     return forward.__code__.co_filename, forward.__code__.co_firstlineno + 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["full_iteration", "none"])
 def test_a_breaker_inside_a_recipe_step_is_found(monkeypatch, impl):
     from graphstep.models.transformer import MLPBlock
@@ -217,6 +219,7 @@ def test_cli_script_target_json(tmp_path, capsys):
     assert "capturable=True" in f["fix"]
 
 
+@pytest.mark.slow
 def test_cli_recipe(capsys):
     from graphstep.cli import main
 

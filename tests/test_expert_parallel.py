@@ -30,6 +30,8 @@ import torch
 from helpers.launch import report_runs, torchrun_reports
 from helpers.reports import load_weights, natural_digests, train_report, whole_model_digests
 
+pytestmark = pytest.mark.slow
+
 ITERS = 10
 COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
           "train.eval_iters=2", "train.eval_interval=2", "model.use_te_rng_tracker=true", "logger.progress_bar=false",
@@ -195,6 +197,7 @@ def test_expert_parallel_checkpoints_resume_exactly_and_load_into_one_process(re
     assert {k: v for k, v in natural_digests(loaded).items() if not k.endswith(STATS)} == whole
 
 
+@pytest.mark.ranks4
 def test_expert_parallel_groups_on_four_ranks(tmp_path):
     reports = run_layouts(tmp_path, "cpu", timeout=900, nproc=4, layouts="LAYOUTS_4")
     check_layout(reports, "ep2_edp2", iters=ITERS_4)

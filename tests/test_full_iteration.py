@@ -26,6 +26,7 @@ def eager_run():
     return train(eager(tiny_config(f"train.train_iters={ITERS}")), keep_model=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", FULL_ITERATION_SETTINGS, ids=FULL_ITERATION_IDS)
 def test_full_iteration_equals_eager_bit_for_bit(eager_run, overrides):
     graphed = train(tiny_config(f"train.train_iters={ITERS}", *overrides), keep_model=True)
@@ -34,6 +35,7 @@ def test_full_iteration_equals_eager_bit_for_bit(eager_run, overrides):
     assert graphed.rows[-1]["loss"] < graphed.rows[0]["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("warmup", [0, 1, 3, 5])
 def test_capture_happens_exactly_at_warmup(tmp_path, warmup):
     cfg = tiny_config("model.cuda_graph_impl=full_iteration", f"model.cuda_graph_warmup_steps={warmup}",
@@ -55,6 +57,7 @@ def test_metrics_file_holds_exact_float32_losses(tmp_path):
         assert float(torch.tensor(row["loss"], dtype=torch.float32)) == row["loss"]  # a float32 value, exactly
 
 
+@pytest.mark.slow
 def test_eval_graph_equals_eager(eager_run):
     overrides = ["train.train_iters=12", "train.eval_iters=2", "train.eval_interval=4"]
     base = train(eager(tiny_config(*overrides)))
@@ -129,6 +132,7 @@ def test_close_frees_every_graph_and_the_tape():
     assert backend.live_graphs() == []
 
 
+@pytest.mark.slow
 def test_teardown_on_exception_and_signal(monkeypatch):
     calls = {"n": 0}
     real = loop.MetricsRecorder.record
@@ -157,6 +161,7 @@ def test_teardown_on_exception_and_signal(monkeypatch):
     assert get_backend("cpu").live_graphs() == []
 
 
+@pytest.mark.slow
 def test_nonfinite_flag_inside_graph_and_skip(monkeypatch):
     """A NaN in the loss at iteration 6 is flagged from inside the graph; with skip the update is skipped."""
     poison_iteration(monkeypatch, 6)  # every micro-batch of iteration 6

@@ -22,6 +22,9 @@ from torch import nn
 import graphstep
 
 from helpers.launch import subprocess_env, torchrun, worker
+
+pytestmark = pytest.mark.slow  # real DDP in torchrun subprocesses
+
 DEVICES = [
     pytest.param("cpu"),
     pytest.param("cuda", marks=[pytest.mark.cuda,

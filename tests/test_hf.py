@@ -128,6 +128,7 @@ def test_missing_and_foreign_weights_name_the_key(hf_dirs, tmp_path):
         load_hf(tmp_path)
 
 
+@pytest.mark.slow
 def test_train_from_hf_directory_sft_graphed_equals_eager(hf_dirs, tmp_path):
     """model.hf_path sets the shape and the weights; SFT with the full-iteration graph equals eager."""
     hf_model, path = hf_dirs["qwen3_moe"]

@@ -17,6 +17,8 @@ import torch
 import graphstep
 from graphstep.cuda_graph import decisions
 
+pytestmark = pytest.mark.slow
+
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 DEVICES = [
     pytest.param("cpu"),

@@ -179,6 +179,7 @@ def test_blends_parse_normalise_and_mix_by_weight(corpus, tmp_path):
     assert all((a == next(again)["tokens"]).all() for a in first)  # deterministic
 
 
+@pytest.mark.slow
 def test_train_on_preprocessed_jsonl_full_iteration_equals_eager(corpus):
     common = ["data.dataset=indexed", f"data.data_path={corpus['prefix']}", f"data.tokenizer={corpus['tokenizer']}",
               "model.vocab_size=320", "train.train_iters=8", "model.cuda_graph_warmup_steps=2"]

@@ -24,6 +24,7 @@ def eager_run():
     return train(eager(tiny_config(f"train.train_iters={ITERS}")), keep_model=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
 @pytest.mark.parametrize("modules", ["[attn]", "[mlp]", "[attn,mlp]", "[]"])
 def test_scoped_graphs_equal_eager_bit_for_bit(eager_run, impl, modules):
@@ -34,6 +35,7 @@ def test_scoped_graphs_equal_eager_bit_for_bit(eager_run, impl, modules):
     assert_same_run(eager_run, graphed)
 
 
+@pytest.mark.slow
 def test_selective_recompute_with_layer_graphs():
     common = ["train.train_iters=12", "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
               "model.attention_dropout=0.0"]
@@ -42,6 +44,7 @@ def test_selective_recompute_with_layer_graphs():
     assert_same_run(base, graphed)
 
 
+@pytest.mark.slow
 def test_retain_backward_graph():
     common = ["train.train_iters=8"]
     base = train(eager(tiny_config(*common)))
@@ -68,6 +71,7 @@ def _batches(n: int, seq: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("semantics", ["local", "transformer_engine"])
 def test_accumulated_parameter_gradients_equal_eager(semantics):
     def run(graphed: bool) -> torch.Tensor:

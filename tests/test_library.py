@@ -31,6 +31,7 @@ def _load_example(name: str):
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_plain_cnn_example_full_step_and_layers_equal_eager(device):
     results = _load_example("plain_loop").main(["--steps", "50", "--device", device])
@@ -40,6 +41,7 @@ def test_plain_cnn_example_full_step_and_layers_equal_eager(device):
     assert results["layers"][0] == eager
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
 @pytest.mark.parametrize("device", DEVICES)
 def test_hf_llama_example_per_layer_and_full_step_equal_eager(device):
@@ -90,6 +92,7 @@ def _mlp_run(mode: str, steps: int = 50, micro_batches: int = 3) -> tuple[list[t
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "layers"])
 def test_mlp_gradient_accumulation_equals_eager(mode):
     ref_losses, ref_params = _mlp_run("eager")

@@ -68,6 +68,7 @@ def make_block(dtype=torch.float64, **kw) -> MambaBlock:
     return MambaBlock(ModelShape.from_config(m), MambaShape.from_config(m)).to(dtype)
 
 
+@pytest.mark.slow
 def test_mixer_equals_sequential_mixer(monkeypatch):
     block = make_block()
     x = torch.randn(2, 21, 32, dtype=torch.float64)  # not a multiple of the chunk

@@ -385,7 +385,12 @@ def test_moe_layer_freq_mixes_dense_layers():
 def test_launch_bound_bench_builds():
     cfg = get_recipe("moe_launch_bound_bench")
     cfg.model.num_layers, cfg.model.seq_length = 1, 32  # the shape of one layer, quickly
-    _train_step(cfg)
+    model = _train_step(cfg)  # a finite loss and finite gradients
+    (layer,) = model.graph_layers()
+    assert set(layer.graph_scopes()) == {"attn", "moe", "moe_router", "moe_preprocess"}
+    tokens_per_expert = moe_stats(model)["tokens_per_expert"]
+    assert tokens_per_expert.shape == (1, 64)  # one MoE layer of 64 experts
+    assert tokens_per_expert.sum().item() == 2 * 32 * 4  # every token routed to its top-4, dropless
 
 
 @pytest.mark.parametrize("name,billions", [("qwen3_30b_a3b", 30.5), ("gpt_oss_20b", 20.9)])

@@ -14,6 +14,8 @@ import torch
 from conftest import assert_same_run, eager, tiny_config
 from graphstep.training.loop import train
 
+pytestmark = pytest.mark.slow
+
 ITERS = 100
 COMMON = [f"train.train_iters={ITERS}", "train.micro_batch_size=2", "train.global_batch_size=8",
           "model.attention_dropout=0.1", "model.hidden_dropout=0.1", "train.eval_iters=0", "logger.log_interval=25"]

@@ -27,6 +27,8 @@ import torch
 from helpers.launch import report_runs, subprocess_env, torchrun, torchrun_reports
 from helpers.reports import assert_graphed_equals_eager, train_report
 
+pytestmark = pytest.mark.slow
+
 ITERS = 8
 COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
           "train.eval_iters=2", "train.eval_interval=2", "model.use_te_rng_tracker=true"]
@@ -93,6 +95,7 @@ def reports(tmp_path_factory):
     return run_layouts(tmp_path_factory.mktemp("layouts"), "cpu", timeout=600)
 
 
+@pytest.mark.ranks4
 def test_two_dimensional_layouts_on_four_ranks_equal_eager(tmp_path):
     """dp2 x tp2: FSDP2 over tensor-parallel DTensors (2-D shards), and replicated data parallel whose gradient
     all-reduce runs over each tensor-parallel rank's data-parallel group."""

@@ -25,6 +25,8 @@ import torch
 from helpers.launch import report_runs, torchrun_reports
 from helpers.reports import load_weights, natural_digests, whole_model_digests
 
+pytestmark = pytest.mark.slow
+
 LAYOUTS = {
     "tp2_sp": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
     "fsdp_zero3": ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
@@ -151,6 +153,7 @@ def test_one_process_loads_the_sharded_weights_bit_for_bit(runs, layout):
         assert not set(reports[0][layout]["digest"]) & set(reports[1][layout]["digest"])  # the stages' own layers
 
 
+@pytest.mark.ranks4
 def test_two_dimensional_layout_checkpoints_round_trip(runs):
     """dp2 x tp2 with FSDP2 over the tensor-parallel shards, on 4 ranks: exact resume (dropout off and on), a
     one-process checkpoint resumed, and its final weights loaded by one process bit for bit."""

@@ -23,6 +23,8 @@ import torch
 from helpers.launch import report_runs, torchrun_reports
 from helpers.reports import assert_graphed_equals_eager, train_report
 
+pytestmark = pytest.mark.slow
+
 ITERS = 10
 COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
           "train.eval_iters=3", "train.eval_interval=2", "model.use_te_rng_tracker=true",
@@ -133,6 +135,7 @@ def test_pipeline_computes_what_one_process_computes(reports, one_process, layou
         torch.testing.assert_close(two, one, rtol=2e-5, atol=0)
 
 
+@pytest.mark.ranks4
 def test_two_pipelines_on_four_ranks_equal_eager(tmp_path):
     """pp2 x dp2: each stage's gradients are all-reduced over its data-parallel group, inside the graph."""
     reports = run_layouts(tmp_path, "cpu", timeout=600, nproc=4, layouts="LAYOUTS_4")

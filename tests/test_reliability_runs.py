@@ -53,6 +53,7 @@ def assert_one_line_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> 
 # 1. output paths checked before iteration 1
 
 
+@pytest.mark.slow
 def test_checkpoint_save_that_is_a_file_fails_before_training(tmp_path):
     target = tmp_path / "a_file"
     target.write_text("not a directory")
@@ -126,6 +127,7 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated", "garbage_metadata", "missing_distcp"])
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, saved_run, how, caplog):
     root = _copy(saved_run[0], tmp_path / "ck")
@@ -141,6 +143,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, save
     assert exact_list(resumed.losses) == exact_list(whole.losses[2:])
 
 
+@pytest.mark.slow
 def test_damaged_exact_checkpoint_is_refused_with_the_intact_ones(tmp_path, saved_run):
     root = _copy(saved_run[0], tmp_path / "ck")
     _damage(root / "iter_0000004", "truncated")
@@ -287,6 +290,7 @@ def test_run_that_does_not_fit_is_refused_with_what_would(monkeypatch):
     assert check_memory_fits(cfg, torch.device("cpu")) == est
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") > 200 * GiB,
                     reason="this machine could hold llama3_8b")
 def test_llama3_8b_on_a_small_machine_exits_2_before_building():
@@ -310,6 +314,7 @@ def test_device_cuda_without_a_gpu_is_one_line(monkeypatch):
                                "use train.device=cpu or auto")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_device_cuda_without_a_gpu_exits_2():
     proc = run_train("train.train_iters=4", "train.device=cuda", "logger.metrics_path=null")

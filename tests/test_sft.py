@@ -108,6 +108,7 @@ def test_a_sample_longer_than_the_largest_bucket_is_an_error(sft_file):
 # --- training -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sft_full_iteration_equals_eager(sft_file):
     common = sft_overrides(sft_file, "train.train_iters=8", "train.global_batch_size=4", "train.micro_batch_size=2",
                            "model.cuda_graph_warmup_steps=2")
@@ -117,6 +118,7 @@ def test_sft_full_iteration_equals_eager(sft_file):
     assert_same_run(base, graphed)
 
 
+@pytest.mark.slow
 def test_three_buckets_each_get_a_graph_and_equal_eager(sft_file):
     common = sft_overrides(sft_file, BUCKETS, "train.train_iters=20", "model.cuda_graph_warmup_steps=1")
     widths = step_widths(tiny_config(*common), 20)
@@ -138,6 +140,7 @@ def test_per_layer_graphs_with_buckets_are_refused(sft_file):
         train(cfg)
 
 
+@pytest.mark.slow
 def test_sft_from_a_graphstep_checkpoint(sft_file, tmp_path):
     """checkpoint.load + checkpoint.finetune: SFT starts from the pretrained weights, at iteration 1."""
     no_dropout = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0", "model.seq_length=64"]
