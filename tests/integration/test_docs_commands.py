@@ -23,8 +23,8 @@ import pytest
 from graphstep.cli import _late_overrides, build_parser, resolve_config
 from graphstep.recipes import RECIPES
 from graphstep.validation import validate_config
+from helpers.launch import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SUBCOMMANDS = ("train", "config", "doctor", "bench", "preprocess")
 USER_PATH_FIELDS = {"model.hf_path", "data.tokenizer"}  # paths on the user's machine, absent here

@@ -7,15 +7,15 @@ tutorial YAML files (its section and field names).
 
 from __future__ import annotations
 
-import pathlib
 
 import pytest
 
 from graphstep.cli import main, resolve_config, build_parser
 from graphstep.training.loop import train
 from graphstep.validation import validate
+from helpers.launch import TESTS
 
-FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "bridge"
+FIXTURES = TESTS / "fixtures" / "bridge"
 WORLD = {"llama3_70b": "8"}  # the 70B layout: tensor parallel over 8 ranks
 
 

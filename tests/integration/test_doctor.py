@@ -24,9 +24,9 @@ from graphstep.doctor import CATEGORIES, Finding, Report, capture_error_hook, ch
 from graphstep.recipes import RECIPES, get_recipe
 
 from conftest import NeverCapturedGraph
+from helpers.launch import TESTS
 
-HERE = pathlib.Path(__file__).parent
-CASES = sorted(p for p in (HERE / "doctor_cases").glob("*.py") if not p.name.startswith("_"))  # tests/ is on
+CASES = sorted(p for p in (TESTS / "doctor_cases").glob("*.py") if not p.name.startswith("_"))  # tests/ is on
 # sys.path (conftest.py's folder), so the cases import as doctor_cases.NAME
 
 

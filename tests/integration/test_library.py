@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,9 @@ from torch import nn
 
 import graphstep
 from graphstep import CaptureError, ContractError
+from helpers.launch import ROOT
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = ROOT / "examples"
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 DEVICES = [  # the CUDA cases run in scripts/gpu-check (CUDA graphs, bf16 for the HF Llama)
     pytest.param("cpu"),

@@ -25,8 +25,8 @@ from graphstep.config import ConfigError, ModelConfig
 from graphstep.training.checkpoint_verify import CheckpointError
 from helpers.cli import QUICK_TRAIN, SRC, assert_one_line_error, run_cli
 from helpers.launch import subprocess_env, torchrun
+from helpers.launch import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY_SHAPE = ["model.hidden_size=64", "model.ffn_hidden_size=128", "model.seq_length=32", "train.micro_batch_size=2",
               "train.global_batch_size=4", "train.device=cpu", "model.cuda_graph_impl=none"]  # eager: short runs (V19)
 
@@ -389,6 +389,6 @@ def test_tests_run_outside_the_checkout():
 
 
 def test_no_test_starts_a_process_in_the_checkout():
-    offenders = [f"{path.name}:{n}" for path in sorted((ROOT / "tests").glob("*.py"))
+    offenders = [f"{path.name}:{n}" for path in sorted((ROOT / "tests").rglob("*.py"))
                  for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\bcwd=(ROOT|HERE)\b", line)]
     assert offenders == []

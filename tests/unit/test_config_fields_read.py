@@ -23,7 +23,6 @@ what stands in for the read, and each exception is checked in turn:
 from __future__ import annotations
 
 import ast
-import pathlib
 
 import pytest
 
@@ -31,8 +30,9 @@ import logging
 
 from graphstep.config import Config, _matches, apply_overrides, field_kind, field_type, iter_fields, refused_values
 from graphstep.validation import noop_notes, normalize, resolve, validate
+from helpers.launch import ROOT
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "src" / "graphstep"
+PACKAGE = ROOT / "src" / "graphstep"
 CONFIG_CODE = ("config.py", "config_sections.py", "config_files.py", "validation/")
 
 # field -> the CudaGraphSettings attribute that carries it to the trainer

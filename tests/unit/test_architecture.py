@@ -20,8 +20,9 @@ import ast
 import pathlib
 
 import pytest
+from helpers.launch import ROOT
 
-SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
+SRC = ROOT / "src"
 PACKAGE = "graphstep"
 MECHANISM = "graphstep.cuda_graph"
 MAX_LINES = 800

@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -35,8 +34,9 @@ from graphstep.cuda_graph.graph_state import GraphState
 from graphstep.cuda_graph.registry import get_backend
 
 from conftest import NeverCapturedGraph
+from helpers.launch import ROOT
 
-SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
+SRC = ROOT / "src"
 CUDA_REFUSAL = "CUDA error: operation not permitted when stream is capturing"
 
 

@@ -11,6 +11,7 @@ from graphstep.cli import main
 from graphstep.config import Config, ConfigError, apply_overrides
 from graphstep.config_files import load_yaml, save_yaml
 from graphstep.recipes import RECIPES, get_recipe
+from helpers.launch import ROOT
 
 
 def test_validate_names_r4_and_exits_2(capsys):
@@ -101,11 +102,10 @@ def test_train_command_writes_metrics(tmp_path):
 
 
 def test_docs_config_reference_is_current():
-    from pathlib import Path
 
     from graphstep.config_files import markdown_reference
 
-    path = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    path = ROOT / "docs" / "config.md"
     assert path.read_text() == markdown_reference(), "regenerate: python -m graphstep.config_files > docs/config.md"
 
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-from graphstep.config import Config, apply_overrides
+from graphstep.config import Config
 from conftest import graph_config
 from graphstep.validation import format_violations, validate_config
+from helpers.launch import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def make(*overrides: str) -> Config:
