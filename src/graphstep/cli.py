@@ -1,4 +1,5 @@
-"""``graphstep train | config show | config validate | config fields`` (and the commands other modules add).
+"""``graphstep train | config show | config validate | config fields``, and the subcommands that bench/,
+doctor/ and data/ add (``add_bench``, ``add_doctor``, ``add_preprocess``).
 
 Every command resolves a config the same way: the recipe (``--recipe``,
 default ``llama3_tiny``), then a YAML file (``--config``), then the
@@ -6,7 +7,7 @@ perf-harness flags (``--cuda_graph_impl``, ``--cuda_graph_scope``), then the
 dotted overrides in the order written (``model.cuda_graph_impl=local``).
 Overrides may stand before, between and after the options, as with Hydra.
 
-This module is the boundary where a user's mistake becomes one line: any
+This module is the top of the package (nothing imports it) and the boundary where a user's mistake becomes one line: any
 :class:`~graphstep.config.ConfigError` (bad config, data, checkpoint or
 script -- the data, Hugging Face and doctor errors derive from it) or a
 missing corpus is printed as ``graphstep <command>: <what, where, fix>`` with
@@ -20,48 +21,25 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Callable
-
-from .config import Config, ConfigError, apply_overrides
-from .config_files import dump_yaml, load_yaml
-from .recipes import DEFAULT_RECIPE, RECIPES, get_recipe
+from .config import ConfigError
+from .config_files import add_config_args, config_from_args, dump_yaml
 
 log = logging.getLogger("graphstep")
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"named config ({', '.join(sorted(RECIPES))})")
-    p.add_argument("--config", help="YAML file applied on top of the recipe")
-    p.add_argument("--cuda_graph_impl", "--cuda-graph-impl", dest="cuda_graph_impl",
-                   help="perf-harness flag: sets model.cuda_graph_impl and turns on the graph-safe RNG tracker")
-    p.add_argument("--cuda_graph_scope", "--cuda-graph-scope", dest="cuda_graph_scope",
-                   help="perf-harness flag: comma list for model.cuda_graph_scope")
-    p.add_argument("overrides", nargs="*", help="section.field=value (Bridge/Hydra dotted form)")
-
-
-def resolve_config(args: argparse.Namespace) -> Config:
-    from .validation import apply_perf_flags
-
-    cfg = get_recipe(args.recipe)
-    if args.config:
-        cfg = load_yaml(args.config, base=cfg)
-    if args.cuda_graph_impl is not None or args.cuda_graph_scope is not None:
-        apply_perf_flags(cfg, args.cuda_graph_impl, args.cuda_graph_scope)
-    return apply_overrides(cfg, list(args.overrides))
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    from .training.loop import train
+    from .doctor import capture_error_hook
+    from .training.loop import RunHooks, train
 
-    cfg = resolve_config(args)
-    result = train(cfg)
+    cfg = config_from_args(args)
+    result = train(cfg, hooks=RunHooks(on_capture_error=capture_error_hook))  # the doctor names a failed capture's line
     return 130 if result.stopped_by_signal else 0
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     from .validation import normalize_cuda_graph_config
 
-    cfg = resolve_config(args)
+    cfg = config_from_args(args)
     for note in normalize_cuda_graph_config(cfg):
         log.warning(note)
     sys.stdout.write(dump_yaml(cfg))
@@ -72,7 +50,7 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     from .validation import accepted_notes, format_violations, validate_config
     from .validation.migrations import normalized_copy
 
-    cfg = resolve_config(args)
+    cfg = config_from_args(args)
     violations = validate_config(cfg)
     if violations:
         print(format_violations(violations))
@@ -117,56 +95,37 @@ def cmd_config_fields(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {}
-
-
-def register(name: str):
-    """Decorator for modules that add a subcommand (bench, doctor, preprocess)."""
-
-    def wrap(fn: Callable[[argparse._SubParsersAction], None]):
-        COMMANDS[name] = fn
-        return fn
-
-    return wrap
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphstep", description="Capture LLM training steps into CUDA graphs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a recipe (default: llama3_tiny on the embedded corpus)")
-    _config_args(p)
+    add_config_args(p)
     p.set_defaults(fn=cmd_train)
 
     pc = sub.add_parser("config", help="show or validate a resolved config")
     csub = pc.add_subparsers(dest="config_command", required=True)
     p = csub.add_parser("show", help="print the resolved config as YAML", epilog="fields:\n" + field_reference(),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    _config_args(p)
+    add_config_args(p)
     p.set_defaults(fn=cmd_config_show)
     p = csub.add_parser("validate", help="check every CUDA-graph rule; exit 2 listing all violations")
-    _config_args(p)
+    add_config_args(p)
     p.set_defaults(fn=cmd_config_validate)
     p = csub.add_parser("fields", help="list every config field with its type, default and meaning")
     p.add_argument("section", nargs="?", help="only this section (model, train, optimizer, ...)")
     p.set_defaults(fn=cmd_config_fields)
 
-    _load_plugins()
-    for add in COMMANDS.values():
+    # the subcommands of the packages below the CLI: each package adds its own parser (the CLI is the top;
+    # nothing imports it)
+    from .bench.cli import add_bench
+    from .data.cli import add_preprocess
+    from .doctor.cli import add_doctor
+
+    for add in (add_bench, add_doctor, add_preprocess):
         add(sub)
     return parser
-
-
-def _load_plugins() -> None:
-    import importlib
-
-    for mod in ("graphstep.bench.cli", "graphstep.doctor.cli", "graphstep.data.cli"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name != mod:
-                raise
 
 
 def _late_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""Config files: reading and writing a :class:`~graphstep.config.Config` as YAML, and docs/config.md.
+"""Config files: reading and writing a :class:`~graphstep.config.Config` as YAML, docs/config.md, and the
+config arguments every command takes (``--recipe``, ``--config``, the perf-harness flags, overrides).
 
 ``read_yaml`` turns every way a file can be unusable -- missing, a
 directory, unreadable, not UTF-8, not YAML -- into one :class:`ConfigError`
@@ -12,6 +13,7 @@ module: import these functions from here.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,34 @@ def load_yaml(path: str | Path, base: Config | None = None) -> Config:
         return from_dict(data if data is not None else {}, base)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """The arguments that name a config: ``--recipe``, ``--config``, the perf-harness flags and overrides."""
+    from .recipes import DEFAULT_RECIPE, RECIPES
+
+    p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"named config ({', '.join(sorted(RECIPES))})")
+    p.add_argument("--config", help="YAML file applied on top of the recipe")
+    p.add_argument("--cuda_graph_impl", "--cuda-graph-impl", dest="cuda_graph_impl",
+                   help="perf-harness flag: sets model.cuda_graph_impl and turns on the graph-safe RNG tracker")
+    p.add_argument("--cuda_graph_scope", "--cuda-graph-scope", dest="cuda_graph_scope",
+                   help="perf-harness flag: comma list for model.cuda_graph_scope")
+    p.add_argument("overrides", nargs="*", help="section.field=value (Bridge/Hydra dotted form)")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The config that :func:`add_config_args`' arguments name: the recipe, then the YAML file, then the
+    perf-harness flags, then the overrides in order (not validated yet)."""
+    from .config import apply_overrides
+    from .recipes import get_recipe
+    from .validation import apply_perf_flags
+
+    cfg = get_recipe(args.recipe)
+    if args.config:
+        cfg = load_yaml(args.config, base=cfg)
+    if args.cuda_graph_impl is not None or args.cuda_graph_scope is not None:
+        apply_perf_flags(cfg, args.cuda_graph_impl, args.cuda_graph_scope)
+    return apply_overrides(cfg, list(args.overrides))
 
 
 def save_yaml(cfg: Config, path: str | Path) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..cli import _config_args, register, resolve_config
+from ..config_files import add_config_args, config_from_args
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -24,7 +24,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .ranks import rank_from_env, world_size_from_env
     from .run import REFUSED, default_rows, run_bench, split_rows, table, write_results
 
-    cfg = resolve_config(args)
+    cfg = config_from_args(args)
     if args.tensorboard_dir:  # before a long run, not after it
         from ..observability.writers import _require
 
@@ -75,11 +75,10 @@ def _need_gpu() -> None:
                           "model.cuda_graph_backend=replay` or `graphstep doctor --recipe NAME`")
 
 
-@register("bench")
-def add(sub: argparse._SubParsersAction) -> None:
+def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure eager, graphstep's graph settings and peers on one GPU "
                        "(multi-rank layouts under torchrun)")
-    _config_args(p)
+    add_config_args(p)
     p.add_argument("--rows", help="comma list of rows (default: every applicable row)")
     p.add_argument("--iters", type=int, default=50, help="timed iterations per row")
     p.add_argument("--warmup", type=int, default=8, help="untimed iterations per row (capture included)")

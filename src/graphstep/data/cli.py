@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from ..cli import register
 from ..config import ConfigError
 from .indexed import META_SUFFIX, IndexedDatasetBuilder, optimal_dtype
 from .tokenizer import Tokenizer, build_tokenizer
@@ -118,7 +117,6 @@ def preprocess(inputs: list[str | Path], output_prefix: str, tokenizer: Tokenize
     return prefixes
 
 
-@register("preprocess")
 def add_preprocess(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("preprocess", help="tokenize jsonl/text files into a Megatron indexed dataset (.bin/.idx)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Any
 
-from ..cli import _config_args, register, resolve_config
+from ..config_files import add_config_args, config_from_args
 from ..config import ConfigError
 from .findings import Report
 
@@ -33,13 +33,12 @@ class ScriptError(ConfigError):
     """A doctor target that cannot be judged: no such file or function, or a script that does not import."""
 
 
-@register("doctor")
 def add_doctor(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "doctor", help="find what breaks CUDA-graph capture or replay in a step, with file:line and the fix",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _config_args(p)
+    add_config_args(p)
     p.add_argument("--full-size", action="store_true",
                    help="run a big recipe as configured instead of a proxy of the same structure")
     p.add_argument("--inputs", help="script mode: a zero-argument function of the script returning the step's "
@@ -60,7 +59,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
         keep = {o.split("=", 1)[0].strip().lstrip("+") for o in args.overrides if "=" in o}
         keep |= {"model.cuda_graph_impl", "model.cuda_graph_scope"} if args.cuda_graph_impl or args.cuda_graph_scope else set()
-        report = check_recipe(resolve_config(args), name=args.recipe, full_size=args.full_size, keep=keep)
+        report = check_recipe(config_from_args(args), name=args.recipe, full_size=args.full_size, keep=keep)
     print(report.to_json() if args.json else report.format())
     return report.exit_code
 

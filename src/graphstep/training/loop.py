@@ -54,7 +54,6 @@ from ..cuda_graph.devices import GiB, default_device, normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
 from ..validation import resolve_cuda_graph_settings
 from ..data import build_data
-from ..doctor import capture_error_hook
 from ..models.hf import with_hf_shape
 from ..observability import MetricWriters, StepProfiler, open_ranges
 from .build import Run, build_run
@@ -79,10 +78,14 @@ class RunHooks:
     ``after_iteration(n)``: after iteration n is complete -- metrics recorded, evaluation and
     checkpoint of n done. ``before_checkpoint_rename(n)``: inside the save of iteration n, every
     file written, before the folder is renamed into place (see training/checkpoint.py).
+    ``on_capture_error(exc, failed)``: every graph's hook for a capture that fails (GraphedStep's);
+    ``graphstep train`` passes the doctor's diagnosis, ``graphstep.doctor.capture_error_hook``, which
+    names the line that broke the capture (the trainer does not import the doctor, which sits above it).
     """
 
     after_iteration: Callable[[int], None] | None = None
     before_checkpoint_rename: Callable[[int], None] | None = None
+    on_capture_error: Callable[..., None] | None = None
 
 
 @dataclass
@@ -194,7 +197,7 @@ def _run(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model:
     data, valid = _build_data(cfg, dp, device)
     restore = _Restore(cfg, dp, data, valid, device, hooks)
     run = build_run(cfg, device=device, dp=dp, settings=settings, restore=restore,  # 2, 3 (training/build.py)
-                    on_capture_error=capture_error_hook)  # a failed capture is diagnosed by the doctor
+                    on_capture_error=hooks.on_capture_error)
     try:
         result = _iterate(cfg, run, data, valid, restore.checkpointer, hooks)  # 4, 5
     finally:  # 6
