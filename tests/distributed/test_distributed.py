@@ -45,7 +45,7 @@ COMMON = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0", f"train.tra
 
 def dp_worker(out: str, device: str, runs: str) -> None:
     """The torchrun worker: each run of ``runs`` (JSON: name -> overrides), then the resume case."""
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     def run(overrides: list[str]) -> dict:
@@ -62,7 +62,7 @@ def dp_worker(out: str, device: str, runs: str) -> None:
 
 def _resume_case(out: Path, device: str) -> dict:
     """2 ranks: save at iteration 3, resume from it; iterations 4..6 must equal the uninterrupted run."""
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     ckpt = out / "ckpt"
@@ -91,7 +91,7 @@ def dp_reports(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single_process():
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     return train(tiny_config(*COMMON, "model.cuda_graph_impl=none"))
@@ -168,7 +168,7 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_exits_without_hang(tmp
 
 @pytest.mark.parametrize("how", ["normal", "exception", "sigterm"])
 def test_graphs_are_freed_before_the_process_group_is_destroyed(monkeypatch, how):
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training import loop, prepare
     from graphstep.training.distributed import DataParallel
 
@@ -223,7 +223,7 @@ def test_collective_env_checks():
     from graphstep.validation import resolve_cuda_graph_settings
     from graphstep.training.distributed import check_collective_env
 
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
 
     full = resolve_cuda_graph_settings(tiny_config("model.cuda_graph_impl=full_iteration"))
     layers = resolve_cuda_graph_settings(tiny_config("model.cuda_graph_impl=local",
@@ -238,7 +238,7 @@ def test_collective_env_checks():
 def test_r16_stops_a_data_parallel_nccl_run_before_the_process_group_exists():
     from graphstep.validation import ConfigValidationError, resolve_cuda_graph_settings
 
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
 
     cfg = tiny_config("model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn]",
                       "train.device=cuda")

@@ -71,7 +71,7 @@ LAYOUTS_2D = {
 def layouts_worker(out: str, device: str, which: str) -> None:
     """The torchrun worker: every layout of the dict named ``which`` eager, graphed and with layer graphs (and,
     for LAYOUTS, the dropout-free runs compared with one process)."""
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     layouts = globals()[which]
@@ -164,7 +164,7 @@ def test_overlapped_reduction_computes_the_same_bits(reports):
 
 @pytest.fixture(scope="module")
 def one_process():
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     return train(tiny_config(*COMMON, *NO_DROPOUT))

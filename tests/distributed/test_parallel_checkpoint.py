@@ -48,7 +48,7 @@ DROPOUT_RUNS = {"pp2_eager": ("pp2", EAGER)}  # besides each layout graphed: the
 def checkpoint_worker(out: str, one_ckpt: str, which: str) -> None:
     """The torchrun worker: each layout of the dict named ``which`` trained with saves, resumed from its own
     checkpoint and from one process's, then the dropout resumes."""
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     out_dir, layouts = Path(out), globals()[which]
@@ -73,7 +73,7 @@ def checkpoint_worker(out: str, one_ckpt: str, which: str) -> None:
 
 def _dropout_resume(save: Path, overrides: list[str]) -> dict:
     """Dropout on: an uninterrupted run saving at 3, and a run resumed from it; losses and final weights."""
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     whole = train(tiny_config(*COMMON, *DROPOUT, *overrides, f"checkpoint.save={save}"), keep_model=True)
@@ -85,7 +85,7 @@ def _dropout_resume(save: Path, overrides: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     tmp = tmp_path_factory.mktemp("ckpt")
@@ -132,7 +132,7 @@ def test_sharded_run_resumes_from_a_one_process_checkpoint(runs, layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_one_process_resumes_from_a_sharded_checkpoint(runs, layout):
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     tmp, _, reports = runs
@@ -144,7 +144,7 @@ def test_one_process_resumes_from_a_sharded_checkpoint(runs, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_one_process_loads_the_sharded_weights_bit_for_bit(runs, layout):
     """The final checkpoint of a sharded run, loaded by one process: the same weights as the run ended with."""
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
 
     tmp, _, reports = runs
     loaded = load_weights(tiny_config(*COMMON, f"checkpoint.load={tmp / layout}/iter_0000006"))
@@ -157,7 +157,7 @@ def test_one_process_loads_the_sharded_weights_bit_for_bit(runs, layout):
 def test_two_dimensional_layout_checkpoints_round_trip(runs):
     """dp2 x tp2 with FSDP2 over the tensor-parallel shards, on 4 ranks: exact resume (dropout off and on), a
     one-process checkpoint resumed, and its final weights loaded by one process bit for bit."""
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
 
     tmp, one, _ = runs
     reports = launch(tmp / "2d", tmp / "one" / "iter_0000003", 4, "LAYOUTS_2D")

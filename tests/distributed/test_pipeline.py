@@ -51,7 +51,7 @@ LAYOUTS_4 = {"pp2_dp2": ["model.pipeline_model_parallel_size=2", "model.num_laye
 def layouts_worker(out: str, device: str, which: str) -> None:
     """The torchrun worker: each layout of the dict named ``which`` eager and graphed (for LAYOUTS also without
     dropout and with layer graphs)."""
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     layouts = globals()[which]
@@ -118,7 +118,7 @@ def test_stages_agree_on_the_loss_and_hold_their_own_layers(reports, layout):
 
 @pytest.fixture(scope="module")
 def one_process():
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     return train(tiny_config(*COMMON, *NO_DROPOUT, *EAGER))

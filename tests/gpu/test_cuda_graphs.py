@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FULL_ITERATION_IDS, FULL_ITERATION_SETTINGS, assert_same_run, eager, tiny_config
+from helpers.runs import FULL_ITERATION_IDS, FULL_ITERATION_SETTINGS, assert_same_run, eager, tiny_config
 from graphstep.cuda_graph.backend import CudaGraphBackend
 from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.full_iteration import GraphedStep

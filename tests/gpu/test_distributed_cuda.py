@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_config
+from helpers.runs import tiny_config
 from graphstep.training.checkpoint import find_checkpoint
 from graphstep.training.loop import train
 from graphstep.training.metrics import read_metrics

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import graphstep
-from conftest import TINY
+from helpers.runs import TINY
 
 from .launch import subprocess_env
 

@@ -21,7 +21,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from graphstep.cli import build_parser, resolve_config
+    from graphstep.cli import build_parser
+    from graphstep.config_files import config_from_args
     from graphstep.training.console import setup_logging
     from graphstep.training.loop import RunHooks, train
 
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
 
     setup_logging(logging.INFO)
-    cfg = resolve_config(build_parser().parse_args(["train", *rest]))
+    cfg = config_from_args(build_parser().parse_args(["train", *rest]))
     train(cfg, hooks=RunHooks(**{hook: kill}))
     return 0  # N was never reached: the test sees exit code 0 instead of SIGKILL
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from graphstep.cli import main, resolve_config, build_parser
+from graphstep.cli import build_parser, main
+from graphstep.config_files import config_from_args
 from graphstep.training.loop import train
 from graphstep.validation import validate
 from helpers.launch import TESTS
@@ -26,7 +27,7 @@ def overrides(recipe: str) -> list[str]:
 
 def config(*argv: str):
     args = build_parser().parse_args(["config", "validate", *argv])
-    return resolve_config(args)
+    return config_from_args(args)
 
 
 @pytest.mark.parametrize("recipe", ["llama3_8b", "llama3_70b", "qwen3_30b_a3b", "gpt_oss_20b", "nemotron_h_tiny"])

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import graphstep
-from conftest import eager, poison_iteration, tiny_config
+from helpers.runs import eager, poison_iteration, tiny_config
 from graphstep.config import ConfigError
 from graphstep.cuda_graph.registry import get_backend
 from graphstep.validation import resolve_cuda_graph_settings

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import eager, tiny_config
+from helpers.runs import eager, tiny_config
 from graphstep.training.checkpoint import TRACKER, find_checkpoint, iter_dir_name
 from graphstep.training.loop import train
 from graphstep.training.metrics import read_metrics

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import assert_same_run, eager, params_of, tiny_config
+from helpers.runs import assert_same_run, eager, params_of, tiny_config
 from graphstep.config import Config, ConfigError, apply_overrides
 from graphstep.validation import ConfigValidationError, resolve_cuda_graph_settings, validate_config
 from graphstep.training.compile import apply_compile

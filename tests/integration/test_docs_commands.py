@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from graphstep.cli import _late_overrides, build_parser, resolve_config
+from graphstep.cli import _late_overrides, build_parser
+from graphstep.config_files import config_from_args
 from graphstep.recipes import RECIPES
 from graphstep.validation import validate_config
 from helpers.launch import ROOT
@@ -102,7 +103,7 @@ def test_documented_command_works(doc: str, line: str) -> None:
     if not hasattr(ns, "overrides"):
         return  # preprocess: parsed; its inputs are the user's files
     ns.overrides = [o for o in ns.overrides if not o.split(":", 1)[0].endswith(".py")]  # doctor script targets
-    cfg = resolve_config(ns)
+    cfg = config_from_args(ns)
     violations = validate_config(cfg, env={}, world_size=_world_size(line))
     real = [v for v in violations if not (set(v.fields) <= USER_PATH_FIELDS and _names_missing_path(v, cfg))]
     if args[0] in CLEAN_EXPECTED:

@@ -23,7 +23,7 @@ from graphstep.cuda_graph.full_iteration import GraphedStep
 from graphstep.doctor import CATEGORIES, Finding, Report, capture_error_hook, check, check_recipe, diagnose
 from graphstep.recipes import RECIPES, get_recipe
 
-from conftest import NeverCapturedGraph
+from helpers.runs import NeverCapturedGraph
 from helpers.launch import TESTS
 
 CASES = sorted(p for p in (TESTS / "doctor_cases").glob("*.py") if not p.name.startswith("_"))  # tests/ is on

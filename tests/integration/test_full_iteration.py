@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from conftest import FULL_ITERATION_IDS, FULL_ITERATION_SETTINGS, assert_same_run, eager, poison_iteration, tiny_config
+from helpers.runs import FULL_ITERATION_IDS, FULL_ITERATION_SETTINGS, assert_same_run, eager, poison_iteration, tiny_config
 from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.errors import CaptureError, ContractError
 from graphstep.cuda_graph.full_iteration import GraphedStep

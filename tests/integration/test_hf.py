@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_same_run, eager, tiny_config
+from helpers.runs import assert_same_run, eager, tiny_config
 from graphstep.config import ModelConfig
 from graphstep.data import build_data
 from graphstep.models import build_model

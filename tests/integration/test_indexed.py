@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_same_run, eager, tiny_config
+from helpers.runs import assert_same_run, eager, tiny_config
 from graphstep.cli import main
 from graphstep.config import Config, ConfigError, apply_overrides
 from graphstep.data import HFTokenizer, IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, build_data

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_same_run, eager, tiny_config
+from helpers.runs import assert_same_run, eager, tiny_config
 from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.errors import ContractError, GraphUsageError
 from graphstep.cuda_graph.layers import LayerGraphs, select_modules

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from conftest import assert_same_run, eager, tiny_config
+from helpers.runs import assert_same_run, eager, tiny_config
 from graphstep.training.loop import train
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ The scalars a writer writes are the metrics rows the JSONL file holds, at the
 same iterations; the profiler's trace holds the configured iterations and no
 others. What validation refuses before a run (a missing optional package, a
 profiling window or ranks outside the run: rules V16, V17, V21) is tested in
-tests/test_value_rules_inputs.py.
+tests/unit/test_value_rules_inputs.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config
+from helpers.runs import tiny_config
 from graphstep.observability import MetricWriters, open_ranges
 from graphstep.training.loop import train
 from graphstep.training.metrics import read_metrics

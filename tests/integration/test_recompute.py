@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_same_run, eager, graph_config, tiny_config
+from helpers.runs import assert_same_run, eager, graph_config, tiny_config
 from graphstep.models import build_model
 from graphstep.models.transformer import recompute_runs
 from graphstep.training.loop import train

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, eager, tiny_config
+from helpers.runs import TINY, eager, tiny_config
 from graphstep.training import rundir
 from graphstep.training.checkpoint_verify import CheckpointError, choose_checkpoint, verify_checkpoint
 from graphstep.training.loop import pick_device, train

@@ -5,7 +5,7 @@ built), ``train.device=cuda`` under torchrun without a GPU, ``scripts/gpu-check`
 that do not fit the run (another model, nothing left to train, a file), ``export_hf`` over existing
 files, ``graphstep doctor --full-size`` of a model the host cannot hold -- and the tests themselves,
 which must not write into the checkout. The command-line cases run ``python -m graphstep`` as a user would
-(tests/test_user_errors.py's helpers); the others call the functions.
+(tests/integration/test_user_errors.py's helpers); the others call the functions.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config
+from helpers.runs import tiny_config
 from graphstep.config import ConfigError, ModelConfig
 from graphstep.training.checkpoint_verify import CheckpointError
 from helpers.cli import QUICK_TRAIN, SRC, assert_one_line_error, run_cli

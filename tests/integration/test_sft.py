@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_same_run, eager, tiny_config
+from helpers.runs import assert_same_run, eager, tiny_config
 from graphstep.config import Config, ConfigError, apply_overrides
 from graphstep.data import SFTDataError, build_data
 from graphstep.data.buckets import BucketError, pick_bucket
@@ -102,7 +102,7 @@ def test_a_sample_longer_than_the_largest_bucket_is_an_error(sft_file):
     with pytest.raises(BucketError, match=r"x.jsonl:4: 40 tokens is longer than the largest bucket 32"):
         pick_bucket([16, 32], 40, lambda: "x.jsonl:4")
     # buckets beyond model.seq_length, and fixed-length data without model.seq_length as a bucket: rule V22
-    # (tests/test_value_rules_inputs.py), refused before any data is read
+    # (tests/unit/test_value_rules_inputs.py), refused before any data is read
 
 
 # --- training -----------------------------------------------------------------------------------

@@ -2,6 +2,11 @@
 
 * ``cuda_graph/`` is the mechanism and imports nothing else of graphstep
   (the doctor and the trainer plug in through hooks, e.g. on_capture_error).
+* Every import points down or sideways in :data:`LAYERS`: the trainer never
+  imports the doctor, the bench or the CLI above it; ``data/`` never imports the
+  CLI (the CLI imports each package's ``add_*`` parser instead).
+* The tests: no test module imports another (shared code lives in
+  ``tests/helpers/`` and ``conftest.py``), and none edits ``sys.path``.
 * No import cycle among graphstep's modules. Every ``import`` statement
   counts -- module level, inside functions (lazy imports), under
   ``TYPE_CHECKING`` -- since a lazy import is a dependency all the same.
@@ -19,7 +24,6 @@ from __future__ import annotations
 import ast
 import pathlib
 
-import pytest
 from helpers.launch import ROOT
 
 SRC = ROOT / "src"
@@ -32,6 +36,22 @@ KNOWN_FOREIGN_IMPORTS_TO_REMOVE: set[tuple[str, str]] = set()
 
 # Import cycles, each as the set of its modules (a strongly connected component of the import graph).
 KNOWN_CYCLES_TO_REMOVE: set[frozenset[str]] = set()
+
+# graphstep's packages (and top-level modules) from the bottom up: a module imports only its own layer and the
+# ones below it. The mechanism at the bottom; the config; what a run is made of; the rules and config files; the
+# trainer; the tools built on the trainer (and the library API, which uses the doctor); the command line.
+LAYERS: list[set[str]] = [
+    {"cuda_graph"},
+    {"config_sections", "config"},
+    {"data", "models", "integrations", "observability", "recipes"},
+    {"validation", "config_files"},
+    {"training"},
+    {"doctor", "bench", "api"},
+    {"cli", "__main__", ""},  # "": graphstep/__init__.py
+]
+
+# Imports that point up the layers, as (module, imported module).
+KNOWN_UPWARD_IMPORTS_TO_REMOVE: set[tuple[str, str]] = set()
 
 # Files over MAX_LINES lines: each is split by its owner.
 KNOWN_LONG_FILES_TO_SPLIT: set[str] = set()
@@ -151,6 +171,51 @@ def foreign_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
             for t in targets if not t.startswith(mechanism)}
 
 
+def layer_of(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    for i, layer in enumerate(LAYERS):
+        if top in layer:
+            return i
+    raise AssertionError(f"{module}: its package {top!r} is in no layer of LAYERS; add it where it belongs")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(m, t) for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m)}
+
+
+def names_of_test_modules(tests: pathlib.Path) -> set[str]:
+    """The names under which pytest imports the test modules (rootdir-relative basenames: no __init__.py)."""
+    return {p.stem for p in tests.rglob("test_*.py")} | {"conftest"}
+
+
+def imports_of_test_modules(tests: pathlib.Path) -> list[str]:
+    """``file:line`` of every import, in the tests, of a test module or conftest (shared code is tests/helpers/)."""
+    names, out = names_of_test_modules(tests), []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                imported = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                imported = [node.module or ""]
+            else:
+                continue
+            if any(name.split(".")[-1] in names or name.split(".")[0] in names for name in imported):
+                out.append(f"{path.relative_to(tests).as_posix()}:{node.lineno}")
+    return out
+
+
+def sys_path_edits(tests: pathlib.Path) -> list[str]:
+    """``file:line`` of every ``sys.path`` change in the tests (subprocesses get PYTHONPATH from helpers.launch)."""
+    out = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            target = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None
+            if isinstance(target, ast.Attribute) and target.attr == "path" and \
+                    isinstance(target.value, ast.Name) and target.value.id == "sys":
+                out.append(f"{path.relative_to(tests).as_posix()}:{node.lineno}")
+    return out
+
+
 def long_files() -> dict[str, int]:
     out = {}
     for path in sorted((SRC / PACKAGE).rglob("*.py")):
@@ -184,6 +249,32 @@ def test_the_import_walker_sees_relative_lazy_and_type_checking_imports(tmp_path
     assert cycle_path(graph, cycle) == ["graphstep.a", "graphstep.sub.b", "graphstep.c", "graphstep.a"]
 
 
+def test_the_layer_check_sees_an_upward_import(tmp_path, monkeypatch):
+    pkg = tmp_path / PACKAGE
+    for sub in ("training", "doctor", "data"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli.py").write_text("from .data import loader\n")
+    (pkg / "training" / "loop.py").write_text("def f():\n    from ..doctor import hook\n")
+    (pkg / "doctor" / "hook.py").write_text("from ..training import loop\n")
+    (pkg / "data" / "loader.py").write_text("from graphstep.cli import main\n")
+    monkeypatch.setattr(f"{__name__}.SRC", tmp_path)
+    assert upward_imports(import_graph()) == {("graphstep.training.loop", "graphstep.doctor.hook"),
+                                              ("graphstep.data.loader", "graphstep.cli")}
+
+
+def test_the_test_checks_see_a_cross_import_and_a_path_edit(tmp_path):
+    (tmp_path / "unit").mkdir()
+    (tmp_path / "helpers").mkdir()
+    (tmp_path / "unit" / "test_a.py").write_text("import sys\nfrom helpers.launch import ROOT\n")
+    (tmp_path / "unit" / "test_b.py").write_text("import sys\n\nfrom test_a import x\nimport conftest\n"
+                                                 "sys.path.insert(0, 'x')\n")
+    (tmp_path / "helpers" / "launch.py").write_text("import sys\nsys.path.append('y')\n")
+    assert imports_of_test_modules(tmp_path) == ["unit/test_b.py:3", "unit/test_b.py:4"]
+    assert sys_path_edits(tmp_path) == ["helpers/launch.py:2", "unit/test_b.py:5"]
+
+
 # --------------------------------------------------------------------------
 # the package
 
@@ -194,6 +285,14 @@ def test_cuda_graph_imports_nothing_else_of_graphstep():
     gone = sorted(KNOWN_FOREIGN_IMPORTS_TO_REMOVE - found)
     assert not new, f"cuda_graph/ is the mechanism and must import only graphstep.cuda_graph.*: {new}"
     assert not gone, f"these imports are gone: remove them from KNOWN_FOREIGN_IMPORTS_TO_REMOVE: {gone}"
+
+
+def test_upward_imports_are_exactly_the_known_ones():
+    found = upward_imports(import_graph())
+    new = sorted(found - KNOWN_UPWARD_IMPORTS_TO_REMOVE)
+    gone = sorted(KNOWN_UPWARD_IMPORTS_TO_REMOVE - found)
+    assert not new, f"imports up the layers (see LAYERS; pass a hook down instead): {new}"
+    assert not gone, f"these imports are gone: remove them from KNOWN_UPWARD_IMPORTS_TO_REMOVE: {gone}"
 
 
 def test_import_cycles_are_exactly_the_known_ones():
@@ -220,3 +319,18 @@ def test_long_files_are_exactly_the_known_ones():
 
 def test_no_file_over_the_limit():
     assert not long_files()
+
+
+# --------------------------------------------------------------------------
+# the tests
+
+
+def test_no_test_module_imports_another():
+    tests = ROOT / "tests"
+    found = imports_of_test_modules(tests)
+    assert not found, f"a test module imported by another (move the shared code to tests/helpers/): {found}"
+
+
+def test_no_test_edits_sys_path():
+    found = sys_path_edits(ROOT / "tests")
+    assert not found, f"sys.path edited (tests/ is on the path; subprocesses use helpers.launch): {found}"

@@ -212,7 +212,7 @@ def test_manual_gc_policy(monkeypatch):
 def test_training_runs_with_the_collector_off_and_collects_between_steps(monkeypatch, tmp_path):
     import gc
 
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training import loop
 
     seen = []
@@ -252,7 +252,7 @@ def test_grad_nan_check_passes_with_full_iteration_and_the_loss_check_does_not()
 
 
 def test_the_grad_nan_check_runs_after_the_replay_never_inside_a_capture(monkeypatch, tmp_path):
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.cuda_graph.replay_host import active_recorder
     from graphstep.training import loop
 
@@ -271,7 +271,7 @@ def test_the_grad_nan_check_runs_after_the_replay_never_inside_a_capture(monkeyp
 
 
 def test_the_grad_nan_check_stops_a_full_iteration_run_on_a_nonfinite_gradient(tmp_path):
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training import loop
 
     cfg = tiny_config("train.train_iters=6", "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1",
@@ -372,7 +372,7 @@ def test_the_grad_nan_check_runs_after_the_replay_on_cuda(monkeypatch, tmp_path)
     """The CPU test above on a GPU: the full-iteration CUDA graph, and the host check never inside its capture."""
     import torch
 
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training import loop
 
     real, calls = loop._host_nan_check, []

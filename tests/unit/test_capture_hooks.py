@@ -33,7 +33,7 @@ from graphstep.cuda_graph.full_iteration import FailedCapture, FullIterationGrap
 from graphstep.cuda_graph.graph_state import GraphState
 from graphstep.cuda_graph.registry import get_backend
 
-from conftest import NeverCapturedGraph
+from helpers.runs import NeverCapturedGraph
 from helpers.launch import ROOT
 
 SRC = ROOT / "src"

@@ -276,7 +276,7 @@ def test_batch_sizes_must_divide() -> None:
 
 
 def test_indexed_and_unknown_datasets() -> None:
-    with pytest.raises(ConfigError, match=r"data\.data_path is not set"):  # indexed data: tests/test_indexed.py
+    with pytest.raises(ConfigError, match=r"data\.data_path is not set"):  # indexed data: tests/integration/test_indexed.py
         build_data(make_cfg("data.dataset=indexed"))
     with pytest.raises(ConfigError, match=r"data\.dataset='web'"):
         build_data(make_cfg("data.dataset=web"))

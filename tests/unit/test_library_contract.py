@@ -22,7 +22,7 @@ from graphstep.cuda_graph.errors import ACCUMULATE_GRAD_WARNING
 from graphstep.cuda_graph.full_iteration import GraphedStep
 from graphstep.doctor import capture_error_hook
 
-from conftest import NeverCapturedGraph
+from helpers.runs import NeverCapturedGraph
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=CUDA)]

@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import graphstep
@@ -303,7 +302,7 @@ def test_fsdp_on_one_rank_trains_graphed_equal_to_eager(device, graphs):
     """ddp.use_megatron_fsdp in one process: the trainer makes a one-rank group and mesh, shards with FSDP2,
     and the graphs -- full-iteration, optimizer and evaluation; or per-layer graphs inside FSDP2's layers
     (``te[]``: the FSDP2 layer itself) -- equal the eager run bit for bit."""
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     strategy, settings = FSDP_GRAPHS[graphs]
@@ -333,7 +332,7 @@ def test_llama3_8b_layers_under_fsdp_graphed_equal_eager(graphs):
     (and a graph replays that kernel just the same); bit-equality is the claim where eager is deterministic."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     strategy, settings = FSDP_GRAPHS[graphs]
@@ -433,7 +432,7 @@ def test_overlapped_reduction_captured_in_a_graph_equals_eager(one_rank_group, d
       "ddp.overlap_param_gather=true"), 2, dict(dp=2, fsdp="optim_grads_params", prefetch=True)),
 ])
 def test_layout_from_config(overrides, world, expected):
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
     from graphstep.training.parallel import Layout
 
     layout = Layout.from_config(tiny_config(*overrides), world)

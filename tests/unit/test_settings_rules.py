@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphstep.config import Config, ConfigError, apply_overrides, iter_fields
-from conftest import graph_config
+from helpers.runs import graph_config
 from graphstep.validation import graph_rules
 from graphstep.cuda_graph import settings as cg
 from graphstep.cuda_graph.settings import CudaGraphSettings, GraphImpl
@@ -655,7 +655,7 @@ EDGE_VALUES = {int: [-1, 0, 1, 2, 3], float: [-0.5, 0.0, 0.5, 1.0, 1.5]}
     lambda f: st.tuples(st.just(f[0]), st.sampled_from(EDGE_VALUES[f[1]]))))
 def test_a_valid_numeric_field_trains(key_value) -> None:
     """Any numeric field at an edge value: if validate passes, a 2-iteration CPU train runs through."""
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
 
     from graphstep.training.loop import train
 
@@ -703,7 +703,7 @@ def test_config_validate_reports_what_training_refused_late(rule, monkeypatch, c
 
 def test_a_run_normalises_and_validates_once(monkeypatch) -> None:
     """loop.train resolves once and hands the settings to build_run: one normalisation, one validation, no copy."""
-    from conftest import tiny_config
+    from helpers.runs import tiny_config
 
     import graphstep.validation as validation
     from graphstep.validation import migrations as normalize_mod

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from graphstep.config import Config
-from conftest import graph_config
+from helpers.runs import graph_config
 from graphstep.validation import format_violations, validate_config
 from helpers.launch import ROOT
 
