@@ -32,6 +32,7 @@ from .cuda_graph.fsdp import prepare_fsdp
 from .cuda_graph.layers import LayerGraphs
 from .cuda_graph.registry import close_all_backends, get_backend
 from .cuda_graph.rng import get_rng_tracker
+from .cuda_graph.torch_compat import module_buffers, module_children, module_parameters
 from .cuda_graph.static_io import addresses
 from .integrations import transformers as _hf_decisions  # noqa: F401  (transformers' mask check, see there)
 
@@ -82,9 +83,9 @@ class ParamGuard:
             prefix = f"{i}." if len(self.modules) > 1 else ""
             for path, m in root.named_modules():
                 where = f"{prefix}{path}." if path else prefix
-                for name, child in m._modules.items():
-                    yield "submodule", where + name, m._modules, name, child, ()
-                for kind, held in (("parameter", m._parameters), ("buffer", m._buffers)):
+                for name, child in module_children(m).items():
+                    yield "submodule", where + name, module_children(m), name, child, ()
+                for kind, held in (("parameter", module_parameters(m)), ("buffer", module_buffers(m))):
                     for name, t in held.items():
                         if t is not None:
                             yield kind, where + name, held, name, t, addresses(t)

@@ -42,8 +42,8 @@ KNOWN_CYCLES_TO_REMOVE: set[frozenset[str]] = set()
 # trainer; the tools built on the trainer (and the library API, which uses the doctor); the command line.
 LAYERS: list[set[str]] = [
     {"cuda_graph"},
-    {"config_sections", "config"},
-    {"data", "models", "integrations", "observability", "recipes"},
+    {"config_sections", "config", "errors"},
+    {"data", "models", "integrations", "observability", "recipes", "engines_compat"},
     {"validation", "config_files"},
     {"training"},
     {"doctor", "bench", "api"},
@@ -334,3 +334,132 @@ def test_no_test_module_imports_another():
 def test_no_test_edits_sys_path():
     found = sys_path_edits(ROOT / "tests")
     assert not found, f"sys.path edited (tests/ is on the path; subprocesses use helpers.launch): {found}"
+
+
+# --------------------------------------------------------------------------
+# private PyTorch names: only in the compat modules
+
+# Every private name of torch (and of the libraries graphstep plugs into) is reached through one of these,
+# each access behind a named function with a probe (tests/unit/test_torch_compat.py, docs/library.md).
+COMPAT_MODULES = {"graphstep/cuda_graph/torch_compat.py", "graphstep/engines_compat.py"}
+
+# Private names of torch objects that graphstep reads, writes, overrides or looks up by string. A name here is
+# flagged wherever it appears outside the compat modules -- an attribute, a method definition (an override),
+# or a string (getattr, vars(...).get) -- even where graphstep also defines it.
+KNOWN_PRIVATE_NAMES = {
+    # autograd hook dicts of a tensor; nn.Module's own dicts and its _apply
+    "_backward_hooks", "_post_accumulate_grad_hooks", "_parameters", "_buffers", "_modules", "_apply",
+    # FSDP2 internals
+    "_get_fsdp_state", "_fsdp_param_groups", "_fsdp_param_group", "_unsharded_param", "_sharded_state",
+    "_to_sharded", "_state_ctx", "_comm_ctx", "free_unsharded_param", "unsharded_accumulated_grad",
+    # ops, generators, tensors, DTensor
+    "_schema", "_cdata", "_base", "_local_tensor",
+    # tensor parallel, pipelining, dynamo
+    "_partition_linear_fn", "_has_backward", "_initialize_stage", "callback_handler",
+    # amp objects the doctor reads
+    "_device", "_enabled", "_cache_enabled",
+    # transformers' masking_utils
+    "_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa",
+}
+
+# Underscore names of other libraries, not torch's: allowed anywhere.
+FOREIGN_PRIVATE_OK = {"sys._getframe", "argparse._SubParsersAction"}
+
+
+def _dotted(node: ast.AST) -> str:
+    """``a.b.c`` for a chain of attributes on a name; '' when the chain starts elsewhere (a call, a subscript)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return ""
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _private(segment: str) -> bool:
+    return segment.startswith("_") and not segment.startswith("__")
+
+
+def _own_private_names(trees: dict[str, ast.AST]) -> set[str]:
+    """Underscore names graphstep defines itself: functions, classes, module names, attributes it assigns."""
+    own: set[str] = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+    return {n for n in own if _private(n)} - KNOWN_PRIVATE_NAMES
+
+
+def _private_uses(tree: ast.AST, own: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for every private torch name ``tree`` reaches (see test_private_torch_names_...)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names
+                      if a.name.split(".")[0] == "torch" and any(map(_private, a.name.split(".")))]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            if any(map(_private, node.module.split("."))) or any(_private(a.name) for a in node.names):
+                found.append((node.lineno, f"from {node.module} import {', '.join(a.name for a in node.names)}"))
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            dotted = _dotted(node)
+            root = dotted.split(".")[0] if dotted else ""
+            if dotted in FOREIGN_PRIVATE_OK or root == "aten" or dotted.startswith("torch.ops.aten."):
+                continue  # aten op names (aten._to_copy) name dispatcher ops, not Python internals
+            if root == "torch" or node.attr in KNOWN_PRIVATE_NAMES:
+                found.append((node.lineno, dotted or f"._{node.attr.lstrip('_')}"))
+            elif root not in ("self", "cls") and node.attr not in own:
+                found.append((node.lineno, dotted or node.attr))  # an underscore name graphstep never defines
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in KNOWN_PRIVATE_NAMES:
+            found.append((node.lineno, f"def {node.name} (overrides a private method)"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in KNOWN_PRIVATE_NAMES:
+            found.append((node.lineno, repr(node.value)))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and _private(node.args[1].value) and node.args[1].value not in own):
+            found.append((node.lineno, f"{node.func.id}(..., {node.args[1].value!r})"))
+    return sorted(set(found))
+
+
+def private_torch_uses(root: pathlib.Path | None = None) -> dict[str, list[tuple[int, str]]]:
+    """Per source file outside the compat modules: where it reaches a private torch name."""
+    root = root or SRC
+    paths = sorted((root / PACKAGE).rglob("*.py"))
+    trees = {p.relative_to(root).as_posix(): ast.parse(p.read_text(), str(p)) for p in paths}
+    own = _own_private_names(trees)
+    out = {}
+    for name, tree in trees.items():
+        if name not in COMPAT_MODULES and (uses := _private_uses(tree, own)):
+            out[name] = uses
+    return out
+
+
+def test_the_private_name_scan_sees_imports_attributes_overrides_and_strings(tmp_path):
+    pkg = tmp_path / PACKAGE
+    (pkg / "cuda_graph").mkdir(parents=True)
+    (pkg / "a.py").write_text(
+        "import torch\nimport torch._dynamo\nfrom torch.utils._pytree import tree_map\n"
+        "from torch.nn.utils.stateless import _reparametrize_module\n"
+        "x = torch._C._foo\ny = p._backward_hooks\nz = getattr(p, '_post_accumulate_grad_hooks', None)\n"
+        "class A(Base):\n    def _partition_linear_fn(self):\n        return super()._partition_linear_fn()\n"
+        "w = dt._some_torch_internal\n")
+    (pkg / "b.py").write_text(
+        "import sys, torch\naten = torch.ops.aten\nclass G:\n    def __init__(self):\n        self._mine = 1\n"
+        "    def _helper(self):\n        return self._mine\n"
+        "def f(g):\n    g._helper()\n    g._mine = 2\n    return sys._getframe(1), aten._to_copy, torch.__version__\n")
+    (pkg / "cuda_graph" / "torch_compat.py").write_text("import torch\nhooks = p._backward_hooks\nc = torch._C\n")
+    found = private_torch_uses(tmp_path)
+    assert set(found) == {"graphstep/a.py"}
+    assert sorted({line for line, _ in found["graphstep/a.py"]}) == [2, 3, 4, 5, 6, 7, 9, 10, 11]
+
+
+def test_private_torch_names_live_only_in_the_compat_modules():
+    found = private_torch_uses()
+    shown = "; ".join(f"{path}:{line} {what}" for path, uses in found.items() for line, what in uses)
+    assert not found, ("private torch names outside the compat modules (reach them through "
+                       f"cuda_graph/torch_compat.py or engines_compat.py, with a probe): {shown}")

@@ -47,6 +47,7 @@ import torch
 from ..config import Config, apply_overrides
 from ..cuda_graph.devices import GiB
 from ..cuda_graph.registry import close_all_backends
+from ..cuda_graph.torch_compat import clear_cublas_workspaces
 from ..data import build_data
 from ..validation import resolve_cuda_graph_settings
 from ..training.build import Run, build_run
@@ -54,6 +55,7 @@ from ..training.distributed import DataParallel, init_data_parallel
 from ..training.optim import GradBuffers
 from ..training.parallel import Layout
 from ..training.step import TrainStep
+from ..engines_compat import reset_dynamo
 from .layouts import ONE_RANK_MESH, TORCHRUN_ONLY
 
 
@@ -239,12 +241,10 @@ def count_host_syncs(step: Callable[[Iterator[Any]], Any], data: Iterator[Any]) 
 
 def free_row() -> None:
     close_all_backends()
-    torch._dynamo.reset()  # compiled rows: their graphs (and CUDA graph trees) go with them
+    reset_dynamo()  # compiled rows: their graphs (and CUDA graph trees) go with them
     gc.collect()
     torch.cuda.synchronize()
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:  # the per-(thread, stream) cuBLAS workspaces of earlier rows: each row pays its own
-        clear()
+    clear_cublas_workspaces()  # the per-(thread, stream) cuBLAS workspaces of earlier rows: each row pays its own
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
 

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 
 from ..cuda_graph.scopes import scope_modules
+from ..engines_compat import reset_dynamo
 from .harness import Workload, make_workload
 
 
@@ -125,7 +126,7 @@ def compiled(cfg, device: torch.device, mode: str = "reduce-overhead") -> tuple[
 
     class Owner:
         def close(self) -> None:
-            torch._dynamo.reset()  # drops the compiled graphs and their CUDA graph trees
+            reset_dynamo()  # drops the compiled graphs and their CUDA graph trees
 
     return step, w.data(), lambda: first[0] if first else None, Owner()
 

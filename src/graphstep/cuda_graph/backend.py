@@ -41,6 +41,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .devices import normalize_device
+from . import torch_compat
 from .errors import ACCUMULATE_GRAD_WARNING, CaptureError, GraphUsageError, accumulate_grad_stream
 
 log = logging.getLogger("graphstep")
@@ -309,7 +310,9 @@ class CudaGraphBackend(GraphBackend):
         ``torch.cuda.graph.__exit__`` does not clean up after an error: when the error invalidated the
         capture, ``capture_end`` raises before telling the allocator (which keeps routing to the pool
         through a filter that points at the graph), before restoring the stream, and before taking the
-        registered generators out of capture mode. Each step here is best effort and never raises.
+        registered generators out of capture mode. Each step here is best effort, except the allocator calls
+        (torch_compat.py): a torch without them would leak the pool, so that is a TorchCompatError, raised
+        after the rest of the clean-up.
         """
         cg = graph.cuda_graph
         try:
@@ -317,8 +320,18 @@ class CudaGraphBackend(GraphBackend):
                 warnings.simplefilter("ignore")
                 cg.capture_end()  # a capture the error did not invalidate ends normally; reset() frees it
         except Exception:
-            if _allocator_call(("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"), self.device, pool):
-                _allocator_call(("_cuda_releasePool",), self.device, pool)
+            ended = False
+        else:
+            ended = True
+        try:
+            # the allocator may still route to the pool: stop it and drop the capture's reference
+            if not ended and torch_compat.end_allocate_to_pool(self.device, pool):
+                torch_compat.release_pool(self.device, pool)
+        finally:  # a TorchCompatError (this torch lacks those calls) comes out after the rest of the clean-up
+            self._restore_after_broken_capture(graph, ctx, outer, generators)
+
+    def _restore_after_broken_capture(self, graph: "_CudaGraph", ctx: torch.cuda.graph, outer: torch.cuda.Stream,
+                                      generators: list[torch.Generator]) -> None:
         try:
             ctx.stream_ctx.__exit__(None, None, None)
         except Exception:
@@ -392,19 +405,6 @@ class _CudaGraph(Graph):
             self.cuda_graph = None
         self._captured = False
         self.backend._release(self)
-
-
-def _allocator_call(names: tuple[str, ...], device: torch.device, pool) -> bool:
-    """Call the first caching-allocator binding of ``names`` that this PyTorch has; False if none ran."""
-    for name in names:
-        fn = getattr(torch._C, name, None)
-        if fn is not None:
-            try:
-                fn(device.index, pool)
-                return True
-            except Exception:
-                return False
-    return False
 
 
 def _register_generators(graph: torch.cuda.CUDAGraph, generators: Iterable[torch.Generator]) -> None:

@@ -32,9 +32,9 @@ import contextlib
 import logging
 from typing import Any, Iterable, Iterator, Sequence
 
-import torch
 from torch import nn
 
+from . import torch_compat as tc
 from .errors import GraphUsageError
 
 log = logging.getLogger("graphstep")
@@ -51,19 +51,9 @@ def _fsdp_module_type() -> type | None:
 
 
 def _groups(module: nn.Module) -> list[Any]:
-    """FSDP2's parameter groups of ``module`` (none when it manages no parameter)."""
-    try:
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            group = state._fsdp_param_group
-            groups = [group] if group is not None else []
-        return list(groups)
-    except (AttributeError, AssertionError) as e:
-        raise GraphUsageError(
-            f"per-layer graphs over FSDP2: this torch ({torch.__version__}) keeps its FSDP2 state differently "
-            "than graphstep expects; use full-iteration graphs (the all-gathers are inside the graph)"
-        ) from e
+    """FSDP2's parameter groups of ``module`` (none when it manages no parameter); a torch whose FSDP2 keeps
+    them differently is a TorchCompatError (torch_compat.py)."""
+    return tc.fsdp_param_groups(tc.fsdp_state(module))
 
 
 def _fsdp_params(module: nn.Module) -> list[Any]:
@@ -88,8 +78,7 @@ def fsdp_owners(model: nn.Module, modules: Sequence[nn.Module]) -> list[nn.Modul
     owners = []
     for unit in units:
         params = _fsdp_params(unit)
-        if any(id(fp.sharded_param) in wanted or id(getattr(fp, "_unsharded_param", None)) in wanted
-               for fp in params):
+        if any(id(fp.sharded_param) in wanted or id(tc.unsharded_param(fp)) in wanted for fp in params):
             if id(unit) in inside:
                 # A replay replaces the whole forward of the graphed module, so the hooks of an FSDP2
                 # module inside it would never gather its updated shards again: stale weights.
@@ -102,20 +91,13 @@ def fsdp_owners(model: nn.Module, modules: Sequence[nn.Module]) -> list[nn.Modul
     return owners
 
 
-def _keep(*_: Any) -> None:
-    """In place of ``FSDPParam.free_unsharded_param``: the gathered storage stays allocated."""
-
-
 def keep_gathered(owners: Sequence[nn.Module]) -> None:
     """Keep the gathered parameter storage of each FSDP2 module in ``owners`` allocated (see the module docstring)."""
     for unit in owners:
         if getattr(unit, KEPT_FLAG, False):
             continue
         for fp in _fsdp_params(unit):
-            if not callable(getattr(fp, "free_unsharded_param", None)):
-                raise GraphUsageError("per-layer graphs over FSDP2: this torch's FSDP2 parameters have no "
-                                      "free_unsharded_param; use full-iteration graphs")
-            fp.free_unsharded_param = _keep
+            tc.keep_unsharded_storage(fp)
         setattr(unit, KEPT_FLAG, True)
     if owners:
         log.info("per-layer graphs over FSDP2: the gathered parameters of %d FSDP2 modules stay allocated "
@@ -129,9 +111,7 @@ def release_gathered(owners: Sequence[nn.Module]) -> None:
         if not getattr(unit, KEPT_FLAG, False):
             continue
         for fp in _fsdp_params(unit):
-            fp.__dict__.pop("free_unsharded_param", None)
-            if fp.sharded_state.name == "SHARDED":  # resharded while kept: nothing else would free it
-                fp.free_unsharded_param()
+            tc.stop_keeping_unsharded_storage(fp)
         setattr(unit, KEPT_FLAG, False)
 
 
@@ -197,10 +177,9 @@ class FsdpSnapshot:
     callback marked as queued, an unsharded parameter's gradient. :meth:`restore` reshards every group that
     was sharded before, then puts back the attributes of every FSDP2 state of the modules, their shared
     contexts and parameter groups (whatever their names), and the unsharded parameters' gradients. No
-    collective runs and nothing the capture recorded is waited on. The private FSDP2 names used here:
-    ``_get_fsdp_state``, ``_state_ctx``, ``_comm_ctx``, ``_fsdp_param_groups`` (see ``_groups``), a group's
-    ``_sharded_state`` and ``_to_sharded()``, an FSDPParam's ``_unsharded_param`` and
-    ``unsharded_accumulated_grad`` (torch 2.13).
+    collective runs and nothing the capture recorded is waited on. The FSDP2 internals this reads are
+    reached through torch_compat.py; on a torch where they changed, taking the snapshot is a
+    TorchCompatError naming them (before, a warning and no restore).
     """
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
@@ -211,40 +190,35 @@ class FsdpSnapshot:
         if fsdp_type is None:
             return
         units = {id(u): u for m in modules for u in m.modules() if isinstance(u, fsdp_type)}
-        try:
-            self._take(units.values())
-        except (GraphUsageError, AttributeError) as e:
-            log.warning("this torch (%s) keeps FSDP2's state differently than graphstep expects (%s): a failed "
-                        "capture cannot put it back, and an eager run after one may differ", torch.__version__, e)
-            self.objects, self.groups, self.params = [], [], []
+        self._take(units.values())
 
     def _take(self, units: Iterable[nn.Module]) -> None:
         seen: set[int] = set()
         for unit in units:
-            state = unit._get_fsdp_state()
-            groups = _groups(unit)
-            for obj in (state, getattr(state, "_state_ctx", None), getattr(state, "_comm_ctx", None), *groups):
+            state = tc.fsdp_state(unit)
+            groups = tc.fsdp_param_groups(state)
+            for obj in (state, *tc.fsdp_shared_contexts(state), *groups):
                 if obj is not None and id(obj) not in seen:
                     seen.add(id(obj))
                     self.objects.append((obj, _copy_attrs(obj)))
             for group in groups:
-                self.groups.append((group, group._sharded_state))
+                self.groups.append((group, tc.group_sharded_state(group)))
                 for fp in group.fsdp_params:
-                    unsharded = vars(fp).get("_unsharded_param")
-                    accumulated = {k: vars(fp)[k] for k in ("unsharded_accumulated_grad",) if k in vars(fp)}
+                    unsharded = tc.unsharded_param(fp)
+                    accumulated = tc.accumulated_grad(fp)
                     self.params.append((fp, accumulated, None if unsharded is None else unsharded.grad))
 
     def restore(self) -> None:
         for group, before in self.groups:
-            if group._sharded_state != before and before.name == "SHARDED":
-                group._to_sharded()  # the module's sharded parameters registered again, the gathered ones freed
-        now = {id(group): group._sharded_state for group, _ in self.groups}
+            if tc.group_sharded_state(group) != before and before.name == "SHARDED":
+                tc.group_to_sharded(group)  # the module's sharded parameters registered again, the gathered freed
+        now = {id(group): tc.group_sharded_state(group) for group, _ in self.groups}
         for obj, saved in self.objects:
             _put_attrs(obj, saved)
             if id(obj) in now:  # what its parameters are now (a group unsharded before may be sharded now)
-                vars(obj)["_sharded_state"] = now[id(obj)]
+                tc.set_group_sharded_state(obj, now[id(obj)])
         for fp, accumulated, grad in self.params:
             vars(fp).update(accumulated)
-            unsharded = vars(fp).get("_unsharded_param")
+            unsharded = tc.unsharded_param(fp)
             if unsharded is not None and unsharded.grad is not grad:
                 unsharded.grad = grad

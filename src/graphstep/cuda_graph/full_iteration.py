@@ -41,7 +41,6 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_map
 
 from .backend import Graph, GraphBackend, default_generators
 from .backup import StepSnapshot
@@ -50,6 +49,7 @@ from .errors import CaptureError, uncapturable_optimizer, user_frame
 from .graph_state import GraphState
 from .persistent import PersistentState
 from .static_io import StaticInputs
+from .torch_compat import tree_map
 
 log = logging.getLogger("graphstep")
 

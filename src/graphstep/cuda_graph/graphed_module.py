@@ -59,20 +59,20 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_unflatten
-
 from .backend import Graph, GraphBackend
 from .errors import ContractError, GraphUsageError
 from .static_io import (StaticInputs, addresses, clone_keeping_layout, copy_data, describe_layout,
                         empty_keeping_layout, layout)
+from .torch_compat import module_buffers, module_parameters, reparametrize_module, tensor_hooks, tree_flatten, \
+    tree_unflatten
 
 
 MAIN_GRAD_HOOK_FLAG = "graphstep_main_grad_hook"
 
 
 def _hook_count(p: torch.Tensor) -> tuple[int, int]:
-    return len(getattr(p, "_backward_hooks", None) or {}), len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+    backward, post = tensor_hooks(p)
+    return len(backward), len(post)
 
 
 def accumulates_in_graph(p: torch.Tensor) -> bool:
@@ -83,10 +83,10 @@ def accumulates_in_graph(p: torch.Tensor) -> bool:
     ``main_grad += grad``): skipping autograd then changes nothing observable.
     Any other hook (a user's, DDP's on the parameter) needs the gradient returned.
     """
-    if getattr(p, "main_grad", None) is None or getattr(p, "_backward_hooks", None):
+    if getattr(p, "main_grad", None) is None:
         return False
-    hooks = (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()
-    return all(getattr(h, MAIN_GRAD_HOOK_FLAG, False) for h in hooks)
+    backward, post = tensor_hooks(p)
+    return not backward and all(getattr(h, MAIN_GRAD_HOOK_FLAG, False) for h in post.values())
 
 
 def _differentiable(t: Any) -> bool:
@@ -159,7 +159,7 @@ class ModuleGraph:
         """
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         aliases = {n: p.detach().requires_grad_(True) for n, p in named}
-        with _reparametrize_module(self.module, aliases):
+        with reparametrize_module(self.module, aliases):
             out = self.call_eager(tree)
         return out, [aliases[n] for n, _ in named]
 
@@ -192,7 +192,8 @@ class ModuleGraph:
                 static.requires_grad_(True)
         self.static.refresh()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.watched = [(d, name, addresses(t)) for m in self.module.modules() for d in (m._parameters, m._buffers)
+        self.watched = [(d, name, addresses(t)) for m in self.module.modules()
+                        for d in (module_parameters(m), module_buffers(m))
                         for name, t in d.items() if t is not None]
         self.fwd = backend.new_graph(f"{self.name}.fwd", shared_pool=self.shared_pool)
         with backend.capture(self.fwd, generators), torch.enable_grad():

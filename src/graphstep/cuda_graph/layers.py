@@ -56,7 +56,6 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from .backend import GraphBackend, default_generators
 from .backup import StateBackup
@@ -67,6 +66,7 @@ from .graph_state import GraphState
 from .graphed_module import ModuleGraph, apply_graphed
 from .scopes import scope_modules
 from .static_io import local_tensors
+from .torch_compat import tree_flatten
 
 log = logging.getLogger("graphstep")
 

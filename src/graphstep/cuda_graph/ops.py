@@ -16,7 +16,8 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+
+from .torch_compat import FUNCTIONAL_COLLECTIVES, OpOverload, op_schema, tree_leaves
 
 aten = torch.ops.aten
 
@@ -50,7 +51,7 @@ HOST_ONLY_NAMESPACES = {"profiler"}
 
 
 @functools.lru_cache(maxsize=None)
-def schema_kind(func: torch._ops.OpOverload) -> str:
+def schema_kind(func: OpOverload) -> str:
     """'view', 'alloc', 'inplace_view', 'mutating', 'mutating_fresh' (writes an argument and returns
     a new tensor), 'functional' or 'host_only'."""
     packet = func.overloadpacket
@@ -60,13 +61,13 @@ def schema_kind(func: torch._ops.OpOverload) -> str:
         return "host_only"
     if is_collective(func):
         return "mutating"
-    if func.namespace == FUNCTIONAL_COLLECTIVES and func._schema.name.split("::")[-1] in FUNCOL_IDENTITIES:
+    if func.namespace == FUNCTIONAL_COLLECTIVES and op_schema(func).name.split("::")[-1] in FUNCOL_IDENTITIES:
         # wait_tensor/_wrap_tensor_autograd hand back the tensor they are given: replay waits on the
         # collective it re-runs instead (see is_functional_collective).
         return "view"
     if torch.Tag.inplace_view in func.tags:
         return "inplace_view"
-    schema = func._schema
+    schema = op_schema(func)
     returns = schema.returns
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return "mutating_fresh" if fresh_returns(func) else "mutating"
@@ -76,14 +77,14 @@ def schema_kind(func: torch._ops.OpOverload) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def fresh_returns(func: torch._ops.OpOverload) -> tuple[int, ...]:
+def fresh_returns(func: OpOverload) -> tuple[int, ...]:
     """Positions of the schema's returns that are new tensors (not aliases of an argument)."""
-    return tuple(i for i, r in enumerate(func._schema.returns)
+    return tuple(i for i, r in enumerate(op_schema(func).returns)
                  if r.alias_info is None and ("Tensor" in str(r.type)))
 
 
-def returned_tensors(func: torch._ops.OpOverload, out: Any, positions: tuple[int, ...]) -> list[torch.Tensor]:
-    values = out if len(func._schema.returns) > 1 else (out,)
+def returned_tensors(func: OpOverload, out: Any, positions: tuple[int, ...]) -> list[torch.Tensor]:
+    values = out if len(op_schema(func).returns) > 1 else (out,)
     return [t for i in positions for t in tree_leaves(values[i]) if isinstance(t, torch.Tensor)]
 
 
@@ -102,14 +103,14 @@ def _is_masked_fill(args: tuple, kwargs: dict) -> bool:
             and not (len(args) > 3 and args[3]))
 
 
-def host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+def host_sync_reason(func: OpOverload, args: tuple, kwargs: dict) -> tuple[str, str] | None:
     """(category, reason) when ``func`` would read device data on the host during capture."""
     packet = func.overloadpacket
     if packet in METADATA_OPS:
         return None
     if packet is aten._local_scalar_dense or torch.Tag.data_dependent_output in func.tags:
         return "host_sync", "reads a device value on the host (a sync; not allowed while capturing)"
-    if any(str(r.type) in SCALAR_RETURNS for r in func._schema.returns):
+    if any(str(r.type) in SCALAR_RETURNS for r in op_schema(func).returns):
         return "host_sync", "returns a Python value computed from device data (a sync)"
     if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
         indices = args[1] if len(args) > 1 else kwargs.get("indices")
@@ -126,32 +127,32 @@ def host_sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
 
 
 
-FUNCTIONAL_COLLECTIVES = "_c10d_functional"
 FUNCOL_IDENTITIES = {"wait_tensor", "_wrap_tensor_autograd"}
 
 
-def is_functional_collective(func: torch._ops.OpOverload) -> bool:
+def is_functional_collective(func: OpOverload) -> bool:
     """A functional collective (``_c10d_functional``, what DTensor redistributes with): its result
     is pending until ``wait_tensor``, so a replay waits on it before reading it."""
-    return func.namespace == FUNCTIONAL_COLLECTIVES and func._schema.name.split("::")[-1] not in FUNCOL_IDENTITIES
+    return func.namespace == FUNCTIONAL_COLLECTIVES and op_schema(func).name.split("::")[-1] not in FUNCOL_IDENTITIES
 
 
-def is_collective(func: torch._ops.OpOverload) -> bool:
+def is_collective(func: OpOverload) -> bool:
     # c10d's ops -- in-place collectives (allreduce_, broadcast_, allgather_, reduce_scatter_, ...),
     # point-to-point send and recv_, barrier -- return a Work that must be waited; the in-place ones
     # write into their first argument although their schemas carry no (a!) annotation: treat them
     # all as mutating ops on their arguments.
-    return func.namespace == "c10d" and any("Work" in str(r.type) for r in func._schema.returns)
+    return func.namespace == "c10d" and any("Work" in str(r.type) for r in op_schema(func).returns)
 
 
 @functools.lru_cache(maxsize=None)
-def generator_args(func: torch._ops.OpOverload) -> tuple[tuple[int, str, bool], ...]:
-    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments) if "Generator" in str(a.type))
+def generator_args(func: OpOverload) -> tuple[tuple[int, str, bool], ...]:
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(op_schema(func).arguments)
+                 if "Generator" in str(a.type))
 
 
 
 
 @functools.lru_cache(maxsize=None)
-def returns_alias(func: torch._ops.OpOverload) -> bool:
+def returns_alias(func: OpOverload) -> bool:
     """Whether any of the op's results aliases an argument (a view or an ``out=``/in-place result)."""
-    return any(r.alias_info is not None for r in func._schema.returns)
+    return any(r.alias_info is not None for r in op_schema(func).returns)

@@ -69,9 +69,6 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .backend import CaptureReport, Graph, GraphBackend, default_generators
 from .backup import StateBackup, storage_key
@@ -81,6 +78,8 @@ from .ops import (
     schema_kind,
 )
 from .replay_host import active_recorder, host_guards, in_collective_wait, record_host_op, set_recorder
+from .torch_compat import (FakeTensor, TorchDispatchMode, below_autograd_outside_autocast, generator_key, op_schema,
+                           tree_leaves, wait_tensor)
 
 __all__ = ["ReplayBackend", "host_sync_reason", "record_host_op"]
 
@@ -130,7 +129,7 @@ class _Tape(Graph):
         # Below autograd (nothing is recorded for backward, in-place writes to leaves are legal), outside
         # autocast (the casts were recorded), and in each op's recorded grad mode: the kernels take the
         # paths they took when recorded.
-        with torch._C._AutoDispatchBelowAutograd(), torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+        with below_autograd_outside_autocast():
             for grad, run in self.runs:
                 with torch.set_grad_enabled(grad):
                     for entry in run:
@@ -143,22 +142,10 @@ class _Tape(Graph):
         self._captured = False
 
 
-def _autocast_keys() -> torch._C.DispatchKeySet:
-    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-    for name in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastXLA", "AutocastPrivateUse1"):
-        key = getattr(torch._C.DispatchKey, name, None)
-        if key is not None:
-            keys = keys | torch._C.DispatchKeySet(key)
-    return keys
-
-
-_AUTOCAST_KEYS = _autocast_keys()
-
-
 def _refill_entry(func, args, kwargs, out, positions: tuple[int, ...]) -> Callable[[], None]:
     """Re-run ``func`` (its in-place writes happen again) and copy its new results into the recorded ones."""
     recorded = returned_tensors(func, out, positions)
-    wait = _wait_tensor if is_functional_collective(func) else None
+    wait = wait_tensor if is_functional_collective(func) else None
 
     def run() -> None:
         fresh = returned_tensors(func, func(*args, **kwargs), positions)
@@ -169,10 +156,6 @@ def _refill_entry(func, args, kwargs, out, positions: tuple[int, ...]) -> Callab
                 dst.copy_(src)
 
     return run
-
-
-def _wait_tensor(t: torch.Tensor) -> torch.Tensor:
-    return torch.ops._c10d_functional.wait_tensor(t)
 
 
 def _works(result: Any) -> list[Any]:
@@ -188,7 +171,7 @@ def _mutating_entry(func, args, kwargs) -> Callable[[], None]:
     def run() -> None:  # an in-place functional collective: done when waited
         for t in tree_leaves(func(*args, **kwargs)):
             if isinstance(t, torch.Tensor):
-                _wait_tensor(t)
+                wait_tensor(t)
 
     return run
 
@@ -263,7 +246,7 @@ class _Recorder(TorchDispatchMode):
         if problem is not None:
             self._fail(func, *problem)
         for gen in _generators(func, args, kwargs):
-            if _gen_key(gen) not in self.generators:
+            if generator_key(gen) not in self.generators:
                 self._fail(func, "rng",
                            "it uses a generator that is not registered with the graph (use the RNG tracker)")
 
@@ -292,7 +275,7 @@ class _Recorder(TorchDispatchMode):
         elif kind == "mutating":
             tape.add(_mutating_entry(func, args, kwargs))
         else:
-            positions = fresh_returns(func) if kind == "mutating_fresh" else tuple(range(len(func._schema.returns)))
+            positions = fresh_returns(func) if kind == "mutating_fresh" else tuple(range(len(op_schema(func).returns)))
             self._note_created(returned_tensors(func, out, positions))
             tape.keep.append(out)
             tape.add(_refill_entry(func, args, kwargs, out, positions))
@@ -381,11 +364,6 @@ def _generators(func, args: tuple, kwargs: dict) -> Iterator[torch.Generator]:
             yield gen
 
 
-def _gen_key(gen: torch.Generator) -> int:
-    # The dispatcher hands ops a new Python wrapper of the same C++ generator: compare the C++ object.
-    return gen._cdata
-
-
 class ReplayBackend(GraphBackend):
     """Record-and-replay of aten ops: CUDA-graph semantics on any device."""
 
@@ -402,7 +380,7 @@ class ReplayBackend(GraphBackend):
             raise CaptureError(f"cannot capture graph {graph.name!r} while another capture is recording")
         gens = list(generators) + default_generators(self.device)
         states = [(g, g.get_state()) for g in gens]
-        recorder = _Recorder(graph, {_gen_key(g) for g in gens}, self.device)
+        recorder = _Recorder(graph, {generator_key(g) for g in gens}, self.device)
         t0 = time.perf_counter()
         set_recorder(recorder)
         try:

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .errors import CaptureError, user_frame
+from .monkeypatch import Patches
 
 _local = threading.local()
 
@@ -203,23 +204,11 @@ def _wrappers() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[
 @contextlib.contextmanager
 def host_guards() -> Iterator[None]:
     """Wrap, while a capture records, what bypasses the dispatcher (see the module docstring)."""
-    saved: list[tuple[Any, str, Any, bool]] = []
-    for owner, name, wrap in _wrappers():
-        old = getattr(owner, name, None)
-        if old is None:
-            continue
-        saved.append((owner, name, old, name in vars(owner)))
-        setattr(owner, name, wrap(old))
-    # Code that asks "is the stream capturing?" (torch.optim's capture check,
-    # Hugging Face's sync-free mask path) must get the answer a CUDA capture gives.
-    was_capturing = torch.cuda.is_current_stream_capturing
-    torch.cuda.is_current_stream_capturing = lambda: active_recorder() is not None or was_capturing()
-    try:
+    with Patches() as patches:
+        for owner, name, wrap in _wrappers():
+            patches.wrap(owner, name, wrap)
+        # Code that asks "is the stream capturing?" (torch.optim's capture check,
+        # Hugging Face's sync-free mask path) must get the answer a CUDA capture gives.
+        patches.wrap(torch.cuda, "is_current_stream_capturing",
+                     lambda was_capturing: lambda: active_recorder() is not None or was_capturing())
         yield
-    finally:
-        torch.cuda.is_current_stream_capturing = was_capturing
-        for owner, name, old, own in reversed(saved):
-            if own:
-                setattr(owner, name, old)
-            else:
-                delattr(owner, name)

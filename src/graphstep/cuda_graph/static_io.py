@@ -32,9 +32,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .errors import ContractError
+from .torch_compat import async_collective_tensor_types, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 
 def _describe(x: Any) -> str:
@@ -55,11 +55,7 @@ def _lazy_tensor_types() -> tuple[type, ...]:
     (``AsyncCollectiveTensor``, what tensor parallel's ``use_local_output`` hands a module) waits for its
     collective in its own dispatch, so it is read and copied as a plain tensor -- its inner tensor, copied
     directly, would be read before the collective has filled it. Verified on torch 2.11 and 2.13."""
-    try:
-        from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    except ImportError:  # torch without distributed
-        return ()
-    return (AsyncCollectiveTensor,)
+    return async_collective_tensor_types()
 
 
 _LAZY = _lazy_tensor_types()

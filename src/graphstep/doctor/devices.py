@@ -91,7 +91,7 @@ class DeviceModel:
 
 
 def tensors(tree: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
+    from ..cuda_graph.torch_compat import tree_leaves
 
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 

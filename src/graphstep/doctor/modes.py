@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..cuda_graph.ops import host_sync_reason, returns_alias
+from ..cuda_graph.torch_compat import OpOverload, TorchDispatchMode
 from .devices import FACTORIES, tensors
 
 aten = torch.ops.aten
@@ -79,7 +79,7 @@ def api_name(func: Any) -> str:
 
 
 def _short_name(func: Any) -> str:
-    if isinstance(func, torch._ops.OpOverload):
+    if isinstance(func, OpOverload):
         return func.overloadpacket.__name__
     return getattr(func, "__name__", "")
 

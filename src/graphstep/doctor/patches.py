@@ -11,19 +11,21 @@
 * ``GradScaler.step`` and ``autocast.__enter__`` are wrapped to recognise a
   dynamic loss scaler and an autocast cache.
 
-Everything is put back when the run ends, also on errors.
+Everything is put back exactly when the run ends, also on errors (cuda_graph/monkeypatch.py, the
+mechanism the replay backend patches with too).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.optim.optimizer as optim_mod
 
+from ..cuda_graph.monkeypatch import Patches
+from ..cuda_graph.torch_compat import autocast_settings, grad_scaler_device
 from .frames import is_internal, user_frame
 
 
@@ -36,14 +38,10 @@ def _amp_unavailable() -> bool:
 
 @contextlib.contextmanager
 def patched(s: Any) -> Iterator[None]:
-    saved: list[tuple[Any, str, Any]] = []
+    patches = Patches()
 
     def put(owner: Any, name: str, new: Callable[..., Any]) -> None:
-        old = getattr(owner, name, None)
-        if old is None:
-            return
-        saved.append((owner, name, old))
-        setattr(owner, name, functools.wraps(old)(new(old)))
+        patches.wrap(owner, name, new, keep_metadata=True)
 
     sim = s.devices.simulated
     put(torch.cuda, "synchronize", lambda old: _recorded(
@@ -74,8 +72,7 @@ def patched(s: Any) -> Iterator[None]:
     finally:
         for h in hooks:
             h.remove()
-        for owner, name, old in reversed(saved):
-            setattr(owner, name, old)
+        patches.restore()
 
 
 # the CPU generator's state functions, unpatched, for the stand-ins above
@@ -134,7 +131,7 @@ def _scaler_step(s: Any, old: Callable[..., Any]) -> Callable[..., Any]:
     def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if not (s.active and s.recording):
             return old(scaler, optimizer, *args, **kwargs)
-        cuda_here = getattr(scaler, "_device", "") == "cuda" and _amp_unavailable()
+        cuda_here = grad_scaler_device(scaler) == "cuda" and _amp_unavailable()
         if (scaler.is_enabled() or cuda_here) and not s.suppress:
             where = "disabled on this machine (no GPU), on a GPU: " if cuda_here and not scaler.is_enabled() else ""
             s.found("grad_scaler", "GradScaler.step",
@@ -150,8 +147,8 @@ def _scaler_step(s: Any, old: Callable[..., Any]) -> Callable[..., Any]:
 
 def _autocast_enter(s: Any, old: Callable[..., Any]) -> Callable[..., Any]:
     def enter(ac: Any) -> Any:
-        if s.active and s.recording and not s.suppress and getattr(ac, "_cache_enabled", False):
-            wanted = getattr(ac, "_enabled", False) or (getattr(ac, "device", "") == "cuda" and _amp_unavailable())
+        if s.active and s.recording and not s.suppress and autocast_settings(ac)[1]:
+            wanted = autocast_settings(ac)[0] or (getattr(ac, "device", "") == "cuda" and _amp_unavailable())
             if wanted:
                 s.found("autocast_cache", "torch.autocast",
                         detail=f"torch.autocast({getattr(ac, 'device', '?')!r}) with cache_enabled=True",

@@ -31,11 +31,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..cuda_graph.torch_compat import MODULE_DICTS, module_buffers, module_parameters
 from .frames import SourceLine, is_internal
 
 _MISSING = object()
 _LIMIT = 20000
-_SKIP_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "__dict__", "__weakref__"})
+_SKIP_ATTRS = MODULE_DICTS | {"__dict__", "__weakref__"}
 
 Getter = Callable[[], Any]
 
@@ -119,8 +120,8 @@ class _Walker:
         for name, m in mod.named_modules():
             here = f"{path}.{name}" if name else path
             self.seen.add(id(m))
-            self.put(f"len({here}._parameters)", lambda m=m: len(m._parameters))
-            self.put(f"len({here}._buffers)", lambda m=m: len(m._buffers))
+            self.put(f"len({here}._parameters)", lambda m=m: len(module_parameters(m)))
+            self.put(f"len({here}._buffers)", lambda m=m: len(module_buffers(m)))
             self.attrs(m, here, 3)
 
     def function(self, fn: types.FunctionType, level: int = 0) -> None:

@@ -19,19 +19,27 @@ it. The mask-skip answer is frozen only when no attention mask was passed
 (then it depends on shapes alone); with an attention mask it depends on the
 data, so the capture keeps transformers' general path and the graph says so
 -- leave out an all-ones ``attention_mask`` to get eager's kernels.
+
+The helpers (two of them private to transformers) are looked up through
+engines_compat.py: a masking_utils without one of them is an error
+naming the transformers version, and a transformers without masking_utils
+(older than graphstep was verified with) is a warning, once.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from typing import Any, Callable
 
 from ..cuda_graph import decisions
+from ..engines_compat import MASK_SKIPS, MASKING_UTILS, masking_functions, masking_utils_missing
 
-MODULE = "transformers.masking_utils"
+log = logging.getLogger("graphstep")
+
+MODULE = MASKING_UTILS
 PACKED = "transformers.find_packed_sequence_indices"
-MASK_SKIPS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 
 
 def _decided(key: str, compute: Callable[[], Any], decision: Callable[[Any], Any] = lambda r: r,
@@ -74,13 +82,21 @@ def _install() -> None:
     masks = sys.modules[MODULE]
     wrappers = {"find_packed_sequence_indices": _wrap_packed}
     wrappers.update({name: functools.partial(_wrap_mask_skip, key=f"transformers.{name}") for name in MASK_SKIPS})
+    originals = masking_functions(masks)  # all of them, or an error naming the transformers version
     for name, wrap in wrappers.items():
-        original = getattr(masks, name, None)
-        if original is None or getattr(original, "_graphstep_wrapped", False):
+        original = originals[name]
+        if getattr(original, "_graphstep_wrapped", False):
             continue
         wrapped = wrap(original)
         wrapped._graphstep_wrapped = True
         setattr(masks, name, wrapped)
 
 
+def _warn_without_masking_utils() -> None:
+    why = masking_utils_missing()
+    if why is not None:
+        log.warning(why)
+
+
 decisions.register(MODULE, _install)
+decisions.register("transformers", _warn_without_masking_utils)

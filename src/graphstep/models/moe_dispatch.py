@@ -47,6 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..cuda_graph.torch_compat import grouped_mm, grouped_mm_available
+
 
 def dropless_rows(num_pairs: int, num_experts: int, align: int) -> int:
     """Static row bound of a dropless layout: ``num_pairs`` rows plus worst-case padding."""
@@ -156,7 +158,7 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     if key in _GROUPED_MM_OK:
         return _GROUPED_MM_OK[key]
     ok = (
-        hasattr(torch, "_grouped_mm")
+        grouped_mm_available()
         and device.type == "cuda"
         and dtype == torch.bfloat16
         and torch.cuda.get_device_capability(device) >= (9, 0)
@@ -176,7 +178,7 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
         x = torch.randn(37, 64, device=device, generator=gen).to(dtype)
         w = torch.randn(3, 32, 64, device=device, generator=gen).to(dtype)
         offs = torch.tensor([5, 5, 37], device=device, dtype=torch.int32)  # unaligned, one empty group
-        out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        out = grouped_mm(x, w.transpose(-2, -1), offs)
         ref = torch.cat([x[:5] @ w[0].t(), x[5:37] @ w[2].t()])
         return bool(torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2))
     except (RuntimeError, NotImplementedError, TypeError):
@@ -202,9 +204,9 @@ class GroupedExperts(nn.Module):
     def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x [P, hidden] grouped by ``offsets`` (int32 cumulative ends) -> [P, hidden]."""
         w1, w2 = self.weights()
-        h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+        h = grouped_mm(x, w1.transpose(-2, -1), offsets)
         gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+        return grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offsets)
 
     def tiled(self, x: torch.Tensor, owner: torch.Tensor | None) -> torch.Tensor:
         """x [T*tile, hidden] in tiles of one expert each (``owner [T]``; None = tile t is expert t)."""

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cuda_graph.torch_compat import AfterApply, module_buffers
+
 
 def fp32_or_wider(t: torch.Tensor) -> torch.Tensor:
     """``t`` in fp32, or as is when already fp64 (so fp64 gradient checks stay exact)."""
@@ -117,7 +119,7 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(fp32_or_wider(logits), dim=-1).square().mean()
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(AfterApply):
     """Linear gate + top-k routing + aux losses, with persistent statistics buffers."""
 
     def __init__(self, hidden: int, moe) -> None:
@@ -138,13 +140,12 @@ class TopKRouter(nn.Module):
         # the trainer sets it for each run.
         self.register_buffer("aux_loss_scale", torch.ones(()), persistent=False)
 
-    def _apply(self, fn, recurse: bool = True):
-        super()._apply(fn, recurse)
+    def after_apply(self) -> None:
+        buffers = module_buffers(self)
         for name in _FP32_BUFFERS:
-            buf = self._buffers.get(name)
+            buf = buffers.get(name)
             if buf is not None and buf.dtype != torch.float32:
-                self._buffers[name] = buf.float()
-        return self
+                buffers[name] = buf.float()
 
     def set_aux_loss_scale(self, scale: float) -> None:
         """Set the backward scale of the aux losses (eager, once; not per step)."""

@@ -33,6 +33,7 @@ import torch
 from torch.profiler import ProfilerAction
 
 from ..config import Config
+from ..cuda_graph.torch_compat import dump_memory_snapshot, record_memory_history, stop_memory_history
 
 log = logging.getLogger("graphstep")
 
@@ -104,7 +105,7 @@ class StepProfiler:
             return
         self.started = True
         if self.memory:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            record_memory_history(max_entries=100_000)
         if self.nsys:
             torch.cuda.profiler.start()
 
@@ -124,8 +125,8 @@ class StepProfiler:
             self.nsys = False
         if self.memory:
             Path(self.snapshot).parent.mkdir(parents=True, exist_ok=True)
-            torch.cuda.memory._dump_snapshot(self.snapshot)
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_memory_snapshot(self.snapshot)
+            stop_memory_history()
             log.info("CUDA memory history of iterations %d-%d written to %s", self.start, self.end, self.snapshot)
             self.memory = False
 

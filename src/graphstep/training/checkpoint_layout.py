@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .parallel import TP, fused_parts
+from ..engines_compat import dtensor_local
 
 
 def tensor_parallel_ranks(p: DTensor) -> int:
@@ -68,7 +69,7 @@ class LayoutEntries:
             return dt
         with torch.no_grad():
             natural = to_natural(dt.detach().full_tensor(), parts, ranks)
-        local = dt._local_tensor
+        local = dtensor_local(dt)
 
         def scatter() -> None:  # after loading: this rank's share of the natural tensor, in place
             with torch.no_grad():

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..cuda_graph.settings import CudaGraphSettings
+from ..engines_compat import dynamo_callbacks
 
 log = logging.getLogger("graphstep")
 
@@ -78,15 +79,13 @@ class CompileTimer:
             self.compiles += 1
 
     def __enter__(self) -> "CompileTimer":
-        from torch._dynamo.callback import callback_handler
-
+        callback_handler = dynamo_callbacks()
         callback_handler.register_start_callback(self._start)
         callback_handler.register_end_callback(self._end)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from torch._dynamo.callback import callback_handler
-
+        callback_handler = dynamo_callbacks()
         callback_handler.remove_start_callback(self._start)
         callback_handler.remove_end_callback(self._end)
 

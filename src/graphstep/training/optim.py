@@ -28,6 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..cuda_graph.graphed_module import MAIN_GRAD_HOOK_FLAG
+from ..cuda_graph.torch_compat import (foreach_add_, foreach_addcmul_, foreach_copy_, foreach_div, foreach_div_,
+                                      foreach_lerp_, foreach_mul_, foreach_norm, foreach_sqrt, fused_adamw_)
 from .parallel import counted_here, is_expert_parameter, local_tensor
 
 
@@ -72,7 +74,7 @@ class GradBuffers:
         if self.mesh is None:
             return torch.linalg.vector_norm(self.flat, 2.0)
         if self.counted:
-            square = torch.stack(torch._foreach_norm(self.counted, 2.0)).square().sum()
+            square = torch.stack(foreach_norm(self.counted, 2.0)).square().sum()
         else:
             square = torch.zeros((), dtype=torch.float32, device=self.flat.device)
         dist.all_reduce(square, op=dist.ReduceOp.SUM)  # every rank of the mesh: the default group
@@ -229,12 +231,12 @@ class AdamW:
         pairs = [(p, m) for p, m, c in zip(self.model_params, self.master, self.needs_copy_back) if c]
         if pairs:
             with torch.no_grad():
-                torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+                foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
     def _update(self, params, grads, m, v, wd: float, skip: torch.Tensor | None) -> None:
         beta1, beta2 = self.betas
         if self.fused:
-            torch._fused_adamw_(
+            fused_adamw_(
                 params, grads, m, v, [], [self.step_t] * len(params),
                 lr=self.lr_t, beta1=beta1, beta2=beta2, weight_decay=wd, eps=self.eps,
                 amsgrad=False, maximize=False, grad_scale=None, found_inf=skip,
@@ -253,19 +255,19 @@ class AdamW:
 def _foreach_adamw(params, grads, m, v, step, lr, beta1, beta2, wd, eps) -> None:
     """torch.optim.AdamW's update with a tensor step and LR (no host reads)."""
     if wd != 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * wd)
-    torch._foreach_lerp_(m, grads, 1.0 - beta1)
-    torch._foreach_mul_(v, beta2)
-    torch._foreach_addcmul_(v, grads, grads, value=1.0 - beta2)
+        foreach_mul_(params, 1.0 - lr * wd)
+    foreach_lerp_(m, grads, 1.0 - beta1)
+    foreach_mul_(v, beta2)
+    foreach_addcmul_(v, grads, grads, value=1.0 - beta2)
     bias1 = 1.0 - torch.pow(beta1, step)
     bias2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step))
     step_size = lr / bias1
-    denom = torch._foreach_sqrt(v)
-    torch._foreach_div_(denom, bias2_sqrt)
-    torch._foreach_add_(denom, eps)
-    updates = torch._foreach_div(m, denom)
-    torch._foreach_mul_(updates, -step_size)
-    torch._foreach_add_(params, updates)
+    denom = foreach_sqrt(v)
+    foreach_div_(denom, bias2_sqrt)
+    foreach_add_(denom, eps)
+    updates = foreach_div(m, denom)
+    foreach_mul_(updates, -step_size)
+    foreach_add_(params, updates)
 
 
 def build_optimizer(cfg, model: nn.Module, grads: GradBuffers) -> AdamW:

@@ -59,6 +59,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..config import Config
 from ..cuda_graph.rng import MODEL_PARALLEL_RNG
+from ..engines_compat import ColwiseWithPartition, dtensor_local
 
 PP, DP, TP = "pp", "dp", "tp"
 EDP, EP = "edp", "ep"  # expert parallel: the data-parallel ranks as (expert-data-parallel, expert-parallel)
@@ -127,7 +128,7 @@ def fused_parts(module: nn.Module) -> tuple[int, ...] | None:
     return getattr(module, "fused_parts", None)
 
 
-class FusedColwiseParallel(ColwiseParallel):
+class FusedColwiseParallel(ColwiseWithPartition):
     """Colwise sharding of a fused projection: each rank takes its slice of every part, not a block of rows.
 
     The module's ``fused_parts`` lists the parts' row counts; every part
@@ -136,10 +137,10 @@ class FusedColwiseParallel(ColwiseParallel):
     slices its rows locally without communication.
     """
 
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+    def partition_linear(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         parts = fused_parts(module)
         if parts is None:
-            return super()._partition_linear_fn(name, module, device_mesh)
+            return super().partition_linear(name, module, device_mesh)
         rank, size = device_mesh.get_local_rank(), device_mesh.size()
         for pname, param in list(module.named_parameters(recurse=False)):
             local = torch.cat([chunk.chunk(size, dim=0)[rank] for chunk in param.detach().split(list(parts), dim=0)])
@@ -266,7 +267,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh | None, param
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The part of ``p`` this rank holds (``p`` itself when it is not a DTensor); shares its storage."""
-    return p._local_tensor if isinstance(p, DTensor) else p
+    return dtensor_local(p) if isinstance(p, DTensor) else p
 
 
 def counted_here(p: torch.Tensor, mesh: DeviceMesh | None) -> bool:

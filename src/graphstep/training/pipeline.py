@@ -49,6 +49,7 @@ from ..cuda_graph.rng import get_rng_tracker
 from ..models.transformer import token_loss
 from .optim import GradBuffers
 from .step import Batch, EvalStep, TrainStep
+from ..engines_compat import forward_only_step, view_base, wrap_stage_setup
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -122,7 +123,7 @@ class _StageLoss:
         self.target, self.total, self.scale, self.index = target, total, scale, 0
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.target is None or labels._base is not self.target:
+        if self.target is None or view_base(labels) is not self.target:
             return token_loss(logits, labels)
         loss = token_loss(logits, labels, self.masks[self.index])
         self.index += 1
@@ -189,33 +190,22 @@ def _setup_draws_nothing(schedule: Any) -> Any:
     micro-batch, forking only torch's default generators). The wrapper keeps the tracker's streams and the
     default generators around it in eager steps; a captured step comes after the eager first one (R29).
     """
-    init = getattr(schedule, "_initialize_stage", None)
-    if init is None:
-        raise RuntimeError(f"torch {torch.__version__}: {type(schedule).__name__} has no _initialize_stage, which "
-                           "graphstep wraps so that a pipeline stage's set-up draws no dropout masks "
-                           "(training/pipeline.py, _setup_draws_nothing); verified on torch 2.13")
+    def wrap(init: Callable[..., Any]) -> Callable[..., Any]:
+        def initialize(*args: Any, **kwargs: Any) -> Any:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # set up already (R29)
+                return init(*args, **kwargs)
+            with get_rng_tracker().preserved():
+                return init(*args, **kwargs)
 
-    def initialize(*args: Any, **kwargs: Any) -> Any:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # set up already (R29)
-            return init(*args, **kwargs)
-        with get_rng_tracker().preserved():
-            return init(*args, **kwargs)
+        return initialize
 
-    schedule._initialize_stage = initialize
+    wrap_stage_setup(schedule, wrap)
     return schedule
 
 
 def _forward_only(schedule: Any, args: tuple, target: torch.Tensor | None, kwargs: dict) -> None:
     """Forwards only, the loss on the last stage: ``schedule.eval`` where torch has it."""
-    if hasattr(schedule, "eval"):
-        schedule.eval(*args, target=target, **kwargs)
-        return
-    had = schedule._has_backward  # what schedule.eval does in the torch versions that have it
-    schedule._has_backward = False
-    try:
-        schedule.step(*args, target=target, **kwargs)
-    finally:
-        schedule._has_backward = had
+    forward_only_step(schedule, *args, target=target, **kwargs)
 
 
 class PipelineTrainStep(TrainStep):

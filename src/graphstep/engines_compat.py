@@ -1,0 +1,210 @@
+"""Private APIs of PyTorch's parallel engines and of transformers that the trainer uses: one place, with probes.
+
+The companion of cuda_graph/torch_compat.py (which holds the mechanism's
+private accesses, the probe registry and :class:`TorchCompatError`): tensor
+parallel's partition hook, the pipelining schedules' set-up and backward
+switch, DTensor's local tensor, a view's base, dynamo's compile callbacks and
+reset, and transformers' mask helpers. Each access is a small named function
+with a probe registered in the same ``PROBES``; a missing name raises a
+TorchCompatError naming the torch (or transformers) version when the feature is
+used. docs/library.md lists them with the versions they were verified on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+from .cuda_graph.torch_compat import CPU_2_13, GPU_2_11, PROBES, expect, probe
+
+# --------------------------------------------------------------------------
+# tensors: a view's base, DTensor's local tensor
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of, or None (``Tensor._base``)."""
+    return t._base
+
+
+def dtensor_local(dt: Any) -> torch.Tensor:
+    """The part of DTensor ``dt`` this rank holds, sharing its storage and outside autograd's view of ``dt``
+    (``DTensor._local_tensor``; ``to_local()`` would be a differentiable op)."""
+    try:
+        return dt._local_tensor
+    except AttributeError as e:
+        raise PROBES["probe_tensor_internals"].error(str(e)) from e
+
+
+@probe("Tensor._base", "DTensor._local_tensor", purpose="recognise a view of the step's labels and reach a "
+       "sharded parameter's local storage", verified=(CPU_2_13, GPU_2_11), needs="process_group")
+def probe_tensor_internals() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    whole = torch.arange(6.0)
+    expect(view_base(whole[2:4]) is whole and view_base(whole) is None, "a slice's base")
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    local = torch.ones(2)
+    dt = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+    expect(dtensor_local(dt).data_ptr() == local.data_ptr(), "the local tensor shares the storage")
+
+
+# --------------------------------------------------------------------------
+# tensor parallel: a colwise style that partitions its own way
+
+
+class ColwiseWithPartition(ColwiseParallel):
+    """A ``ColwiseParallel`` whose subclasses say how a Linear is partitioned by overriding
+    :meth:`partition_linear`; the default is ColwiseParallel's own. torch calls it through
+    ``ColwiseParallel._partition_linear_fn``, the per-module partition its ``_apply`` hands to
+    ``distribute_module``; a torch without that name is an error when the style is made, never a style
+    whose override is silently not called."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not callable(getattr(ColwiseParallel, "_partition_linear_fn", None)):
+            raise PROBES["probe_colwise_partition"].error()
+        super().__init__(*args, **kwargs)
+
+    def partition_linear(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+        """Shard ``module``'s parameters over ``device_mesh`` (ColwiseParallel's own partition)."""
+        return super()._partition_linear_fn(name, module, device_mesh)
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+        return self.partition_linear(name, module, device_mesh)
+
+
+@probe("ColwiseParallel._partition_linear_fn", purpose="shard fused projections (qkv, gate+up) part by part",
+       verified=(CPU_2_13, GPU_2_11))
+def probe_colwise_partition() -> None:
+    ColwiseWithPartition()
+    params = list(inspect.signature(ColwiseParallel._partition_linear_fn).parameters)
+    expect(params == ["self", "name", "module", "device_mesh"], f"signature {params}")
+    expect("_partition_linear_fn" in inspect.getsource(ColwiseParallel._apply), "_apply partitions with it")
+
+
+# --------------------------------------------------------------------------
+# pipelining: the stage set-up, forward-only steps
+
+
+def wrap_stage_setup(schedule: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``schedule``'s stage set-up (``_initialize_stage``, called at the start of every step of a
+    single-stage schedule; it sets the stage up on the first) by ``wrap(original)`` on this instance."""
+    init = getattr(schedule, "_initialize_stage", None)
+    if init is None:
+        raise PROBES["probe_pipeline_schedules"].error(f"{type(schedule).__name__} has no _initialize_stage")
+    schedule._initialize_stage = wrap(init)
+
+
+def forward_only_step(schedule: Any, *args: Any, **kwargs: Any) -> None:
+    """One forward-only step: ``schedule.eval(...)`` where torch has it (2.13), else ``step(...)`` with the
+    schedule's ``_has_backward`` off, which is what ``eval`` does (the older path, kept for torch 2.11)."""
+    if hasattr(schedule, "eval"):
+        schedule.eval(*args, **kwargs)
+        return
+    if not hasattr(schedule, "_has_backward"):
+        raise PROBES["probe_pipeline_schedules"].error(f"{type(schedule).__name__} has no eval or _has_backward")
+    had = schedule._has_backward
+    schedule._has_backward = False
+    try:
+        schedule.step(*args, **kwargs)
+    finally:
+        schedule._has_backward = had
+
+
+@probe("_PipelineScheduleSingle._initialize_stage", "PipelineSchedule.eval (2.13) / _has_backward (2.11)",
+       purpose="keep a pipeline stage's set-up from drawing dropout masks, and run evaluation forward only",
+       verified=(CPU_2_13, GPU_2_11))
+def probe_pipeline_schedules() -> None:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    for kind in (Schedule1F1B, ScheduleGPipe):
+        expect(callable(getattr(kind, "_initialize_stage", None)), f"{kind.__name__}._initialize_stage")
+    has_eval = callable(getattr(ScheduleGPipe, "eval", None))
+    expect(has_eval or "_has_backward" in inspect.getsource(_PipelineSchedule.__init__), "eval or _has_backward")
+    if has_eval:
+        expect("_has_backward" in inspect.getsource(_PipelineSchedule), "eval switches _has_backward")
+
+
+# --------------------------------------------------------------------------
+# dynamo
+
+
+def dynamo_callbacks() -> Any:
+    """Dynamo's compile callback registry (``torch._dynamo.callback.callback_handler``): start/end callbacks
+    around every compilation."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError as e:
+        raise PROBES["probe_dynamo"].error(str(e)) from e
+    return callback_handler
+
+
+def reset_dynamo() -> None:
+    """Drop everything torch.compile compiled, CUDA graph trees included (``torch._dynamo.reset``)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
+@probe("torch._dynamo.callback.callback_handler", "torch._dynamo.reset",
+       purpose="time compilation, and free compiled graphs between benchmark rows", verified=(CPU_2_13, GPU_2_11))
+def probe_dynamo() -> None:
+    handler = dynamo_callbacks()
+    for name in ("register_start_callback", "register_end_callback", "remove_start_callback",
+                 "remove_end_callback"):
+        expect(callable(getattr(handler, name, None)), f"callback_handler.{name}")
+    reset_dynamo()
+
+
+# --------------------------------------------------------------------------
+# transformers' mask helpers
+
+TRANSFORMERS_VERIFIED = ("5.17.0", "5.25.0")
+MASKING_UTILS = "transformers.masking_utils"
+PACKED = "find_packed_sequence_indices"
+MASK_SKIPS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+"""transformers' private answers to "can SDPA's is_causal replace the mask?" (masking_utils)."""
+
+
+def masking_functions(masks: ModuleType) -> dict[str, Callable[..., Any]]:
+    """The mask helpers of ``transformers.masking_utils`` that graphstep turns into decision points, by name:
+    ``find_packed_sequence_indices`` and the two private mask-skip checks. A missing one is an error naming
+    the transformers version (an older transformers decides masks elsewhere: see masking_utils_missing)."""
+    found = {name: getattr(masks, name, None) for name in (PACKED, *MASK_SKIPS)}
+    absent = [name for name, fn in found.items() if not callable(fn)]
+    if absent:
+        raise PROBES["probe_transformers_masks"].error(f"no {', '.join(absent)}")
+    return found
+
+
+def masking_utils_missing() -> str | None:
+    """Why graphstep cannot freeze transformers' mask decisions: None when transformers is not imported or
+    has masking_utils; else a one-line warning naming the version."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec(MASKING_UTILS) is not None:
+        return None
+    return str(PROBES["probe_transformers_masks"].error(
+        "no such module: whole-step graphs of Hugging Face models may take another attention path than eager"))
+
+
+@probe(MASKING_UTILS + ".find_packed_sequence_indices", *(f"{MASKING_UTILS}.{n}" for n in MASK_SKIPS),
+       purpose="freeze transformers' host-side mask decisions at capture", verified=TRANSFORMERS_VERIFIED,
+       needs="transformers", library="transformers")
+def probe_transformers_masks() -> None:
+    import transformers.masking_utils as masks
+
+    fns = masking_functions(masks)
+    expect(fns[MASK_SKIPS[0]](None, 4, 4, 0, 0) is True, "no mask, square causal attention: SDPA's is_causal")
+    expect(fns[MASK_SKIPS[1]](None, 4) is True, "no mask, bidirectional: no mask needed")
+    expect(fns[PACKED](torch.arange(4)[None]) is None, "one sequence: not packed")
