@@ -20,7 +20,7 @@ The trainer (``graphstep train``) is built on the same mechanisms.
 from .api import HF_SCOPE_MAPS, close_all, graph_layers, graph_step, parse_scope_map, scope_map_for
 from .cuda_graph.backend import capture_stream
 from .cuda_graph.errors import CaptureError, ContractError, GraphstepError, GraphUsageError
-from .cuda_graph.full_iteration import GraphedStep
+from .cuda_graph.full_iteration import CaptureOptions, GraphedStep
 from .cuda_graph.graph_state import GraphState
 from .cuda_graph.registry import get_backend
 from .cuda_graph.layers import LayerGraphs
@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "CaptureOptions",
     "ContractError",
     "GraphState",
     "GraphUsageError",

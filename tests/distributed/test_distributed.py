@@ -169,7 +169,7 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_exits_without_hang(tmp
 @pytest.mark.parametrize("how", ["normal", "exception", "sigterm"])
 def test_graphs_are_freed_before_the_process_group_is_destroyed(monkeypatch, how):
     from helpers.runs import tiny_config
-    from graphstep.training import loop, prepare
+    from graphstep.training import graphs as run_graphs, loop
     from graphstep.training.distributed import DataParallel
 
     events: list[str] = []
@@ -180,7 +180,7 @@ def test_graphs_are_freed_before_the_process_group_is_destroyed(monkeypatch, how
             live = sum(g.captured for g in graphs)
             events.append(f"process group destroyed; {len(graphs)} graphs of the run, still captured: {live}")
 
-    real_close = prepare.Runner.close
+    real_close = run_graphs.Runner.close
 
     def close(self) -> None:
         graphs.extend(self.backend.live_graphs())
@@ -194,7 +194,7 @@ def test_graphs_are_freed_before_the_process_group_is_destroyed(monkeypatch, how
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(loop, "init_data_parallel", lambda cfg, settings: Recorded())
-    monkeypatch.setattr(prepare.Runner, "close", close)
+    monkeypatch.setattr(run_graphs.Runner, "close", close)
     cfg = tiny_config("model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true",
                       "train.train_iters=8")
     hooks = loop.RunHooks(after_iteration=fail_at_6)

@@ -55,7 +55,7 @@ def whole_model_digests(reports: list[dict], layout: str) -> dict[str, str]:
 def load_weights(cfg) -> torch.nn.Module:
     """One process's model of ``cfg`` holding the weights of ``cfg.checkpoint.load`` (a final checkpoint: a
     resume from it would have nothing left to train, which the trainer refuses)."""
-    from graphstep.training.build import build_run
+    from graphstep.training.build import RunOptions, build_run
     from graphstep.training.checkpoint import TrainingState, load_checkpoint
     from graphstep.training.distributed import DataParallel
 
@@ -63,6 +63,6 @@ def load_weights(cfg) -> torch.nn.Module:
         return load_checkpoint(Path(cfg.checkpoint.load), TrainingState(model, optimizer, data=None), DataParallel(),
                                finetune=True, config=cfg)
 
-    run = build_run(cfg, device=torch.device("cpu"), restore=restore)
+    run = build_run(cfg, RunOptions(torch.device("cpu"), restore=restore))
     run.close()
     return run.model

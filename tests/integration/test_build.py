@@ -22,12 +22,11 @@ import graphstep
 from helpers.runs import eager, poison_iteration, tiny_config
 from graphstep.config import ConfigError
 from graphstep.cuda_graph.registry import get_backend
-from graphstep.validation import resolve_cuda_graph_settings
 from graphstep.data import build_data
 from graphstep.training import build as build_mod
-from graphstep.training.build import build_run
+from graphstep.training.build import RunOptions, build_run
+from graphstep.training.distributed import DataParallel
 from graphstep.training.loop import RunHooks, train
-from graphstep.training.prepare import prepare
 
 CPU = torch.device("cpu")
 FULL = ["model.cuda_graph_impl=full_iteration"]
@@ -66,7 +65,7 @@ def test_run_close_resets_its_graphs_and_only_them():
     outside = graphstep.graph_step(lambda x: x * 2.0, warmup_steps=0, device="cpu")
     outside(torch.ones(4))
     cfg = tiny_config(*FULL, "optimizer.optimizer_cuda_graph=true", "model.cuda_graph_warmup_steps=1")
-    run = build_run(cfg, device=CPU)
+    run = build_run(cfg, RunOptions(CPU))
     data = build_data(cfg, split="train")
     for _ in range(3):
         run.iteration(data)
@@ -122,14 +121,14 @@ def test_trainer_doctor_and_bench_seed_the_tracker_as_configured(monkeypatch, tr
     assert seen == [("trainer", tracker), ("doctor", tracker), ("bench", tracker)]
 
 
-def test_doctor_captures_through_its_own_backend_without_touching_prepare():
+def test_doctor_captures_through_its_own_backend_without_touching_the_process_backend():
     from graphstep.doctor import check_recipe
-    from graphstep.training import prepare as prepare_mod
+    from graphstep.training import graphs as graphs_mod
 
     report = check_recipe(tiny_config(*FULL), name="llama3_tiny")
     assert any("judged: full iteration (doctor backend)" in n for n in report.notes), report.notes
     assert not any("no region was captured" in n for n in report.notes)
-    assert not hasattr(prepare_mod, "get_backend")  # prepare() is handed its backend
+    assert not hasattr(graphs_mod, "get_backend")  # the graph parts are handed the run's backend
     assert get_backend("cpu").live_graphs() == []  # the doctor's graphs never reached the process backend
 
 
@@ -142,13 +141,17 @@ def test_ranks_meet_once_before_each_capture_of_a_collective_graph():
                       "train.eval_iters=2")
     from graphstep.doctor import capture_error_hook
 
-    settings = resolve_cuda_graph_settings(cfg)
-    run = build_run(eager(tiny_config("train.eval_iters=2")), device=CPU)  # the parts, eager
     met: list[str] = []
     calls: list[str] = []
-    runner = prepare(run.model, run.train_step, run.eval_step, run.optimizer, settings, backend=get_backend(CPU),
-                     device=CPU, num_micro_batches=run.num_micro_batches, skip_on_nonfinite=False,
-                     capture_barrier=lambda: met.append(f"call {len(calls)}"), on_capture_error=capture_error_hook)
+
+    class MeetingRanks(DataParallel):  # one process that says it has company: its barrier is the capture barrier
+        enabled = True
+
+        def barrier(self) -> None:
+            met.append(f"call {len(calls)}")
+
+    run = build_run(cfg, RunOptions(CPU, dp=MeetingRanks(), on_capture_error=capture_error_hook))
+    runner = run.runner
     data, valid = build_data(cfg, split="train"), build_data(cfg, split="valid")
     for _ in range(4):
         runner.optimizer_step(runner.train_step(data))
@@ -161,7 +164,7 @@ def test_ranks_meet_once_before_each_capture_of_a_collective_graph():
     assert met == ["call 2", "call 6"]  # the evaluation graph's capture, at its third call
     assert [r.name for r in runner.reports] == ["train", "optimizer", "eval"]
     # the hook the trainer passes (training/loop.py: a failed capture is diagnosed by the doctor) reaches every graph
-    assert runner.train_step.step.on_capture_error is capture_error_hook
+    assert runner.graphs[0].name == "train" and runner.graphs[0].on_capture_error is capture_error_hook
     assert runner.optimizer_step.on_capture_error is capture_error_hook
     runner.close()
 
@@ -221,7 +224,7 @@ def test_device_nan_check_off_has_no_flag_and_skips_nothing(monkeypatch):
 def test_device_nan_check_off_computes_no_flag_in_the_steps():
     cfg = tiny_config(*FULL, "optimizer.optimizer_cuda_graph=true", "model.cuda_graph_warmup_steps=1",
                       "train.check_for_nan_on_device=false")
-    run = build_run(cfg, device=CPU)
+    run = build_run(cfg, RunOptions(CPU))
     data = build_data(cfg, split="train")
     for _ in range(3):
         out, opt = run.iteration(data)
@@ -234,7 +237,7 @@ def test_device_nan_check_off_computes_no_flag_in_the_steps():
 def test_skip_step_on_nan_without_the_device_check_is_refused():
     cfg = tiny_config(*FULL, "train.check_for_nan_on_device=false", "train.skip_step_on_nan=true")
     with pytest.raises(ConfigError, match="train.skip_step_on_nan=true needs .* train.check_for_nan_on_device=true"):
-        build_run(cfg, device=CPU)
+        build_run(cfg, RunOptions(CPU))
 
 
 # --------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from graphstep.cuda_graph.backend import Graph, GraphBackend
 from graphstep.cuda_graph.backup import StateBackup
 from graphstep.cuda_graph.devices import normalize_device
 from graphstep.cuda_graph.errors import CaptureError
-from graphstep.cuda_graph.full_iteration import FailedCapture, FullIterationGraph, GraphedStep
+from graphstep.cuda_graph.full_iteration import CaptureOptions, FailedCapture, GraphedStep
 from graphstep.cuda_graph.graph_state import GraphState
 from graphstep.cuda_graph.registry import get_backend
 
@@ -210,12 +210,16 @@ def test_will_capture_is_false_after_a_failed_capture_and_the_hook_ran_once():
 
 
 def test_full_iteration_graph_passes_the_hooks_on():
+    """The trainer's full-iteration graph: a GraphedStep over the list of micro-batches an iteration reads."""
+    from graphstep.training.graphs import over_micro_batches
+
     calls = []
-    graph = FullIterationGraph(lambda batches: sum(b * 2 for b in batches), get_backend("cpu"), num_micro_batches=2,
-                               warmup_steps=1, before_capture=lambda: calls.append("meet"))
+    graph = GraphedStep(lambda batches: sum(b * 2 for b in batches), get_backend("cpu"), warmup_steps=1,
+                        before_capture=lambda: calls.append("meet"))
+    iteration = over_micro_batches(graph, 2)
     assert not graph.will_capture
     data = iter([torch.full((2,), float(i)) for i in range(6)])
-    outs = [graph(data).clone() for _ in range(3)]
+    outs = [iteration(data).clone() for _ in range(3)]
     assert calls == ["meet"] and [o.tolist() for o in outs] == [[2.0, 2.0], [10.0, 10.0], [18.0, 18.0]]
     assert graph.state is GraphState.REPLAYED
 
@@ -223,6 +227,23 @@ def test_full_iteration_graph_passes_the_hooks_on():
 def test_before_capture_takes_callables_only():
     with pytest.raises(TypeError, match="before_capture= takes a callable or a list of callables"):
         GraphedStep(lambda x: x, get_backend("cpu"), before_capture=[print, "barrier"])
+
+
+def test_capture_options_are_shared_and_a_keyword_changes_them_for_one_graph():
+    calls = []
+    options = CaptureOptions(warmup_steps=1, before_capture=lambda: calls.append("meet"))
+    shared = GraphedStep(lambda x: x + 1, get_backend("cpu"), options, name="shared")
+    alone = GraphedStep(lambda x: x + 2, get_backend("cpu"), options, name="alone", warmup_steps=0, before_capture=None)
+    assert (shared.warmup_steps, alone.warmup_steps, options.warmup_steps) == (1, 0, 1)  # options stay as they were
+    states = []
+    for _ in range(2):
+        shared(torch.zeros(2)), alone(torch.zeros(2))
+        states.append((shared.state, alone.state))
+    assert states == [("eager", "captured"), ("captured", "replayed")] and calls == ["meet"]  # shared's capture only
+    with pytest.raises(ValueError, match="warmup_steps must be >= 0, got -1"):
+        GraphedStep(lambda x: x, get_backend("cpu"), options, warmup_steps=-1)
+    with pytest.raises(ValueError, match="on_failure must be 'raise' or 'eager'"):
+        CaptureOptions(on_failure="retry")
 
 
 # --------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from ..cuda_graph.registry import close_all_backends
 from ..cuda_graph.torch_compat import clear_cublas_workspaces
 from ..data import build_data
 from ..validation import resolve_cuda_graph_settings
-from ..training.build import Run, build_run
+from ..training.build import Run, RunOptions, build_run
 from ..training.distributed import DataParallel, init_data_parallel
 from ..training.optim import GradBuffers
 from ..training.parallel import Layout
@@ -156,7 +156,7 @@ def make_workload(cfg: Config, device: torch.device, n_steps: int = 4, *,
         dp = init_data_parallel(cfg, settings)
     elif Layout.from_config(cfg, 1).needs_mesh:  # FSDP2 on one GPU: the trainer's one-rank group and mesh
         dp = init_data_parallel(cfg, settings, env={})
-    run = build_run(cfg, device=device, compile_mode=compile_mode, dp=dp, settings=settings)
+    run = build_run(cfg, RunOptions(device, dp=dp, settings=settings, compile_mode=compile_mode))
     rank = dict(dp_rank=dp.dp_rank, dp_size=dp.dp_size) if dp is not None else {}
     it = build_data(cfg, split="train", pin_memory=device.type == "cuda", **rank)
     batches = [next(it) for _ in range(n_steps * run.num_micro_batches)]

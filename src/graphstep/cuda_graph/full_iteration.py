@@ -7,11 +7,13 @@ replays it at once; later calls copy their arguments into the static buffers
 and replay. What the function returns is graph-owned: the same tensors every
 replay, overwritten by the next one -- clone what you keep.
 
-:class:`FullIterationGraph` is the training-iteration form of spec section 3:
-each call reads every micro-batch of the step from the data iterator, copies
-them into per-micro-batch static buffers and runs forward and backward of all
-of them (with gradient reduction) as one graph. Training and evaluation use
-separate instances, each with its own buffers and graph.
+:class:`CaptureOptions` is how a step warms up, captures and fails -- one
+frozen set of options that several graphs can share, each call site changing
+only what differs (``GraphedStep(fn, backend, options, name="eval",
+input_device=device)``). The trainer's full-iteration graph is a
+``GraphedStep`` over forward and backward of the step's list of micro-batches
+(training/graphs.py reads them from the data iterator); training and
+evaluation use separate instances, each with its own buffers and graph.
 
 Hooks (set by the caller; the mechanism decides nothing about them):
 
@@ -35,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 import torch
@@ -53,7 +55,7 @@ from .torch_compat import tree_map
 
 log = logging.getLogger("graphstep")
 
-# the states as module constants, for call sites that import them from here (training/prepare.py)
+# the states as module constants, for call sites that import them from here (training/graphs.py)
 EAGER, CAPTURED, REPLAYED = GraphState.EAGER, GraphState.CAPTURED, GraphState.REPLAYED
 
 
@@ -98,14 +100,39 @@ def generator_source(generators: GeneratorSource) -> Callable[[], Iterable[torch
     return lambda: gens
 
 
+@dataclass(frozen=True)
+class CaptureOptions:
+    """How a :class:`GraphedStep` warms up, captures and fails (the arguments of its docstring but ``fn``,
+    ``backend`` and ``name``). Frozen: graphs share one and ``GraphedStep(..., field=value)`` changes a field
+    for one graph (``dataclasses.replace``)."""
+
+    warmup_steps: int = 3
+    generators: GeneratorSource = None
+    shared_pool: bool = True
+    on_failure: str = "raise"
+    input_device: torch.device | str | None = None
+    modules: Sequence[nn.Module] = ()
+    optimizers: Iterable[torch.optim.Optimizer] = ()
+    before_capture: Hooks = None
+    on_capture_error: CaptureErrorHook | None = None
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.on_failure not in ("raise", "eager"):
+            raise ValueError(f"on_failure must be 'raise' or 'eager', got {self.on_failure!r}")
+
+
 class GraphedStep:
     """A function captured as one graph after ``warmup_steps`` eager calls.
 
     Args:
         fn: the step; takes the (static) arguments, returns tensors or a pytree of them.
         backend: where graphs are captured (see :func:`get_backend`).
-        warmup_steps: eager calls before the capture (counted from creation or ``reset()``).
+        options: a :class:`CaptureOptions` (default: its defaults); each of its fields below may also be given
+            by keyword, which overrides ``options`` for this graph.
         name: for logs and errors.
+        warmup_steps: eager calls before the capture (counted from creation or ``reset()``).
         generators: the RNG generators the graph must register: a callable (called at capture time),
             an iterable of generators or one generator.
         shared_pool: capture into the backend's process-wide pool.
@@ -130,44 +157,29 @@ class GraphedStep:
         arguments their values; a different call raises ``ContractError``.
     """
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        backend: GraphBackend,
-        *,
-        warmup_steps: int = 3,
-        name: str = "step",
-        generators: GeneratorSource = None,
-        shared_pool: bool = True,
-        on_failure: str = "raise",
-        input_device: torch.device | str | None = None,
-        modules: Sequence[nn.Module] = (),
-        optimizers: Iterable[torch.optim.Optimizer] = (),
-        before_capture: Hooks = None,
-        on_capture_error: CaptureErrorHook | None = None,
-    ) -> None:
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        if on_failure not in ("raise", "eager"):
-            raise ValueError(f"on_failure must be 'raise' or 'eager', got {on_failure!r}")
+    def __init__(self, fn: Callable[..., Any], backend: GraphBackend, options: CaptureOptions | None = None, *,
+                 name: str = "step", **changes: Any) -> None:
+        options = options if options is not None else CaptureOptions()
+        options = replace(options, **changes) if changes else options
         self.fn = fn
         self.backend = backend
-        self.warmup_steps = warmup_steps
         self.name = name
-        self.generators = generator_source(generators)
-        self.shared_pool = shared_pool
-        self.on_failure = on_failure
-        self.input_device = torch.device(input_device) if input_device is not None else None
+        self.options = options
+        self.warmup_steps = options.warmup_steps
+        self.generators = generator_source(options.generators)
+        self.shared_pool = options.shared_pool
+        self.on_failure = options.on_failure
+        self.input_device = torch.device(options.input_device) if options.input_device is not None else None
         self.graph: Graph | None = None
         self.static: StaticInputs | None = None
         self.outputs: Any = None
         self.calls = 0
         self.state = GraphState.EAGER
         self.failed: BaseException | None = None
-        self.persistent = PersistentState(fn, modules, optimizers)
+        self.persistent = PersistentState(fn, options.modules, options.optimizers)
         self.decisions = DecisionLog()  # host decisions of the eager calls, reused by the capture
-        self.before_capture: list[Callable[[], Any]] = _hook_list(before_capture)
-        self.on_capture_error = on_capture_error
+        self.before_capture: list[Callable[[], Any]] = _hook_list(options.before_capture)
+        self.on_capture_error = options.on_capture_error
 
     @property
     def captured(self) -> bool:
@@ -323,55 +335,3 @@ def _drop_frames(exc: BaseException | None) -> None:
         traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
 
-
-class FullIterationGraph:
-    """Forward and backward of all micro-batches of an iteration, as one graph.
-
-    ``forward_backward(batches)`` takes the list of micro-batch pytrees and
-    returns graph-owned outputs (the averaged loss and any metrics).
-    """
-
-    def __init__(
-        self,
-        forward_backward: Callable[[list[Any]], Any],
-        backend: GraphBackend,
-        *,
-        num_micro_batches: int,
-        warmup_steps: int,
-        name: str = "train",
-        generators: GeneratorSource = None,
-        shared_pool: bool = True,
-        on_failure: str = "raise",
-        input_device: torch.device | str | None = None,
-        modules: Sequence[nn.Module] = (),
-        optimizers: Iterable[torch.optim.Optimizer] = (),
-        before_capture: Hooks = None,
-        on_capture_error: CaptureErrorHook | None = None,
-    ) -> None:
-        self.num_micro_batches = num_micro_batches
-        self.step = GraphedStep(
-            forward_backward, backend, warmup_steps=warmup_steps, name=name, generators=generators,
-            shared_pool=shared_pool, on_failure=on_failure, input_device=input_device, modules=modules,
-            optimizers=optimizers, before_capture=before_capture, on_capture_error=on_capture_error,
-        )
-
-    @property
-    def state(self) -> GraphState:
-        return self.step.state
-
-    @property
-    def captured(self) -> bool:
-        return self.step.captured
-
-    @property
-    def will_capture(self) -> bool:
-        return self.step.will_capture
-
-    def __call__(self, data_iterator: Iterator[Any]) -> Any:
-        batches = [next(data_iterator) for _ in range(self.num_micro_batches)]
-        return self.step(batches)
-
-    def reset(self) -> None:
-        self.step.reset()
-
-    close = reset

@@ -6,7 +6,7 @@ pads each step's micro-batches to the smallest bucket that holds the longest
 sample *of the whole global batch* -- every micro-batch of the step, on every
 data-parallel rank, has the same width, computed from the data alone (no
 communication), so a step has one shape and the trainer keeps one graph per
-bucket (training/prepare.py).
+bucket (training/graphs.py).
 
 A sample longer than the largest bucket is an error naming the sample (the
 file and line of an SFT example), never a silent truncation. Validation and

@@ -235,11 +235,11 @@ def _parts(run: Any, cfg: Config, settings: Any) -> dict[str, Any]:
 
 
 def _run(cfg: Config, settings: Any, report: Report) -> None:
-    from ..training.build import build_run
+    from ..training.build import RunOptions, build_run
 
     device = torch.device("cpu")
     backend = DryBackend(device)
-    run = build_run(cfg, device=device, backend=backend, settings=settings)
+    run = build_run(cfg, RunOptions(device, settings=settings, backend=backend))
     try:
         parts = _parts(run, cfg, settings)
         roots = {k: parts[k] for k in ("model", "optimizer", "train_step", "eval_step")}

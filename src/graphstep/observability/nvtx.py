@@ -7,7 +7,7 @@ graph launch. With neither, :func:`open_ranges` returns None and the loop
 wraps nothing: no cost at all.
 
 :meth:`PhaseRanges.instrument` wraps a runner's ``train_step`` and
-``optimizer_step`` (training/prepare.py's Runner) and the data iterator. The
+``optimizer_step`` (training/graphs.py's Runner) and the data iterator. The
 name of a training step's range is decided before the step runs, from its
 graph: ``warm-up`` (eager, a capture to come), ``capture`` (the graph's
 ``will_capture``), ``replay`` (captured), or ``eager`` (no graph).

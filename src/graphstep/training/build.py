@@ -1,13 +1,18 @@
-"""``build_run(cfg, ...)``: one rank's run -- model, gradients, optimizer, steps and graphs -- built once.
+"""``build_run(cfg, options)``: one rank's run -- model, gradients, optimizer, steps and graphs -- built once.
 
 The trainer (training/loop.py), the doctor (doctor/recipe.py) and the bench
 (bench/harness.py) all build a run here, so what the doctor judges and what
 the bench measures is what ``graphstep train`` runs: the same RNG tracker
 (``model.use_te_rng_tracker``), the same data-parallel reducers, MoE hooks
-and non-finite checks, the same graphs through ``prepare``. What differs is
-passed in: the device, the data-parallel ranks, the graph backend (the
-process's for the device, or the doctor's), a ``restore`` callback that
-loads a checkpoint, and, for the bench, a compiled model.
+and non-finite checks, the same graphs. What differs is in
+:class:`RunOptions`: the device, the data-parallel ranks, the graph backend
+(the process's for the device, or the doctor's), a ``restore`` callback that
+loads a checkpoint, the capture-error hook and, for the bench, a compile mode.
+
+``build_run`` is the one place the run is assembled, in a fixed order; its
+comments say why each part comes where it does. The graph parts that are
+policy (what an iteration reads, when layer graphs capture, a graph per
+bucket) are in training/graphs.py; the mechanisms in cuda_graph/.
 
 The data is not part of the run: the trainer, the doctor and the bench read
 different data (a rank's shard, a few batches, pinned batches cycled).
@@ -19,7 +24,8 @@ update), ``run.close()`` frees the run's graphs -- and only them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -28,23 +34,41 @@ from torch import nn
 
 from ..config import Config, ConfigError
 from ..cuda_graph.backend import GraphBackend
+from ..cuda_graph.full_iteration import CaptureErrorHook, CaptureOptions, GraphedStep
+from ..cuda_graph.layers import apply_layer_graphs
 from ..cuda_graph.registry import get_backend
-from ..cuda_graph.rng import initialize_rng_tracker
-from ..cuda_graph.settings import CudaGraphSettings
+from ..cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
+from ..cuda_graph.run_backend import RunBackend
+from ..cuda_graph.settings import CudaGraphSettings, GraphImpl
 from ..data.buckets import parse_buckets
 from ..models import build_model, resolve_dtype
 from ..models.hf import load_hf_weights
 from ..validation import REPLAY_COMPILE_REASON, resolve_cuda_graph_settings
 from .compile import CompileTimeReport, apply_compile, describe_compile
 from .distributed import DataParallel
+from .graphs import CaptureLayersAfterWarmup, GraphPerBucket, Runner, evaluating, on_device, over_micro_batches
 from .moe_hooks import MoEHooks
 from .optim import AdamW, GradBuffers, build_optimizer
 from .parallel import parallelize, reshard_all
 from .pipeline import Pipeline, PipelineEvalStep, PipelineTrainStep, keep_stage, stage_layers
-from .prepare import Runner, prepare
 from .step import EvalStep, TrainStep
 
+log = logging.getLogger("graphstep")
+
 Restore = Callable[[nn.Module, AdamW], int]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the trainer, the doctor and the bench each pass for a run of the same config."""
+
+    device: torch.device
+    dp: DataParallel | None = None  # this rank's place (default: one rank)
+    settings: CudaGraphSettings | None = None  # the resolved graph settings (default: resolved from cfg here)
+    backend: GraphBackend | None = None  # captures every graph (default: the process's backend for device)
+    restore: Restore | None = None  # loads a checkpoint in place; returns the iteration to continue after
+    compile_mode: str | None = None  # the bench's torch.compile mode (default: compile.mode with compile.enable)
+    on_capture_error: CaptureErrorHook | None = None  # a failed capture is diagnosed here (the trainer: the doctor)
 
 
 @dataclass
@@ -87,79 +111,96 @@ class Run:
         self.runner.close()
 
 
-def build_run(
-    cfg: Config,
-    *,
-    device: torch.device,
-    dp: DataParallel | None = None,
-    backend: GraphBackend | None = None,
-    settings: CudaGraphSettings | None = None,
-    restore: Restore | None = None,
-    compile_mode: str | None = None,
-    on_capture_error: Callable[..., None] | None = None,
-) -> Run:
-    """Build one rank's run of ``cfg`` on ``device``.
+def build_run(cfg: Config, options: RunOptions) -> Run:
+    """Build one rank's run of ``cfg`` as ``options`` say; the order is fixed, each part needing the ones before.
 
-    The order is fixed, each step needing the ones before it:
-
-    1. the RNG tracker (graph-safe with ``model.use_te_rng_tracker``), seeded
-       per rank: the model's initialisation draws from it;
-    2. the model; ``model.hf_path`` weights are copied in and, with
-       ``rng.data_parallel_random_init``, rank 0's weights broadcast -- both
-       before step 3, which takes the fp32 master copy;
-    3. gradient buffers (fixed addresses), then the optimizer over them;
-    4. ``restore(model, optimizer)`` loads a checkpoint in place before any
-       graph exists, so warm-up and capture count from the resume iteration;
-    5. the training and evaluation steps (data-parallel reducers, MoE hooks,
-       the non-finite flag), over the compiled model with ``compile.enable``
-       (training/compile.py; ``compile_mode``, the bench's, enables it too);
-    6. the graphs, through ``prepare`` with ``backend`` (default: the
-       process's backend for ``device``); the run owns what it captures.
-
-    ``dp``: this rank's place (default: one rank). ``settings``: the resolved
-    graph settings (default: resolved from ``cfg`` here).
+    ``cfg`` is validated (``validation.resolve``): ``options.settings`` are its resolved settings, or resolved here.
     """
-    settings = settings if settings is not None else resolve_cuda_graph_settings(cfg)
-    dp = dp if dp is not None else DataParallel()
-    _check_nonfinite_settings(cfg)
-    model = _build_model(cfg, device, dp)  # 1, 2
-    grads = GradBuffers(model, dp.mesh)  # 3
+    device = options.device
+    settings = options.settings if options.settings is not None else resolve_cuda_graph_settings(cfg)
+    dp = options.dp if options.dp is not None else DataParallel()
+    tr, buckets = cfg.train, parse_buckets(cfg)
+    assert tr.check_for_nan_on_device or not tr.skip_step_on_nan, \
+        "R24 guarantees train.skip_step_on_nan=true comes with train.check_for_nan_on_device=true"
+    assert not (buckets and settings.per_layer), "R21 guarantees no data.seq_length_buckets with per-layer graphs"
+
+    # 1. The model, after seeding the RNG tracker per rank (its initialisation draws from it); model.hf_path
+    #    weights copied in and, with rng.data_parallel_random_init, rank 0's weights broadcast -- before step 3
+    #    takes the fp32 master copy. A pipeline stage keeps its own layers.
+    dtype = resolve_dtype(cfg.model.params_dtype, device)
+    model = _build_model(cfg, device, dp, dtype)
+    # 2. Expert and tensor parallel, then FSDP2 (training/parallel.py): they turn parameters into DTensors
+    #    (FSDP2: fp32 shards), so they come before anything holds on to a parameter.
+    model = parallelize(model, dp.layout, dp.mesh, dtype)
+    # 3. Gradient buffers at fixed addresses (the graphs write them), the optimizer over them; restore loads a
+    #    checkpoint in place before any graph exists, so warm-up and capture count from the resume iteration.
+    grads = GradBuffers(model, dp.mesh)
     optimizer = build_optimizer(cfg, model, grads)
-    start = restore(model, optimizer) if restore is not None else 0  # 4
-    num_mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp.dp_size)  # per pipeline too
-    moe = MoEHooks(model, num_mb)  # 5
-    compile_mode = compile_mode if compile_mode is not None else (cfg.compile.mode if cfg.compile.enable else None)
-    train_step, eval_step = _build_steps(cfg, settings, model, grads, moe, dp, device, compile_mode, num_mb)
-    if settings.enabled and backend is None:  # 6
-        backend = get_backend(device, settings.backend)
-    if compile_mode is not None and settings.enabled and getattr(backend, "name", None) == "replay":
-        raise ConfigError(f"R20: {REPLAY_COMPILE_REASON} Fix: run the graphs on a GPU, or compile.enable=false "
-                          "for the CPU dry run, or model.cuda_graph_impl=none to train compiled without graphs")
-    runner = prepare(
-        model, train_step, eval_step, optimizer, settings, backend=backend, device=device,
-        num_micro_batches=num_mb, skip_on_nonfinite=cfg.train.skip_step_on_nan,
-        capture_barrier=dp.barrier if dp.enabled else None, buckets=parse_buckets(cfg),
-        on_capture_error=on_capture_error,
-    )
+    start = options.restore(model, optimizer) if options.restore is not None else 0
+    # 4. torch.compile (compile.enable, or the bench's compile_mode) of the module the steps will call, as
+    #    parallelize left it. torchtitan compiles each block between tensor parallel (Dynamo traces the DTensor
+    #    modules) and FSDP2 (which shards the compiled blocks); graphstep refuses compile with tensor parallel or
+    #    FSDP2 (R27), pipeline stages (R29) and expert parallel (R31), so the model compiled here is the model as
+    #    built (plain data parallel reduces gradients inside the step, no module wrapper). Compile comes before
+    #    the layer graphs (step 6): it compiles the graphed modules' forwards, which the engine then keeps as
+    #    the modules' own and patches over (training/compile.py).
+    compile_mode = options.compile_mode if options.compile_mode is not None else \
+        (cfg.compile.mode if cfg.compile.enable else None)
+    step_model = apply_compile(model, compile_mode, settings) if compile_mode is not None else model
+    # 5. The training and evaluation steps: data-parallel reducers, MoE hooks, the non-finite flag.
+    num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.dp_size)  # per pipeline too
+    moe = MoEHooks(model, num_mb)
+    train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb)
+    if compile_mode is not None:
+        train_step = CompileTimeReport(train_step, describe_compile(compile_mode, settings))
+
+    # 6-8. The graphs, all made through this run's view of the backend: close() frees these and no others.
+    backend = _run_backend(settings, options.backend, device, compiled=compile_mode is not None)
+    capture = CaptureOptions(warmup_steps=settings.warmup_steps, generators=get_rng_tracker().generators,
+                             shared_pool=settings.use_single_mempool, on_failure=settings.on_failure,
+                             on_capture_error=options.on_capture_error)
+    graphs: list[Any] = []
+    # 6. Per-layer graphs patch the selected modules' forward in place: after compile (step 4), whose compiled
+    #    forwards the engine keeps as the modules' own; the steps of step 5 look the forward up at each call,
+    #    so they run the graphed modules from now on. Before step 7, which wraps the iteration that warms the
+    #    layer graphs up and captures them.
+    layers = apply_layer_graphs(model, settings, backend, generators=capture.generators) if settings.per_layer \
+        else None
+    # 7. The iteration: forward/backward of all micro-batches, as one graph with full_iteration (never together
+    #    with step 6: R4) and a separate graph for evaluation. train_step holds the data-parallel reductions, so
+    #    the ranks meet before each capture of these graphs (a barrier; Megatron does the same).
+    if settings.full_iteration:
+        barrier = dp.barrier if dp.enabled else None
+        train, evaluate_batches, graphs = _full_iteration_graphs(
+            train_step, eval_step, backend, replace(capture, input_device=device, before_capture=barrier),
+            num_mb, buckets)
+    else:
+        train = over_micro_batches(on_device(train_step, device), num_mb)
+        evaluate_batches = on_device(eval_step, device)
+        if layers is not None:
+            train = CaptureLayersAfterWarmup(train, layers, settings.warmup_steps)
+            graphs = [train, layers]
+    # 8. The optimizer graph last: it reads the training step's outputs (the non-finite flag) and is captured
+    #    after the training graph, into the same pool.
+    optimizer_step = _optimizer_step(optimizer, skip_on_nonfinite=tr.skip_step_on_nan)
+    if settings.optimizer_graph and settings.enabled:
+        optimizer_step = GraphedStep(optimizer_step, backend, capture, name="optimizer")
+        graphs.append(optimizer_step)
+    if settings.impl is GraphImpl.TRANSFORMER_ENGINE:
+        log.info("cuda_graph_impl=transformer_engine: per-layer capture with Transformer Engine's semantics, "
+                 "performed by graphstep's own engine (Transformer Engine is not used)")
+    runner = Runner(train, optimizer_step, evaluating(model, evaluate_batches), backend, graphs,
+                    _describe(settings, backend, layers, buckets))
     return Run(cfg, settings, device, dp, model, grads, optimizer, train_step, eval_step, moe, runner, num_mb, start)
 
 
-def _check_nonfinite_settings(cfg: Config) -> None:
-    tr = cfg.train
-    if tr.skip_step_on_nan and not tr.check_for_nan_on_device:
-        raise ConfigError("train.skip_step_on_nan=true needs the device-side flag it skips on, but "
-                          "train.check_for_nan_on_device=false: set train.check_for_nan_on_device=true "
-                          "or train.skip_step_on_nan=false")
-
-
-def _build_model(cfg: Config, device: torch.device, dp: DataParallel) -> nn.Module:
+def _build_model(cfg: Config, device: torch.device, dp: DataParallel, dtype: torch.dtype) -> nn.Module:
     def seed_tracker(pp_rank: int) -> None:
         initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker, pp_rank=pp_rank,
                                dp_rank=dp.dp_rank, tp_rank=dp.tp_rank,
                                data_parallel_random_init=cfg.rng.data_parallel_random_init)
 
     seed_tracker(0)  # every stage builds the whole model from the same seed, then keeps its own layers
-    dtype = resolve_dtype(cfg.model.params_dtype, device)
     # FSDP2 keeps fp32 shards (the optimizer's main weights) and casts to the model dtype when it gathers them.
     model = build_model(cfg.model, device, dtype=torch.float32 if dp.layout.fsdp else dtype)
     if cfg.model.hf_path:
@@ -173,12 +214,13 @@ def _build_model(cfg: Config, device: torch.device, dp: DataParallel) -> nn.Modu
                               m.num_layers_in_last_pipeline_stage)[dp.pp_rank]
         keep_stage(model, layers, first=dp.pp_rank == 0, last=dp.pp_rank == dp.layout.pp - 1)
         seed_tracker(dp.pp_rank)
-    return parallelize(model, dp.layout, dp.mesh, dtype)  # tensor parallel, FSDP2 (training/parallel.py)
+    return model
 
 
-def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, grads: GradBuffers, moe: MoEHooks,
-                 dp: DataParallel, device: torch.device, compile_mode: str | None,
+def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, step_model: nn.Module,
+                 grads: GradBuffers, moe: MoEHooks, dp: DataParallel, device: torch.device,
                  num_micro_batches: int) -> tuple[Any, Any]:
+    """The steps over ``step_model`` (the compiled model, or ``model``); a pipeline stage's over its schedule."""
     hooks = dict(reduce_grads=dp.grad_reducer(grads, cfg.ddp), reduce_loss=dp.loss_reducer(),
                  before_step=moe.before_step if moe.enabled else None,
                  check_nonfinite=cfg.train.check_for_nan_on_device)
@@ -186,10 +228,54 @@ def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, gra
         pipeline = Pipeline(model, stage_index=dp.pp_rank, stages=dp.layout.pp, group=dp.pp_group, device=device,
                             schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
         return PipelineTrainStep(pipeline, grads, **hooks), PipelineEvalStep(pipeline, device, dp.loss_reducer())
-    step_model = apply_compile(model, compile_mode, settings) if compile_mode is not None else model
     train_step = TrainStep(step_model, grads, retain_graph=settings.retain_backward_graph, **hooks)
     eval_step = EvalStep(step_model, device, reduce_loss=dp.loss_reducer(),
                          release=partial(reshard_all, model) if dp.layout.fsdp is not None else None)
-    if compile_mode is None:
-        return train_step, eval_step
-    return CompileTimeReport(train_step, describe_compile(compile_mode, settings)), eval_step
+    return train_step, eval_step
+
+
+def _run_backend(settings: CudaGraphSettings, backend: GraphBackend | None, device: torch.device, *,
+                 compiled: bool) -> RunBackend | None:
+    """The run's view of the backend that captures its graphs (default: the process's for ``device``); None
+    without graphs."""
+    if not settings.enabled:
+        return None
+    backend = backend if backend is not None else get_backend(device, settings.backend)
+    # R20 refuses compile with the replay backend where the config names it (cuda_graph_backend=replay, or auto
+    # with train.device=cpu); train.device=auto means the CPU only on a machine without a GPU, which the rule
+    # cannot see: refused here, once the backend is known.
+    if compiled and backend.name == "replay":
+        raise ConfigError(f"R20: {REPLAY_COMPILE_REASON} Fix: run the graphs on a GPU, or compile.enable=false "
+                          "for the CPU dry run, or model.cuda_graph_impl=none to train compiled without graphs")
+    return RunBackend(backend)
+
+
+def _full_iteration_graphs(train_step: Any, eval_step: Any, backend: RunBackend, capture: CaptureOptions,
+                           num_micro_batches: int, buckets: list[int] | None) -> tuple[Any, Any, list[Any]]:
+    """The training iteration over its graph (a graph per bucket with ``buckets``), the evaluation graph, and
+    both graphs, training first."""
+    eval_graph = GraphedStep(eval_step, backend, capture, name="eval")
+    if buckets:
+        per_bucket = GraphPerBucket(lambda width: GraphedStep(train_step, backend, capture, name=f"train[{width}]"),
+                                    num_micro_batches)
+        return per_bucket, eval_graph, [per_bucket, eval_graph]
+    train_graph = GraphedStep(train_step, backend, capture, name="train")
+    return over_micro_batches(train_graph, num_micro_batches), eval_graph, [train_graph, eval_graph]
+
+
+def _optimizer_step(optimizer: AdamW, *, skip_on_nonfinite: bool) -> Callable[[dict[str, torch.Tensor]], Any]:
+    def opt_fn(train_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return optimizer.step(train_out.get("nonfinite") if skip_on_nonfinite else None)
+
+    return opt_fn
+
+
+def _describe(settings: CudaGraphSettings, backend: RunBackend | None, layers: Any, buckets: list[int] | None) -> str:
+    if layers is not None:
+        text = layers.describe()
+    elif settings.full_iteration:
+        per = f", a graph per bucket of {buckets}" if buckets else ""
+        text = f"full iteration{per} ({backend.name} backend)"
+    else:
+        text = "eager"
+    return text + (" + optimizer graph" if settings.optimizer_graph and settings.enabled else "")

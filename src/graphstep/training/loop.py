@@ -13,11 +13,11 @@ The loop reads top to bottom:
    training/build.py -- the same build the doctor and the bench use): seed
    (per rank, as Megatron does), the model (with ``model.hf_path``, its
    weights copied in before the optimizer takes its fp32 master copy),
-   gradient buffers, optimizer; the resume from ``checkpoint.load`` in place
-   (training/checkpoint.py), before any graph exists;
-3. then the run's steps and graphs (``prepare``: per-layer graphs,
-   full-iteration graph, optimizer graph -- training/prepare.py), so graphs
-   warm up and capture counting from the resume iteration;
+   parallelized, gradient buffers, optimizer; the resume from
+   ``checkpoint.load`` in place (training/checkpoint.py), before any graph exists;
+3. then, in the same ``build_run``, the run's steps and graphs (per-layer
+   graphs, full-iteration graph, optimizer graph), so graphs warm up and
+   capture counting from the resume iteration;
 4. per iteration: forward/backward of all micro-batches (gradients and loss
    averaged over ranks), optimizer step, per-iteration scalars queued on the
    device; on logging steps, one host read of the queued scalars, a log line
@@ -56,7 +56,7 @@ from ..validation import resolve_cuda_graph_settings
 from ..data import build_data
 from ..models.hf import with_hf_shape
 from ..observability import MetricWriters, StepProfiler, open_ranges
-from .build import Run, build_run
+from .build import Run, RunOptions, build_run
 from .checkpoint import Checkpointer, TrainingState
 from .manual_gc import ManualGC
 from .console import Console
@@ -196,8 +196,8 @@ def _run(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model:
     tr = cfg.train
     data, valid = _build_data(cfg, dp, device)
     restore = _Restore(cfg, dp, data, valid, device, hooks)
-    run = build_run(cfg, device=device, dp=dp, settings=settings, restore=restore,  # 2, 3 (training/build.py)
-                    on_capture_error=hooks.on_capture_error)
+    run = build_run(cfg, RunOptions(device, dp=dp, settings=settings, restore=restore,  # 2, 3 (training/build.py)
+                                    on_capture_error=hooks.on_capture_error))
     try:
         result = _iterate(cfg, run, data, valid, restore.checkpointer, hooks)  # 4, 5
     finally:  # 6

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from ..cuda_graph.backend import Graph, GraphBackend
+from .backend import Graph, GraphBackend
 
 
 class RunBackend(GraphBackend):
