@@ -25,12 +25,8 @@ import sys
 from typing import Any
 
 from ..cli import _config_args, register, resolve_config
-from ..config import ConfigError
+from ..errors import ScriptError
 from .findings import Report
-
-
-class ScriptError(ConfigError):
-    """A doctor target that cannot be judged: no such file or function, or a script that does not import."""
 
 
 @register("doctor")
