@@ -12,7 +12,7 @@ R32-R39 judge the fields config_sections.py declares with ``refused(default,
 help, rule, allowed)``: a value outside ``allowed`` breaks that rule, whose
 reason (:data:`REFUSED_REASONS`) says which feature it asks for. The fields
 declared with ``noop`` are accepted whatever their value; :func:`noop_notes`
-is the one log line that says so (``resolve`` logs it once per run).
+is the one log line that says so (``resolve_cuda_graph_settings`` logs it once per run).
 
 docs/rules.md describes every rule with an example override and its fix.
 """
