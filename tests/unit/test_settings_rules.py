@@ -682,6 +682,8 @@ LATE_CHECKS = {
     "V13": ["train.global_batch_size=12"],  # micro-batch 2 x 4 ranks = 8
     "R23": ["model.moe_token_dispatcher_type=anything"],
     "R24": ["train.skip_step_on_nan=true", "train.check_for_nan_on_device=false"],
+    "V23": ["model.num_moe_experts=4", "model.moe_pad_expert_input_to_capacity=true"],  # models/moe.py refused it
+    "V24": ["model.hybrid_override_pattern=M*", "model.num_layers=2", "model.mamba_head_dim=7"],  # models/mamba.py
 }
 
 
