@@ -15,11 +15,11 @@ attribute, never the class)::
         │   │   └── CheckpointError      checkpoint.load damaged, missing, or of another model
         │   ├── MissingExtraError        a logging or profiling field without its optional package
         │   ├── HFCheckpointError        model.hf_path that cannot be loaded as it is
+        │   ├── HFExportError            an export_hf target that would lose files
         │   ├── IndexedDatasetError      an indexed dataset that cannot be read
         │   ├── SFTDataError             an SFT jsonl line that is not an example
         │   ├── BucketError              a sample no bucket of data.seq_length_buckets holds
         │   └── CorpusNotFoundError      no standard-library sources for the corpus (also a FileNotFoundError)
-        ├── HFExportError                an export_hf target that would lose files
         ├── PreprocessError              an input file of ``graphstep preprocess``
         └── ScriptError                  a ``graphstep doctor`` script target that cannot be judged
 
@@ -70,6 +70,10 @@ class HFCheckpointError(ConfigError):
     """A Hugging Face directory graphstep cannot load as it is (the message says what and where)."""
 
 
+class HFExportError(ConfigError):
+    """An export target that would lose files: not empty, a file, or a sharded checkpoint."""
+
+
 class IndexedDatasetError(ConfigError):
     """An indexed dataset that cannot be read as it is; the message names the file and the position."""
 
@@ -84,10 +88,6 @@ class BucketError(ConfigError):
 
 class CorpusNotFoundError(ConfigError, FileNotFoundError):
     """The standard library's ``.py`` sources are not on this machine (the embedded corpus needs them)."""
-
-
-class HFExportError(InputError):
-    """An export target that would lose files: not empty, a file, or a sharded checkpoint."""
 
 
 class PreprocessError(InputError):
