@@ -19,7 +19,11 @@ The trainer (``graphstep train``) is built on the same mechanisms.
 
 from .api import HF_SCOPE_MAPS, close_all, graph_layers, graph_step, parse_scope_map, scope_map_for
 from .cuda_graph.backend import capture_stream
-from .cuda_graph.errors import CaptureError, ContractError, GraphstepError, GraphUsageError
+from .errors import (
+    BucketError, CaptureError, CheckpointError, ConfigError, ContractError, CorpusNotFoundError, GraphstepError,
+    GraphUsageError, HFCheckpointError, HFExportError, IndexedDatasetError, InputError, MissingExtraError,
+    PreprocessError, RunSetupError, ScriptError, SFTDataError,
+)
 from .cuda_graph.full_iteration import CaptureOptions, GraphedStep
 from .cuda_graph.graph_state import GraphState
 from .cuda_graph.registry import get_backend
@@ -29,16 +33,29 @@ from .cuda_graph.rng import RNGTracker, get_rng_tracker, initialize_rng_tracker
 __version__ = "0.1.0"
 
 __all__ = [
+    "BucketError",
     "CaptureError",
     "CaptureOptions",
+    "CheckpointError",
+    "ConfigError",
     "ContractError",
+    "CorpusNotFoundError",
     "GraphState",
     "GraphUsageError",
     "GraphedStep",
     "GraphstepError",
+    "HFCheckpointError",
+    "HFExportError",
     "HF_SCOPE_MAPS",
+    "IndexedDatasetError",
+    "InputError",
     "LayerGraphs",
+    "MissingExtraError",
+    "PreprocessError",
     "RNGTracker",
+    "RunSetupError",
+    "SFTDataError",
+    "ScriptError",
     "capture_stream",
     "close_all",
     "get_backend",

@@ -33,6 +33,7 @@ from .cuda_graph.layers import LayerGraphs
 from .cuda_graph.registry import close_all_backends, get_backend
 from .cuda_graph.rng import get_rng_tracker
 from .cuda_graph.torch_compat import module_buffers, module_children, module_parameters
+from .cuda_graph.settings import GraphImpl
 from .cuda_graph.static_io import addresses
 from .integrations import transformers as _hf_decisions  # noqa: F401  (transformers' mask check, see there)
 
@@ -260,6 +261,9 @@ def select_by_pattern(model: nn.Module, scopes: Sequence[str] | Mapping[str, str
     return picked
 
 
+_PER_LAYER_SEMANTICS = {impl.value: impl for impl in (GraphImpl.LOCAL, GraphImpl.TRANSFORMER_ENGINE)}
+
+
 def graph_layers(
     model: nn.Module,
     scopes: Sequence[str] | Mapping[str, str] | str,
@@ -299,9 +303,12 @@ def graph_layers(
     """
     if warmup_steps < 1:
         raise ValueError("graph_layers needs warmup_steps >= 1: an eager call records the call order and shapes")
+    impl = _PER_LAYER_SEMANTICS.get(semantics)  # the library's edge: the string becomes the engine's enum here
+    if impl is None:
+        raise ValueError(f"graph_layers(semantics={semantics!r}): expected 'local' or 'transformer_engine'")
     device = _model_device(model)
     modules = select_by_pattern(model, scopes)
-    return LayerGraphs(modules, get_backend(device, backend), semantics=semantics,
+    return LayerGraphs(modules, get_backend(device, backend), semantics=impl,
                        generators=_generators(generators), retain_graph=retain_graph, warmup_calls=warmup_steps,
                        fsdp_modules=prepare_fsdp(model, [m for _, m in modules]))
 

@@ -7,13 +7,15 @@ perf-harness flags (``--cuda_graph_impl``, ``--cuda_graph_scope``), then the
 dotted overrides in the order written (``model.cuda_graph_impl=local``).
 Overrides may stand before, between and after the options, as with Hydra.
 
-This module is the top of the package (nothing imports it) and the boundary where a user's mistake becomes one line: any
-:class:`~graphstep.config.ConfigError` (bad config, data, checkpoint or
-script -- the data, Hugging Face and doctor errors derive from it) or a
-missing corpus is printed as ``graphstep <command>: <what, where, fix>`` with
-exit code 2 and no traceback (``-v`` shows the traceback). Exit code 1 is
-left to a command's own findings (``graphstep doctor``: a line breaks
-capture), 130 to a run stopped by a signal.
+This module is the top of the package (nothing imports it) and the boundary
+where a user's mistake becomes one line. Every error graphstep raises on purpose is a :class:`~graphstep.errors.GraphstepError`
+whose class attribute ``exit_code`` says how the command ends (graphstep/errors.py
+lists the tree): 2 for input the user fixes (a config, a data file, a
+checkpoint, a script: :class:`~graphstep.errors.InputError` and below), printed
+as ``graphstep <command>: <what, where, fix>`` without a traceback (``-v``
+shows it); 1 for a failure of the run itself (a capture that fails), raised
+with its traceback like any other exception. A command's own findings exit 1
+too (``graphstep doctor``: a line breaks capture), a run stopped by a signal 130.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+
 from .config import ConfigError
 from .config_files import add_config_args, config_from_args, dump_yaml
+from .errors import GraphstepError
 
 log = logging.getLogger("graphstep")
 
@@ -148,12 +152,6 @@ def one_line(exc: BaseException) -> str:
     return "; ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
-def _is_user_error(exc: BaseException) -> bool:
-    from .data.corpus import CorpusNotFoundError
-
-    return isinstance(exc, (ConfigError, CorpusNotFoundError))
-
-
 def main(argv: list[str] | None = None) -> int:
     from .training.console import setup_logging
 
@@ -163,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return args.fn(args)
-    except Exception as exc:
-        if args.verbose or not _is_user_error(exc):
+    except GraphstepError as exc:
+        if args.verbose or exc.exit_code == 1:  # a failure of the run itself (errors.py): with its traceback
             raise
         command = " ".join(c for c in (args.command, getattr(args, "config_command", None)) if c)
         print(f"graphstep {command}: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return exc.exit_code

@@ -20,7 +20,7 @@ A YAML file that cannot be read or parsed is a one-line ConfigError naming
 file:line:column.
 
 Every rule (CUDA-graph compatibility, values, what the trainer implements)
-is checked by :func:`graphstep.validation.validate`, which reports every
+is checked by :func:`graphstep.validation.validate_config`, which reports every
 violation at once; this module only parses and type-checks.
 """
 

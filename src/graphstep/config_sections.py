@@ -14,9 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration key or value that graphstep cannot use."""
+from .errors import ConfigError  # noqa: F401  (graphstep.config exports it from here)
 
 
 def opt(default: Any, help: str, **meta: Any) -> Any:

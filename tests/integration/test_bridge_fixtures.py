@@ -13,7 +13,7 @@ import pytest
 from graphstep.cli import build_parser, main
 from graphstep.config_files import config_from_args
 from graphstep.training.loop import train
-from graphstep.validation import validate
+from graphstep.validation import validate_config
 from helpers.launch import TESTS
 
 FIXTURES = TESTS / "fixtures" / "bridge"
@@ -50,7 +50,7 @@ def test_bridges_tensor_by_pipeline_70b_layout_is_refused_by_a_rule_not_an_unkno
     monkeypatch.setenv("WORLD_SIZE", "16")
     cfg = config("--recipe", "llama3_70b", *overrides("llama3_70b"), "model.tensor_model_parallel_size=4",
                  "model.pipeline_model_parallel_size=4", "model.pipeline_dtype=bf16")
-    assert {v.rule for v in validate(cfg)} == {"R29"}
+    assert {v.rule for v in validate_config(cfg)} == {"R29"}
 
 
 def test_the_pretrain_yaml_validates(capsys):
@@ -62,7 +62,7 @@ def test_the_pretrain_yaml_validates(capsys):
 
 def test_the_finetune_yaml_reads_and_only_the_finetuning_rule_refuses_it():
     cfg = config("--recipe", "llama32_1b", "--config", str(FIXTURES / "llama32_1b_finetune.yaml"))
-    found = validate(cfg, env={})
+    found = validate_config(cfg, env={})
     assert {v.rule for v in found} == {"R33"}
     assert sorted(v.fields for v in found) == [("checkpoint.pretrained_checkpoint",), ("peft.alpha",), ("peft.dim",)]
 
@@ -71,7 +71,7 @@ def test_the_tiny_bridge_yaml_trains(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = config("--recipe", "llama3_tiny", "--config", str(FIXTURES / "tiny_pretrain.yaml"),
                  "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=176")
-    assert not validate(cfg, env={})
+    assert not validate_config(cfg, env={})
     result = train(cfg)
     assert result.iterations == 4 and len(result.eval_losses) == 2
     assert all(row["loss"] == row["loss"] for row in result.rows)  # finite numbers

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers.runs import eager, tiny_config
+from graphstep.errors import CheckpointError
 from graphstep.training.checkpoint import TRACKER, find_checkpoint, iter_dir_name
 from graphstep.training.loop import train
 from graphstep.training.metrics import read_metrics
@@ -134,7 +135,7 @@ def test_load_of_a_missing_checkpoint_starts_fresh_and_a_mismatched_one_says_why
     result = train(eager(tiny_config("train.train_iters=2", f"checkpoint.load={tmp_path / 'none'}")))
     assert [r["iteration"] for r in result.rows] == [1, 2]
     train(eager(tiny_config("train.train_iters=1", f"checkpoint.save={tmp_path / 'ck'}")))
-    with pytest.raises(RuntimeError, match="cannot load checkpoint .*iter_0000001"):
+    with pytest.raises(CheckpointError, match="cannot load checkpoint .*iter_0000001"):
         train(eager(tiny_config("train.train_iters=2", "model.hidden_size=32", f"checkpoint.load={tmp_path / 'ck'}")))
 
 

@@ -11,6 +11,7 @@ from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.errors import ContractError, GraphUsageError
 from graphstep.cuda_graph.layers import LayerGraphs, select_modules
 from graphstep.cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
+from graphstep.cuda_graph.settings import GraphImpl
 from graphstep.models import build_model
 from graphstep.training.loop import train
 from graphstep.training.optim import GradBuffers
@@ -72,7 +73,7 @@ def _batches(n: int, seq: int, seed: int) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("semantics", ["local", "transformer_engine"])
+@pytest.mark.parametrize("semantics", [GraphImpl.LOCAL, GraphImpl.TRANSFORMER_ENGINE])
 def test_accumulated_parameter_gradients_equal_eager(semantics):
     def run(graphed: bool) -> torch.Tensor:
         _, model, grads, step = _model_and_step()  # each run seeds the RNG tracker afresh
@@ -159,7 +160,7 @@ class _Stack(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("semantics", ["local", "transformer_engine"])
+@pytest.mark.parametrize("semantics", [GraphImpl.LOCAL, GraphImpl.TRANSFORMER_ENGINE])
 def test_capture_does_not_change_module_state_or_gradients(semantics):
     torch.manual_seed(0)
     model = _Stack()
@@ -226,7 +227,7 @@ def test_close_restores_the_modules():
     assert get_backend("cpu").live_graphs() == []
 
 
-@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+@pytest.mark.parametrize("impl", [GraphImpl.LOCAL, GraphImpl.TRANSFORMER_ENGINE])
 def test_capture_order_is_the_execution_order(impl):
     """Graphs share one pool, so capture must follow replay order. The MoE scopes are listed
     router+combine, preprocess, but run router, preprocess, combine: capturing the combine before

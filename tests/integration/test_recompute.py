@@ -10,7 +10,7 @@ from helpers.runs import assert_same_run, eager, graph_config, tiny_config
 from graphstep.models import build_model
 from graphstep.models.transformer import recompute_runs
 from graphstep.training.loop import train
-from graphstep.validation import validate
+from graphstep.validation import validate_config
 
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
 ITERS = 10
@@ -74,7 +74,7 @@ def test_full_recompute_inside_the_full_iteration_graph_equals_eager(plain_run):
 
 def _rules(*overrides: str) -> dict[str, list[tuple[str, ...]]]:
     found: dict[str, list[tuple[str, ...]]] = {}
-    for v in validate(graph_config(*overrides), env={}):
+    for v in validate_config(graph_config(*overrides), env={}):
         found.setdefault(v.rule, []).append(tuple(v.fields))
     return found
 

@@ -272,12 +272,12 @@ def test_one_process_rows_are_refused_under_torchrun():
 
 def test_a_row_the_rules_refuse_carries_every_violation():
     from graphstep.bench.run import plan_row, row_config
-    from graphstep.validation import validate
+    from graphstep.validation import validate_config
 
     base = get_recipe("moe_launch_bound_bench")
     plan = plan_row(base, "tp_eager", 2)  # tensor parallel over an MoE model: rule R27
     expected_cfg = row_config(base, OFF + ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"])
-    violations = validate(expected_cfg, world_size=2)
+    violations = validate_config(expected_cfg, world_size=2)
     assert [v.rule for v in violations] == ["R27"]
     assert plan.refusal == "refused by the config rules (R27; 2 ranks): " + str(violations[0])
     assert "model.num_moe_experts=64" in plan.refusal and "Fix: " in plan.refusal
@@ -286,7 +286,7 @@ def test_a_row_the_rules_refuse_carries_every_violation():
     assert three.refusal.startswith("refused by the config rules (R28; 3 ranks): R28 ")
     # Megatron's partial MoE graphs with the alltoall dispatcher across 2 ranks: accepted, the dispatcher set
     alltoall = plan_row(base, "ep_[attn,moe_router,moe_preprocess]", 2)
-    assert alltoall.refusal is None and validate(alltoall.cfg, world_size=2) == []
+    assert alltoall.refusal is None and validate_config(alltoall.cfg, world_size=2) == []
     assert alltoall.cfg.model.moe_token_dispatcher_type == "alltoall"
 
 

@@ -49,12 +49,14 @@ def test_null_where_megatron_does_not_allow_it_is_still_a_type_error():
 
 from graphstep.cli import main  # noqa: E402
 from graphstep.config import field_kind  # noqa: E402
-from graphstep.validation import normalize, resolve, validate  # noqa: E402
+from graphstep.validation import (  # noqa: E402
+    normalize_cuda_graph_config, resolve_cuda_graph_settings, validate_config,
+)
 
 
 def _rules(cfg: Config) -> dict[str, list[tuple[str, ...]]]:
     out: dict[str, list[tuple[str, ...]]] = {}
-    for v in validate(cfg, env={}, device_capability=(9, 0)):
+    for v in validate_config(cfg, env={}, device_capability=(9, 0)):
         out.setdefault(v.rule, []).append(v.fields)
     return out
 
@@ -77,13 +79,13 @@ def test_an_unknown_validation_field_names_the_two_graphstep_takes():
 def test_mixed_precision_preset_as_one_value(text):
     cfg = apply_overrides(Config(), [f"mixed_precision={text}"])
     assert cfg.mixed_precision.preset == "bf16_mixed"
-    normalize(cfg)
+    normalize_cuda_graph_config(cfg)
     assert cfg.model.params_dtype == "bf16" and not _rules(cfg)
 
 
 def test_mixed_precision_leaves_a_params_dtype_you_set():
     cfg = apply_overrides(Config(), ["model.params_dtype=fp32", "mixed_precision=bf16_mixed"])
-    normalize(cfg)
+    normalize_cuda_graph_config(cfg)
     assert cfg.model.params_dtype == "fp32"
 
 
@@ -98,7 +100,7 @@ def test_mixed_precision_in_yaml_as_a_name_or_a_mapping(tmp_path):
                                     "bf16_with_nvfp4_mixed", "bf16-with-fp8-delayed-scaling-mixed"])
 def test_fp8_presets_are_r32(preset):
     cfg = apply_overrides(Config(), [f"mixed_precision={preset}"])
-    (v,) = validate(cfg, env={})
+    (v,) = validate_config(cfg, env={})
     assert v.rule == "R32" and "FP8 and FP4 training are not implemented yet" in v.message
     assert "mixed_precision=bf16_mixed" in v.fix
 
@@ -158,16 +160,16 @@ def test_r38_bridge_dataset_and_tokenizer_agree_with_graphstep():
 
 def test_a_blend_becomes_indexed_data():
     cfg = apply_overrides(Config(), ["dataset.blend=[[/d/a],null]"])
-    normalize(cfg)
+    normalize_cuda_graph_config(cfg)
     assert (cfg.data.dataset, cfg.data.data_path) == ("indexed", "/d/a")
 
 
 def test_vocabulary_padding_as_megatron_pads_it():
     cfg = apply_overrides(Config(), ["model.should_pad_vocab=true", "model.vocab_size=50257",
                                      "model.tensor_model_parallel_size=2"])
-    normalize(cfg)
+    normalize_cuda_graph_config(cfg)
     assert cfg.model.vocab_size == 50432  # a multiple of 128 x 2
-    normalize(cfg)
+    normalize_cuda_graph_config(cfg)
     assert cfg.model.vocab_size == 50432
 
 
@@ -334,7 +336,7 @@ def test_extensions_are_said_once_in_the_log(caplog):
     cfg = apply_overrides(Config(), GRAPHS + ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]",
                                               *EXPERTS])
     with caplog.at_level(logging.INFO, logger="graphstep"):
-        resolve(cfg, env={})
+        resolve_cuda_graph_settings(cfg, env={})
     text = [r.getMessage() for r in caplog.records]
     assert sum("a graphstep extension -- Megatron Bridge takes local for full_iteration only" in t for t in text) == 1
     assert sum("graphed dropless: a graphstep extension" in t for t in text) == 1
@@ -345,7 +347,7 @@ def test_perf_flags_as_bridges_harness():
     apply_perf_flags(cfg, "local", "full_iteration")
     assert cfg.rerun_state_machine.check_for_nan_in_loss is False and cfg.ddp.check_for_nan_in_grad is True
     assert cfg.model.use_te_rng_tracker is True and cfg.rng.te_rng_tracker is True
-    assert not validate(cfg, env={})
+    assert not validate_config(cfg, env={})
     off = apply_overrides(Config(), ["model.use_te_rng_tracker=true", "rng.te_rng_tracker=true"])
     apply_perf_flags(off, "none", None)
     assert off.model.use_te_rng_tracker is False and off.rng.te_rng_tracker is False

@@ -29,7 +29,9 @@ import pytest
 import logging
 
 from graphstep.config import Config, _matches, apply_overrides, field_kind, field_type, iter_fields, refused_values
-from graphstep.validation import noop_notes, normalize, resolve, validate
+from graphstep.validation import (
+    noop_notes, normalize_cuda_graph_config, resolve_cuda_graph_settings, validate_config,
+)
 from helpers.launch import ROOT
 
 PACKAGE = ROOT / "src" / "graphstep"
@@ -172,7 +174,7 @@ def test_deprecated_flags_are_migrated(key):
     target, value = MIGRATED[key]
     cfg = apply_overrides(Config(), [f"{key}=true"])
     with pytest.warns(DeprecationWarning):
-        normalize(cfg)
+        normalize_cuda_graph_config(cfg)
     section, name = target.split(".")
     assert getattr(getattr(cfg, section), name) == value
 
@@ -180,7 +182,7 @@ def test_deprecated_flags_are_migrated(key):
 @pytest.mark.parametrize("key", sorted(REFUSED_OTHERWISE))
 def test_fields_implemented_one_way_refuse_the_others(key):
     rule, overrides = REFUSED_OTHERWISE[key]
-    found = [v for v in validate(apply_overrides(Config(), overrides), env={}, device_capability=(9, 0))
+    found = [v for v in validate_config(apply_overrides(Config(), overrides), env={}, device_capability=(9, 0))
              if v.rule == rule and key in v.fields]
     assert found, f"{key}: {overrides} should break {rule}"
 
@@ -191,7 +193,7 @@ def test_unsupported_fields_are_refused_when_changed():
     for section, name, default in fields:
         cfg = Config()
         setattr(getattr(cfg, section), name, _changed(default, section, name))
-        found = [v for v in validate(cfg, env={}) if v.rule == "R18"]
+        found = [v for v in validate_config(cfg, env={}) if v.rule == "R18"]
         assert [v.fields for v in found] == [(f"{section}.{name}",)], (section, name)
 
 
@@ -199,7 +201,7 @@ def test_unsupported_fields_are_refused_when_changed():
 def test_bridge_fields_act_through_graphsteps_own(key):
     overrides, target, value = MAPPED[key]
     cfg = apply_overrides(Config(), overrides)
-    normalize(cfg)
+    normalize_cuda_graph_config(cfg)
     section, name = target.split(".")
     assert getattr(getattr(cfg, section), name) == value
 
@@ -216,10 +218,10 @@ def test_refused_fields_break_their_rule_when_changed():
         value = _value_of_type(section, name, default)
         cfg = Config()
         setattr(getattr(cfg, section), name, value)
-        found = [v for v in validate(cfg, env={}) if v.rule == rule and f"{section}.{name}" in v.fields]
+        found = [v for v in validate_config(cfg, env={}) if v.rule == rule and f"{section}.{name}" in v.fields]
         assert found, (section, name, value, rule)
         setattr(getattr(cfg, section), name, default)
-        assert not [v for v in validate(cfg, env={}) if f"{section}.{name}" in v.fields], (section, name)
+        assert not [v for v in validate_config(cfg, env={}) if f"{section}.{name}" in v.fields], (section, name)
 
 
 def _noop_fields():
@@ -236,7 +238,7 @@ def test_noop_fields_are_accepted_and_reported():
         value = _value_of_type(section, name, default)
         cfg = Config()
         setattr(getattr(cfg, section), name, value)
-        assert not [v for v in validate(cfg, env={}) if f"{section}.{name}" in v.fields], (section, name)
+        assert not [v for v in validate_config(cfg, env={}) if f"{section}.{name}" in v.fields], (section, name)
         notes = noop_notes(cfg)
         assert len(notes) == 1 and notes[0].startswith(f"{section}.{name}=") and field_kind(section, name)[1] in notes[0]
         assert noop_notes(Config()) == []
@@ -252,7 +254,7 @@ def test_a_run_reports_its_noop_fields_in_one_log_line(caplog):
     cfg = apply_overrides(Config(), ["model.apply_rope_fusion=true", "model.transformer_impl=local",
                                      "comm_overlap.tp_comm_overlap=true"])
     with caplog.at_level(logging.INFO, logger="graphstep"):
-        resolve(cfg, env={})
+        resolve_cuda_graph_settings(cfg, env={})
     lines = [r.getMessage() for r in caplog.records if "no-op" in r.getMessage()]
     assert len(lines) == 1
     for key in ("model.apply_rope_fusion=true", "model.transformer_impl=local", "comm_overlap.tp_comm_overlap=true"):

@@ -40,10 +40,10 @@ def test_one_ranks_layout_holds_the_pairs_routed_to_its_experts_and_drops_the_ot
 
 
 def _rules(*overrides: str, world: int = 2) -> list:
-    from graphstep.validation import validate_cuda_graph_config
+    from graphstep.validation import validate_config
 
     cfg = apply_overrides(Config(), ["model.num_moe_experts=4", "model.moe_ffn_hidden_size=32", *overrides])
-    return [v for v in validate_cuda_graph_config(cfg, world_size=world) if v.rule == "R31"]
+    return [v for v in validate_config(cfg, world_size=world) if v.rule == "R31"]
 
 
 @pytest.mark.parametrize("overrides,world,words", [

@@ -17,7 +17,7 @@ from graphstep.training.memory import (
 )
 from graphstep.training.parallel import Layout
 from graphstep.training.rundir import RunSetupError
-from graphstep.validation import validate
+from graphstep.validation import validate_config
 
 CUDA = torch.device("cuda")  # never touched: the estimate needs only the dtype's element size
 H200 = 141 * GiB
@@ -134,7 +134,7 @@ def test_the_suggested_layout_passes_the_check_and_the_layout_rules(monkeypatch,
     estimate = check_memory_fits(cfg, CUDA, layout=layout)
     assert estimate is not None and estimate.layout == layout
     layout_rules = {"R25", "R26", "R27", "V13"}
-    assert [v for v in validate(cfg, env={}, world_size=ranks) if v.rule in layout_rules] == []
+    assert [v for v in validate_config(cfg, env={}, world_size=ranks) if v.rule in layout_rules] == []
 
 
 def test_nothing_fits_says_so(monkeypatch, llama3_8b):

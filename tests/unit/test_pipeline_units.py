@@ -52,12 +52,12 @@ def test_a_stage_keeps_its_layers_under_their_whole_model_names():
 
 def _rules(*overrides: str, world: int = 2) -> list:
     from graphstep.config import Config, apply_overrides
-    from graphstep.validation import validate_cuda_graph_config
+    from graphstep.validation import validate_config
 
     cfg = Config()
     apply_overrides(cfg, ["model.share_embeddings_and_output_weights=false", "model.num_layers=4",
                           "train.micro_batch_size=2", "train.global_batch_size=8", *overrides])
-    return [v for v in validate_cuda_graph_config(cfg, world_size=world) if v.rule in ("R28", "R29", "R30")]
+    return [v for v in validate_config(cfg, world_size=world) if v.rule in ("R28", "R29", "R30")]
 
 
 @pytest.mark.parametrize("overrides,world,rule,words", [

@@ -28,7 +28,6 @@ from graphstep.validation import (
     normalize_cuda_graph_config,
     resolve_cuda_graph_settings,
     validate_config,
-    validate_cuda_graph_config,
 )
 
 MULTI_GPU_EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True",
@@ -252,7 +251,7 @@ def test_violation_str_names_rule_fields_and_fix() -> None:
 def test_r16_local_depends_on_capability(monkeypatch, capability, device, expected) -> None:
     monkeypatch.setattr(graph_rules, "_capability", lambda v: v.capability)  # no GPU probing in this test
     cfg = make("model.cuda_graph_impl=local", f"train.device={device}")
-    found = rules(validate_cuda_graph_config(cfg, env=MULTI_GPU_EXPANDABLE, device_capability=capability))
+    found = rules(validate_config(cfg, env=MULTI_GPU_EXPANDABLE, device_capability=capability))
     assert ("R16" in found) is expected
 
 
@@ -301,7 +300,7 @@ def test_value_checks_types_world_size_and_heads() -> None:
     assert "V" in rules(check(make("model.num_attention_heads=3")))
     assert "V" in rules(check(make("model.num_query_groups=3")))
     assert "V" in rules(check(make("model.num_moe_experts=1")))  # moe_router_topk=2 > 1 expert
-    assert validate_cuda_graph_config(make("model.cuda_graph_backend=gpu"), env={}) == []
+    assert [v for v in validate_config(make("model.cuda_graph_backend=gpu"), env={}) if v.rule.startswith("R")] == []
 
 
 # --- migrations ------------------------------------------------------------------
@@ -683,6 +682,8 @@ LATE_CHECKS = {
     "V13": ["train.global_batch_size=12"],  # micro-batch 2 x 4 ranks = 8
     "R23": ["model.moe_token_dispatcher_type=anything"],
     "R24": ["train.skip_step_on_nan=true", "train.check_for_nan_on_device=false"],
+    "V23": ["model.num_moe_experts=4", "model.moe_pad_expert_input_to_capacity=true"],  # models/moe.py refused it
+    "V24": ["model.hybrid_override_pattern=M*", "model.num_layers=2", "model.mamba_head_dim=7"],  # models/mamba.py
 }
 
 
@@ -719,7 +720,7 @@ def test_a_run_normalises_and_validates_once(monkeypatch) -> None:
 
     monkeypatch.setattr(normalize_mod, "_normalize", counted("normalize", normalize_mod._normalize))
     monkeypatch.setattr(normalize_mod, "copy_config", counted("copy", normalize_mod.copy_config))
-    monkeypatch.setattr(validation, "validate", counted("validate", validation.validate))
+    monkeypatch.setattr(validation, "validate_config", counted("validate", validation.validate_config))
     cfg = tiny_config("model.cuda_graph_impl=full_iteration", "model.use_te_rng_tracker=true",
                       "rerun_state_machine.check_for_nan_in_loss=false", "ddp.check_for_nan_in_grad=false",
                       "model.cuda_graph_warmup_steps=1", "train.train_iters=3", "checkpoint.save=null")

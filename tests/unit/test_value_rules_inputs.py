@@ -1,4 +1,4 @@
-"""Rules V14-V22: settings a run would ignore without a word, or refuse only once it has started.
+"""Rules V14-V24: settings a run would ignore without a word, or refuse only once it has started.
 
 Each rule has cases that break it (checked for the rule id, a distinctive part
 of the message, the fields it names and a fix) and a close variant that is
@@ -32,6 +32,8 @@ def check(cfg: Config, world_size: int = 1):
 
 
 PROFILE = "profiling.use_pytorch_profiler=true"
+MOE = ("model.num_moe_experts=4", "model.moe_router_topk=2")
+MAMBA = ("model.hybrid_override_pattern=M*", "model.num_layers=2")
 
 # name -> (rule, overrides that break it, part of the message, fields it must name, a clean variant, world size)
 CASES: dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...], tuple[str, ...], int]] = {
@@ -94,6 +96,18 @@ CASES: dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...], tuple[str, ..
                          ("data.dataset=sft", "data.data_path=c.jsonl", "data.seq_length_buckets=[32,64]"), 1),
     "V22-empty": ("V22", ("data.seq_length_buckets=[]",), "holds no bucket", ("data.seq_length_buckets",),
                   ("data.seq_length_buckets=null",), 1),
+    "V23-bias": ("V23", (*MOE, "model.moe_router_enable_expert_bias=true"), "added to sigmoid scores",
+                 ("model.moe_router_enable_expert_bias", "model.moe_router_score_function"),
+                 (*MOE, "model.moe_router_enable_expert_bias=true", "model.moe_router_score_function=sigmoid"), 1),
+    "V23-pad": ("V23", (*MOE, "model.moe_pad_expert_input_to_capacity=true"), "there is no capacity to pad to",
+                ("model.moe_pad_expert_input_to_capacity", "model.moe_expert_capacity_factor"),
+                (*MOE, "model.moe_pad_expert_input_to_capacity=true", "model.moe_expert_capacity_factor=1.0"), 1),
+    "V23-factor": ("V23", (*MOE, "model.moe_expert_capacity_factor=0.0"), "is not above 0",
+                   ("model.moe_expert_capacity_factor",), (*MOE, "model.moe_expert_capacity_factor=0.5"), 1),
+    "V24-head": ("V24", (*MAMBA, "model.mamba_head_dim=7"), "does not divide the Mamba inner width",
+                 ("model.mamba_head_dim", "model.hidden_size"), (*MAMBA, "model.mamba_head_dim=8"), 1),
+    "V24-groups": ("V24", (*MAMBA, "model.mamba_num_groups=3"), "does not divide the",
+                   ("model.mamba_num_groups",), (*MAMBA, "model.mamba_num_groups=2"), 1),
 }
 
 
@@ -110,7 +124,7 @@ def test_rule_reports_problem_and_fix(name: str) -> None:
 def test_every_documented_rule_from_v14_has_a_case() -> None:
     documented = set(re.findall(r"^\| (V\d+) \|", (ROOT / "docs" / "rules.md").read_text(), re.M))
     numbered = {rule for rule in documented if int(rule[1:]) >= 14}
-    assert numbered == {f"V{i}" for i in range(14, 23)}
+    assert numbered == {f"V{i}" for i in range(14, 25)}
     assert numbered - {"V21"} == {case[0] for case in CASES.values()}  # V21 needs a missing package: below
 
 

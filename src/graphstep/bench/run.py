@@ -33,7 +33,7 @@ from ..config import Config
 from ..cuda_graph.devices import GiB, normalize_device
 from ..training.flops import flops_per_step
 from ..training.parallel import Layout
-from ..validation import validate
+from ..validation import validate_config
 from .harness import Row, finish, graphstep_row, make_workload, matmul_tflops, measure, row_config
 from .layouts import batch_overrides, check_world, layout_overrides, multi_rank_rows, split_prefix
 from .peers import compiled, make_graphed, manual_graph
@@ -120,7 +120,7 @@ def plan_row(base: Config, name: str, world_size: int = 1) -> RowPlan:
     if not split_prefix(name)[0]:
         return RowPlan(name, cfg, graphstep=True, layout=Layout.from_config(cfg, 1))
     cfg = row_config(cfg, batch_overrides(cfg, world_size))
-    violations = validate(cfg, world_size=world_size)
+    violations = validate_config(cfg, world_size=world_size)
     refusal = None
     if violations:
         rules = ", ".join(sorted({v.rule for v in violations}))

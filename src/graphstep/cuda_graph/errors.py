@@ -19,7 +19,15 @@ from .frames import SourceLine, user_frame  # noqa: F401  (replay.py and replay_
 
 
 class GraphstepError(Exception):
-    """Base of every error graphstep raises on purpose (catch this to catch them all)."""
+    """Base of every error graphstep raises on purpose (catch this to catch them all).
+
+    ``exit_code`` is the status the ``graphstep`` command ends with when this error stops it (cli.py reads
+    it): 1, a failure of the run itself (capture, replay, the library used out of order), is raised with its
+    traceback like any other exception; 2, input the user can fix (graphstep.errors.ConfigError and the
+    others there), is printed as one line without a traceback. graphstep/errors.py lists the whole tree.
+    """
+
+    exit_code: int = 1
 
 
 class CaptureError(GraphstepError, RuntimeError):

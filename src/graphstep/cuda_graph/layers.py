@@ -11,7 +11,8 @@ The engine patches the submodule's ``forward`` with a dispatcher:
 * after capture: ``apply_graphed`` replays the graphs (parameter hooks still run).
 
 ``capture()`` captures every graph into the backend's one pool, in an order
-that depends on the semantics:
+that depends on the semantics, a per-layer :class:`~.settings.GraphImpl`
+(parsed from strings at the config edge, never here):
 
 * ``local`` (Megatron Core's CudaGraphManager): the order of forward and
   backward calls recorded during warm-up;
@@ -65,6 +66,7 @@ from .fsdp import gathered, prepare_fsdp, release_gathered
 from .graph_state import GraphState
 from .graphed_module import ModuleGraph, apply_graphed
 from .scopes import scope_modules
+from .settings import CudaGraphSettings, GraphImpl
 from .static_io import local_tensors
 from .torch_compat import tree_flatten
 
@@ -79,14 +81,12 @@ class LayerGraphs:
         modules: Sequence[tuple[str, nn.Module]],
         backend: GraphBackend,
         *,
-        semantics: str = "local",
+        semantics: GraphImpl = GraphImpl.LOCAL,
         generators: Callable[[], Iterable[torch.Generator]] | None = None,
         retain_graph: bool = False,
         warmup_calls: int | None = None,
         fsdp_modules: Sequence[nn.Module] = (),
     ) -> None:
-        if semantics not in ("local", "transformer_engine"):
-            raise ValueError(f"semantics must be 'local' or 'transformer_engine', got {semantics!r}")
         if not modules:
             raise ValueError("no module to graph: the selected scopes match no submodule of the model")
         self.backend = backend
@@ -123,7 +123,7 @@ class LayerGraphs:
     def describe(self) -> str:
         names = sorted({g.name.split(".")[-1] for g in self.graphs})
         slots = f", {len(self.slots)} micro-batches in flight" if len(self.slots) > 1 else ""
-        return f"per-layer graphs ({self.semantics} semantics, {len(self.graphs)} modules: {', '.join(names)}{slots})"
+        return f"per-layer graphs ({self.semantics.value} semantics, {len(self.graphs)} modules: {', '.join(names)}{slots})"
 
     def start_step(self) -> None:
         """A new step begins: micro-batches count from 0 (the slot of micro-batch ``i`` is ``i mod slots``).
@@ -230,7 +230,7 @@ class LayerGraphs:
         overwrite that output (e.g. a MoE layout that eager code still reads).
         """
         n = len(self.graphs)
-        if self.semantics == "transformer_engine" or not self.order:
+        if self.semantics is GraphImpl.TRANSFORMER_ENGINE or not self.order:
             # forwards in the order they ran (not the order the scopes are listed), backwards reversed
             ran = list(dict.fromkeys(i for kind, i in self.order if kind == "fwd"))
             fwd = ran + [i for i in range(n) if i not in ran]
@@ -289,7 +289,7 @@ class LayerGraphs:
             log.debug("captured %s in %.3f s, +%.3f GiB", r.name, r.seconds, r.allocated_delta / GiB)
         log.info(
             "captured %d per-layer graphs (%s semantics) in %.2f s, allocated %.2f GiB, reserved %.2f GiB "
-            "(+%.2f / +%.2f GiB)", len(reports), self.semantics, sum(r.seconds for r in reports),
+            "(+%.2f / +%.2f GiB)", len(reports), self.semantics.value, sum(r.seconds for r in reports),
             alloc1 / GiB, reserved1 / GiB, (alloc1 - alloc0) / GiB, (reserved1 - reserved0) / GiB,
         )
         self.state = GraphState.CAPTURED
@@ -382,11 +382,10 @@ def select_modules(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, 
     return picked
 
 
-def apply_layer_graphs(model: nn.Module, settings: Any, backend: GraphBackend, *,
+def apply_layer_graphs(model: nn.Module, settings: CudaGraphSettings, backend: GraphBackend, *,
                        generators: Callable[[], Iterable[torch.Generator]] | None = None) -> LayerGraphs:
-    """Wrap the scoped submodules of ``model`` for per-layer capture (``settings``: CudaGraphSettings)."""
-    semantics = "transformer_engine" if settings.impl.value == "transformer_engine" else "local"
+    """Wrap the scoped submodules of ``model`` for per-layer capture (``settings.impl`` local or transformer_engine)."""
     modules = select_modules(model, settings.modules)
-    return LayerGraphs(modules, backend, semantics=semantics, generators=generators,
+    return LayerGraphs(modules, backend, semantics=settings.impl, generators=generators,
                        retain_graph=settings.retain_backward_graph,
                        fsdp_modules=prepare_fsdp(model, [m for _, m in modules]))

@@ -3,7 +3,7 @@
 :class:`GraphImpl` is which capture mechanism runs; :class:`CudaGraphSettings`
 is the frozen, canonical view of the ``model.cuda_graph_*`` fields (and
 ``optimizer.optimizer_cuda_graph``) that the trainer and the graph engine
-read. They are produced from a config by :func:`graphstep.validation.resolve`
+read. They are produced from a config by :func:`graphstep.validation.resolve_cuda_graph_settings`
 after normalisation and every rule; this module knows nothing of the config
 tree, so the mechanism stays importable on its own.
 """

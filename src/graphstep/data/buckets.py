@@ -24,11 +24,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from graphstep.config import Config, ConfigError
-
-
-class BucketError(ConfigError):
-    """A sample that no bucket holds."""
+from graphstep.config import Config
+from graphstep.errors import BucketError
 
 
 def parse_buckets(cfg: Config) -> list[int] | None:

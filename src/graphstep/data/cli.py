@@ -21,19 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Iterator
 
-from ..config import ConfigError
+from ..errors import PreprocessError
 from .indexed import META_SUFFIX, IndexedDatasetBuilder, optimal_dtype
 from .tokenizer import Tokenizer, build_tokenizer
 
 log = logging.getLogger("graphstep")
-
-
-class PreprocessError(ConfigError):
-    """An input graphstep preprocess cannot turn into documents (names file:line)."""
 
 
 def _utf8(path: Path) -> str:
@@ -131,13 +126,10 @@ def add_preprocess(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    try:
-        tokenizer = build_tokenizer(args.tokenizer)
-        prefixes = preprocess(args.input, args.output_prefix, tokenizer, args.tokenizer,
-                              json_keys=tuple(args.json_keys), append_eod=args.append_eod)
-    except (PreprocessError, ConfigError) as exc:
-        print(f"graphstep preprocess: {exc}", file=sys.stderr)
-        return 2
+    # a PreprocessError or a tokenizer's ConfigError is printed by graphstep's main as one line (exit 2)
+    tokenizer = build_tokenizer(args.tokenizer)
+    prefixes = preprocess(args.input, args.output_prefix, tokenizer, args.tokenizer,
+                          json_keys=tuple(args.json_keys), append_eod=args.append_eod)
     for prefix in prefixes:
         meta = json.loads(Path(prefix + META_SUFFIX).read_text())
         print(f"{prefix}: {meta['documents']} documents, {meta['tokens']} tokens "

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from graphstep.config import ConfigError
+from graphstep.errors import CorpusNotFoundError
 from graphstep.data.tokenizer import ByteTokenizer, Tokenizer
 
 DEFAULT_MAX_BYTES = 4_000_000
@@ -63,10 +64,6 @@ SKIPPED_DIRS = frozenset(
 )
 
 SPLIT_NAMES = ("train", "valid", "test")
-
-
-class CorpusNotFoundError(FileNotFoundError):
-    """The standard library's ``.py`` sources are not on this machine."""
 
 
 @dataclass(frozen=True)

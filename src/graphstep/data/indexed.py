@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from graphstep.config import ConfigError
+from graphstep.errors import IndexedDatasetError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -51,10 +52,6 @@ DTYPES: dict[int, type] = {
 }
 CODES = {np.dtype(t): c for c, t in DTYPES.items()}
 META_SUFFIX = ".graphstep.json"
-
-
-class IndexedDatasetError(ConfigError):
-    """An indexed dataset that cannot be read as it is; the message names the file and the position."""
 
 
 def optimal_dtype(vocab_size: int) -> type:

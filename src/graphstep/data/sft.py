@@ -29,13 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphstep.config import ConfigError
+from graphstep.errors import SFTDataError
 from graphstep.data.buckets import pad_batch
 from graphstep.data.tokenizer import Tokenizer
-
-
-class SFTDataError(ConfigError):
-    """A jsonl line that is not a usable example; the message names ``file:line``."""
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,8 @@ import sys
 from typing import Any
 
 from ..config_files import add_config_args, config_from_args
-from ..config import ConfigError
+from ..errors import ScriptError
 from .findings import Report
-
-
-class ScriptError(ConfigError):
-    """A doctor target that cannot be judged: no such file or function, or a script that does not import."""
 
 
 def add_doctor(sub: argparse._SubParsersAction) -> None:

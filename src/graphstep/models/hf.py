@@ -52,7 +52,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from graphstep.config import ConfigError
+from graphstep.errors import HFCheckpointError, HFExportError
 
 log = logging.getLogger("graphstep")
 
@@ -60,14 +60,6 @@ SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": 
              "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Written by some tools, never weights of the model.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class HFCheckpointError(ConfigError):
-    """A Hugging Face directory graphstep cannot load as it is (the message says what and where)."""
-
-
-class HFExportError(ConfigError):
-    """An export target that would lose files: not empty, a file, or a sharded checkpoint (exit 2)."""
 
 
 # --------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import torch
 
 from ..config import Config, ConfigError
+from ..errors import MissingExtraError
 from ..cuda_graph.devices import GiB
 
 log = logging.getLogger("graphstep")
@@ -40,10 +41,6 @@ log = logging.getLogger("graphstep")
 # Megatron's TensorBoard tags for the columns it logs too; other columns keep their name.
 TAGS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm"}
 NOT_SCALARS = ("iteration", "time", "state", "step_ms")
-
-
-class MissingExtraError(ConfigError):
-    """A logging or profiling field needs an optional package that is not installed (exit 2)."""
 
 
 def _require(module: str, extra: str, setting: str) -> Any:

@@ -467,8 +467,7 @@ class Checkpointer:
                  before_rename: Callable[[int], None] | None = None) -> None:
         self.cfg, self.dp, self.state, self.config = cfg, dp, state, config
         self.before_rename = before_rename  # RunHooks.before_checkpoint_rename
-        if cfg.save_interval is not None and cfg.save_interval < 1:
-            raise ValueError(f"checkpoint.save_interval={cfg.save_interval}: must be at least 1 (or null)")
+        assert cfg.save_interval is None or cfg.save_interval >= 1, "rule V7 refuses checkpoint.save_interval < 1"
         self.last_saved: int | None = None
 
     def resume(self) -> int:

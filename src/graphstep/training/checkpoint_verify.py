@@ -31,16 +31,12 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from .rundir import RunSetupError
+from ..errors import CheckpointError
 
 log = logging.getLogger("graphstep")
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ITER_DIR = re.compile(r"^iter_(\d{7,})$")
-
-
-class CheckpointError(RunSetupError, RuntimeError):
-    """A checkpoint that cannot be resumed from: damaged, or saved for another model."""
 
 
 def verify_checkpoint(path: Path) -> str | None:

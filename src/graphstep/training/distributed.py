@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import Config, ConfigError, DDPConfig
+from ..config import Config, DDPConfig
 from ..cuda_graph.devices import normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
 from .grad_reduce import ExpertParallelReducer, GradReducer, OverlappedGradReducer
@@ -265,9 +265,17 @@ def _finish(dp: DataParallel, settings: CudaGraphSettings, device_id: torch.devi
 
 
 def _check_ddp(cfg: Config, dp: DataParallel) -> None:
-    if dp.enabled and cfg.ddp.grad_reduce_in_fp32 is not True:
-        raise ConfigError("ddp.grad_reduce_in_fp32=false is not supported: graphstep's gradient buffers are fp32 "
-                          "and are reduced in fp32; set ddp.grad_reduce_in_fp32=true")
+    # the config was validated for this world size (group_world_size), so R22 has refused an fp16/bf16 reduce
+    assert not dp.enabled or cfg.ddp.grad_reduce_in_fp32 is True, "rule R22 refuses ddp.grad_reduce_in_fp32=false"
+
+
+def group_world_size() -> int | None:
+    """The world size of a process group the caller made before the run (None: torchrun's WORLD_SIZE says it).
+
+    The config is validated for it (``resolve_cuda_graph_settings(..., world_size=...)``): a group made by the
+    caller need not set WORLD_SIZE.
+    """
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
 
 
 def _rank_zero_logging(dp: DataParallel) -> None:

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError
 from .optim import GradBuffers
 
 log = logging.getLogger("graphstep")
@@ -57,8 +56,7 @@ class GradReducer:
     def __init__(self, flat: torch.Tensor, world_size: int, *, bucket_size: int | None = None,
                  average_in_collective: bool = False, backend: str | None = None, group: Any = None) -> None:
         size = bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * world_size)  # Megatron's default
-        if size < 1:
-            raise ConfigError(f"ddp.bucket_size={bucket_size}: must be at least 1 element (or null for 40M)")
+        assert size >= 1, f"ddp.bucket_size={bucket_size}: rule V refuses a bucket below 1 element"
         self.flat = flat
         self.world_size = world_size
         self.buckets = [flat[i : i + size] for i in range(0, flat.numel(), size)]

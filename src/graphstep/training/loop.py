@@ -61,7 +61,7 @@ from .checkpoint import Checkpointer, TrainingState
 from .manual_gc import ManualGC
 from .console import Console
 from .memory import check_memory_fits
-from .distributed import DataParallel, init_data_parallel
+from .distributed import DataParallel, group_world_size, init_data_parallel
 from .flops import flops_per_step, peak_tflops
 from .metrics import MetricsRecorder
 from .moe_hooks import KEYS as MOE_KEYS
@@ -156,7 +156,7 @@ def _memory(device: torch.device) -> str:
 def train(cfg: Config, *, keep_model: bool = False, hooks: RunHooks | None = None) -> TrainResult:
     """Train as ``cfg`` says; returns the metrics of every iteration (and the model if asked)."""
     cfg = with_hf_shape(cfg)  # model.hf_path: a copy of cfg with the checkpoint's shape, before any rule
-    settings = resolve_cuda_graph_settings(cfg)  # 1: every rule, all violations at once
+    settings = resolve_cuda_graph_settings(cfg, world_size=group_world_size())  # 1: every rule, all violations at once
     dp = init_data_parallel(cfg, settings)  # one rank unless torchrun started us
     try:
         return _train(cfg, settings, dp, keep_model, hooks or RunHooks())
@@ -193,7 +193,6 @@ def _preflight(cfg: Config, dp: DataParallel, device: torch.device) -> RunLock:
 
 def _run(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model: bool,
          device: torch.device, hooks: RunHooks) -> TrainResult:
-    tr = cfg.train
     data, valid = _build_data(cfg, dp, device)
     restore = _Restore(cfg, dp, data, valid, device, hooks)
     run = build_run(cfg, RunOptions(device, dp=dp, settings=settings, restore=restore,  # 2, 3 (training/build.py)

@@ -117,10 +117,9 @@ class LRSchedule:
             decayed = self.min_lr + 0.5 * (self.max_lr - self.min_lr) * (torch.cos(math.pi * ratio) + 1.0)
         elif self.style == "linear":
             decayed = self.min_lr + (self.max_lr - self.min_lr) * (1.0 - ratio)
-        elif self.style == "constant":
-            decayed = torch.full_like(step, self.max_lr)
         else:
-            raise ValueError(f"scheduler.lr_decay_style must be cosine, linear or constant, got {self.style!r}")
+            assert self.style == "constant", f"scheduler.lr_decay_style={self.style!r}: rule V allows no other value"
+            decayed = torch.full_like(step, self.max_lr)
         return torch.where(step <= self.warmup_iters, warm, decayed)
 
     def at(self, step: int) -> float:

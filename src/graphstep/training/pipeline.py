@@ -138,8 +138,7 @@ class Pipeline:
                  schedule: str, num_micro_batches: int) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        if schedule not in SCHEDULES:
-            raise ValueError(f"model.pipeline_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+        assert schedule in SCHEDULES, f"model.pipeline_schedule={schedule!r}: rule R28 allows {', '.join(SCHEDULES)}"
         self.model, self.device, self.group = model, device, group
         self.stage_index, self.stages = stage_index, stages
         self.is_first, self.is_last = stage_index == 0, stage_index == stages - 1

@@ -35,18 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, ConfigError
+from ..config import Config
+from ..errors import RunSetupError
 
 log = logging.getLogger("graphstep")
 
 LOCK_NAME = ".graphstep.lock"
-
-
-class RunSetupError(ConfigError):
-    """A run that cannot start as configured: an output path, the run lock, memory or the device.
-
-    A ``ConfigError``, so ``graphstep train`` prints it as one line and exits with code 2.
-    """
 
 
 # --------------------------------------------------------------------------

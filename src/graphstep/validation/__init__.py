@@ -1,19 +1,20 @@
 """Validation of a whole config: normalise once, check every rule at once, resolve the graph settings.
 
-Three steps, always in this order (``resolve`` runs all three):
+Three steps, always in this order (``resolve_cuda_graph_settings`` runs all three), one
+function each:
 
-1. :func:`normalize` rewrites the config *in place* into its one canonical
+1. :func:`normalize_cuda_graph_config` rewrites the config *in place* into its one canonical
    form (migrations.py: the legacy and deprecated CUDA-graph fields, the RNG
    tracker flags). :func:`apply_perf_flags` maps the perf-harness flags
    onto the config before it.
-2. :func:`validate` checks every numbered rule -- R1-R17 (graph_rules.py),
-   R18-R24 and R32-R39 (run_rules.py), R25-R31 (parallel_rules.py) -- and every value rule, ``V`` and V1-V22
+2. :func:`validate_config` checks every numbered rule -- R1-R17 (graph_rules.py),
+   R18-R24 and R32-R39 (run_rules.py), R25-R31 (parallel_rules.py) -- and every value rule, ``V`` and V1-V24
    (values.py), and returns all violations at once, each with its rule id,
    the fields it names and the fix. It never raises, whatever the values: a
    rule that cannot even be evaluated reports itself. Given a config that is
    not normalised yet, it judges a normalised copy and leaves the config as
    it is (``graphstep config validate``).
-3. :func:`resolve` normalises ``cfg`` in place, validates it (no copy),
+3. :func:`resolve_cuda_graph_settings` normalises ``cfg`` in place, validates it (no copy),
    raises :class:`ConfigValidationError` listing every violation, or returns
    the frozen :class:`~graphstep.cuda_graph.settings.CudaGraphSettings` the
    trainer reads. Strings become enums here, at the config edge, and nowhere
@@ -36,7 +37,7 @@ from graphstep.config import Config
 from graphstep.cuda_graph.settings import CudaGraphSettings, GraphImpl
 
 from .graph_rules import GRAPH_RULES, make_view
-from .migrations import apply_perf_flags, normalize, normalized_copy
+from .migrations import apply_perf_flags, normalize_cuda_graph_config, normalized_copy
 from .report import ConfigValidationError, Violation, checked, format_violations
 from .parallel_rules import PARALLEL_RULES
 from .run_rules import REPLAY_COMPILE_REASON, RUN_RULES, noop_notes
@@ -46,9 +47,8 @@ log = logging.getLogger("graphstep")
 
 __all__ = [
     "ConfigValidationError", "Violation", "REPLAY_COMPILE_REASON", "apply_perf_flags", "format_violations",
-    "accepted_notes", "normalize", "noop_notes", "resolve", "settings_from", "validate",
-    # the names callers used before the package existed
-    "normalize_cuda_graph_config", "resolve_cuda_graph_settings", "validate_config", "validate_cuda_graph_config",
+    "accepted_notes", "normalize_cuda_graph_config", "noop_notes", "resolve_cuda_graph_settings", "settings_from",
+    "validate_config",
 ]
 
 
@@ -65,26 +65,17 @@ def _rule_violations(cfg: Config, env: Mapping[str, str], capability: tuple[int,
     return [v for rule, check in GRAPH_RULES + RUN_RULES + PARALLEL_RULES for v in checked(rule, check, view)]
 
 
-def validate(cfg: Config, *, env: Mapping[str, str] | None = None, device_capability: tuple[int, int] | None = None,
+def validate_config(cfg: Config, *, env: Mapping[str, str] | None = None, device_capability: tuple[int, int] | None = None,
              world_size: int | None = None, normalized: bool = False) -> list[Violation]:
-    """Every rule (R1-R39, V, V1-V22) on the normalised ``cfg``; all violations, never an exception.
+    """Every rule (R1-R39, V, V1-V24) on the normalised ``cfg``; all violations, never an exception.
 
-    ``normalized=True``: ``cfg`` was normalised in place already (``resolve``); otherwise a normalised
+    ``normalized=True``: ``cfg`` was normalised in place already (``resolve_cuda_graph_settings``); otherwise a normalised
     copy is judged. ``env`` (default ``os.environ``) gives ``WORLD_SIZE`` unless ``world_size`` is given.
     """
     env = os.environ if env is None else env
     world = world_size if world_size is not None else _world_size(env)
     work = cfg if normalized else normalized_copy(cfg)
     return _rule_violations(work, env, device_capability, world) + value_violations(work, world)
-
-
-def validate_cuda_graph_config(cfg: Config, *, env: Mapping[str, str] | None = None,
-                               device_capability: tuple[int, int] | None = None,
-                               world_size: int | None = None) -> list[Violation]:
-    """The numbered R rules alone (no value rules), on a normalised copy of ``cfg``."""
-    env = os.environ if env is None else env
-    world = world_size if world_size is not None else _world_size(env)
-    return _rule_violations(normalized_copy(cfg), env, device_capability, world)
 
 
 def settings_from(cfg: Config) -> CudaGraphSettings:
@@ -104,14 +95,15 @@ def settings_from(cfg: Config) -> CudaGraphSettings:
     )
 
 
-def resolve(cfg: Config, *, env: Mapping[str, str] | None = None, device_capability: tuple[int, int] | None = None,
+def resolve_cuda_graph_settings(cfg: Config, *, env: Mapping[str, str] | None = None, device_capability: tuple[int, int] | None = None,
             world_size: int | None = None) -> CudaGraphSettings:
     """Normalise ``cfg`` in place, validate it once, and return its settings (ConfigValidationError lists all)."""
-    normalize(cfg)  # records the coverage field the user wrote, so messages still name it
-    violations = validate(cfg, env=env, device_capability=device_capability, world_size=world_size, normalized=True)
+    normalize_cuda_graph_config(cfg)  # records the coverage field the user wrote, so messages still name it
+    violations = validate_config(cfg, env=env, device_capability=device_capability, world_size=world_size,
+                                 normalized=True)
     if violations:
         raise ConfigValidationError(violations)
-    for line in accepted_notes(cfg):  # once per run: resolve is called once per run
+    for line in accepted_notes(cfg):  # once per run: this is called once per run
         log.info("%s", line)
     return settings_from(cfg)
 
@@ -136,8 +128,3 @@ def accepted_notes(cfg: Config) -> list[str]:
         out.append("the MoE block is graphed dropless: a graphstep extension -- Megatron Core graphs the moe scope "
                    "only with drop-and-pad; graphstep's sync-free dropless MoE keeps its group sizes on the device")
     return out
-
-
-normalize_cuda_graph_config = normalize
-validate_config = validate
-resolve_cuda_graph_settings = resolve

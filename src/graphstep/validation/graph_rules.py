@@ -22,7 +22,7 @@ from graphstep.config import Config
 from graphstep.cuda_graph.settings import IMPL_VALUES, MOE_SCOPES, PER_LAYER, SCOPE_NAMES
 
 from .migrations import coverage_field
-from .report import Violation, as_int as _int, as_num as _num, as_str as _str, fmt as _fmt, get as _get
+from .report import Violation, as_int as _int, as_num as _num, as_str as _str, fmt as _fmt
 from .report import names as _names, strs as _strs
 from .report import violation as _v
 

@@ -1,6 +1,6 @@
 """Normalisation: the one canonical form of a config, applied once, before any rule.
 
-:func:`normalize` rewrites the config *in place* (spec section 1,
+:func:`normalize_cuda_graph_config` rewrites the config *in place* (spec section 1,
 "Migrations"): the deprecated flags ``enable_cuda_graph`` /
 ``external_cuda_graph`` become ``cuda_graph_impl``; the legacy
 ``cuda_graph_scope`` (list, comma string or ``full``) moves into
@@ -239,7 +239,7 @@ def _normalize(cfg: Config, *, warn: bool) -> list[str]:
     return notes
 
 
-def normalize(cfg: Config) -> list[str]:
+def normalize_cuda_graph_config(cfg: Config) -> list[str]:
     """Apply the spec's migrations in place; return notes (deprecations warned as DeprecationWarning)."""
     return _normalize(cfg, warn=True)
 

@@ -5,14 +5,14 @@ Same shape as graph_rules.py (``_rN(view) -> list[Violation]`` over a
 :class:`~graphstep.validation.graph_rules.View`). R21-R24 are the checks the
 trainer used to make only once a run had started (per-layer graphs with shape
 buckets, ``ddp.grad_reduce_in_fp32``, the token dispatcher, skipping a step on
-NaN without the flag it skips on); the trainer keeps its guards, which a
-validated config never reaches.
+NaN without the flag it skips on); where the trainer still guards them, the
+guard is an ``assert`` naming the rule, which a validated config never trips.
 
 R32-R39 judge the fields config_sections.py declares with ``refused(default,
 help, rule, allowed)``: a value outside ``allowed`` breaks that rule, whose
 reason (:data:`REFUSED_REASONS`) says which feature it asks for. The fields
 declared with ``noop`` are accepted whatever their value; :func:`noop_notes`
-is the one log line that says so (``resolve`` logs it once per run).
+is the one log line that says so (``resolve_cuda_graph_settings`` logs it once per run).
 
 docs/rules.md describes every rule with an example override and its fix.
 """

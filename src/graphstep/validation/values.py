@@ -1,4 +1,4 @@
-"""The plain value checks of a config: rule ``V`` and the numbered value rules ``V1``-``V22``.
+"""The plain value checks of a config: rule ``V`` and the numbered value rules ``V1``-``V24``.
 
 ``V`` (unnumbered) covers types, fixed choices, minimums and shapes;
 ``V1``-``V13`` each guard one thing that training would refuse late (after
@@ -13,6 +13,8 @@ started: a data path the dataset does not read, a sharding strategy without
 FSDP2, a profiling window or ranks outside the run, fine-tuning with nothing
 to load, a graph warm-up as long as the run, W&B fields without a project, a
 missing optional package, sequence-length buckets the model cannot hold.
+``V23``-``V24`` judge the fields the MoE and Mamba blocks read, which the
+model would otherwise refuse only when it is built.
 Each check takes the normalised config, returns violations naming the field,
 its value and the fix, and never raises (``_checked`` turns a crash into a
 violation).
@@ -63,7 +65,7 @@ _MINIMUM: dict[str, int] = {
     "model.vocab_size": 1, "model.num_attention_heads": 1, "model.num_query_groups": 1, "model.num_moe_experts": 1,
     "model.moe_router_topk": 1, "model.moe_layer_freq": 1, "train.micro_batch_size": 1, "train.global_batch_size": 1,
     "train.train_iters": 0, "logger.log_interval": 1, "logger.tensorboard_log_interval": 1, "ddp.bucket_size": 1,
-    "model.recompute_num_layers": 1,
+    "model.recompute_num_layers": 1, "model.mamba_chunk_size": 1,
 }
 
 
@@ -154,7 +156,7 @@ def _pattern_violations(cfg: Config) -> list[Violation]:
 
 
 # --------------------------------------------------------------------------
-# numbered value rules V1-V22
+# numbered value rules V1-V24
 
 # rule -> (fields, lowest allowed, highest allowed (exclusive) or None, why)
 _BOUNDS: dict[str, tuple[tuple[str, ...], float, float | None, str]] = {
@@ -383,7 +385,7 @@ def _warmup_violations(cfg: Config) -> list[Violation]:
     warmup, iters = _int(m.cuda_graph_warmup_steps), _int(cfg.train.train_iters)
     if impl not in ("local", "transformer_engine", "full_iteration") or warmup is None or iters is None:
         return []  # graphs off, or values that R1 and V report
-    # per-layer graphs learn the call order on one eager iteration at least (training/prepare.py)
+    # per-layer graphs learn the call order on one eager iteration at least (training/graphs.py)
     eager = warmup if impl == "full_iteration" else max(1, warmup)
     if iters > eager:
         return []
@@ -459,10 +461,67 @@ def _bucket_violations(cfg: Config) -> list[Violation]:
     return []
 
 
+# --------------------------------------------------------------------------
+# V23-V24: the fields the model's blocks read, judged before the model is built
+
+
+def _has_blocks(cfg: Config, symbol: str) -> bool:
+    """Whether the model has layers of the pattern ``symbol`` (E: MoE, M: Mamba), as models/hybrid.py builds it."""
+    m, pattern = cfg.model, _str(cfg.model.hybrid_override_pattern)
+    if pattern is not None:
+        return symbol in pattern
+    return symbol == "E" and _int(m.num_moe_experts) is not None and _int(m.num_moe_experts) > 0
+
+
+def _moe_violations(cfg: Config) -> list[Violation]:
+    """V23: the router and capacity fields an MoE layer reads go together (models/moe.py refuses them otherwise)."""
+    m, out = cfg.model, []
+    if not _has_blocks(cfg, "E"):
+        return []
+    score = _str(m.moe_router_score_function)
+    if m.moe_router_enable_expert_bias is True and score == "softmax":  # any other value is V's
+        out.append(_v("V23", ["model.moe_router_enable_expert_bias", "model.moe_router_score_function"],
+                      f"model.moe_router_enable_expert_bias=true with model.moe_router_score_function={score}: the "
+                      "expert bias of aux-loss-free balancing is added to sigmoid scores (as in Megatron Core).",
+                      "set model.moe_router_score_function=sigmoid, or model.moe_router_enable_expert_bias=false."))
+    factor = _num(m.moe_expert_capacity_factor)
+    if m.moe_pad_expert_input_to_capacity is True and m.moe_expert_capacity_factor is None:
+        out.append(_v("V23", ["model.moe_pad_expert_input_to_capacity", "model.moe_expert_capacity_factor"],
+                      "model.moe_pad_expert_input_to_capacity=true with model.moe_expert_capacity_factor=null: "
+                      "there is no capacity to pad to (null is dropless).",
+                      "set model.moe_expert_capacity_factor=1.0 (drop-and-pad), or "
+                      "model.moe_pad_expert_input_to_capacity=false."))
+    if factor is not None and factor <= 0:
+        out.append(_v("V23", ["model.moe_expert_capacity_factor"], f"model.moe_expert_capacity_factor={_fmt(factor)} "
+                      "is not above 0: every expert would drop every token.",
+                      "set model.moe_expert_capacity_factor=1.0 (or more), or null for dropless."))
+    return out
+
+
+def _mamba_violations(cfg: Config) -> list[Violation]:
+    """V24: the Mamba layers' heads tile their inner width, the groups their heads (models/mamba.py)."""
+    from graphstep.models.mamba import EXPAND  # the width the Mamba block expands to
+
+    m, out = cfg.model, []
+    hidden, head_dim, groups = _int(m.hidden_size), _int(m.mamba_head_dim), _int(m.mamba_num_groups)
+    if not _has_blocks(cfg, "M") or hidden is None or head_dim is None or groups is None:
+        return []  # no Mamba layers, or a wrong type: V reports it
+    inner = EXPAND * hidden
+    if head_dim < 1 or inner % head_dim:
+        out.append(_v("V24", ["model.mamba_head_dim", "model.hidden_size"], f"model.mamba_head_dim={head_dim} does not "
+                      f"divide the Mamba inner width {EXPAND} x model.hidden_size={hidden} = {inner}.",
+                      f"set model.mamba_head_dim to a divisor of {inner}{'' if inner % 16 else ' (e.g. 16)'}."))
+    elif groups < 1 or (inner // head_dim) % groups:
+        out.append(_v("V24", ["model.mamba_num_groups", "model.mamba_head_dim"], f"model.mamba_num_groups={groups} "
+                      f"does not divide the {inner // head_dim} Mamba heads ({inner} / model.mamba_head_dim="
+                      f"{head_dim}).", f"set model.mamba_num_groups to a divisor of {inner // head_dim} (e.g. 1)."))
+    return out
+
+
 _NUMBERED: tuple[Callable[[Config], list[Violation]], ...] = (
     _bound_violations, _split_violations, _vocab_violations, _head_violations, _hf_path_violations,
     _data_path_violations, _sharding_violations, _window_violations, _finetune_violations, _warmup_violations,
-    _wandb_violations, _extra_violations, _bucket_violations,
+    _wandb_violations, _extra_violations, _bucket_violations, _moe_violations, _mamba_violations,
 )
 
 
