@@ -8,6 +8,7 @@ attribute, never the class)::
     ├── CaptureError                  1  a region cannot be captured or replayed (also a RuntimeError)
     ├── ContractError                 1  a replay call differs from the captured one (also a ValueError)
     ├── GraphUsageError               1  a graphed object used out of order (also a RuntimeError)
+    ├── TorchCompatError              1  a private PyTorch name missing or changed (also a RuntimeError)
     └── InputError                    2  input the user fixes: one line, no traceback (also a ValueError)
         ├── ConfigError                  a config, or a file, dataset, checkpoint or package it names
         │   ├── ConfigValidationError    rule violations, all at once (graphstep.validation)
@@ -23,8 +24,9 @@ attribute, never the class)::
         ├── PreprocessError              an input file of ``graphstep preprocess``
         └── ScriptError                  a ``graphstep doctor`` script target that cannot be judged
 
-The mechanism's errors live in cuda_graph/errors.py (``cuda_graph`` imports
-nothing else of graphstep); ConfigValidationError lives beside the violations
+The mechanism's errors live in cuda_graph/errors.py and TorchCompatError in
+cuda_graph/torch_compat.py (``cuda_graph`` imports nothing else of
+graphstep); ConfigValidationError lives beside the violations
 it lists (validation/report.py). The modules that raise an error import it
 from here.
 """
@@ -32,11 +34,12 @@ from here.
 from __future__ import annotations
 
 from .cuda_graph.errors import CaptureError, ContractError, GraphstepError, GraphUsageError
+from .cuda_graph.torch_compat import TorchCompatError
 
 __all__ = [
     "BucketError", "CaptureError", "CheckpointError", "ConfigError", "ContractError", "CorpusNotFoundError",
     "GraphUsageError", "GraphstepError", "HFCheckpointError", "HFExportError", "IndexedDatasetError", "InputError",
-    "MissingExtraError", "PreprocessError", "RunSetupError", "SFTDataError", "ScriptError",
+    "MissingExtraError", "PreprocessError", "RunSetupError", "SFTDataError", "ScriptError", "TorchCompatError",
 ]
 
 
