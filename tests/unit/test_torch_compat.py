@@ -2,7 +2,7 @@
 
 Each probe (cuda_graph/torch_compat.py, graphstep/engines_compat.py) checks that a
 private name exists and behaves as graphstep expects. The CUDA-only ones are
-skipped without a GPU; the FSDP2 and DTensor ones run on a 1-rank gloo group.
+skipped without a GPU (a `cuda` test runs every probe on the GPU machine's torch); the FSDP2 and DTensor ones run on a 1-rank gloo group.
 The failure tests hand the accessors stand-in objects that lack the private
 name (torch itself is left alone) and check the error names the torch version,
 the name and the versions it was verified on. The last tests cover the one
@@ -11,6 +11,7 @@ monkeypatch mechanism (cuda_graph/monkeypatch.py) of the replay backend and the 
 
 from __future__ import annotations
 
+import importlib.util
 import types
 
 import pytest
@@ -48,6 +49,22 @@ def test_every_probe_passes_on_this_torch(name, request):
             pytest.skip(f"{name} needs torch.distributed, which this torch was built without")
         request.getfixturevalue("process_group")
     probe.run()
+
+
+@pytest.mark.cuda
+def test_every_probe_passes_on_the_gpu_machine(process_group):
+    """On a GPU (scripts/gpu-check, torch 2.11 there): every probe, the CUDA-only ones included."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    failed = []
+    for name, probe in sorted(tc.PROBES.items()):
+        if probe.needs == "transformers" and importlib.util.find_spec("transformers") is None:
+            continue
+        try:
+            probe.run()
+        except tc.TorchCompatError as exc:
+            failed.append(f"{name}: {exc}")
+    assert not failed, failed
 
 
 def test_every_probe_names_what_it_is_for_and_where_it_was_verified():
