@@ -10,6 +10,7 @@ import yaml
 from graphstep.cli import main
 from graphstep.config import Config, ConfigError, apply_overrides
 from graphstep.config_files import load_yaml, save_yaml
+from graphstep.doctor import capture_error_hook
 from graphstep.recipes import RECIPES, get_recipe
 from helpers.launch import ROOT
 
@@ -117,14 +118,15 @@ def test_overrides_before_and_after_options(monkeypatch):
     class Result:
         stopped_by_signal = False
 
-    def fake_train(cfg):
-        seen["cfg"] = cfg
+    def fake_train(cfg, *, hooks):
+        seen["cfg"], seen["hooks"] = cfg, hooks
         return Result()
 
     monkeypatch.setattr(loop, "train", fake_train)
     assert main(["train", "train.train_iters=20", "--recipe", "qwen3_moe_tiny", "model.cuda_graph_impl=local",
                  "--config", "/dev/null", "train.train_iters=21"]) == 0
     cfg = seen["cfg"]
+    assert seen["hooks"].on_capture_error is capture_error_hook  # graphstep train: the doctor names a failed capture
     assert cfg.model.num_moe_experts == get_recipe("qwen3_moe_tiny").model.num_moe_experts
     assert cfg.model.cuda_graph_impl == "local" and cfg.train.train_iters == 21  # applied in the order written
 

@@ -19,7 +19,7 @@ function each:
    the frozen :class:`~graphstep.cuda_graph.settings.CudaGraphSettings` the
    trainer reads. Strings become enums here, at the config edge, and nowhere
    else. The trainer, the doctor and the bench resolve once per run and pass
-   the settings on (``build_run(..., settings=...)``).
+   the settings on (``build_run(cfg, RunOptions(device, settings=...))``).
 
 The mechanism (graphstep.cuda_graph) knows only the resolved settings; the
 trainer's checks made once a run has started are rules here too, so a
