@@ -22,7 +22,7 @@ from .cuda_graph.backend import capture_stream
 from .errors import (
     BucketError, CaptureError, CheckpointError, ConfigError, ContractError, CorpusNotFoundError, GraphstepError,
     GraphUsageError, HFCheckpointError, HFExportError, IndexedDatasetError, InputError, MissingExtraError,
-    PreprocessError, RunSetupError, ScriptError, SFTDataError,
+    PreprocessError, RunSetupError, ScriptError, SFTDataError, TorchCompatError,
 )
 from .cuda_graph.full_iteration import CaptureOptions, GraphedStep
 from .cuda_graph.graph_state import GraphState
@@ -56,6 +56,7 @@ __all__ = [
     "RunSetupError",
     "SFTDataError",
     "ScriptError",
+    "TorchCompatError",
     "capture_stream",
     "close_all",
     "get_backend",
