@@ -12,6 +12,7 @@ used. docs/library.md lists them with the versions they were verified on.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from types import ModuleType
@@ -19,7 +20,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel
 
 from .cuda_graph.torch_compat import CPU_2_13, GPU_2_11, PROBES, expect, probe
 
@@ -59,30 +59,40 @@ def probe_tensor_internals() -> None:
 # tensor parallel: a colwise style that partitions its own way
 
 
-class ColwiseWithPartition(ColwiseParallel):
-    """A ``ColwiseParallel`` whose subclasses say how a Linear is partitioned by overriding
-    :meth:`partition_linear`; the default is ColwiseParallel's own. torch calls it through
-    ``ColwiseParallel._partition_linear_fn``, the per-module partition its ``_apply`` hands to
-    ``distribute_module``; a torch without that name is an error when the style is made, never a style
-    whose override is silently not called."""
+@functools.cache
+def colwise_with_partition() -> type:
+    """``ColwiseWithPartition``, made on first use: importing tensor parallel costs every process about a
+    second, and only tensor-parallel runs need it (this module is imported by every ``import graphstep``)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if not callable(getattr(ColwiseParallel, "_partition_linear_fn", None)):
-            raise PROBES["probe_colwise_partition"].error()
-        super().__init__(*args, **kwargs)
+    class ColwiseWithPartition(ColwiseParallel):
+        """A ``ColwiseParallel`` whose subclasses say how a Linear is partitioned by overriding
+        :meth:`partition_linear`; the default is ColwiseParallel's own. torch calls it through
+        ``ColwiseParallel._partition_linear_fn``, the per-module partition its ``_apply`` hands to
+        ``distribute_module``; a torch without that name is an error when the style is made, never a style
+        whose override is silently not called."""
 
-    def partition_linear(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-        """Shard ``module``'s parameters over ``device_mesh`` (ColwiseParallel's own partition)."""
-        return super()._partition_linear_fn(name, module, device_mesh)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if not callable(getattr(ColwiseParallel, "_partition_linear_fn", None)):
+                raise PROBES["probe_colwise_partition"].error()
+            super().__init__(*args, **kwargs)
 
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-        return self.partition_linear(name, module, device_mesh)
+        def partition_linear(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+            """Shard ``module``'s parameters over ``device_mesh`` (ColwiseParallel's own partition)."""
+            return super()._partition_linear_fn(name, module, device_mesh)
+
+        def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+            return self.partition_linear(name, module, device_mesh)
+
+    return ColwiseWithPartition
 
 
 @probe("ColwiseParallel._partition_linear_fn", purpose="shard fused projections (qkv, gate+up) part by part",
        verified=(CPU_2_13, GPU_2_11))
 def probe_colwise_partition() -> None:
-    ColwiseWithPartition()
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    colwise_with_partition()()
     params = list(inspect.signature(ColwiseParallel._partition_linear_fn).parameters)
     expect(params == ["self", "name", "module", "device_mesh"], f"signature {params}")
     expect("_partition_linear_fn" in inspect.getsource(ColwiseParallel._apply), "_apply partitions with it")

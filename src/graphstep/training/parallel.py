@@ -59,7 +59,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..config import Config
 from ..cuda_graph.rng import MODEL_PARALLEL_RNG
-from ..engines_compat import ColwiseWithPartition, dtensor_local
+from ..engines_compat import colwise_with_partition, dtensor_local
 
 PP, DP, TP = "pp", "dp", "tp"
 EDP, EP = "edp", "ep"  # expert parallel: the data-parallel ranks as (expert-data-parallel, expert-parallel)
@@ -128,7 +128,7 @@ def fused_parts(module: nn.Module) -> tuple[int, ...] | None:
     return getattr(module, "fused_parts", None)
 
 
-class FusedColwiseParallel(ColwiseWithPartition):
+class FusedColwiseParallel(colwise_with_partition()):
     """Colwise sharding of a fused projection: each rank takes its slice of every part, not a block of rows.
 
     The module's ``fused_parts`` lists the parts' row counts; every part
