@@ -1,12 +1,18 @@
-"""``graphstep`` as a subprocess: a command line that fails, a tiny training run, one killed with SIGKILL."""
+"""``graphstep`` on a command line: in this process or a subprocess, a command line that fails, a tiny training
+run, one killed with SIGKILL."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
+from unittest import mock
 
 import graphstep
 from helpers.runs import TINY
@@ -19,11 +25,40 @@ QUICK_TRAIN = ["train.train_iters=1", "train.eval_iters=0", "logger.progress_bar
 QUICK_TRAIN += ["model.cuda_graph_impl=none"]  # one iteration is shorter than any graph warm-up (V19)
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``python -m graphstep ARGS`` in ``cwd`` (the memory check off)."""
-    env = dict(os.environ, PYTHONPATH=str(SRC), GRAPHSTEP_SKIP_MEMORY_CHECK="1")
-    return subprocess.run([sys.executable, "-m", "graphstep", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+def run_cli(*args: str, cwd: Path, in_process: bool = True) -> subprocess.CompletedProcess:
+    """``graphstep ARGS`` in ``cwd`` (the memory check off), as ``python -m graphstep`` would end.
+
+    By default ``graphstep.cli.main`` runs in this process (a Python start with torch costs seconds, the command
+    itself milliseconds): its exit code, stdout and stderr, and an escaping exception printed as the interpreter
+    prints it (a traceback, exit 1). ``in_process=False`` starts ``python -m graphstep``
+    (``test_user_errors.py`` checks that both give the same result).
+    """
+    if not in_process:
+        env = dict(os.environ, PYTHONPATH=str(SRC), GRAPHSTEP_SKIP_MEMORY_CHECK="1")
+        return subprocess.run([sys.executable, "-m", "graphstep", *args], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=600)
+    from graphstep.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    logger = logging.getLogger("graphstep")
+    saved = logger.handlers[:], logger.level, logger.propagate
+    logger.handlers.clear()  # setup_logging binds a new handler to this command's stderr
+    try:
+        with mock.patch.dict(os.environ, GRAPHSTEP_SKIP_MEMORY_CHECK="1"), contextlib.chdir(cwd), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:
+                code = exc.code
+            except BaseException:  # what the interpreter does with an exception that reaches the top
+                traceback.print_exc()
+                code = 1
+            if isinstance(code, str):
+                print(code, file=sys.stderr)
+                code = 1
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved
+    return subprocess.CompletedProcess(["graphstep", *args], code or 0, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:

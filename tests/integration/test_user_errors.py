@@ -1,8 +1,10 @@
 """Every everyday mistake is one line naming the culprit and the fix, exit code 2, no traceback.
 
-Each case runs ``python -m graphstep ...`` in a subprocess, as a user would,
-and checks the exit code, that the error is exactly one ``graphstep <command>:``
-line naming the file or field, and that no Python traceback reaches the user.
+Each case runs ``graphstep ...`` as a user would -- ``graphstep.cli.main`` in this
+process, which ``test_python_m_graphstep_ends_as_in_process`` shows ends as
+``python -m graphstep`` does -- and checks the exit code, that the error is
+exactly one ``graphstep <command>:`` line naming the file or field, and that no
+Python traceback reaches the user.
 """
 
 from __future__ import annotations
@@ -17,7 +19,23 @@ import torch
 
 from helpers.cli import QUICK_TRAIN, assert_one_line_error, run_cli
 
-pytestmark = pytest.mark.slow  # a Python process per case: about 4 s each on an idle core
+
+@pytest.mark.slow  # a Python process per command: about 4 s each on an idle core
+@pytest.mark.parametrize("args", [
+    ("config", "validate", "--config", "bad.yaml"),  # a YAML error
+    ("config", "validate", "optimizer.lr=-0.1"),  # rule violations on stdout
+    ("config", "show", "--no-such-option"),  # argparse's usage error
+    ("train", "data.dataset=sft", "data.data_path=sft.jsonl", "train.train_iters=1", "model.cuda_graph_impl=none"),
+])
+def test_python_m_graphstep_ends_as_in_process(tmp_path, args):
+    (tmp_path / "bad.yaml").write_bytes(b"model:\n  num_layers: [1\n")
+    (tmp_path / "sft.jsonl").write_bytes(b"\x89PNG\r\n")
+    child = run_cli(*args, cwd=tmp_path, in_process=False)
+    here = run_cli(*args, cwd=tmp_path)
+    assert child.returncode == here.returncode == 2, child.stderr[-3000:] + here.stderr[-3000:]
+    assert child.stdout == here.stdout
+    assert [line for line in child.stderr.splitlines() if line.startswith(("graphstep", "usage"))] == \
+        [line for line in here.stderr.splitlines() if line.startswith(("graphstep", "usage"))]
 
 # --------------------------------------------------------------------------
 # 1. --config files
