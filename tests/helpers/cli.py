@@ -73,10 +73,9 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> s
     return errors[0]
 
 
-def run_train(*overrides: str, **env: str) -> subprocess.CompletedProcess:
-    """``graphstep train`` on conftest's tiny llama and ``overrides``."""
-    cmd = [sys.executable, "-m", "graphstep", "train", *TINY, *overrides]
-    return subprocess.run(cmd, env=subprocess_env(**env), capture_output=True, text=True, timeout=120)
+def run_train(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``graphstep train`` on the tiny llama and ``overrides``, in ``cwd``, in this process (``run_cli``)."""
+    return run_cli("train", *TINY, *overrides, cwd=cwd)
 
 
 def killed_at(iteration: int, *overrides: str, hook: str = "after_iteration") -> str:

@@ -53,12 +53,11 @@ def assert_one_line_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> 
 # 1. output paths checked before iteration 1
 
 
-@pytest.mark.slow
 def test_checkpoint_save_that_is_a_file_fails_before_training(tmp_path):
     target = tmp_path / "a_file"
     target.write_text("not a directory")
     proc = run_train("train.train_iters=50", f"checkpoint.save={target}", "checkpoint.save_interval=50",
-                   "logger.metrics_path=null")
+                     "logger.metrics_path=null", cwd=tmp_path)
     line = assert_one_line_exit_2(proc, f"checkpoint.save={target}", "not a directory")
     assert "iter " not in proc.stderr, line  # died before the first iteration, not at the first save
     assert target.read_text() == "not a directory"
@@ -143,11 +142,11 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, save
     assert exact_list(resumed.losses) == exact_list(whole.losses[2:])
 
 
-@pytest.mark.slow
 def test_damaged_exact_checkpoint_is_refused_with_the_intact_ones(tmp_path, saved_run):
     root = _copy(saved_run[0], tmp_path / "ck")
     _damage(root / "iter_0000004", "truncated")
-    proc = run_train("train.train_iters=6", f"checkpoint.load={root / 'iter_0000004'}", "logger.metrics_path=null")
+    proc = run_train("train.train_iters=6", f"checkpoint.load={root / 'iter_0000004'}", "logger.metrics_path=null",
+                     cwd=tmp_path)
     assert_one_line_exit_2(proc, "iter_0000004", "__0_0.distcp is truncated", f"intact checkpoints: {root}/iter_0000002")
 
 
@@ -209,7 +208,7 @@ def test_second_run_on_the_same_directory_is_refused_and_sigterm_releases_the_lo
         while not (ck / LOCK_NAME).exists() or not (ck / LOCK_NAME).read_text().strip():
             assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
             time.sleep(0.2)
-        second = run_train("train.train_iters=4", f"checkpoint.save={ck}", "logger.metrics_path=null")
+        second = run_train("train.train_iters=4", f"checkpoint.save={ck}", "logger.metrics_path=null", cwd=tmp_path)
         assert_one_line_exit_2(second, f"pid {first.pid} on {socket.gethostname()}", str(ck))
         assert first.poll() is None  # the first run goes on
     finally:
@@ -314,10 +313,9 @@ def test_device_cuda_without_a_gpu_is_one_line(monkeypatch):
                                "use train.device=cpu or auto")
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_device_cuda_without_a_gpu_exits_2():
-    proc = run_train("train.train_iters=4", "train.device=cuda", "logger.metrics_path=null")
+def test_device_cuda_without_a_gpu_exits_2(tmp_path):
+    proc = run_train("train.train_iters=4", "train.device=cuda", "logger.metrics_path=null", cwd=tmp_path)
     assert_one_line_exit_2(proc, "train.device=cuda but this machine has no CUDA device")
 
 
