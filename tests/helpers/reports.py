@@ -34,7 +34,7 @@ def assert_graphed_equals_eager(reports: list[dict], layouts: dict) -> None:
 
 def natural_digests(model: torch.nn.Module) -> dict[str, str]:
     """Each parameter this rank's model holds, in its natural layout (gathered when sharded), hashed by name."""
-    from graphstep.training.checkpoint_layout import LayoutEntries
+    from graphstep.training.checkpoint import LayoutEntries
 
     out = {}
     for key, t in sorted(LayoutEntries().model(model).items()):

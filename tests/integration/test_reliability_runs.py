@@ -23,7 +23,7 @@ import torch
 
 from helpers.runs import TINY, eager, tiny_config
 from graphstep.training import rundir
-from graphstep.training.checkpoint_verify import CheckpointError, choose_checkpoint, verify_checkpoint
+from graphstep.training.checkpoint import CheckpointError, choose_checkpoint, verify_checkpoint
 from graphstep.training.loop import pick_device, train
 from graphstep.training.memory import GiB, check_memory_fits, count_parameters, estimate_memory
 from graphstep.training.metrics import keep_history, read_metrics

@@ -22,7 +22,7 @@ import torch
 
 from helpers.runs import tiny_config
 from graphstep.config import ConfigError, ModelConfig
-from graphstep.training.checkpoint_verify import CheckpointError
+from graphstep.training.checkpoint import CheckpointError
 from helpers.cli import QUICK_TRAIN, SRC, assert_one_line_error, run_cli
 from helpers.launch import subprocess_env, torchrun
 from helpers.launch import ROOT
@@ -212,7 +212,7 @@ def test_finetune_from_a_later_iteration_is_not_a_resume(four_layers):
 
 
 def test_checkpoint_load_naming_a_file_is_refused(four_layers, tmp_path):
-    from graphstep.training.checkpoint_verify import choose_checkpoint
+    from graphstep.training.checkpoint import choose_checkpoint
 
     (tmp_path / "model.pt").write_bytes(b"x")
     cases = {

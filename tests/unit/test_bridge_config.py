@@ -255,7 +255,7 @@ def test_grad_nan_check_passes_with_full_iteration_and_the_loss_check_does_not()
 
 def test_the_grad_nan_check_runs_after_the_replay_never_inside_a_capture(monkeypatch, tmp_path):
     from helpers.runs import tiny_config
-    from graphstep.cuda_graph.replay_host import active_recorder
+    from graphstep.cuda_graph.replay import active_recorder
     from graphstep.training import loop
 
     real, calls = loop._host_nan_check, []

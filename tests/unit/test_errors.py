@@ -18,7 +18,7 @@ RAISED_FROM = {
     "graphstep.validation": ["ConfigValidationError"],
     "graphstep.doctor.cli": ["ScriptError"],
     "graphstep.training.rundir": ["RunSetupError"],
-    "graphstep.training.checkpoint_verify": ["CheckpointError"],
+    "graphstep.training.checkpoint": ["CheckpointError"],
     "graphstep.observability.writers": ["MissingExtraError"],
     "graphstep.models.hf": ["HFCheckpointError", "HFExportError"],
     "graphstep.data.cli": ["PreprocessError"],

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .devices import GiB
-from .frames import SourceLine, user_frame  # noqa: F401  (replay.py and replay_host.py import them from here)
+from .frames import SourceLine, user_frame  # noqa: F401  (replay.py imports them from here)
 
 
 class GraphstepError(Exception):

@@ -1,6 +1,6 @@
 """Replacing attributes of other libraries' objects for a while, and putting them back exactly.
 
-The replay backend (replay_host.py) wraps host-side torch functions while a
+The replay backend (replay.py) wraps host-side torch functions while a
 capture records, and the doctor (doctor/patches.py) wraps others while it
 analyses a step. Both go through :class:`Patches`:
 

@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import torch
 
 from .devices import normalize_device
-from .replay_host import record_host_op
+from .replay import record_host_op
 
 DATA_PARALLEL_RNG = "data-parallel-rng"
 MODEL_PARALLEL_RNG = "model-parallel-rng"

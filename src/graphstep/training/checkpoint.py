@@ -19,8 +19,8 @@ the previous checkpoint or the new one complete, and the loader never reads
 a ``.tmp-*`` folder: it follows the tracker, and when the tracker is missing,
 unreadable or names a folder that is not there, takes the newest complete
 ``iter_*`` folder. Before loading, the trainer verifies the chosen folder
-(training/checkpoint_verify.py): a damaged one is skipped with a warning
-naming the damaged file, for the newest intact one.
+(*Verification* below): a damaged one is skipped with a warning naming the
+damaged file, for the newest intact one.
 
 What a checkpoint holds -- everything an uninterrupted run would carry from
 one iteration to the next, so a resumed run's losses are bit-identical:
@@ -30,7 +30,7 @@ one iteration to the next, so a resumed run's losses are bit-identical:
 * ``optimizer.*``: the step counter (the LR is computed from it on the
   device), fp32 master weights, ``exp_avg``, ``exp_avg_sq``, by parameter name;
   under tensor parallelism or FSDP2 (training/parallel.py) both are DTensors
-  in the parameters' natural layout (training/checkpoint_layout.py), so a run
+  in the parameters' natural layout (*Sharded parameters* below), so a run
   of another layout -- or one GPU -- loads them, DCP resharding;
 * ``scheduler.*``: the LR schedule's settings (checked on resume);
 * ``rng.rank<r>.*``: every RNG-tracker stream, torch's CPU and CUDA default
@@ -52,6 +52,48 @@ Loading copies into the existing tensors (DCP loads in place), so addresses
 that graphs captured stay valid; graphs are still captured after the resume
 (warm-up counts from the resume iteration) because the runner is built after
 loading.
+
+Sharded parameters: what a sharded parameter puts in a checkpoint, so that a
+run of any layout can load it. DCP saves a DTensor as its shards with their
+global offsets and loads it into any other sharding -- FSDP2's shards of 2
+ranks into 1 rank's whole tensor, tensor-parallel shards into FSDP2's. That
+holds as long as the DTensor's global tensor is the parameter in its
+natural layout, which is true of every parameter but one kind: a *fused*
+projection sharded for tensor parallelism (``linear_qkv``, ``linear_fc1``:
+training/parallel.py's ``FusedColwiseParallel``), whose rows each rank holds
+part by part, so its DTensor's global rows are ordered per rank. For those
+the checkpoint holds the natural tensor (q, k, v or gate, up, whole) on every
+rank -- gathered when saving, sliced back into the local part after loading --
+under the same key a one-GPU run uses. Every other DTensor is saved as it is,
+and the optimizer's local state tensors are saved as DTensors shaped like
+their parameter.
+
+:class:`LayoutEntries` builds those entries for a DCP state dict; after
+``dcp.load`` filled it, :meth:`LayoutEntries.finish_load` copies the fused
+parameters' natural tensors into the local shards.
+
+Verification: which checkpoint to resume from, verified before anything is
+loaded. A checkpoint folder is *intact* when its ``.metadata`` (DCP's index)
+unpickles and every file that the index names is present and at least as
+long as the byte ranges it records (DCP stores, for each tensor and object,
+the file, the offset and the length). That finds a truncated or missing
+``__0_0.distcp`` and a garbage or missing ``.metadata`` -- what a full disk,
+an interrupted copy or a lost file leave behind -- in milliseconds, without
+reading the data. (A bit flip inside a file keeps the sizes; DCP's load
+then fails on it and says so.)
+
+``choose_checkpoint(load)``:
+
+* ``load`` names one ``iter_NNNNNNN`` folder: it is used if intact, else
+  refused (``CheckpointError``, exit 2) with the list of intact ones beside it
+  -- also when it does not exist (a typo must not restart the run);
+* ``load`` names a file (a ``.pt``, a ``model.safetensors``, a file inside a
+  checkpoint folder): refused, naming what ``checkpoint.load`` takes;
+* ``load`` is a save directory: the tracker's iteration, else the newest
+  ``iter_*`` folder; a damaged one is skipped with a warning naming the
+  damaged file, and the newest intact one is taken; when every checkpoint is
+  damaged the run is refused (starting over would overwrite them);
+* no checkpoint at all: ``None`` (the trainer starts from iteration 0).
 """
 
 from __future__ import annotations
@@ -73,22 +115,90 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..config import CheckpointConfig, Config
 from ..config_files import save_yaml
 from ..cuda_graph.rng import get_rng_tracker
-from .checkpoint_layout import LayoutEntries
-from .checkpoint_verify import ITER_DIR as _ITER_DIR
-from .checkpoint_verify import TRACKER, CheckpointError, choose_checkpoint
+from ..engines_compat import dtensor_local
+from ..errors import CheckpointError
 from .distributed import DataParallel
 from .optim import AdamW
-from .parallel import fused_parts
+from .parallel import TP, fused_parts
 
 log = logging.getLogger("graphstep")
+
+TRACKER = "latest_checkpointed_iteration.txt"
+ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
 def iter_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
+
+
+# --------------------------------------------------------------------------
+# the parameters' layout
+
+
+def tensor_parallel_ranks(p: DTensor) -> int:
+    """Over how many tensor-parallel ranks ``p``'s rows are split (1 when not row-sharded over tp)."""
+    names = p.device_mesh.mesh_dim_names or ()
+    for dim, (name, placement) in enumerate(zip(names, p.placements)):
+        if name == TP and isinstance(placement, Shard) and placement.dim == 0:
+            return p.device_mesh.size(dim)
+    return 1
+
+
+def to_natural(rows: torch.Tensor, parts: tuple[int, ...], ranks: int) -> torch.Tensor:
+    """Per-rank part order (rank 0's slice of each part, then rank 1's ...) -> parts whole, in order."""
+    blocks = [block.split([n // ranks for n in parts]) for block in rows.chunk(ranks)]
+    return torch.cat([torch.cat([blocks[r][i] for r in range(ranks)]) for i in range(len(parts))])
+
+
+def to_per_rank(rows: torch.Tensor, parts: tuple[int, ...], ranks: int) -> torch.Tensor:
+    """The inverse of :func:`to_natural`."""
+    slices = [part.chunk(ranks) for part in rows.split(list(parts))]
+    return torch.cat([slices[i][r] for r in range(ranks) for i in range(len(parts))])
+
+
+class LayoutEntries:
+    """Checkpoint entries of a run's parameters and optimizer state, for any layout."""
+
+    def __init__(self) -> None:
+        self._after_load: list[Callable[[], None]] = []
+
+    def entry(self, value: torch.Tensor, like: torch.Tensor, parts: tuple[int, ...] | None) -> torch.Tensor:
+        """What the checkpoint holds for ``value``: a parameter, or a local state tensor of parameter ``like``."""
+        if not isinstance(like, DTensor):
+            return value
+        dt = value if isinstance(value, DTensor) else DTensor.from_local(
+            value, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+        ranks = tensor_parallel_ranks(like)
+        if parts is None or ranks == 1:
+            return dt
+        with torch.no_grad():
+            natural = to_natural(dt.detach().full_tensor(), parts, ranks)
+        local = dtensor_local(dt)
+
+        def scatter() -> None:  # after loading: this rank's share of the natural tensor, in place
+            with torch.no_grad():
+                per_rank = to_per_rank(natural, parts, ranks)
+                local.copy_(distribute_tensor(per_rank, like.device_mesh, like.placements, src_data_rank=None)
+                            .to_local())
+
+        self._after_load.append(scatter)
+        return natural
+
+    def model(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` with the fused tensor-parallel parameters in their natural layout."""
+        owners = {f"{prefix}.{name}" if prefix else name: fused_parts(module)
+                  for prefix, module in model.named_modules() for name, _ in module.named_parameters(recurse=False)}
+        return {key: self.entry(t, t, owners.get(key)) for key, t in model.state_dict().items()}
+
+    def finish_load(self) -> None:
+        for scatter in self._after_load:
+            scatter()
+        self._after_load.clear()
 
 
 # --------------------------------------------------------------------------
@@ -109,7 +219,7 @@ class TrainingState:
         self._layout = LayoutEntries()
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        """The model's entries (any layout loads them: training/checkpoint_layout.py)."""
+        """The model's entries (any layout loads them: :class:`LayoutEntries`)."""
         return self._layout.model(self.model)
 
     def finish_load(self) -> None:
@@ -208,12 +318,12 @@ def find_checkpoint(root: str | Path) -> Path | None:
     except (OSError, ValueError):
         pass
     complete = sorted((int(m.group(1)), p) for p in root.iterdir()
-                      if (m := _ITER_DIR.match(p.name)) and _is_complete(p))
+                      if (m := ITER_DIR.match(p.name)) and _is_complete(p))
     return complete[-1][1] if complete else None
 
 
 def _is_complete(path: Path) -> bool:
-    return bool(_ITER_DIR.match(path.name)) and (path / ".metadata").is_file()
+    return bool(ITER_DIR.match(path.name)) and (path / ".metadata").is_file()
 
 
 # --------------------------------------------------------------------------
@@ -454,6 +564,112 @@ def _check_schedule(saved: dict[str, Any], optimizer: AdamW, path: Path) -> None
     if changed:
         log.warning("the LR schedule differs from the one saved in %s (%s): the resumed run follows this run's "
                     "config", path, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+
+
+# --------------------------------------------------------------------------
+# verifying a checkpoint before loading
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """What is wrong with the checkpoint folder ``path`` (one short phrase), or None when it is intact."""
+    meta_file = path / ".metadata"
+    if not meta_file.is_file():
+        return f"{meta_file} is missing"
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as exc:  # unpickling garbage raises anything
+        return f"{meta_file} is unreadable ({type(exc).__name__})"
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    if not needed:
+        return f"{meta_file} names no data files"
+    for name, size in sorted(needed.items()):
+        f = path / name
+        try:
+            actual = f.stat().st_size
+        except FileNotFoundError:
+            return f"{f} is missing"
+        except OSError as exc:
+            return f"{f} cannot be read ({exc.strerror})"
+        if actual < size:
+            return f"{f} is truncated ({actual} of {size} bytes)"
+    return None
+
+
+def _iteration_dirs(root: Path) -> list[tuple[int, Path]]:
+    return sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := ITER_DIR.match(p.name)) and p.is_dir()),
+                  reverse=True)
+
+
+def _tracker_iteration(root: Path) -> int | None:
+    try:
+        return int((root / TRACKER).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def intact_checkpoints(root: Path) -> list[Path]:
+    """The intact ``iter_*`` folders of ``root``, newest first."""
+    return [p for _, p in _iteration_dirs(root) if verify_checkpoint(p) is None] if root.is_dir() else []
+
+
+def choose_checkpoint(load: str | Path) -> Path | None:
+    """The intact checkpoint to resume from (see the module docstring)."""
+    root = Path(load)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(_not_a_folder(root))
+    if ITER_DIR.match(root.name):
+        return _exact(root)
+    if not root.is_dir():
+        return None
+    candidates = _iteration_dirs(root)
+    tracked = _tracker_iteration(root)
+    candidates.sort(key=lambda ip: (ip[0] != tracked, -ip[0]))  # the tracker's first, then newest first
+    damaged: list[str] = []
+    for _, path in candidates:
+        problem = verify_checkpoint(path)
+        if problem is None:
+            if damaged:
+                log.warning("resuming from %s, the newest intact checkpoint (skipped: %s)", path, "; ".join(damaged))
+            return path
+        log.warning("checkpoint %s is damaged: %s", path, problem)
+        damaged.append(f"{path.name}: {problem}")
+    if damaged:
+        raise CheckpointError(f"checkpoint.load={load}: every checkpoint there is damaged ({'; '.join(damaged)}); "
+                              "restore one, or set checkpoint.load=null to train from the start")
+    return None
+
+
+def _not_a_folder(path: Path) -> str:
+    where = next((p for p in path.parents if ITER_DIR.match(p.name)), None)
+    if where is not None:
+        hint = f"it is inside the checkpoint {where}: set checkpoint.load={where}"
+    elif (path.parent / TRACKER).is_file() or _iteration_dirs(path.parent):
+        hint = f"it is inside the checkpoint folder {path.parent}: set checkpoint.load={path.parent}"
+    elif path.suffix == ".safetensors" or (path.parent / "config.json").is_file():
+        hint = f"Hugging Face weights are read from a folder with model.hf_path={path.parent}"
+    else:
+        hint = ("name a checkpoint.save folder (its newest intact checkpoint is loaded) or one iter_NNNNNNN folder "
+                "in it")
+    return f"checkpoint.load={path} is a file, not a checkpoint folder; {hint}"
+
+
+def _exact(path: Path) -> Path:
+    if not path.is_dir():
+        intact = intact_checkpoints(path.parent)
+        others = ", ".join(str(p) for p in intact) if intact else "none"
+        raise CheckpointError(f"checkpoint.load={path}: no such checkpoint folder; intact checkpoints in "
+                              f"{path.parent}: {others} (name one, or checkpoint.load={path.parent} to take the "
+                              "newest)")
+    problem = verify_checkpoint(path)
+    if problem is None:
+        return path
+    intact = intact_checkpoints(path.parent)
+    others = ", ".join(str(p) for p in intact) if intact else "none"
+    raise CheckpointError(f"checkpoint.load={path} is damaged: {problem}; intact checkpoints: {others} "
+                          f"(name one, or checkpoint.load={path.parent} to take the newest intact one)")
 
 
 # --------------------------------------------------------------------------
