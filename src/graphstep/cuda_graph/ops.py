@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -86,6 +86,17 @@ def fresh_returns(func: OpOverload) -> tuple[int, ...]:
 def returned_tensors(func: OpOverload, out: Any, positions: tuple[int, ...]) -> list[torch.Tensor]:
     values = out if len(op_schema(func).returns) > 1 else (out,)
     return [t for i in positions for t in tree_leaves(values[i]) if isinstance(t, torch.Tensor)]
+
+
+def returned_tensors_of(func: OpOverload, positions: tuple[int, ...]) -> Callable[[Any], list[torch.Tensor]]:
+    """``returned_tensors(func, out, positions)`` as a function of ``out``, made once per recorded op: where every
+    return at ``positions`` is a plain ``Tensor`` (most ops), without walking the result as a tree on each replay."""
+    returns = op_schema(func).returns
+    if not all(str(returns[i].type) == "Tensor" for i in positions):
+        return lambda out: returned_tensors(func, out, positions)
+    if len(returns) > 1:
+        return lambda out: [out[i] for i in positions]
+    return (lambda out: [out]) if positions else (lambda out: [])
 
 
 def _has_bool_index(indices: Any) -> bool:

@@ -110,7 +110,7 @@ from .errors import CaptureError, GraphUsageError, user_frame
 from .monkeypatch import Patches
 from .ops import (
     fresh_returns, generator_args, host_sync_reason, is_collective, is_functional_collective, returned_tensors,
-    schema_kind,
+    returned_tensors_of, schema_kind,
 )
 from .torch_compat import (FakeTensor, TorchDispatchMode, below_autograd_outside_autocast, generator_key, op_schema,
                            tree_leaves, wait_tensor)
@@ -178,11 +178,12 @@ class _Tape(Graph):
 
 def _refill_entry(func, args, kwargs, out, positions: tuple[int, ...]) -> Callable[[], None]:
     """Re-run ``func`` (its in-place writes happen again) and copy its new results into the recorded ones."""
-    recorded = returned_tensors(func, out, positions)
+    returned = returned_tensors_of(func, positions)
+    recorded = returned(out)
     wait = wait_tensor if is_functional_collective(func) else None
 
     def run() -> None:
-        fresh = returned_tensors(func, func(*args, **kwargs), positions)
+        fresh = returned(func(*args, **kwargs))
         if wait is not None:  # the collective's result is pending until waited
             fresh = [wait(t) for t in fresh]
         for dst, src in zip(recorded, fresh):
