@@ -88,15 +88,41 @@ def returned_tensors(func: OpOverload, out: Any, positions: tuple[int, ...]) -> 
     return [t for i in positions for t in tree_leaves(values[i]) if isinstance(t, torch.Tensor)]
 
 
+def tensor_arguments(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments. A schema's argument is a tensor, an optional tensor or a list
+    of (optional) tensors, so one level of lists is walked; anything deeper goes through ``tree_leaves``."""
+    found = []
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, torch.Tensor):
+            found.append(arg)
+        elif isinstance(arg, (list, tuple)):
+            for item in arg:
+                if isinstance(item, torch.Tensor):
+                    found.append(item)
+                elif isinstance(item, (list, tuple, dict)):
+                    found.extend(t for t in tree_leaves(item) if isinstance(t, torch.Tensor))
+        elif isinstance(arg, dict):
+            found.extend(t for t in tree_leaves(arg) if isinstance(t, torch.Tensor))
+    return found
+
+
 def returned_tensors_of(func: OpOverload, positions: tuple[int, ...]) -> Callable[[Any], list[torch.Tensor]]:
     """``returned_tensors(func, out, positions)`` as a function of ``out``, made once per recorded op: where every
     return at ``positions`` is a plain ``Tensor`` (most ops), without walking the result as a tree on each replay."""
-    returns = op_schema(func).returns
-    if not all(str(returns[i].type) == "Tensor" for i in positions):
+    plain, several = _plain_tensor_returns(func, positions)
+    if not plain:
         return lambda out: returned_tensors(func, out, positions)
-    if len(returns) > 1:
+    if several:
         return lambda out: [out[i] for i in positions]
     return (lambda out: [out]) if positions else (lambda out: [])
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_tensor_returns(func: OpOverload, positions: tuple[int, ...]) -> tuple[bool, bool]:
+    """(every return at ``positions`` is a plain ``Tensor``, the op returns several values): read off the schema
+    once per op, not once per recorded call."""
+    returns = op_schema(func).returns
+    return all(str(returns[i].type) == "Tensor" for i in positions), len(returns) > 1
 
 
 def _has_bool_index(indices: Any) -> bool:
@@ -114,8 +140,30 @@ def _is_masked_fill(args: tuple, kwargs: dict) -> bool:
             and not (len(args) > 3 and args[3]))
 
 
+_INDEX_OPS = (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_)
+_DEPENDS_ON_ARGS = "depends on the arguments"
+
+
 def host_sync_reason(func: OpOverload, args: tuple, kwargs: dict) -> tuple[str, str] | None:
     """(category, reason) when ``func`` would read device data on the host during capture."""
+    reason = _sync_reason_of(func)
+    if reason != _DEPENDS_ON_ARGS:
+        return reason
+    packet = func.overloadpacket
+    if packet is aten.repeat_interleave:
+        if kwargs.get("output_size") is None:
+            return "dynamic_shape", "repeat_interleave without output_size has a data-dependent shape"
+        return None
+    indices = args[1] if len(args) > 1 else kwargs.get("indices")
+    if _has_bool_index(indices) and not (packet is not aten.index and _is_masked_fill(args, kwargs)):
+        return "dynamic_shape", "boolean-mask indexing has a data-dependent shape (it calls nonzero)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _sync_reason_of(func: OpOverload) -> tuple[str, str] | str | None:
+    """What ``host_sync_reason`` can tell from the op alone (its schema and tags), read once per op; for
+    indexing and ``repeat_interleave``, whose answer depends on their arguments, ``_DEPENDS_ON_ARGS``."""
     packet = func.overloadpacket
     if packet in METADATA_OPS:
         return None
@@ -123,22 +171,11 @@ def host_sync_reason(func: OpOverload, args: tuple, kwargs: dict) -> tuple[str, 
         return "host_sync", "reads a device value on the host (a sync; not allowed while capturing)"
     if any(str(r.type) in SCALAR_RETURNS for r in op_schema(func).returns):
         return "host_sync", "returns a Python value computed from device data (a sync)"
-    if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
-        indices = args[1] if len(args) > 1 else kwargs.get("indices")
-        if _has_bool_index(indices) and not (packet is not aten.index and _is_masked_fill(args, kwargs)):
-            return "dynamic_shape", "boolean-mask indexing has a data-dependent shape (it calls nonzero)"
-        return None
-    if packet is aten.repeat_interleave:
-        if kwargs.get("output_size") is None:
-            return "dynamic_shape", "repeat_interleave without output_size has a data-dependent shape"
-        return None
+    if packet in _INDEX_OPS or packet is aten.repeat_interleave:
+        return _DEPENDS_ON_ARGS
     if torch.Tag.dynamic_output_shape in func.tags:
         return "dynamic_shape", "its output shape depends on the data (the host must read it)"
     return None
-
-
-
-FUNCOL_IDENTITIES = {"wait_tensor", "_wrap_tensor_autograd"}
 
 
 def is_functional_collective(func: OpOverload) -> bool:

@@ -109,8 +109,8 @@ from .backup import StateBackup, storage_key
 from .errors import CaptureError, GraphUsageError, user_frame
 from .monkeypatch import Patches
 from .ops import (
-    fresh_returns, generator_args, host_sync_reason, is_collective, is_functional_collective, returned_tensors,
-    returned_tensors_of, schema_kind,
+    fresh_returns, generator_args, host_sync_reason, is_collective, is_functional_collective, returned_tensors_of,
+    schema_kind, tensor_arguments,
 )
 from .torch_compat import (FakeTensor, TorchDispatchMode, below_autograd_outside_autocast, generator_key, op_schema,
                            tree_leaves, wait_tensor)
@@ -258,7 +258,7 @@ class _Recorder(TorchDispatchMode):
         self.issued: dict[int, _Communication] = {}  # id of a c10d op's Work -> the tape entry that re-runs it
 
     def _note_created(self, out: Any) -> None:
-        for t in tree_leaves(out):
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.created.add(storage_key(t))
 
@@ -295,7 +295,7 @@ class _Recorder(TorchDispatchMode):
         kind = schema_kind(func)
         if kind in ("mutating", "mutating_fresh", "functional"):
             # Every argument, not only the (a!) ones: some ops write what their schema calls read-only.
-            self.backup.save_storages(tree_leaves((args, kwargs)), skip=self.created)
+            self.backup.save_storages(tensor_arguments(args, kwargs), skip=self.created)
         if kind == "inplace_view":
             return self._inplace_view(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -311,7 +311,7 @@ class _Recorder(TorchDispatchMode):
             tape.add(_mutating_entry(func, args, kwargs))
         else:
             positions = fresh_returns(func) if kind == "mutating_fresh" else tuple(range(len(op_schema(func).returns)))
-            self._note_created(returned_tensors(func, out, positions))
+            self._note_created(returned_tensors_of(func, positions)(out))
             tape.keep.append(out)
             tape.add(_refill_entry(func, args, kwargs, out, positions))
         return out
