@@ -1,6 +1,6 @@
 """A torchrun worker for the documented teardown: a graphed step that all-reduces, then close(), close_all()
 and destroy_process_group(); writes the rank's losses, and what of graphstep could still hold a c10d object
-after close_all(), to ``<argv[1]>/rank<r>.json`` (see test_library_contract.py), or prints it without an
+after close_all(), to ``<argv[1]>/rank<r>.json`` (see tests/distributed/test_teardown.py), or prints it without an
 argument."""
 
 from __future__ import annotations
