@@ -10,6 +10,9 @@
 * No import cycle among graphstep's modules. Every ``import`` statement
   counts -- module level, inside functions (lazy imports), under
   ``TYPE_CHECKING`` -- since a lazy import is a dependency all the same.
+* No undefined name in the package or the tests (pyflakes): a name deleted
+  from a module while a function still reads it fails here, not in the one
+  torchrun layout that happens to reach that function.
 * No source file over 800 lines. Files follow concepts (STYLE.md, habit 9): a
   concept is not cut in pieces to meet a line count; the cap only catches a
   file that has grown to hold several.
@@ -463,3 +466,42 @@ def test_private_torch_names_live_only_in_the_compat_modules():
     shown = "; ".join(f"{path}:{line} {what}" for path, uses in found.items() for line, what in uses)
     assert not found, ("private torch names outside the compat modules (reach them through "
                        f"cuda_graph/torch_compat.py or engines_compat.py, with a probe): {shown}")
+
+
+def undefined_names(paths: list[pathlib.Path]) -> list[str]:
+    """pyflakes' findings of names read but never bound, as 'path:line: message'."""
+    from pyflakes import api, messages, reporter
+
+    found: list[str] = []
+
+    class Collect(reporter.Reporter):
+        def __init__(self):
+            super().__init__(None, None)
+
+        def flake(self, message):
+            if isinstance(message, (messages.UndefinedName, messages.UndefinedLocal, messages.UndefinedExport)):
+                found.append(f"{message.filename}:{message.lineno}: {message.message % message.message_args}")
+
+        def syntaxError(self, filename, msg, lineno, offset, text):
+            found.append(f"{filename}:{lineno}: syntax error: {msg}")
+
+        def unexpectedError(self, filename, msg):
+            found.append(f"{filename}: {msg}")
+
+    for path in paths:
+        api.checkPath(str(path), Collect())
+    return found
+
+
+def test_the_undefined_name_check_sees_a_deleted_constant(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def kind(name):\n    return name in IDENTITIES\n")
+    good = tmp_path / "good.py"
+    good.write_text("IDENTITIES = {'a'}\n\ndef kind(name):\n    return name in IDENTITIES\n")
+    assert undefined_names([good]) == []
+    assert undefined_names([bad]) == [f"{bad}:2: undefined name 'IDENTITIES'"]
+
+
+def test_no_undefined_name_in_the_package_or_the_tests():
+    files = sorted((SRC / PACKAGE).rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
+    assert undefined_names(files) == []

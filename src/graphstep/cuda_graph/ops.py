@@ -46,8 +46,8 @@ METADATA_OPS = {
 SCALAR_RETURNS = {"bool", "int", "float", "Scalar", "SymInt", "SymFloat", "SymBool", "complex"}
 # Namespaces whose ops only annotate the host timeline: a graph replays no profiler range.
 HOST_ONLY_NAMESPACES = {"profiler"}
-
-
+# Functional collectives that hand back the tensor they are given.
+FUNCOL_IDENTITIES = {"wait_tensor", "_wrap_tensor_autograd"}
 
 
 @functools.lru_cache(maxsize=None)
