@@ -55,7 +55,7 @@ The estimate is a lower bound of what a step uses -- allocator
 fragmentation, workspaces, graph pools, FSDP2's prefetched layer and its
 unsharded gradients come on top -- so ``check_memory_fits`` refuses only
 when it exceeds 95% of the memory the device has free
-(``torch.cuda.mem_get_info`` on a GPU, ``MemAvailable`` of
+(``torch.cuda.mem_get_info`` plus what the caching allocator holds unused on a GPU, ``MemAvailable`` of
 ``/proc/meminfo`` on the CPU). When it refuses because the weights, their
 gradients and optimizer state, or one sample's activations do not fit, it
 names the smallest FSDP2 ZeRO-3 layout (``dp`` x ``tp`` ranks, at most 1024)
@@ -66,6 +66,7 @@ whose per-rank estimate fits the same device: see ``suggest_layout``.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -237,10 +238,17 @@ def _block_terms(cfg: Config, e: int, device: torch.device) -> dict[str, tuple[i
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes free for this run on ``device``: free GPU memory, or the host's available RAM."""
+    """Bytes free for this run on ``device``: free GPU memory, or the host's available RAM.
+
+    On a GPU, memory this process's caching allocator holds but no tensor uses counts as free: the run's
+    tensors reuse it. An earlier run in the same process leaves its blocks cached (and, until the garbage
+    collector breaks its reference cycles, some of its tensors alive), so the driver alone would report
+    that memory as taken.
+    """
     if device.type == "cuda":
+        gc.collect()  # tensors of an earlier run that only cycles keep alive go back to the allocator's cache
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
