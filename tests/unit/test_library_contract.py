@@ -88,6 +88,33 @@ def test_keyword_arguments_keep_the_contract():
         graphed(torch.ones(2, 4), torch.ones(2, 4))
 
 
+def test_a_graphed_module_call_of_plain_arguments_keeps_the_whole_contract():
+    """A graphed module's call whose arguments are all leaves is read without a pytree walk (its replay
+    path): the leaves are the pytree's, and another structure, shape or value is still refused."""
+    from graphstep.cuda_graph.static_io import StaticInputs
+    from graphstep.cuda_graph.torch_compat import tree_flatten
+
+    x, mask = torch.ones(2, 4), torch.zeros(2, 4)
+    static = StaticInputs(((x, None, 3), {"mask": mask}), name="layer0.attn")
+    assert static.flat_key == (3, ("mask",))
+    args, kwargs = (torch.ones(2, 4), None, 3), {"mask": torch.ones(2, 4)}
+    fast = static.call_leaves(args, kwargs)
+    assert len(fast) == 4 and all(a is b for a, b in zip(fast, tree_flatten((args, kwargs))[0]))
+    static.copy_in_leaves(fast)
+    assert torch.equal(static.leaves[3], kwargs["mask"])
+    for other in [((x, None, 3), {"pad": mask}), ((x, None), {"mask": mask}), (([x], None, 3), {"mask": mask}),
+                  ((x, None, 3, mask), {})]:
+        with pytest.raises(ContractError, match="another structure than the captured call"):
+            static.call_leaves(*other)
+    with pytest.raises(ContractError, match=r"non-tensor argument \[0\]\[2\] differs.*captured 3, now 4"):
+        static.copy_in_leaves(static.call_leaves((x, None, 4), {"mask": mask}))
+    with pytest.raises(ContractError, match=r"argument \[1\]\['mask'\] differs"):
+        static.copy_in_leaves(static.call_leaves((x, None, 3), {"mask": torch.ones(2, 5)}))
+    nested = StaticInputs((([x, mask],), {}), name="layer0.mlp")  # a list argument: the pytree path
+    assert nested.flat_key is None
+    assert len(nested.call_leaves(([x, mask],), {})) == 2
+
+
 def test_contract_error_speaks_of_the_library():
     graphed = graphstep.graph_step(lambda x: x * 2, warmup_steps=0, device="cpu")
     graphed(torch.ones(3))

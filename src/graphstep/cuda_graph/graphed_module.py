@@ -114,6 +114,8 @@ class ModuleGraph:
         self.static: StaticInputs | None = None
         self.out_leaves: list[Any] = []  # output leaves: graph-owned tensors and captured constants
         self.out_spec: Any = None
+        self.single_output = False  # the output is one tensor
+        self.non_differentiable: list[int] = []  # indices of the tensor outputs autograd must not differentiate
         self.outputs: list[torch.Tensor] = []  # the tensor output leaves, in order
         self.grad_out: list[torch.Tensor | None] = []
         self.grad_out_layouts: list[Any] = []  # per output gradient buffer: a DTensor's layout, else None
@@ -200,6 +202,8 @@ class ModuleGraph:
             out, self.param_aliases = self._call_with_param_aliases(self.static.tree)
         self.out_leaves, self.out_spec = tree_flatten(out)
         self.outputs = [o for o in self.out_leaves if isinstance(o, torch.Tensor)]
+        self.single_output = isinstance(out, torch.Tensor)  # the output is its one tensor: no pytree to rebuild
+        self.non_differentiable = [i for i, o in enumerate(self.outputs) if not _differentiable(o)]
 
     def capture_backward(self, backend: GraphBackend, generators: Iterable[torch.Generator],
                          grad_aliases: dict[int, torch.Tensor]) -> None:
@@ -242,7 +246,8 @@ class ModuleGraph:
         self.grad_in = [next(it) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves]
 
     # ---- replay -------------------------------------------------------------
-    def replay_forward(self, tree: Any) -> list[torch.Tensor]:
+    def replay_forward(self, leaves: list[Any]) -> list[torch.Tensor]:
+        """Replay the forward graph on a call's leaves (their structure checked: ``StaticInputs.call_leaves``)."""
         if self.pending_backward:
             raise GraphUsageError(
                 f"{self.name}: forward replayed again before the backward of the previous call. A graphed module "
@@ -254,7 +259,7 @@ class ModuleGraph:
                 "or storage freed and allocated again, as FSDP2 does with the parameters it gathers); the graphs "
                 "read them where they were captured. Update them in place, or capture again."
             )
-        self.static.copy_in(tree)
+        self.static.copy_in_leaves(leaves)
         self.fwd.replay()
         self.pending_backward = self.bwd is not None
         return self.outputs
@@ -269,6 +274,8 @@ class ModuleGraph:
 
     def rebuild_output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         """The module's output pytree, with ``tensors`` in place of the graph-owned tensor leaves."""
+        if self.single_output:
+            return tensors[0]
         it = iter(tensors)
         leaves = [next(it) if isinstance(o, torch.Tensor) else o for o in self.out_leaves]
         return tree_unflatten(leaves, self.out_spec)
@@ -323,6 +330,7 @@ class ModuleGraph:
         self.fwd = self.bwd = None
         self.static = None
         self.out_leaves, self.outputs = [], []
+        self.single_output, self.non_differentiable = False, []
         self.grad_out, self.grad_in, self.grad_targets, self.param_aliases = [], [], [], []
         self.grad_out_layouts = []
         self.param_grads, self.returned, self.in_graph = [], [], []
@@ -333,27 +341,29 @@ class ModuleGraph:
 class GraphedFunction(torch.autograd.Function):
     """Replays a :class:`ModuleGraph`: forward graph in forward, backward graph in backward.
 
-    Called as ``apply(graph, anchor, spec, n_leaves, *leaves, *returned_params)`` with the
-    flattened ``(args, kwargs)`` and the parameters whose gradients go back to autograd;
+    Called as ``apply(graph, anchor, n_leaves, *leaves, *returned_params)`` with the
+    leaves of ``(args, kwargs)`` and the parameters whose gradients go back to autograd;
     returns the graph-owned tensor outputs (detached views), in order.
     """
 
     @staticmethod
-    def forward(ctx, graph: ModuleGraph, anchor: torch.Tensor, spec: Any, n_leaves: int, *inputs: Any) -> Any:
-        outputs = graph.replay_forward(tree_unflatten(list(inputs[:n_leaves]), spec))
+    def forward(ctx, graph: ModuleGraph, anchor: torch.Tensor, n_leaves: int, *inputs: Any) -> Any:
+        outputs = graph.replay_forward(inputs[:n_leaves])
         ctx.graph = graph
+        # detached views: autograd gives each call's outputs its own node, never the graph-owned tensors
         result = tuple(o.detach() for o in outputs)
-        ctx.mark_non_differentiable(*[r for r in result if not _differentiable(r)])
+        if graph.non_differentiable:
+            ctx.mark_non_differentiable(*[result[i] for i in graph.non_differentiable])
         return result
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> Any:
         grad_in, param_grads = ctx.graph.replay_backward(grads)
-        return (None, None, None, None, *grad_in, *param_grads)
+        return (None, None, None, *grad_in, *param_grads)
 
 
 def apply_graphed(graph: ModuleGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``graph``'s module call by replaying its graphs (autograd-aware); returns the output pytree."""
-    leaves, spec = tree_flatten((args, kwargs))
-    outputs = GraphedFunction.apply(graph, graph.anchor, spec, len(leaves), *leaves, *graph.returned)
+    leaves = graph.static.call_leaves(args, kwargs)
+    outputs = GraphedFunction.apply(graph, graph.anchor, len(leaves), *leaves, *graph.returned)
     return graph.rebuild_output(outputs)

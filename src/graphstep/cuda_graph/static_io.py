@@ -179,6 +179,7 @@ class StaticInputs:
                 self.leaves.append(torch.empty_like(value, device=target).copy_(value.detach()))
             else:
                 self.leaves.append(value)
+        self.flat_key = _flat_call_key(example, [v for _, v in leaves])
         self.refresh()
 
     def refresh(self) -> None:
@@ -187,9 +188,18 @@ class StaticInputs:
         # per leaf: a wrapper's layout (checked on every call), None for plain tensors and other values
         self.layouts = [layout(t) if isinstance(t, torch.Tensor) else None for t in self.leaves]
 
-    def check(self, value: Any) -> list[Any]:
-        """The new call's leaves, after checking them against the contract."""
-        leaves, spec = tree_flatten(value)  # the replay path: key paths only for messages (self.paths)
+    def call_leaves(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """The leaves of a call ``(args, kwargs)``, its structure checked against the captured call's.
+
+        The replay path of a graphed module: a call whose arguments are all leaves, as the captured one's
+        were, is its arguments in order, with no pytree walk and no spec comparison."""
+        if self.flat_key is not None and _flat_key(args, kwargs) == self.flat_key:
+            return [*args, *kwargs.values()]
+        leaves, spec = tree_flatten((args, kwargs))
+        self._check_structure((args, kwargs), spec)
+        return leaves
+
+    def _check_structure(self, value: Any, spec: Any) -> None:
         if spec != self.spec:
             captured = _call_shape(tree_unflatten(self.leaves, self.spec)) if self.call else str(self.spec)
             now = _call_shape(value) if self.call else str(spec)
@@ -197,6 +207,9 @@ class StaticInputs:
                 f"{self.name}: the call's arguments have another structure than the captured call's "
                 f"(pass the same arguments, by the same names, every call).\n  captured: {captured}\n  now:      {now}"
             )
+
+    def check_leaves(self, leaves: list[Any]) -> list[Any]:
+        """``leaves`` (of a call of the captured structure), after checking them against the contract."""
         out = []
         for path, new, old, captured in zip(self.paths, leaves, self.leaves, self.layouts):
             if isinstance(old, torch.Tensor):
@@ -230,11 +243,44 @@ class StaticInputs:
 
     def copy_in(self, value: Any) -> None:
         """Check ``value`` and copy its tensors into the static buffers."""
-        for dst, src, wrapped in zip(self.leaves, self.check(value), self.layouts):
+        leaves, spec = tree_flatten(value)
+        self._check_structure(value, spec)
+        self.copy_in_leaves(leaves)
+
+    def copy_in_leaves(self, leaves: list[Any]) -> None:
+        """Check the leaves of a call of the captured structure and copy its tensors into the static buffers."""
+        for dst, src, wrapped in zip(self.leaves, self.check_leaves(leaves), self.layouts):
             if wrapped is not None:
                 copy_data(dst, src)  # through the local tensors: a DTensor's data_ptr() is 0
             elif isinstance(dst, torch.Tensor) and not _same_memory(dst, src):
                 dst.copy_(src, non_blocking=True)
+
+
+_SCALAR_LEAVES = (type(None), bool, int, float, str)
+
+
+def _flat_key(args: Any, kwargs: Any) -> tuple[int, tuple[str, ...]] | None:
+    """(positional count, keyword names) of a call whose arguments are all leaves; None for any other call."""
+    if type(args) is not tuple or type(kwargs) is not dict:
+        return None
+    for v in args:
+        if not (isinstance(v, torch.Tensor) or type(v) in _SCALAR_LEAVES):
+            return None
+    for v in kwargs.values():
+        if not (isinstance(v, torch.Tensor) or type(v) in _SCALAR_LEAVES):
+            return None
+    return len(args), tuple(kwargs)
+
+
+def _flat_call_key(example: Any, leaves: list[Any]) -> tuple[int, tuple[str, ...]] | None:
+    """The flat key of an example call ``(args, kwargs)`` whose pytree leaves are its arguments, in order."""
+    if type(example) is not tuple or len(example) != 2:
+        return None
+    key = _flat_key(*example)
+    flat = [*example[0], *example[1].values()] if key is not None else []
+    if key is None or len(flat) != len(leaves) or any(a is not b for a, b in zip(flat, leaves)):
+        return None
+    return key
 
 
 def _call_shape(call: Any) -> str:
