@@ -364,11 +364,11 @@ def test_multi_rank_results_name_the_ranks_and_each_rows_layout(tmp_path):
     md = markdown_table(doc)
     assert md.startswith("small_dense_bench -- 2 x Test GPU, torch 2.x, CUDA 13.0, 2026-11-30 (bf16 matmul 800 "
                          "TFLOP/s measured; 2 ranks under torchrun: step = rank 0's, peak = the maximum over ranks")
-    assert "| MFU | layout |" in md
+    assert "| MFU | vs peer | layout |" in md
     lines = md.splitlines()
-    assert lines[4].startswith("| eager |") and lines[4].endswith("| 6.2% | - |")  # no layout recorded
+    assert lines[4].startswith("| eager |") and lines[4].endswith("| 6.2% | - | - |")  # no peer, no layout recorded
     assert lines[5].startswith("| full_iteration |") and lines[5].endswith("| 2 data-parallel ranks, global batch 8 |")
-    assert lines[7] == "| compile[reduce-overhead] | failed: RuntimeError: boom | | | | | | | | | | | - |"
+    assert lines[7] == "| compile[reduce-overhead] | failed: RuntimeError: boom | | | | | | | | | | | | - |"
     from rich.console import Console
 
     from graphstep.bench.run import result_stem
@@ -434,3 +434,65 @@ def test_ranks_agree_on_two_gloo_processes(tmp_path):
     assert reports[0]["rows"][1] == reports[1]["rows"][1] == [0.25, None, None]  # None on every rank stays None
     assert reports[0]["built"] == "rank 1 could not build this row (its error is in its output); every rank skipped it"
     assert reports[1]["built"] == "ok"  # the rank that failed keeps its own error
+
+
+def test_rounds_interleave_the_rows_and_compare_each_with_its_peer_round_by_round(monkeypatch, tmp_path):
+    """--rounds 3: every row measured once per round in the order A B C A B C ...; step = the median over the
+    rounds with the spread kept; the ratio to the peer taken within each round; a row failed in any round is
+    failed; the results do not replace a one-round run's files."""
+    from graphstep.bench import run
+
+    order = []
+    times = {"eager": [20.0, 21.0, 30.0], "local[attn,mlp]": [5.0, 7.0, 4.0],
+             "make_graphed_callables": [6.0, 6.5, 5.0], "te[attn,mlp]": [5.5, 6.0, 4.5]}
+
+    def fake_measure(name, build, *, warmup, iters, profile_iters, device, lockstep):
+        k = sum(n == name for n in order)
+        order.append(name)
+        if name == "te[attn,mlp]" and k == 1:
+            return Row(name, error="RuntimeError: lost the GPU")
+        return Row(name, step_ms=times[name][k], busy_ms=2.5, peak_allocated_gib=1.0 + k, capture_s=0.1 * (k + 1))
+
+    monkeypatch.setattr(run.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run, "normalize_device", lambda _: torch.device("cpu"))
+    monkeypatch.setattr(run, "matmul_tflops", lambda device: 800.0)
+    monkeypatch.setattr(run, "make_workload", lambda cfg, device, n_steps: type("Probe", (), {"model": None})())
+    monkeypatch.setattr(run, "flops_per_step", lambda cfg, model: 1e12)
+    monkeypatch.setattr(run, "environment", lambda device: {"date": "2026-12-05", "gpu": "Test GPU", "torch": "2.x",
+                                                            "cuda": "13.0"})
+    monkeypatch.setattr(run, "measure", fake_measure)
+    rows = ["eager", "local[attn,mlp]", "make_graphed_callables", "te[attn,mlp]"]
+    doc = run.run_bench(get_recipe("small_dense_bench"), rows, recipe="small_dense_bench", rounds=3, world_size=1)
+    assert order == rows * 3
+    eager, local, peer, te = doc["rows"]
+    assert doc["method"]["rounds"] == 3
+    assert local["step_ms_rounds"] == [5.0, 7.0, 4.0] and local["step_ms"] == 5.0
+    assert local["peer"] == "make_graphed_callables"
+    assert local["vs_peer_rounds"] == pytest.approx([5 / 6, 7 / 6.5, 4 / 5]) and local["vs_peer"] == pytest.approx(5 / 6)
+    assert local["speedup"] == pytest.approx(21.0 / 5.0)  # medians against medians
+    assert local["peak_allocated_gib"] == 3.0 and local["capture_s"] == pytest.approx(0.2)
+    assert len(local["step_ms_all"]) == 0 and eager["peer"] is None and peer["vs_peer"] is None
+    assert te["error"] == "round 2 of 3: RuntimeError: lost the GPU" and te["step_ms"] is None
+    md = markdown_table(doc)
+    assert "3 rounds, the rows interleaved" in md and "| vs peer | rounds min-max ms |" in md
+    assert "| 0.83x make_graphed_callables (0.80-1.08x, ahead in 2/3) | 4.000-7.000 |" in md
+    from rich.console import Console
+
+    console = Console(width=300, record=True)
+    console.print(table(doc))
+    text = console.export_text()
+    assert "4.000-7.000" in text and "ahead in 2/3" in text
+    header = next(line for line in text.splitlines() if "┃ row" in line)
+    assert header.count("┃") == 16  # 15 columns: the failed row adds none
+    path = write_results(doc, tmp_path)
+    assert path.name == "small_dense_bench_Test-GPU_2026-12-05_rounds3.json"
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        run.run_bench(get_recipe("small_dense_bench"), rows, recipe="small_dense_bench", rounds=0, world_size=1)
+
+
+def test_bench_rounds_must_be_a_whole_number_of_one_or_more(capsys):
+    from graphstep.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--recipe", "small_dense_bench", "--rounds", "0"])
+    assert info.value.code == 2 and "'0' is not a number of rounds" in capsys.readouterr().err

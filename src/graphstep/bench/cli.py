@@ -1,4 +1,4 @@
-"""``graphstep bench --recipe R [overrides] [--rows a,b] [--iters N] [--out DIR]``.
+"""``graphstep bench --recipe R [overrides] [--rows a,b] [--iters N] [--rounds N] [--out DIR]``.
 
 Needs a CUDA GPU (every row is timed with CUDA events); without one the
 command stops with exit code 2 before building anything. Under
@@ -34,19 +34,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_world(rows, world, args.recipe)  # before the GPU check: the refusal says what to launch instead
     _need_gpu()
     if rank_from_env() != 0:  # the other ranks measure in lockstep; rank 0 reports
-        run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup, world_size=world)
+        run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup, world_size=world,
+                  rounds=args.rounds)
         return 0
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task(f"{args.recipe}: starting", total=len(rows))
+        task = bar.add_task(f"{args.recipe}: starting", total=len(rows) * args.rounds)
 
         def progress(done: int, name: str) -> None:
             bar.update(task, completed=done, description=f"{args.recipe}: {escape(name)}")
 
         doc = run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup, progress=progress,
-                        world_size=world)
-        bar.update(task, completed=len(rows), description=f"{args.recipe}: done")
+                        world_size=world, rounds=args.rounds)
+        bar.update(task, completed=len(rows) * args.rounds, description=f"{args.recipe}: done")
     if doc is None:
         raise RuntimeError("RANK=0 but the process group gave this process another rank: no result document")
     path = write_results(doc, args.out)
@@ -62,6 +63,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc))
     return 0
+
+
+def _rounds(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of rounds (a whole number, 1 or more)")
+    return n
 
 
 def _need_gpu() -> None:
@@ -82,6 +93,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", help="comma list of rows (default: every applicable row)")
     p.add_argument("--iters", type=int, default=50, help="timed iterations per row")
     p.add_argument("--warmup", type=int, default=8, help="untimed iterations per row (capture included)")
+    p.add_argument("--rounds", type=_rounds, default=1,
+                   help="measure every row this many times, the rows interleaved round by round (A B C A B C): "
+                   "step = the median over rounds, the spread shown, each row's ratio to its peer per round")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON results")
     p.add_argument("--json", action="store_true", help="also print the result document")
     p.add_argument("--tensorboard-dir", help="also write the rows as TensorBoard scalars (a run folder under it)")

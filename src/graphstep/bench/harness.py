@@ -23,7 +23,15 @@ train`` runs (its RNG tracker setting, MoE hooks and non-finite checks
 included); the peers take their model and optimizer from the same build.
 Batches are generated once, pinned, and cycled, so data generation is not
 timed. Ratios (speed-up vs eager, step/floor) are computed within one run,
-against the eager row of the same layout (:func:`eager_reference`).
+against the eager row of the same layout (:func:`eager_reference`), and
+against the row's peer (:func:`peer_of`) when the run measured it.
+
+Rounds (``graphstep bench --rounds N``): host-bound rows vary by a quarter
+between runs on one machine, with the host's load. With N rounds every row
+is built and measured once per round, the rows interleaved (A B C A B C ...),
+so the rows compared share each round's host conditions; a row's step time
+is the median over the rounds, ``step_ms_rounds`` its spread, and its ratio
+to its peer is taken round by round (:func:`combine_rounds`, :func:`finish`).
 
 Under torchrun (bench/ranks.py) every rank runs every row with the same
 warm-up and iteration counts, so their collectives match; a row's layout is
@@ -36,6 +44,7 @@ peak memory becomes the maximum over the ranks.
 
 from __future__ import annotations
 
+import copy
 import gc
 import statistics
 import time
@@ -80,8 +89,12 @@ class Row:
     ranks: int = 1  # GPUs the row ran on (MFU is against all of them)
     global_batch: int | None = None  # sequences per iteration over all ranks (None: the recipe's)
     tokens_per_step: int | None = None  # tokens per iteration over all ranks (None: the recipe's)
+    step_ms_rounds: list[float] = field(default_factory=list)  # each round's median (``--rounds``)
     # filled in by finish()
     host_ms: float | None = None
+    peer: str | None = None  # the row of another library doing the same job (:func:`peer_of`)
+    vs_peer: float | None = None  # step / the peer's step: the median over rounds of each round's ratio
+    vs_peer_rounds: list[float] = field(default_factory=list)
     speedup: float | None = None
     floor_ratio: float | None = None
     memory_vs_eager: float | None = None
@@ -314,6 +327,49 @@ def eager_reference(name: str, measured: set[str]) -> str:
     return "eager"
 
 
+def combine_rounds(rounds: list[Row]) -> Row:
+    """One row from its measurements in successive rounds (``graphstep bench --rounds``).
+
+    The step and GPU-busy times are the medians over the rounds (``step_ms_rounds`` keeps each round's),
+    peak memory and host syncs the largest seen, the capture time the median; a row that failed in any
+    round is failed, with that round's error.
+    """
+    if len(rounds) == 1:
+        return rounds[0]
+    for k, r in enumerate(rounds):
+        if r.error:
+            failed = copy.copy(r)
+            failed.error = f"round {k + 1} of {len(rounds)}: {r.error}"
+            return failed
+    row = copy.copy(rounds[0])
+    row.step_ms_rounds = [r.step_ms for r in rounds]
+    row.step_ms = statistics.median(row.step_ms_rounds)
+    row.step_ms_all = [t for r in rounds for t in r.step_ms_all]
+    busy = [r.busy_ms for r in rounds if r.busy_ms]
+    row.busy_ms = statistics.median(busy) if busy else None
+    captures = [r.capture_s for r in rounds if r.capture_s is not None]
+    row.capture_s = statistics.median(captures) if captures else None
+    for name in ("peak_allocated_gib", "peak_reserved_gib", "host_syncs"):
+        values = [getattr(r, name) for r in rounds if getattr(r, name) is not None]
+        setattr(row, name, max(values) if values else None)
+    return row
+
+
+def peer_of(name: str, names: set[str]) -> str | None:
+    """The row of another library doing ``name``'s job, when the run measured it: per-layer graphs against
+    ``torch.cuda.make_graphed_callables``, a whole-step graph against a hand-written ``torch.cuda.graph``
+    step, compile + graphs against ``torch.compile(mode="reduce-overhead")``."""
+    if name.startswith("compile+"):
+        peer = "compile[reduce-overhead]"
+    elif name.startswith(("local[", "te[")):
+        peer = "make_graphed_callables"
+    elif name in ("full_iteration", "full_iteration+optimizer"):
+        peer = "manual_graph"
+    else:
+        return None
+    return peer if peer in names else None
+
+
 def finish(rows: list[Row], *, tokens_per_step: int, flops_per_step: float, peak_tflops: float) -> None:
     """Derived columns, against the eager row of the same layout (:func:`eager_reference`).
 
@@ -340,6 +396,13 @@ def finish(rows: list[Row], *, tokens_per_step: int, flops_per_step: float, peak
             r.speedup = eager.step_ms / r.step_ms
             if eager.peak_allocated_gib:
                 r.memory_vs_eager = r.peak_allocated_gib / eager.peak_allocated_gib
+        peer = measured.get(peer_of(r.name, set(measured)) or "")
+        if peer is not None:
+            r.peer = peer.name
+            # round by round: the two rows of one round ran under the same host conditions
+            pairs = list(zip(r.step_ms_rounds, peer.step_ms_rounds)) or [(r.step_ms, peer.step_ms)]
+            r.vs_peer_rounds = [a / b for a, b in pairs]
+            r.vs_peer = statistics.median(r.vs_peer_rounds)
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:

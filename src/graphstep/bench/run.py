@@ -34,7 +34,7 @@ from ..cuda_graph.devices import GiB, normalize_device
 from ..training.flops import flops_per_step
 from ..training.parallel import Layout
 from ..validation import validate_config
-from .harness import Row, finish, graphstep_row, make_workload, matmul_tflops, measure, row_config
+from .harness import Row, combine_rounds, finish, graphstep_row, make_workload, matmul_tflops, measure, row_config
 from .layouts import batch_overrides, check_world, layout_overrides, multi_rank_rows, split_prefix
 from .peers import compiled, make_graphed, manual_graph
 from .ranks import Ranks, world_size_from_env
@@ -177,14 +177,17 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 def run_bench(cfg: Config, rows: list[str], *, recipe: str, iters: int = 50, warmup: int = 8,
               profile_iters: int = 5, progress: Callable[[int, str], None] | None = None,
-              world_size: int | None = None) -> dict[str, Any] | None:
+              world_size: int | None = None, rounds: int = 1) -> dict[str, Any] | None:
     """Measure every row on this process's GPU; returns the result document.
 
     ``world_size`` (default: torchrun's ``WORLD_SIZE``, 1 without torchrun): with more than one rank
     every rank measures every row in lockstep (bench/ranks.py), and only rank 0 gets the document (the
-    others None). ``progress(rows_done, name)`` is called before each row.
+    others None). ``rounds``: every row is measured that many times, the rows interleaved round by round
+    (bench/harness.py). ``progress(rows_done, name)`` is called before each row of each round.
     """
     world = world_size_from_env() if world_size is None else world_size
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: a bench runs every row at least once (rounds >= 1)")
     check_world(rows, world, recipe)  # before anything is built: the refusal says what to launch instead
     if not torch.cuda.is_available():
         raise RuntimeError("graphstep bench measures CUDA graphs: it needs a CUDA GPU")
@@ -192,7 +195,7 @@ def run_bench(cfg: Config, rows: list[str], *, recipe: str, iters: int = 50, war
     ranks = Ranks.join(plan_row(cfg, "dp_eager", world).cfg, world) if world > 1 else None  # cuda:LOCAL_RANK
     try:
         doc = _measure_rows(cfg, plans, recipe=recipe, iters=iters, warmup=warmup, profile_iters=profile_iters,
-                            progress=progress, ranks=ranks)
+                            progress=progress, ranks=ranks, rounds=rounds)
     finally:
         if ranks is not None:
             ranks.close()  # after every row was freed
@@ -200,7 +203,8 @@ def run_bench(cfg: Config, rows: list[str], *, recipe: str, iters: int = 50, war
 
 
 def _measure_rows(cfg: Config, plans: list[RowPlan], *, recipe: str, iters: int, warmup: int, profile_iters: int,
-                  progress: Callable[[int, str], None] | None, ranks: Ranks | None) -> dict[str, Any]:
+                  progress: Callable[[int, str], None] | None, ranks: Ranks | None, rounds: int = 1
+                  ) -> dict[str, Any]:
     world = 1 if ranks is None else ranks.world_size
     device = normalize_device("cuda")
     peak = matmul_tflops(device)
@@ -208,22 +212,26 @@ def _measure_rows(cfg: Config, plans: list[RowPlan], *, recipe: str, iters: int,
     flops = flops_per_step(cfg, probe.model)
     del probe
     warmup = max(warmup, cfg.model.cuda_graph_warmup_steps + 2)
-    results: list[Row] = []
-    for done, plan in enumerate(plans):
-        if progress is not None:
-            progress(done, plan.name)
-        if plan.refusal is not None:  # the same on every rank: none builds it
-            row = Row(plan.name, error=plan.refusal, note=REFUSED)
-        else:
-            row = measure(plan.name, _plan_builder(plan, device, world), warmup=warmup, iters=iters,
-                          profile_iters=profile_iters, device=device, lockstep=ranks)
+    measured: list[list[Row]] = [[] for _ in plans]
+    for round_ in range(rounds):  # A B C A B C ...: the rows of one round share its host conditions
+        for k, plan in enumerate(plans):
+            if progress is not None:
+                progress(round_ * len(plans) + k, plan.name)
+            if plan.refusal is not None:  # the same on every rank: none builds it
+                if round_ == 0:
+                    measured[k].append(Row(plan.name, error=plan.refusal, note=REFUSED))
+                continue
+            measured[k].append(measure(plan.name, _plan_builder(plan, device, world), warmup=warmup, iters=iters,
+                                       profile_iters=profile_iters, device=device, lockstep=ranks))
+    results = [combine_rounds(rows) for rows in measured]
+    for plan, row in zip(plans, results):
         plan.describe(row)
-        results.append(row)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     finish(results, tokens_per_step=tokens, flops_per_step=flops, peak_tflops=peak)
     m = cfg.model
-    method = {"iters": iters, "warmup": warmup, "profile_iters": profile_iters,
-              "step": "median CUDA-event interval between back-to-back iterations",
+    method = {"iters": iters, "warmup": warmup, "profile_iters": profile_iters, "rounds": rounds,
+              "step": "median CUDA-event interval between back-to-back iterations"
+                      + (f"; the median over {rounds} interleaved rounds" if rounds > 1 else ""),
               "busy": "sum of device activity durations per iteration (torch.profiler)"}
     if world > 1:
         method["ranks"] = (f"{world} processes (torchrun), one per GPU, every row in lockstep; times are rank 0's, "
@@ -250,9 +258,15 @@ def gpus(doc: dict[str, Any]) -> str:
 
 
 def result_stem(doc: dict[str, Any]) -> str:
-    """``<recipe>_<gpu>_<date>``; ``<recipe>_<N>x<gpu>_<date>`` for a run over N ranks."""
-    env, world = doc["environment"], doc.get("world_size", 1)
-    return f"{doc['recipe']}_{f'{world}x' if world > 1 else ''}{env['gpu'].replace(' ', '-')}_{env['date']}"
+    """``<recipe>_<gpu>_<date>``; ``<recipe>_<N>x<gpu>_<date>`` for a run over N ranks; ``_rounds<R>`` after it
+    for a run of R rounds (its rows are usually a subset: it must not replace the day's full run)."""
+    env, world, rounds = doc["environment"], doc.get("world_size", 1), _rounds(doc)
+    return (f"{doc['recipe']}_{f'{world}x' if world > 1 else ''}{env['gpu'].replace(' ', '-')}_{env['date']}"
+            + (f"_rounds{rounds}" if rounds > 1 else ""))
+
+
+def _rounds(doc: dict[str, Any]) -> int:
+    return doc.get("method", {}).get("rounds", 1)
 
 
 def write_results(doc: dict[str, Any], out_dir: str | Path) -> Path:
@@ -315,22 +329,41 @@ def table(doc: dict[str, Any]) -> Any:
     env = doc["environment"]
     multi = doc.get("world_size", 1) > 1  # a layout column: each row's ranks and global batch
     t = Table(title=f"{doc['recipe']} on {gpus(doc)} (torch {env['torch']}, CUDA {env['cuda']}, {env['date']})")
-    for col in ("row", "step ms", "busy ms", "host ms", "kernels", "speed-up", "step/floor", "peak GiB",
-                "mem/eager", "capture s", "tok/s", "TFLOP/s", "MFU") + (("layout",) if multi else ()):
-        t.add_column(col, justify="right" if col not in ("row", "layout") else "left")
+    rounds = _rounds(doc)
+    spread = ("rounds min-max",) if rounds > 1 else ()
+    for col in ("row", "step ms", *spread, "busy ms", "host ms", "kernels", "speed-up", "step/floor", "vs peer",
+                "peak GiB", "mem/eager", "capture s", "tok/s", "TFLOP/s", "MFU") + (("layout",) if multi else ()):
+        t.add_column(col, justify="right" if col not in ("row", "layout", "vs peer") else "left")
     for r in doc["rows"]:
         name = escape(r["name"])  # "local[attn,mlp]" is not rich markup
         layout = (escape(_layout(r)),) if multi else ()
         if r["error"]:
-            t.add_row(name, f"error: {escape(r['error'][:80])}", *[""] * 11, *layout)
+            t.add_row(name, f"error: {escape(r['error'][:80])}", *[""] * (12 + len(spread)), *layout)
             continue
         t.add_row(
-            name, _f(r["step_ms"], 3), _f(r["busy_ms"], 3), _f(r["host_ms"], 3), str(r["kernels"]),
-            _f(r["speedup"], 2, "x"), _f(r["floor_ratio"], 2, "x"), _f(r["peak_allocated_gib"], 2),
-            _f(r["memory_vs_eager"], 2, "x"), _f(r["capture_s"], 2), _f(r["tokens_per_s"], 0),
-            _f(r["tflops"], 1), _f(r["mfu"] * 100 if r["mfu"] else None, 1, "%"), *layout,
+            name, _f(r["step_ms"], 3), *((_spread(r),) if spread else ()), _f(r["busy_ms"], 3), _f(r["host_ms"], 3),
+            str(r["kernels"]), _f(r["speedup"], 2, "x"), _f(r["floor_ratio"], 2, "x"), escape(_vs_peer(r)),
+            _f(r["peak_allocated_gib"], 2), _f(r["memory_vs_eager"], 2, "x"), _f(r["capture_s"], 2),
+            _f(r["tokens_per_s"], 0), _f(r["tflops"], 1), _f(r["mfu"] * 100 if r["mfu"] else None, 1, "%"), *layout,
         )
     return t
+
+
+def _spread(r: dict[str, Any]) -> str:
+    """``5.12-6.57``: the fastest and slowest round's step time (ms)."""
+    times = r.get("step_ms_rounds") or []
+    return f"{min(times):.3f}-{max(times):.3f}" if times else "-"
+
+
+def _vs_peer(r: dict[str, Any]) -> str:
+    """``0.83x make_graphed_callables``, with the rounds' range ``(0.80-0.90x, ahead in 3/3)`` after several."""
+    if r.get("vs_peer") is None:
+        return "-"
+    ratios = r.get("vs_peer_rounds") or []
+    spread = ""
+    if len(ratios) > 1:
+        spread = f" ({min(ratios):.2f}-{max(ratios):.2f}x, ahead in {sum(x < 1 for x in ratios)}/{len(ratios)})"
+    return f"{r['vs_peer']:.2f}x {r['peer']}{spread}"
 
 
 def markdown_table(doc: dict[str, Any]) -> str:
@@ -340,21 +373,29 @@ def markdown_table(doc: dict[str, Any]) -> str:
              "the eager row of the same layout" if world > 1 else "")
     head = (f"{doc['recipe']} -- {gpus(doc)}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']} "
             f"(bf16 matmul {doc['bf16_matmul_tflops']:.0f} TFLOP/s measured{ranks})\n\n")
+    rounds = _rounds(doc)
+    if rounds > 1:
+        head += (f"{rounds} rounds, the rows interleaved: step = the median of the rounds' medians, vs peer = the "
+                 "median of each round's ratio (range, rounds ahead of the peer)\n\n")
     extra = (" layout |", "---|") if world > 1 else ("", "")  # each row's ranks and global batch
+    spread = (" rounds min-max ms |", "---|") if rounds > 1 else ("", "")
     lines = ["| row | step ms | GPU-busy ms | host ms | kernels | host syncs | speed-up | step/floor | peak GiB "
-             "| mem/eager | capture s | MFU |" + extra[0],
-             "|---|---|---|---|---|---|---|---|---|---|---|---|" + extra[1]]
+             "| mem/eager | capture s | MFU | vs peer |" + spread[0] + extra[0],
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + spread[1] + extra[1]]
     for r in doc["rows"]:
         layout = f" {_layout(r)} |" if world > 1 else ""
+        gap = " |" if rounds > 1 else ""
         if r["error"]:
-            lines.append(f"| {r['name']} | failed: {r['error'].splitlines()[0][:120]} | | | | | | | | | | |{layout}")
+            lines.append(f"| {r['name']} | failed: {r['error'].splitlines()[0][:120]} | | | | | | | | | | | |"
+                         f"{gap}{layout}")
             continue
         lines.append(
             f"| {r['name']} | {_f(r['step_ms'], 3)} | {_f(r['busy_ms'], 3)} | {_f(r['host_ms'], 3)} | {r['kernels']} "
             f"| {'-' if r.get('host_syncs') is None else r['host_syncs']} "
             f"| {_f(r['speedup'], 2, 'x')} | {_f(r['floor_ratio'], 2, 'x')} | {_f(r['peak_allocated_gib'], 3)} "
             f"| {_f(r['memory_vs_eager'], 2, 'x')} | {_f(r['capture_s'], 2)} "
-            f"| {_f(r['mfu'] * 100 if r['mfu'] else None, 1, '%')} |{layout}"
+            f"| {_f(r['mfu'] * 100 if r['mfu'] else None, 1, '%')} | {_vs_peer(r)} |"
+            + (f" {_spread(r)} |" if rounds > 1 else "") + layout
         )
     return head + "\n".join(lines) + "\n"
 
