@@ -535,12 +535,13 @@ foreach_sqrt = _kernel("_foreach_sqrt")
 foreach_div_ = _kernel("_foreach_div_")
 foreach_div = _kernel("_foreach_div")
 foreach_add_ = _kernel("_foreach_add_")
+foreach_zero_ = _kernel("_foreach_zero_")
 # The fused AdamW step torch.optim.AdamW(fused=True) runs (``torch._fused_adamw_``), on CUDA and CPU.
 fused_adamw_ = _kernel("_fused_adamw_")
 
 
 @probe("torch._foreach_norm", "_foreach_copy_", "_foreach_mul_", "_foreach_lerp_", "_foreach_addcmul_",
-       "_foreach_sqrt", "_foreach_div_", "_foreach_div", "_foreach_add_",
+       "_foreach_sqrt", "_foreach_div_", "_foreach_div", "_foreach_add_", "_foreach_zero_",
        purpose="run the optimizer's update as multi-tensor kernels", verified=(CPU_2_13, GPU_2_11))
 def probe_foreach() -> None:
     a, b = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])], [torch.tensor([1.0, 1.0]), torch.tensor([2.0])]
@@ -556,6 +557,9 @@ def probe_foreach() -> None:
     expect(all(torch.allclose(yy, r.sqrt()) for yy, r in zip(y, ref)), "foreach arithmetic matches per tensor")
     foreach_copy_(x, b)
     expect(all(torch.equal(xx, u) for xx, u in zip(x, b)), "copy")
+    z = [torch.ones(2), torch.ones(3, dtype=torch.int64)]
+    foreach_zero_(z)
+    expect(all(not t.any() for t in z), "zero_ over tensors of two dtypes")
 
 
 @probe("torch._fused_adamw_", purpose="run the fused AdamW step", verified=(CPU_2_13, GPU_2_11))

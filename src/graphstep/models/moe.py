@@ -53,11 +53,13 @@ Model-level helpers for the trainer: :func:`moe_stats`,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..cuda_graph.torch_compat import foreach_zero_
 from .moe_dispatch import (
     GroupedExperts,
     capacity_layout,
@@ -380,12 +382,15 @@ class MoEBlock(nn.Module):
 # model-level helpers for the trainer
 
 
-def moe_routers(model: nn.Module) -> list[TopKRouter]:
-    """The routers of every MoE layer, in layer order."""
+def moe_routers(model: nn.Module | Sequence[TopKRouter]) -> list[TopKRouter]:
+    """The routers of every MoE layer, in layer order (a list of routers is taken as it is: the trainer
+    finds them once, not with a walk over every module at every step)."""
+    if not isinstance(model, nn.Module):
+        return list(model)
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
 
 
-def moe_stats(model: nn.Module) -> dict[str, torch.Tensor]:
+def moe_stats(model: nn.Module | Sequence[TopKRouter]) -> dict[str, torch.Tensor]:
     """Device tensors summed over MoE layers and micro-batches since the last reset.
 
     ``aux_loss`` and ``z_loss`` are without their coefficients (Megatron logs
@@ -404,21 +409,20 @@ def moe_stats(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def reset_moe_stats(model: nn.Module) -> None:
-    """Zero the statistics in place (capturable: only ``zero_`` on persistent buffers)."""
-    for r in moe_routers(model):
-        r.aux_loss_sum.zero_()
-        r.z_loss_sum.zero_()
-        r.tokens_per_expert.zero_()
+def reset_moe_stats(model: nn.Module | Sequence[TopKRouter]) -> None:
+    """Zero the statistics in place, one multi-tensor kernel (capturable: in place on persistent buffers)."""
+    stats = [t for r in moe_routers(model) for t in (r.aux_loss_sum, r.z_loss_sum, r.tokens_per_expert)]
+    if stats:
+        foreach_zero_(stats)
 
 
-def update_expert_bias(model: nn.Module, group=None) -> None:
+def update_expert_bias(model: nn.Module | Sequence[TopKRouter], group=None) -> None:
     """Aux-loss-free balancing step of every router with an expert bias (eager, after the optimizer step)."""
     for r in moe_routers(model):
         r.update_expert_bias(group)
 
 
-def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+def set_aux_loss_scale(model: nn.Module | Sequence[TopKRouter], scale: float) -> None:
     """Backward scale of every MoE layer's aux/z losses, e.g. 1 / micro-batches (eager, once)."""
     for r in moe_routers(model):
         r.set_aux_loss_scale(scale)

@@ -25,24 +25,25 @@ KEYS = ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance")
 class MoEHooks:
     def __init__(self, model: nn.Module, num_micro_batches: int, group=None) -> None:
         self.model = model
-        self.layers = len(moe_routers(model))
+        self.routers = moe_routers(model)  # found once: a walk over every module per step costs host time
+        self.layers = len(self.routers)
         self.num_micro_batches = num_micro_batches
         self.group = group
         if self.layers:
-            set_aux_loss_scale(model, 1.0 / num_micro_batches)
+            set_aux_loss_scale(self.routers, 1.0 / num_micro_batches)
 
     @property
     def enabled(self) -> bool:
         return self.layers > 0
 
     def before_step(self) -> None:
-        reset_moe_stats(self.model)
+        reset_moe_stats(self.routers)
 
     def after_optimizer_step(self) -> None:
-        update_expert_bias(self.model, self.group)
+        update_expert_bias(self.routers, self.group)
 
     def metrics(self) -> dict[str, torch.Tensor]:
-        stats = moe_stats(self.model)
+        stats = moe_stats(self.routers)
         per = float(self.layers * self.num_micro_batches)
         counts = stats["tokens_per_expert"].float()
         return {
