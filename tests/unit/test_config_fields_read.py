@@ -96,6 +96,8 @@ MAPPED = {
     "comm_overlap.overlap_param_gather": (["comm_overlap.overlap_param_gather=true"], "ddp.overlap_param_gather",
                                           True),
     "comm_overlap.bucket_size": (["comm_overlap.bucket_size=1000"], "ddp.bucket_size", 1000),
+    "scheduler.end_weight_decay": (["scheduler.start_weight_decay=0.03", "scheduler.end_weight_decay=0.03"],
+                                   "optimizer.weight_decay", 0.03),
 }
 
 

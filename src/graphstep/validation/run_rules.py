@@ -117,7 +117,8 @@ REFUSED_REASONS = {
     "R37": ("multi-token prediction (MTP) layers are not implemented", ""),
     "R39": ("not a field of Megatron Bridge's SchedulerConfig: Bridge's scheduler never reads it",
             "; set the peak and final rates as optimizer.lr and optimizer.min_lr"),
-    "R40": ("a Megatron Core model feature graphstep's models do not have", ""),
+    "R40": ("this Megatron Core model feature is not implemented by graphstep's models (multi-latent attention: "
+            "graphstep's attention is grouped-query)", ""),
 }
 
 # R40: values Megatron Core accepts that ask for a feature graphstep does not have -> (why, fix)
