@@ -1,4 +1,4 @@
-"""The configuration tree: one keyword-only dataclass per section (config_sections.py).
+"""The configuration tree: one keyword-only dataclass per section (config_sections.py, config_bridge_sections.py).
 
 Field names, values and defaults follow Megatron Bridge / Megatron Core so a
 Bridge user can move an override line over unchanged. Every field carries its
@@ -27,6 +27,7 @@ violation at once; this module only parses and type-checks.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 import functools
 import re
 import types
@@ -51,16 +52,49 @@ from .config_sections import (  # noqa: F401  (the sections, importable from her
     CheckpointConfig,
     LoggerConfig,
     ProfilingConfig,
+)
+from .config_bridge_sections import (  # noqa: F401
     TokenizerConfig,
     CommOverlapConfig,
     DistConfig,
     MixedPrecisionConfig,
     PeftConfig,
     PRECISION_PRESETS,
-    Config,
 )
 
-SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole configuration of a graphstep run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rng: RNGConfig = field(default_factory=RNGConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    comm_overlap: CommOverlapConfig = field(default_factory=CommOverlapConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    env_vars: dict[str, Any] = field(default_factory=dict, metadata={"help": (
+        "Bridge's env_vars: environment variables (name -> string, number or bool) set when the run starts, each "
+        "only where the environment does not set it already (yours win); validation reads them the same way.")})
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# env_vars is no section: one mapping of environment variables (``env_vars.NAME=value``, or a whole mapping)
+ENV_VARS = "env_vars"
+SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config) if f.name != ENV_VARS)
 
 # Bridge's names where graphstep's differ: a section (``dataset.*`` is ``data.*``) and single keys
 # (Bridge moved eval_interval/eval_iters into its validation section; graphstep keeps them in train).
@@ -70,7 +104,7 @@ KEY_ALIASES: dict[str, str] = {"validation.eval_interval": "train.eval_interval"
 # Sections Bridge also takes as one value (``mixed_precision=bf16_mixed``, ``peft=lora``, ``peft=null``):
 # the field a scalar goes to. null resets the section to its defaults (Bridge's "none").
 SECTION_VALUES: dict[str, str] = {"mixed_precision": "preset", "peft": "scheme", "comm_overlap": ""}
-_ALL_SECTIONS = ", ".join(SECTIONS + tuple(SECTION_ALIASES) + ("validation",))
+_ALL_SECTIONS = ", ".join(SECTIONS + tuple(SECTION_ALIASES) + ("validation", ENV_VARS))
 
 
 # --------------------------------------------------------------------------
@@ -197,11 +231,52 @@ def set_section_value(cfg: Config, section: str, value: Any) -> None:
     set_value(cfg, f"{section}.{target}", value.replace("-", "_") if isinstance(value, str) else value)
 
 
+def _env_value(key: str, value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)):
+        return value
+    raise ConfigError(f"{key}={value!r}: an environment variable's value is a string, number or bool")
+
+
+def set_env_vars(cfg: Config, key: str, value: Any) -> None:
+    """Bridge's ``env_vars``: ``env_vars={NAME: value, ...}`` (null empties it) or ``env_vars.NAME=value``."""
+    if key == ENV_VARS:
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            value = load_yaml_text(value)
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"env_vars={value!r}: expected a mapping of environment variable names to values "
+                              "(env_vars={NAME: value}), or env_vars.NAME=value")
+        cfg.env_vars = {str(name): _env_value(f"env_vars.{name}", v) for name, v in value.items()}
+    else:
+        name = key.split(".", 1)[1]
+        if not name:
+            raise ConfigError(f"{key!r}: name the variable: env_vars.NAME=value")
+        cfg.env_vars = {**cfg.env_vars, name: _env_value(key, value)}
+    cfg.__dict__.setdefault("_explicit_keys", set()).add(key)
+
+
+def _set_entry(cfg: Config, key: str, value: Any) -> tuple[str, Any]:
+    """``section.field.name=value`` on a mapping-valued field (``dataset.offline_packing_specs.pad_seq_to_mult=1``):
+    the field's mapping with that entry set."""
+    section, name, entry = key.split(".", 2)
+    sec = getattr(cfg, section, None) if section in SECTIONS else None
+    hint = _hints(type(sec)).get(name) if sec is not None else None
+    if hint is None or not _matches({}, hint)[0]:
+        raise ConfigError(f"{key!r}: keys have the form section.field (sections: {_ALL_SECTIONS})")
+    current = getattr(sec, name)
+    return f"{section}.{name}", {**(current if isinstance(current, dict) else {}), entry: value}
+
+
 def set_value(cfg: Config, key: str, value: Any) -> None:
     """Set ``section.field`` to ``value`` after checking its type (Bridge's aliases accepted)."""
     if key in SECTION_VALUES:
         return set_section_value(cfg, key, value)
+    if key == ENV_VARS or key.startswith(ENV_VARS + "."):
+        return set_env_vars(cfg, key, value)
     key = canonical_key(key)
+    if key.count(".") >= 2:
+        key, value = _set_entry(cfg, key, value)
     parts = key.split(".")
     if len(parts) != 2:
         raise ConfigError(f"{key!r}: keys have the form section.field (sections: {_ALL_SECTIONS})")
@@ -290,6 +365,9 @@ def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
     for section, values in data.items():
         if section in SECTION_VALUES and not isinstance(values, dict):
             set_section_value(cfg, section, values)
+            continue
+        if section == ENV_VARS:
+            set_env_vars(cfg, ENV_VARS, values)
             continue
         if section not in SECTIONS and section not in SECTION_ALIASES and section != "validation":
             raise ConfigError(f"{section!r}: unknown section (sections: {_ALL_SECTIONS})")

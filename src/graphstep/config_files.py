@@ -113,11 +113,14 @@ def _kind_cell(section: str, name: str) -> str:
 def markdown_reference() -> str:
     """docs/config.md: every field with its default, what it does and its help (a test keeps the file equal to this)."""
     out = ["# Configuration reference", "",
-           "Generated from `graphstep/config_sections.py` (`python -m graphstep.config_files > docs/config.md`); a test",
+           "Generated from `graphstep/config_sections.py` and `config_bridge_sections.py` (`python -m graphstep.config_files > docs/config.md`); a test",
            "keeps it in sync. Section and field names are Megatron Bridge's; Bridge's `dataset.*` is the `data`",
            "section here, `validation.eval_interval`/`validation.eval_iters` are `train.eval_interval`/`eval_iters`,",
            "and `mixed_precision=NAME` / `peft=NAME` (a whole section as one value) set `mixed_precision.preset` /",
-           "`peft.scheme`. Numbers read as Bridge's OmegaConf reads them (`1e-4` is a float).", "",
+           "`peft.scheme`. Numbers read as Bridge's OmegaConf reads them (`1e-4` is a float). Bridge's `env_vars`",
+           "(`env_vars={NAME: value}` or `env_vars.NAME=value`; a mapping in YAML) sets each environment variable",
+           "when the run starts, where the environment does not set it already (yours win); the rules read it too.",
+           "A mapping-valued field takes one entry as `section.field.NAME=value`.", "",
            "The column *does* says what each field does -- the three ways:", "",
            "- **acts**: graphstep does what Megatron Bridge does with it (some through graphstep's own field, named in",
            "  the meaning: `mixed_precision=bf16_mixed` sets `model.params_dtype=bf16`);",

@@ -4,8 +4,12 @@ Field names, values and defaults follow Megatron Bridge / Megatron Core (see
 config.py for how overrides are parsed and type-checked, and
 graphstep.validation for the rules). Every field carries its help text in
 ``metadata["help"]``; :func:`unsupported` declares a Megatron field that
-graphstep does not implement (rule R18 if changed). Import these names from
-``graphstep.config``.
+graphstep does not implement (rule R18 if changed), :func:`refused` one whose
+other values a numbered rule refuses, :func:`noop` a kernel hint accepted and
+named once in the log. The sections only Megatron Bridge has (tokenizer,
+comm_overlap, dist, mixed_precision, peft) are in config_bridge_sections.py;
+the whole tree, :class:`graphstep.config.Config`, in config.py. Import these
+names from ``graphstep.config``.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class ModelConfig:
     normalization: str = opt("RMSNorm", "Normalization layer; graphstep implements RMSNorm.")
     layernorm_epsilon: float = opt(1e-5, "Epsilon of RMSNorm.")
     position_embedding_type: str = opt("rope", "Position embedding; graphstep implements rope.")
-    rotary_base: int = opt(10000, "RoPE base.")
+    rotary_base: int | float = opt(10000, "RoPE base (an integer, or a float as Megatron Bridge writes it).")
     qk_layernorm: bool = opt(False, "RMSNorm on queries and keys per head (Qwen3).")
     add_qkv_bias: bool = opt(False, "Bias on the query/key/value projection (Qwen2).")
     attention_dropout: float = opt(0.0, "Dropout on attention probabilities.")
@@ -223,6 +227,12 @@ class ModelConfig:
     moe_expert_rank_capacity_factor: float | None = unsupported(None, "Capacity factor per expert-parallel rank.")
     moe_mlp_glu_interleave_size: int | None = unsupported(None, "Interleaved GLU weight layout of the experts.")
     moe_paged_stash: bool = unsupported(False, "Paged stash of MoE activations.")
+    moe_paged_stash_buffer_size_factor_cpu: float | None = noop(
+        None, "Paged stash: host buffer size factor.", "nothing: read only with moe_paged_stash, which R18 refuses")
+    moe_paged_stash_buffer_size_factor_cuda: float | None = noop(
+        None, "Paged stash: device buffer size factor.", "nothing: read only with moe_paged_stash (R18)")
+    moe_paged_stash_page_size: int | None = noop(None, "Paged stash: page size.",
+                                                 "nothing: read only with moe_paged_stash (R18)")
     moe_router_dtype: str | None = refused(
         None, "dtype of the router logits; graphstep's router computes them in fp32 (null and fp32 accepted).",
         "R18", allowed=FP32)
@@ -236,6 +246,24 @@ class ModelConfig:
     yarn_original_max_position_embeddings: int | None = unsupported(None, "YaRN RoPE scaling (graphstep: plain RoPE).")
     yarn_rotary_scaling_factor: float | None = unsupported(None, "YaRN RoPE scaling factor.")
     rotary_scaling_factor: float | None = unsupported(None, "Llama 3.1 RoPE frequency scaling.")
+    yarn_beta_fast: float | None = noop(None, "YaRN: fast correction bound.", "nothing: read only with "
+                                        "position_embedding_type=yarn, which R40 refuses")
+    yarn_beta_slow: float | None = noop(None, "YaRN: slow correction bound.", "nothing: read only with YaRN (R40)")
+    yarn_mscale: float | None = noop(None, "YaRN: attention scale.", "nothing: read only with YaRN (R40)")
+    yarn_mscale_all_dim: float | None = noop(None, "YaRN: attention scale of all dimensions.",
+                                             "nothing: read only with YaRN (R40)")
+    yarn_correction_range_round_to_int: bool | None = noop(None, "YaRN: round the correction range.",
+                                                           "nothing: read only with YaRN (R40)")
+    multi_latent_attention: bool = refused(
+        False, "DeepSeek's multi-latent attention (low-rank compressed keys and values).", "R40")
+    q_lora_rank: int | None = noop(None, "MLA: rank of the query compression.",
+                                   "nothing: read only with multi_latent_attention, which R40 refuses")
+    kv_lora_rank: int | None = noop(None, "MLA: rank of the key/value compression.", "nothing: read only with MLA (R40)")
+    qk_head_dim: int | None = noop(None, "MLA: query/key head width without RoPE.", "nothing: read only with MLA (R40)")
+    qk_pos_emb_head_dim: int | None = noop(None, "MLA: query/key RoPE head width.", "nothing: read only with MLA (R40)")
+    v_head_dim: int | None = noop(None, "MLA: value head width.", "nothing: read only with MLA (R40)")
+    kd_config: dict[str, Any] | None = unsupported(None, "Bridge's knowledge distillation: the loss settings.")
+    teacher: dict[str, Any] | None = unsupported(None, "Bridge's knowledge distillation: the teacher model.")
     hf_model_id: str | None = noop(
         None, "The Hugging Face model a Bridge provider was converted from (metadata).",
         "nothing: the model shape is the recipe's and the overrides'; model.hf_path loads a local checkpoint")
@@ -342,6 +370,10 @@ class OptimizerConfig:
         "ddp.use_distributed_optimizer (optimizer state sharded with FSDP2)."
     )
     fp16: bool = unsupported(False, "fp16 with loss scaling.")
+    bf16: bool = noop(False, "Megatron's optimizer copy of the bf16 flag (Bridge sets it from mixed_precision).",
+                      "keeps fp32 master weights of its parameters, whose dtype model.params_dtype (or "
+                      "mixed_precision) chooses")
+    finetune_lr: float | None = unsupported(None, "A learning rate for fine-tuning runs (use optimizer.lr).")
     use_precision_aware_optimizer: bool = noop(
         False, "Bridge's precision-aware optimizer: the dtypes below choose the optimizer's precisions.",
         "keeps master weights, main gradients and both Adam moments in fp32 either way (a dtype below other than "
@@ -376,6 +408,10 @@ class SchedulerConfig:
     end_weight_decay: float | None = opt(
         None, "Weight decay at the end; null or optimizer.weight_decay: graphstep's weight decay is constant (R18).")
     weight_decay_incr_style: str = refused("constant", "Weight-decay schedule: constant.", "R18")
+    lr_wsd_decay_style: str = noop("exponential", "Decay shape of the warmup-stable-decay schedule.",
+                                   "nothing: read only with lr_decay_style=WSD, which R40 refuses")
+    lr_wsd_decay_iters: int | None = noop(None, "Decay iterations of the warmup-stable-decay schedule.",
+                                          "nothing: read only with lr_decay_style=WSD (R40)")
     override_opt_param_scheduler: bool = noop(
         False, "Take the schedule from the config, not the checkpoint.",
         "always computes the schedule from the config and the step (a checkpoint stores only the step)")
@@ -423,6 +459,17 @@ class DataConfig:
                            "rng.seed's value is accepted (R38).")
     seed: int | None = opt(None, "Bridge's other name of random_seed (null or rng.seed, R38).")
     num_workers: int = noop(2, "Data-loader worker processes.", "reads samples in the training process")
+    data_sharding: bool = noop(True, "Shard the sampler's index over data-parallel ranks.",
+                               "each data-parallel rank reads its own slice of every global batch")
+    hf_dataset: Any = unsupported(None, "Bridge's SFT dataset downloaded from the Hugging Face hub (graphstep: "
+                                  "data.dataset=sft with a local jsonl at data.data_path).")
+    hf_validation_dataset: Any = unsupported(None, "The validation split of Bridge's Hugging Face SFT dataset.")
+    preprocessing: Any = unsupported(None, "Bridge's SFT preprocessing (chat template, prompt/answer fields).")
+    do_validation: bool = noop(True, "SFT: build the validation split.", "data.split decides the validation split")
+    do_test: bool = noop(True, "SFT: build the test split.", "no test split is read (data.split's third part)")
+    offline_packing_specs: dict[str, Any] | None = unsupported(
+        None, "Bridge's offline sequence packing (packed_sequence_size, pad_seq_to_mult, pad_cu_seqlens; set one "
+        "with dataset.offline_packing_specs.NAME=VALUE): packed sequences are not implemented.")
     pin_memory: bool = noop(True, "Pin loaded batches.", "pins batches on a GPU whatever this says")
     persistent_workers: bool = noop(False, "Keep data-loader workers alive.", "no workers (see num_workers)")
     dataloader_type: str | None = noop(None, "single, cyclic or external.", "its own sequential loader per rank")
@@ -496,6 +543,11 @@ class DDPConfig:
     suggested_communication_unit_size: int | None = noop(None, "Megatron FSDP's unit size.", "FSDP2 per layer")
     num_buckets: int | None = noop(None, "Number of all-reduce buckets.", "buckets of ddp.bucket_size elements")
     pad_buckets_for_high_nccl_busbw: bool = noop(False, "Pad buckets for NCCL bandwidth.", "unpadded buckets")
+    fsdp_all_gather_in_start_param_sync: bool = noop(
+        True, "Megatron FSDP: start the first all-gather in the parameter sync.", "FSDP2's own prefetch")
+    megatron_fsdp_cuda_graph_mode: bool = noop(
+        False, "Megatron FSDP's buffers laid out for CUDA graphs.",
+        "FSDP2 with graphstep's graphs as R27 allows (its buffers need no special mode)")
 
 
 @dataclass(kw_only=True)
@@ -580,6 +632,7 @@ class LoggerConfig:
     log_throughput_to_tensorboard: bool = noop(
         False, "Throughput to TensorBoard.", "writes it with log_timers_to_tensorboard")
     log_params_norm: bool = unsupported(False, "Log the parameter norm.")
+    log_l2_norm_grad_to_tensorboard: bool = unsupported(False, "The gradient norm per parameter to TensorBoard.")
     log_progress: bool = unsupported(False, "Write progress.txt.")
     log_validation_ppl_to_tensorboard: bool = unsupported(False, "Validation perplexity to TensorBoard.")
     log_loss_scale_to_tensorboard: bool = noop(True, "The fp16 loss scale to TensorBoard.", "no loss scale (bf16/fp32)")
@@ -609,164 +662,3 @@ class ProfilingConfig:
     nvtx_ranges: bool = noop(
         False, "NVTX ranges around Megatron's phases.", "marks its own phases with NVTX ranges whenever "
         "use_nsys_profiler is on")
-
-
-@dataclass(kw_only=True)
-class TokenizerConfig:
-    """Bridge's tokenizer section, mapped onto data.tokenizer (the tokenizer loader)."""
-
-    tokenizer_type: str | None = opt(
-        None, "NullTokenizer (token ids as they are: mock or pre-tokenized data; vocab_size ids), "
-        "HuggingFaceTokenizer (tokenizer_model: a local directory or tokenizer.json, which becomes data.tokenizer), "
-        "or null (data.tokenizer decides); other tokenizers are R38.")
-    tokenizer_model: str | None = opt(None, "HuggingFaceTokenizer: the tokenizer's local path (sets data.tokenizer).")
-    vocab_size: int | None = opt(None, "NullTokenizer: ids 0..vocab_size-1; at most model.vocab_size (R38).")
-    hf_tokenizer_kwargs: dict[str, Any] | None = noop(
-        None, "Extra arguments of the Hugging Face tokenizer.", "loads tokenizer.json with the tokenizers library")
-    use_tokenizer_vocab_size: bool = noop(False, "Take the model's vocabulary from the tokenizer.",
-                                          "model.vocab_size is the recipe's (V9 checks it holds every id)")
-    make_vocab_size_divisible_by: int = noop(128, "The tokenizer's padding multiple.", "model.should_pad_vocab "
-                                             "with model.make_vocab_size_divisible_by")
-    tensor_model_parallel_size: int = noop(1, "The tokenizer's copy of the layout.", "model.tensor_model_parallel_size")
-    rank: int = noop(0, "The tokenizer's copy of the rank.", "the process's rank")
-    null_tokenizer_eod_id: int | None = noop(None, "NullTokenizer's end-of-document id.", "no document masks")
-
-
-@dataclass(kw_only=True)
-class CommOverlapConfig:
-    """Bridge's comm_overlap section: how Megatron overlaps communication with computation.
-
-    Scheduling only -- the same numbers either way; graphstep's DTensor/FSDP2 collectives run as torch
-    schedules them. Two fields act: they set their ddp counterparts, as in Bridge.
-    """
-
-    tp_comm_overlap: bool = noop(False, "Transformer Engine userbuffer overlap of tensor-parallel GEMMs.",
-                                 "DTensor's collectives, not overlapped with the GEMMs")
-    tp_comm_overlap_cfg: str | dict[str, Any] | None = noop(None, "Userbuffer settings.", "no userbuffers")
-    tp_comm_bootstrap_backend: str | None = noop(None, "Userbuffer bootstrap.", "no userbuffers")
-    overlap_moe_expert_parallel_comm: bool = noop(False, "Overlap expert-parallel all-to-all.", "no overlap")
-    delay_wgrad_compute: bool = noop(False, "Delay weight-gradient GEMMs for overlap.", "autograd's order")
-    defer_embedding_wgrad_compute: bool = noop(False, "Defer the embedding's weight gradient.", "autograd's order")
-    wgrad_deferral_limit: int | None = noop(None, "Deferral limit.", "autograd's order")
-    overlap_param_gather_with_optimizer_step: bool = noop(False, "Overlap gathers with the step.", "no overlap")
-    align_param_gather: bool | None = noop(None, "Align parameter gathers over pipeline stages.", "no alignment")
-    overlap_p2p_comm: bool | None = noop(None, "Pipeline send/receive overlap.", "torch's pipeline schedule")
-    batch_p2p_comm: bool | None = noop(None, "Batched pipeline send/receive.", "torch's pipeline schedule")
-    overlap_grad_reduce: bool | None = opt(None, "Set: the value of ddp.overlap_grad_reduce (Bridge's override).")
-    overlap_param_gather: bool | None = opt(None, "Set: the value of ddp.overlap_param_gather (Bridge's override).")
-    bucket_size: int | None = opt(None, "Set: the value of ddp.bucket_size (Bridge's override).")
-
-
-@dataclass(kw_only=True)
-class DistConfig:
-    """Bridge's dist section: how the process group starts (graphstep joins torchrun's, training/distributed.py)."""
-
-    distributed_backend: str = refused("nccl", "Collective backend: nccl (gloo on the CPU, chosen by graphstep).",
-                                       "R18", allowed=("nccl", "gloo"))
-    distributed_timeout_minutes: int = noop(10, "Timeout of collectives.", "torch's default process-group timeout")
-    align_grad_reduce: bool = noop(True, "Align gradient reductions over pipeline stages.", "torch's schedule")
-    use_megatron_fsdp: bool = noop(False, "Bridge's start-up copy of ddp.use_megatron_fsdp.", "reads ddp.use_megatron_fsdp")
-    use_tp_pp_dp_mapping: bool = unsupported(False, "Order ranks tensor-pipeline-data (graphstep: its mesh order).")
-    use_gloo_process_groups: bool = noop(True, "Extra gloo groups.", "gloo only on the CPU")
-    enable_megatron_core_experimental: bool = noop(False, "Megatron Core's experimental features.", "nothing")
-    high_priority_stream_groups: list[str] | None = noop(None, "High-priority communication streams.", "torch's streams")
-    nccl_communicator_config_path: str | None = noop(None, "NCCL communicator settings.", "NCCL's environment")
-    lazy_init: bool = noop(False, "Initialise lazily.", "joins torchrun's group at start")
-    external_gpu_device_mapping: bool = noop(False, "Device mapping done outside.", "LOCAL_RANK picks the device")
-
-
-# Bridge's named precision recipes (``mixed_precision=NAME``; hyphens allowed, as in Bridge)
-PRECISION_PRESETS = ("bf16_mixed", "fp16_mixed", "bf16_with_fp8_delayed_scaling_mixed",
-                     "fp16_with_fp8_delayed_scaling_mixed", "bf16_with_mxfp8_mixed", "fp16_with_mxfp8_mixed",
-                     "bf16_with_fp8_current_scaling_mixed", "nemotron_h_bf16_with_fp8_current_scaling_mixed",
-                     "nanov2_bf16_with_fp8_current_scaling_mixed", "fp16_with_fp8_current_scaling_mixed",
-                     "bf16_with_fp8_subchannel_scaling_mixed", "fp16_with_fp8_subchannel_scaling_mixed",
-                     "bf16_with_nvfp4_mixed", "nemotron_3_super_bf16_with_nvfp4_mixed")
-
-
-@dataclass(kw_only=True)
-class MixedPrecisionConfig:
-    """Bridge's mixed_precision: a preset name (``mixed_precision=bf16_mixed``) or these fields.
-
-    bf16 acts (bf16 parameters, fp32 master weights and gradient reduction: graphstep's bf16 training);
-    FP8 and FP4 are not implemented yet (R32); fp16 with loss scaling is R18.
-    """
-
-    preset: str | None = opt(
-        None, "Bridge's preset name, written mixed_precision=NAME: bf16_mixed (acts: model.params_dtype=bf16 "
-        "unless you set it); the fp8/mxfp8/nvfp4 presets are R32, fp16_mixed R18.")
-    bf16: bool = opt(False, "bf16 training: model.params_dtype=bf16 unless you set it.")
-    fp16: bool = refused(False, "fp16 with loss scaling.", "R18")
-    fp32: bool = opt(False, "fp32 training: model.params_dtype=fp32 unless you set it.")
-    params_dtype: str | None = opt(None, "Set: model.params_dtype (bf16/bfloat16/torch.bfloat16 or fp32 spellings).")
-    pipeline_dtype: str | None = noop(None, "dtype sent between stages.", "sends the parameter dtype (model.pipeline_dtype)")
-    autocast_enabled: bool = unsupported(False, "torch.autocast around the forward.")
-    autocast_dtype: str | None = noop(None, "autocast's dtype.", "no autocast (autocast_enabled is R18)")
-    grad_reduce_in_fp32: bool = opt(True, "Set to false: ddp.grad_reduce_in_fp32=false (as Bridge copies it; R22 "
-                                    "with more than one data-parallel rank).")
-    fp8: str | None = refused(None, "FP8 format (e4m3, hybrid).", "R32")
-    fp8_recipe: str = noop("tensorwise", "FP8 scaling recipe.", "nothing: read only with fp8, which R32 refuses")
-    fp8_param: bool | None = refused(None, "FP8 parameters.", "R32", allowed=(None, False))
-    fp8_param_gather: bool = refused(False, "FP8 parameter all-gather.", "R32")
-    fp8_dot_product_attention: bool = refused(False, "FP8 attention.", "R32")
-    fp8_multi_head_attention: bool = refused(False, "FP8 multi-head attention.", "R32")
-    fp8_wgrad: bool = noop(True, "FP8 weight gradients.", "nothing: read only with fp8 (R32)")
-    fp8_margin: int = noop(0, "FP8 scaling margin.", "nothing: read only with fp8 (R32)")
-    fp8_amax_history_len: int = noop(1, "FP8 amax history.", "nothing: read only with fp8 (R32)")
-    fp8_amax_compute_algo: str = noop("most_recent", "FP8 amax algorithm.", "nothing: read only with fp8 (R32)")
-    first_last_layers_bf16: bool = noop(False, "FP8: first/last layers in bf16.", "nothing: read only with fp8 (R32)")
-    num_layers_at_start_in_bf16: int = noop(0, "FP8: leading bf16 layers.", "nothing: read only with fp8 (R32)")
-    num_layers_at_end_in_bf16: int = noop(0, "FP8: trailing bf16 layers.", "nothing: read only with fp8 (R32)")
-    reuse_grad_buf_for_mxfp8_param_ag: bool = refused(False, "MXFP8 parameter all-gather.", "R32")
-    fp4: str | None = refused(None, "FP4 format.", "R32")
-    fp4_recipe: str = noop("nvfp4", "FP4 recipe.", "nothing: read only with fp4 (R32)")
-    fp4_param: bool | None = refused(None, "FP4 parameters.", "R32", allowed=(None, False))
-    fp4_param_gather: bool = refused(False, "FP4 parameter all-gather.", "R32")
-    loss_scale: float | None = refused(None, "fp16 static loss scale.", "R18")
-    initial_loss_scale: float | None = noop(4294967296.0, "fp16 initial loss scale.", "no loss scaling (fp16: R18)")
-    min_loss_scale: float = noop(1.0, "fp16 minimum loss scale.", "no loss scaling (fp16: R18)")
-    loss_scale_window: float = noop(1000.0, "fp16 loss-scale window.", "no loss scaling (fp16: R18)")
-    hysteresis: int = noop(2, "fp16 loss-scale hysteresis.", "no loss scaling (fp16: R18)")
-
-
-@dataclass(kw_only=True)
-class PeftConfig:
-    """Bridge's peft section (LoRA, DoRA): parameter-efficient fine-tuning is not implemented yet (R33).
-
-    ``peft=null`` (Bridge's pre-training default) is accepted; any scheme or field is R33.
-    """
-
-    scheme: str | None = refused(None, "The scheme, written peft=NAME (lora, dora).", "R33")
-    target_modules: list[str] | None = refused(None, "Modules the adapters wrap.", "R33")
-    dim: int | None = refused(None, "Adapter rank.", "R33")
-    alpha: float | None = refused(None, "Adapter scaling.", "R33")
-    dropout: float | None = refused(None, "Adapter dropout.", "R33")
-    dropout_position: str | None = refused(None, "Where adapter dropout applies.", "R33")
-    lora_A_init_method: str | None = refused(None, "Init of A.", "R33")
-    lora_B_init_method: str | None = refused(None, "Init of B.", "R33")
-
-
-@dataclass(kw_only=True)
-class Config:
-    """The whole configuration of a graphstep run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rng: RNGConfig = field(default_factory=RNGConfig)
-    ddp: DDPConfig = field(default_factory=DDPConfig)
-    compile: CompileConfig = field(default_factory=CompileConfig)
-    rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    comm_overlap: CommOverlapConfig = field(default_factory=CommOverlapConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
-    peft: PeftConfig = field(default_factory=PeftConfig)
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)

@@ -45,7 +45,7 @@ KNOWN_CYCLES_TO_REMOVE: set[frozenset[str]] = set()
 # trainer; the tools built on the trainer (and the library API, which uses the doctor); the command line.
 LAYERS: list[set[str]] = [
     {"cuda_graph"},
-    {"config_sections", "config", "errors"},
+    {"config_sections", "config_bridge_sections", "config", "errors"},
     {"data", "models", "integrations", "observability", "recipes", "engines_compat"},
     {"validation", "config_files"},
     {"training"},

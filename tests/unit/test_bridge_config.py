@@ -390,3 +390,114 @@ def test_the_grad_nan_check_runs_after_the_replay_on_cuda(monkeypatch, tmp_path)
     result = loop.train(cfg)
     assert result.graphs >= 1
     assert calls == [(it, False) for it in range(1, 6)]
+
+
+# --------------------------------------------------------------------------
+# the rest of Bridge's recipe fields: env_vars, mapping entries, R40, the constant weight decay
+
+
+def test_env_vars_as_a_mapping_or_one_name_and_in_yaml(tmp_path):
+    cfg = apply_overrides(Config(), ["env_vars={NCCL_GRAPH_REGISTER: 0, PYTORCH_CUDA_ALLOC_CONF: 'expandable_segments:True'}",
+                                     "env_vars.TORCH_NCCL_HIGH_PRIORITY=1"])
+    assert cfg.env_vars == {"NCCL_GRAPH_REGISTER": 0, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                            "TORCH_NCCL_HIGH_PRIORITY": 1}
+    assert apply_overrides(cfg, ["env_vars=null"]).env_vars == {}
+    (tmp_path / "e.yaml").write_text("env_vars:\n  CUDA_DEVICE_MAX_CONNECTIONS: 1\n  NVTE_FUSED_ATTN: true\n")
+    assert load_yaml(tmp_path / "e.yaml").env_vars == {"CUDA_DEVICE_MAX_CONNECTIONS": 1, "NVTE_FUSED_ATTN": True}
+    with pytest.raises(ConfigError, match="env_vars.X=.*string, number or bool"):
+        apply_overrides(Config(), ["env_vars.X=[1,2]"])
+    with pytest.raises(ConfigError, match="expected a mapping of environment variable names"):
+        apply_overrides(Config(), ["env_vars=5"])
+
+
+def test_the_rules_read_env_vars_beneath_the_environment():
+    graphs = GRAPHS + ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[attn]"]
+    cfg = apply_overrides(Config(), graphs + ["env_vars.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"])
+    found = validate_config(cfg, env={}, device_capability=(9, 0), world_size=2)
+    assert {v.rule for v in found} == {"R16"}  # the allocator setting env_vars asks for breaks R16 ...
+    ok = apply_overrides(cfg, ["env_vars.NCCL_GRAPH_REGISTER=0"])
+    assert not validate_config(ok, env={}, device_capability=(9, 0), world_size=2)  # ... unless it sets the fix too
+    yours = {"PYTORCH_CUDA_ALLOC_CONF": "backend:native"}  # a variable the environment sets wins
+    assert not validate_config(cfg, env=yours, device_capability=(9, 0), world_size=2)
+
+
+def test_env_vars_are_set_at_the_start_where_the_environment_does_not(monkeypatch):
+    import os
+
+    from graphstep.validation import apply_env_vars
+
+    monkeypatch.setenv("GS_TEST_MINE", "kept")
+    monkeypatch.delenv("GS_TEST_NEW", raising=False)
+    monkeypatch.delenv("GS_TEST_FLAG", raising=False)
+    cfg = apply_overrides(Config(), ["env_vars={GS_TEST_MINE: 1, GS_TEST_NEW: 32, GS_TEST_FLAG: true}"])
+    assert apply_env_vars(cfg) == ["GS_TEST_NEW=32", "GS_TEST_FLAG=1"]
+    assert (os.environ["GS_TEST_MINE"], os.environ["GS_TEST_NEW"], os.environ["GS_TEST_FLAG"]) == ("kept", "32", "1")
+
+
+def test_a_mapping_field_takes_one_entry_and_packing_is_refused():
+    cfg = apply_overrides(Config(), ["dataset.offline_packing_specs.packed_sequence_size=4096",
+                                     "dataset.offline_packing_specs.pad_seq_to_mult=1"])
+    assert cfg.data.offline_packing_specs == {"packed_sequence_size": 4096, "pad_seq_to_mult": 1}
+    assert _rules(cfg) == {"R18": [("data.offline_packing_specs",)]}
+    with pytest.raises(ConfigError, match="keys have the form section.field"):
+        apply_overrides(Config(), ["model.num_layers.x=1"])
+
+
+@pytest.mark.parametrize("override, fields", [
+    ("model.multi_latent_attention=true", ("model.multi_latent_attention",)),
+    ("model.position_embedding_type=yarn", ("model.position_embedding_type",)),
+    ("scheduler.lr_decay_style=WSD", ("scheduler.lr_decay_style",)),
+    ("model.recompute_modules=[mla_up_proj,mlp]", ("model.recompute_modules",)),
+    ("model.recompute_modules=[moe_act,layernorm]", ("model.recompute_modules",)),
+])
+def test_r40_megatron_model_features_graphstep_lacks(override, fields):
+    found = validate_config(apply_overrides(Config(), [override]), env={})
+    assert {v.rule for v in found} == {"R40"} and all(v.fields == fields for v in found)
+    assert all("not implemented" in v.message for v in found)
+
+
+def test_values_neither_megatron_nor_graphstep_know_stay_rule_v():
+    assert _rules(apply_overrides(Config(), ["model.position_embedding_type=ropee"])) == {
+        "V": [("model.position_embedding_type",)]}
+    assert _rules(apply_overrides(Config(), ["model.recompute_modules=[core_atn]"])) == {
+        "V": [("model.recompute_modules",)]}
+
+
+def test_megatrons_constant_weight_decay_schedule_is_the_weight_decay():
+    cfg = apply_overrides(Config(), ["optimizer.weight_decay=0.1", "scheduler.start_weight_decay=0.033",
+                                     "scheduler.end_weight_decay=0.033", "scheduler.weight_decay_incr_style=constant"])
+    assert not _rules(cfg)
+    normalize_cuda_graph_config(cfg)
+    assert cfg.optimizer.weight_decay == 0.033
+    assert _rules(apply_overrides(Config(), ["scheduler.start_weight_decay=0.0"]))["R18"]  # a schedule 0.0 -> 0.1
+    assert _rules(apply_overrides(Config(), ["scheduler.start_weight_decay=0.0", "scheduler.end_weight_decay=0.1"]))
+
+
+# Settings the way Bridge's performance recipes for a Qwen3 MoE set them (written for graphstep): every one is
+# accepted on qwen3_30b_a3b, and the kernel hints among them are named once as no-ops.
+PERF_MOE = [
+    "mixed_precision=bf16_mixed", "mixed_precision.grad_reduce_in_fp32=true", "model.rotary_base=1000000.0",
+    "comm_overlap.overlap_param_gather_with_optimizer_step=null", "dataset.data_sharding=true",
+    "optimizer.bf16=true", "optimizer.fp16=false", "scheduler.lr_wsd_decay_style=minus_sqrt",
+    "scheduler.lr_wsd_decay_iters=null", "scheduler.start_weight_decay=0.033", "scheduler.end_weight_decay=0.033",
+    "scheduler.weight_decay_incr_style=constant", "model.moe_paged_stash_buffer_size_factor_cuda=1.2",
+    "model.moe_paged_stash_buffer_size_factor_cpu=1.0", "ddp.fsdp_all_gather_in_start_param_sync=false",
+    "model.moe_grouped_gemm=true", "model.moe_permute_fusion=true", "model.moe_router_fusion=true",
+    "model.apply_rope_fusion=true", "model.cross_entropy_fusion_impl=te", "model.yarn_mscale=1.0",
+    "peft=null", "peft.lora_dtype=null", "peft.a2a_experimental=false", "dataset.do_validation=true",
+    "env_vars={TORCH_NCCL_HIGH_PRIORITY: 1, CUDA_DEVICE_MAX_CONNECTIONS: 32, NCCL_GRAPH_REGISTER: 0}",
+]
+
+
+def test_a_perf_recipes_settings_validate_on_qwen3_30b_a3b():
+    from graphstep.recipes import get_recipe
+    from graphstep.validation import noop_notes
+
+    cfg = apply_overrides(get_recipe("qwen3_30b_a3b"), PERF_MOE)
+    assert not validate_config(cfg, env={}, device_capability=(9, 0), world_size=1)
+    notes = " ".join(noop_notes(cfg))
+    for key in ("optimizer.bf16=true", "data.data_sharding=true",
+                "scheduler.lr_wsd_decay_style=minus_sqrt", "model.moe_grouped_gemm=true"):
+        assert key in notes
+    normalize_cuda_graph_config(cfg)
+    assert (cfg.model.rotary_base, cfg.optimizer.weight_decay) == (1000000.0, 0.033)

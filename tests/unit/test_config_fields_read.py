@@ -2,7 +2,7 @@
 
 A field *acts* when code outside the config and validation modules reads it:
 an attribute access ``.<name>`` (or ``getattr(x, "<name>")``) somewhere in
-src/graphstep other than config.py, config_sections.py, config_files.py and validation/. The
+src/graphstep other than config.py, config_sections.py, config_bridge_sections.py, config_files.py and validation/. The
 search is by name, not by section (``cfg.model.seq_length`` and
 ``m.seq_length`` read the same way), so a field whose name is also some other
 attribute could pass by coincidence; the exceptions below are listed with
@@ -35,7 +35,7 @@ from graphstep.validation import (
 from helpers.launch import ROOT
 
 PACKAGE = ROOT / "src" / "graphstep"
-CONFIG_CODE = ("config.py", "config_sections.py", "config_files.py", "validation/")
+CONFIG_CODE = ("config.py", "config_sections.py", "config_bridge_sections.py", "config_files.py", "validation/")
 
 # field -> the CudaGraphSettings attribute that carries it to the trainer
 THROUGH_SETTINGS = {
@@ -55,7 +55,7 @@ MIGRATED = {
 # field implemented one way only -> (rule that refuses the others, overrides that break it)
 REFUSED_OTHERWISE = {
     "model.normalization": ("V", ["model.normalization=LayerNorm"]),
-    "model.position_embedding_type": ("V", ["model.position_embedding_type=learned_absolute"]),
+    "model.position_embedding_type": ("R40", ["model.position_embedding_type=learned_absolute"]),
     "compile.components": ("R20", ["compile.components=[loss]"]),
     "model.virtual_pipeline_model_parallel_size": ("R28", ["model.virtual_pipeline_model_parallel_size=2"]),
     "model.pipeline_dtype": ("R28", ["model.pipeline_dtype=fp32", "model.params_dtype=bf16",
@@ -96,6 +96,8 @@ MAPPED = {
     "comm_overlap.overlap_param_gather": (["comm_overlap.overlap_param_gather=true"], "ddp.overlap_param_gather",
                                           True),
     "comm_overlap.bucket_size": (["comm_overlap.bucket_size=1000"], "ddp.bucket_size", 1000),
+    "scheduler.end_weight_decay": (["scheduler.start_weight_decay=0.03", "scheduler.end_weight_decay=0.03"],
+                                   "optimizer.weight_decay", 0.03),
 }
 
 

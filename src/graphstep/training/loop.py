@@ -52,7 +52,7 @@ import torch
 from ..config import Config
 from ..cuda_graph.devices import GiB, default_device, normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
-from ..validation import resolve_cuda_graph_settings
+from ..validation import apply_env_vars, resolve_cuda_graph_settings
 from ..data import build_data
 from ..models.hf import with_hf_shape
 from ..observability import MetricWriters, StepProfiler, open_ranges
@@ -155,6 +155,8 @@ def _memory(device: torch.device) -> str:
 
 def train(cfg: Config, *, keep_model: bool = False, hooks: RunHooks | None = None) -> TrainResult:
     """Train as ``cfg`` says; returns the metrics of every iteration (and the model if asked)."""
+    for line in apply_env_vars(cfg):  # 0: Bridge's env_vars, before CUDA, NCCL or a rule reads the environment
+        log.info("env_vars: %s (the environment did not set it)", line)
     cfg = with_hf_shape(cfg)  # model.hf_path: a copy of cfg with the checkpoint's shape, before any rule
     settings = resolve_cuda_graph_settings(cfg, world_size=group_world_size())  # 1: every rule, all violations at once
     dp = init_data_parallel(cfg, settings)  # one rank unless torchrun started us

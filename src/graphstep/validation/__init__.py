@@ -8,7 +8,7 @@ function each:
    tracker flags). :func:`apply_perf_flags` maps the perf-harness flags
    onto the config before it.
 2. :func:`validate_config` checks every numbered rule -- R1-R17 (graph_rules.py),
-   R18-R24 and R32-R39 (run_rules.py), R25-R31 (parallel_rules.py) -- and every value rule, ``V`` and V1-V24
+   R18-R24 and R32-R40 (run_rules.py), R25-R31 (parallel_rules.py) -- and every value rule, ``V`` and V1-V24
    (values.py), and returns all violations at once, each with its rule id,
    the fields it names and the fix. It never raises, whatever the values: a
    rule that cannot even be evaluated reports itself. Given a config that is
@@ -46,7 +46,7 @@ from .values import value_violations
 log = logging.getLogger("graphstep")
 
 __all__ = [
-    "ConfigValidationError", "Violation", "REPLAY_COMPILE_REASON", "apply_perf_flags", "format_violations",
+    "ConfigValidationError", "Violation", "REPLAY_COMPILE_REASON", "apply_env_vars", "apply_perf_flags", "format_violations",
     "accepted_notes", "normalize_cuda_graph_config", "noop_notes", "resolve_cuda_graph_settings", "settings_from",
     "validate_config",
 ]
@@ -67,15 +67,41 @@ def _rule_violations(cfg: Config, env: Mapping[str, str], capability: tuple[int,
 
 def validate_config(cfg: Config, *, env: Mapping[str, str] | None = None, device_capability: tuple[int, int] | None = None,
              world_size: int | None = None, normalized: bool = False) -> list[Violation]:
-    """Every rule (R1-R39, V, V1-V24) on the normalised ``cfg``; all violations, never an exception.
+    """Every rule (R1-R40, V, V1-V24) on the normalised ``cfg``; all violations, never an exception.
 
     ``normalized=True``: ``cfg`` was normalised in place already (``resolve_cuda_graph_settings``); otherwise a normalised
     copy is judged. ``env`` (default ``os.environ``) gives ``WORLD_SIZE`` unless ``world_size`` is given.
     """
-    env = os.environ if env is None else env
+    env = with_env_vars(cfg, os.environ if env is None else env)
     world = world_size if world_size is not None else _world_size(env)
     work = cfg if normalized else normalized_copy(cfg)
     return _rule_violations(work, env, device_capability, world) + value_violations(work, world)
+
+
+def env_var_text(value: object) -> str:
+    """An env_vars value as the environment holds it: true/false as 1/0, numbers and strings as written."""
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
+
+
+def with_env_vars(cfg: Config, env: Mapping[str, str]) -> Mapping[str, str]:
+    """``env`` with ``cfg.env_vars`` beneath it: a variable the environment sets wins, as at the run's start."""
+    if not cfg.env_vars:
+        return env
+    return {**{name: env_var_text(v) for name, v in cfg.env_vars.items()}, **env}
+
+
+def apply_env_vars(cfg: Config) -> list[str]:
+    """Bridge's env_vars into ``os.environ`` where it does not set them already; the names set, for the log.
+
+    Called first thing at the start of a run, before anything reads the environment (CUDA's allocator,
+    NCCL, the rules that read PYTORCH_CUDA_ALLOC_CONF / NCCL_GRAPH_REGISTER).
+    """
+    applied = []
+    for name, value in cfg.env_vars.items():
+        if name not in os.environ:
+            os.environ[name] = env_var_text(value)
+            applied.append(f"{name}={os.environ[name]}")
+    return applied
 
 
 def settings_from(cfg: Config) -> CudaGraphSettings:

@@ -219,10 +219,24 @@ def _pad_vocab(cfg: Config) -> list[str]:
     return [note]
 
 
+def _weight_decay(cfg: Config) -> list[str]:
+    """Megatron's constant weight-decay schedule: equal scheduler.start_weight_decay and end_weight_decay are the
+    weight decay (Megatron's scheduler writes that value into every parameter group, over optimizer.weight_decay)."""
+    s = cfg.scheduler
+    start, end = s.start_weight_decay, s.end_weight_decay
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (start, end))
+    if not numbers or start != end or as_str(s.weight_decay_incr_style) != "constant" \
+            or cfg.optimizer.weight_decay == start:
+        return []  # unset, or a schedule (R18 refuses it)
+    cfg.optimizer.weight_decay = float(start)
+    return [f"optimizer.weight_decay={fmt(float(start))} from scheduler.start_weight_decay/end_weight_decay"]
+
+
 def _bridge_fields(cfg: Config) -> list[str]:
     """Megatron Bridge's fields that act through graphstep's own ones (docs/config.md: "acts")."""
     explicit = explicit_keys(cfg)
-    return _precision(cfg, explicit) + _comm_overlap(cfg) + _tokenizer(cfg) + _blend(cfg) + _pad_vocab(cfg)
+    return (_precision(cfg, explicit) + _comm_overlap(cfg) + _tokenizer(cfg) + _blend(cfg) + _pad_vocab(cfg)
+            + _weight_decay(cfg))
 
 
 def _normalize(cfg: Config, *, warn: bool) -> list[str]:

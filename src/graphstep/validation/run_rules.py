@@ -1,4 +1,4 @@
-"""The run rules R18-R24 and R32-R39: unimplemented fields, the tracker flags, torch.compile, what training
+"""The run rules R18-R24 and R32-R40: unimplemented fields, the tracker flags, torch.compile, what training
 refused late, and Megatron Bridge's fields whose values ask for what graphstep lacks.
 
 Same shape as graph_rules.py (``_rN(view) -> list[Violation]`` over a
@@ -8,7 +8,7 @@ buckets, ``ddp.grad_reduce_in_fp32``, the token dispatcher, skipping a step on
 NaN without the flag it skips on); where the trainer still guards them, the
 guard is an ``assert`` naming the rule, which a validated config never trips.
 
-R32-R39 judge the fields config_sections.py declares with ``refused(default,
+R32-R40 judge the fields config_sections.py (and config_bridge_sections.py) declare with ``refused(default,
 help, rule, allowed)``: a value outside ``allowed`` breaks that rule, whose
 reason (:data:`REFUSED_REASONS`) says which feature it asks for. The fields
 declared with ``noop`` are accepted whatever their value; :func:`noop_notes`
@@ -117,7 +117,52 @@ REFUSED_REASONS = {
     "R37": ("multi-token prediction (MTP) layers are not implemented", ""),
     "R39": ("not a field of Megatron Bridge's SchedulerConfig: Bridge's scheduler never reads it",
             "; set the peak and final rates as optimizer.lr and optimizer.min_lr"),
+    "R40": ("this Megatron Core model feature is not implemented by graphstep's models (multi-latent attention: "
+            "graphstep's attention is grouped-query)", ""),
 }
+
+# R40: values Megatron Core accepts that ask for a feature graphstep does not have -> (why, fix)
+MEGATRON_ONLY_VALUES: dict[str, dict[str, tuple[str, str]]] = {
+    "model.position_embedding_type": {
+        "yarn": ("YaRN RoPE scaling is not implemented (graphstep applies plain RoPE)",
+                 "set model.position_embedding_type=rope"),
+        "learned_absolute": ("learned absolute position embeddings are not implemented",
+                             "set model.position_embedding_type=rope"),
+        "mrope": ("multimodal RoPE is not implemented", "set model.position_embedding_type=rope"),
+        "none": ("a model without position embeddings is not implemented", "set model.position_embedding_type=rope"),
+    },
+    "scheduler.lr_decay_style": {
+        "WSD": ("the warmup-stable-decay schedule is not implemented",
+                "set scheduler.lr_decay_style=cosine (or linear, constant)"),
+        "inverse-square-root": ("the inverse-square-root schedule is not implemented",
+                                "set scheduler.lr_decay_style=cosine (or linear, constant)"),
+    },
+}
+# recompute modules Megatron Core has and graphstep's models do not (graphstep: core_attn, mlp, moe)
+MEGATRON_ONLY_RECOMPUTE = {
+    "mla_up_proj": "multi-latent attention's up-projection (graphstep has no MLA)",
+    "moe_act": "the experts' activation alone (graphstep recomputes the whole MoE block: moe)",
+    "layernorm": "the norms alone (graphstep's norms are recomputed with their layer's core_attn or mlp)",
+    "shared_experts": "the shared experts alone (graphstep recomputes the whole MoE block: moe)",
+}
+
+
+def _r40(v: View) -> list[Violation]:
+    """Megatron Core model features graphstep's models lack: MLA, YaRN, the WSD schedule, fine recompute modules."""
+    out = _refused(v, "R40")
+    for key, values in MEGATRON_ONLY_VALUES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(v.cfg, section), name)
+        if isinstance(value, str) and value in values:
+            why, fix = values[value]
+            out.append(_v("R40", [key], f"{key}={value}: {why}.", f"{fix}."))
+    modules = v.cfg.model.recompute_modules
+    for module in modules if isinstance(modules, list) else []:
+        if isinstance(module, str) and module in MEGATRON_ONLY_RECOMPUTE:
+            out.append(_v("R40", ["model.recompute_modules"], f"{module} in model.recompute_modules: recompute of "
+                          f"{MEGATRON_ONLY_RECOMPUTE[module]} is not implemented.",
+                          f"remove {module} from model.recompute_modules (graphstep recomputes core_attn, mlp, moe)."))
+    return out
 
 
 def _refused(v: View, rule: str) -> list[Violation]:
@@ -317,4 +362,4 @@ RUN_RULES = (("R18", _r18), ("R19", _r19), ("R20", _r20), ("R21", _r21), ("R22",
              ("R24", _r24), ("R32", _r32), ("R33", lambda v: _refused(v, "R33")),
              ("R34", lambda v: _refused(v, "R34")), ("R35", _r35),
              ("R36", lambda v: _refused(v, "R36")), ("R37", lambda v: _refused(v, "R37")), ("R38", _r38),
-             ("R39", lambda v: _refused(v, "R39")))
+             ("R39", lambda v: _refused(v, "R39")), ("R40", _r40))

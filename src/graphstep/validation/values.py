@@ -32,6 +32,7 @@ from typing import Any, Callable
 from graphstep.config import Config, ConfigError, iter_fields, set_value
 
 from .parallel_rules import data_parallel_size
+from .run_rules import MEGATRON_ONLY_RECOMPUTE, MEGATRON_ONLY_VALUES
 from .report import Violation, as_int as _int, as_num as _num, as_str as _str, checked as _checked, fmt as _fmt
 from .report import get as _get, names as _names, violation as _v
 
@@ -89,11 +90,13 @@ def _choice_violations(cfg: Config) -> list[Violation]:
     out, defaults = [], Config()
     for key, allowed in _CHOICES.items():
         value, listed = _get(cfg, key), ", ".join(map(_fmt, allowed))
+        if isinstance(value, str) and value in MEGATRON_ONLY_VALUES.get(key, {}):
+            continue  # a Megatron Core value graphstep lacks: R40 says so
         if not any(value is a or (isinstance(value, str) and value == a) for a in allowed):
             out.append(_v("V", [key], f"{key}={_fmt(value)} is not one of {listed}.",
                           f"set {key}={_fmt(_get(defaults, key))} (the default; allowed: {listed})."))
     for module in _names(cfg.model.recompute_modules) or []:
-        if _str(module) not in ("core_attn", "mlp", "moe"):
+        if _str(module) not in ("core_attn", "mlp", "moe") and _str(module) not in MEGATRON_ONLY_RECOMPUTE:
             out.append(_v("V", ["model.recompute_modules"], f"{_fmt(module)} in model.recompute_modules is not "
                           "one of core_attn, mlp, moe.", f"remove {_fmt(module)} from model.recompute_modules."))
     return out
