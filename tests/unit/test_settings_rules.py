@@ -635,7 +635,10 @@ def _numeric_fields() -> list[tuple[str, type]]:
 
     out = []
     for section, name, _value, _default, _help, unsupported in iter_fields():
-        args = typing.get_args(field_type(section, name)) or (field_type(section, name),)
+        hint = field_type(section, name)
+        if typing.get_origin(hint) in (list, dict, tuple):
+            continue  # list[int] is a list, not a number
+        args = typing.get_args(hint) or (hint,)
         if unsupported or bool in args:
             continue
         kind = int if int in args else float if float in args else None

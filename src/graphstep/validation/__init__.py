@@ -41,7 +41,7 @@ from .migrations import apply_perf_flags, normalize_cuda_graph_config, normalize
 from .report import ConfigValidationError, Violation, checked, format_violations
 from .parallel_rules import PARALLEL_RULES
 from .run_rules import REPLAY_COMPILE_REASON, RUN_RULES, noop_notes
-from .values import value_violations
+from .values import sharding_note, value_violations
 
 log = logging.getLogger("graphstep")
 
@@ -141,6 +141,9 @@ def accepted_notes(cfg: Config) -> list[str]:
     if notes:
         out.append(f"accepted as no-ops (performance hints of Transformer Engine / Megatron Core kernels, no effect "
                    f"on the numbers): {'; '.join(notes)}")
+    sharding = sharding_note(cfg)
+    if sharding is not None:
+        out.append(sharding)
     m = cfg.model
     modules = [str(x) for x in m.cuda_graph_modules] if isinstance(m.cuda_graph_modules, list) else []
     if m.cuda_graph_impl == "local":

@@ -305,19 +305,18 @@ def _data_path_violations(cfg: Config) -> list[Violation]:
                f"set {reader}, or data.data_path=null.")]
 
 
-def _sharding_violations(cfg: Config) -> list[Violation]:
-    """V15: ddp.data_parallel_sharding_strategy takes effect only with ddp.use_megatron_fsdp=true (Megatron's)."""
+def sharding_note(cfg: Config) -> str | None:
+    """What ddp.data_parallel_sharding_strategy does without ddp.use_megatron_fsdp=true: nothing, as in Megatron
+    (Megatron Bridge's pretraining recipes set optim_grads_params without Megatron FSDP). A log line, not a rule."""
     d = cfg.ddp
     strategy = _str(d.data_parallel_sharding_strategy)
     if d.use_megatron_fsdp is True or strategy not in ("optim_grads", "optim_grads_params"):
-        return []  # no_shard is the default; any other value is R26's
+        return None  # no_shard is the default; any other value is R26's
     zero2 = d.use_distributed_optimizer is True or cfg.optimizer.use_distributed_optimizer is True
     now = ("the distributed optimizer shards as optim_grads (ZeRO-2)" if zero2 else
-           "the data-parallel ranks would hold whole replicas (no sharding)")
-    return [_v("V15", ["ddp.data_parallel_sharding_strategy", "ddp.use_megatron_fsdp"],
-               f"ddp.data_parallel_sharding_strategy={strategy} takes effect only with ddp.use_megatron_fsdp=true, "
-               f"which is false: {now}.", f"set ddp.use_megatron_fsdp=true (FSDP2 {strategy}), or "
-               "ddp.data_parallel_sharding_strategy=no_shard.")]
+           "the data-parallel ranks hold whole replicas (no sharding)")
+    return (f"ddp.data_parallel_sharding_strategy={strategy} takes effect only with ddp.use_megatron_fsdp=true, "
+            f"which is false: as in Megatron, {now}")
 
 
 _PROFILERS = ("profiling.use_pytorch_profiler", "profiling.use_nsys_profiler", "profiling.record_memory_history")
@@ -523,7 +522,7 @@ def _mamba_violations(cfg: Config) -> list[Violation]:
 
 _NUMBERED: tuple[Callable[[Config], list[Violation]], ...] = (
     _bound_violations, _split_violations, _vocab_violations, _head_violations, _hf_path_violations,
-    _data_path_violations, _sharding_violations, _window_violations, _finetune_violations, _warmup_violations,
+    _data_path_violations, _window_violations, _finetune_violations, _warmup_violations,
     _wandb_violations, _extra_violations, _bucket_violations, _moe_violations, _mamba_violations,
 )
 
