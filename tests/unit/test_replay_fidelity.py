@@ -256,3 +256,46 @@ def test_doctor_restores_undeclared_writes():
     check(lambda x: bn(x).sum(), torch.randn(8, 4))  # runs the step twice, then puts every tensor back
     assert torch.equal(bn.running_mean, torch.zeros(4)) and torch.equal(bn.running_var, torch.ones(4))
     assert bn.num_batches_tracked.item() == 0
+
+
+# 8. a tensor subclass that converts its data underneath (torchao's float8 training tensors do)
+
+
+class _Bf16Data(torch.Tensor):
+    """A wrapper subclass holding its data in bf16, as float8 training tensors hold theirs in float8: each op
+    unwraps it with ``.to(torch.float32)``, which below autograd reaches the recorder as ``aten.to.dtype`` -- an op
+    whose schema says its result may alias its argument, and which here returns a new tensor."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.float32, device=data.device)
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self._data = data
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t._data.to(torch.float32).contiguous() if isinstance(t, _Bf16Data) else t
+
+        return func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+class _ToBf16Data(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: torch.Tensor) -> torch.Tensor:
+        return _Bf16Data(w.to(torch.bfloat16))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _bf16_data_linear(dev):
+    lin = nn.Linear(8, 8, bias=False, device=dev)
+    return lin, _train_step(lin, lambda x: F.linear(x, _ToBf16Data.apply(lin.weight)))
+
+
+def test_a_subclass_converting_its_data_with_to_is_recomputed_at_every_replay():
+    # replay skipped aten.to.dtype as a view: every replay read the weights converted at capture
+    _assert_equal_runs(_bf16_data_linear, steps=8)

@@ -301,6 +301,8 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         tape = self.tape
         tape.num_ops += 1
+        if kind == "view" and _copied(out, args, kwargs):
+            kind = "functional"  # a may-alias op that made a new tensor: it must run again at replay
         if kind in ("view", "alloc", "host_only"):
             if kind == "alloc":
                 self._note_created(out)
@@ -376,6 +378,18 @@ class _Recorder(TorchDispatchMode):
                        "exactly (and CUDA graphs would not repeat the change per step either). Use the "
                        "out-of-place form, e.g. `x = x.t()` instead of `x.t_()`")
         return out
+
+
+def _copied(out: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether an op whose schema says its result may alias an argument (``to.dtype``, ``contiguous``,
+    ``reshape``: ``Tensor(a) -> Tensor(a)``) returned a new tensor instead. These composite ops reach the
+    recorder whole when a tensor subclass calls them underneath (torchao's float8 tensors do), and they alias
+    only when there is nothing to convert: ``x.to(torch.float32)`` of a float8 ``x`` is a new tensor, which
+    replay must compute again rather than skip as a view."""
+    if not isinstance(out, torch.Tensor) or out.numel() == 0:
+        return False
+    key = storage_key(out)
+    return key != 0 and all(storage_key(t) != key for t in tensor_arguments(args, kwargs))
 
 
 def _optimizer_in_stack() -> str | None:
