@@ -93,12 +93,14 @@ class MixedPrecisionConfig:
     """Bridge's mixed_precision: a preset name (``mixed_precision=bf16_mixed``) or these fields.
 
     bf16 acts (bf16 parameters, fp32 master weights and gradient reduction: graphstep's bf16 training);
-    FP8 and FP4 are not implemented yet (R32); fp16 with loss scaling is R18.
+    FP8 acts with current (tensorwise) scaling -- and torchao's rowwise scalings -- on torchao's float8
+    training (models/fp8.py); delayed, blockwise, MXFP8 and FP4 are R32; fp16 with loss scaling is R18.
     """
 
     preset: str | None = opt(
         None, "Bridge's preset name, written mixed_precision=NAME: bf16_mixed (acts: model.params_dtype=bf16 "
-        "unless you set it); the fp8/mxfp8/nvfp4 presets are R32, fp16_mixed R18.")
+        "unless you set it); bf16_with_fp8_current_scaling_mixed (acts: bf16 and the FP8 fields as Bridge sets "
+        "them, each unless you set it); the other fp8/mxfp8/nvfp4 presets are R32, the fp16 ones R18.")
     bf16: bool = opt(False, "bf16 training: model.params_dtype=bf16 unless you set it.")
     fp16: bool = refused(False, "fp16 with loss scaling.", "R18")
     fp32: bool = opt(False, "fp32 training: model.params_dtype=fp32 unless you set it.")
@@ -108,19 +110,28 @@ class MixedPrecisionConfig:
     autocast_dtype: str | None = noop(None, "autocast's dtype.", "no autocast (autocast_enabled is R18)")
     grad_reduce_in_fp32: bool = opt(True, "Set to false: ddp.grad_reduce_in_fp32=false (as Bridge copies it; R22 "
                                     "with more than one data-parallel rank).")
-    fp8: str | None = refused(None, "FP8 format (e4m3, hybrid).", "R32")
-    fp8_recipe: str = noop("tensorwise", "FP8 scaling recipe.", "nothing: read only with fp8, which R32 refuses")
+    fp8: str | None = opt(None, "FP8 training of the decoder layers' linear layers (torchao float8): e4m3 "
+                          "(gradients too) or hybrid (e4m3 forward, e5m2 gradients); null: no FP8 (R32).")
+    fp8_recipe: str = opt("tensorwise", "FP8 scaling with fp8 set: tensorwise (current scaling, Bridge's); "
+                          "rowwise or rowwise_with_gw_hp (torchao's, a graphstep extension); delayed, blockwise "
+                          "and mxfp8 are R32.")
     fp8_param: bool | None = refused(None, "FP8 parameters.", "R32", allowed=(None, False))
-    fp8_param_gather: bool = refused(False, "FP8 parameter all-gather.", "R32")
+    fp8_param_gather: bool = opt(False, "FP8 parameter all-gather: nothing to do where the ranks hold whole "
+                                 "replicas (no parameter all-gather); with FSDP2 or the distributed optimizer R32.")
     fp8_dot_product_attention: bool = refused(False, "FP8 attention.", "R32")
     fp8_multi_head_attention: bool = refused(False, "FP8 multi-head attention.", "R32")
-    fp8_wgrad: bool = noop(True, "FP8 weight gradients.", "nothing: read only with fp8 (R32)")
-    fp8_margin: int = noop(0, "FP8 scaling margin.", "nothing: read only with fp8 (R32)")
-    fp8_amax_history_len: int = noop(1, "FP8 amax history.", "nothing: read only with fp8 (R32)")
-    fp8_amax_compute_algo: str = noop("most_recent", "FP8 amax algorithm.", "nothing: read only with fp8 (R32)")
-    first_last_layers_bf16: bool = noop(False, "FP8: first/last layers in bf16.", "nothing: read only with fp8 (R32)")
-    num_layers_at_start_in_bf16: int = noop(0, "FP8: leading bf16 layers.", "nothing: read only with fp8 (R32)")
-    num_layers_at_end_in_bf16: int = noop(0, "FP8: trailing bf16 layers.", "nothing: read only with fp8 (R32)")
+    fp8_wgrad: bool = refused(True, "FP8 weight gradients (false: not implemented; fp8_recipe=rowwise_with_gw_hp "
+                              "keeps the weight-gradient matmul in bf16).", "R32")
+    fp8_margin: int = noop(0, "FP8 scaling margin of delayed scaling.", "current scaling has no margin (delayed "
+                           "scaling, which reads it, is R32)")
+    fp8_amax_history_len: int = noop(1, "FP8 amax history of delayed scaling.", "current scaling reads each "
+                                     "tensor's own amax (delayed scaling is R32)")
+    fp8_amax_compute_algo: str = noop("most_recent", "FP8 amax algorithm of delayed scaling.",
+                                      "current scaling reads each tensor's own amax (delayed scaling is R32)")
+    first_last_layers_bf16: bool = opt(False, "With fp8: keep num_layers_at_start_in_bf16 leading and "
+                                       "num_layers_at_end_in_bf16 trailing decoder layers in bf16.")
+    num_layers_at_start_in_bf16: int = opt(0, "With fp8 and first_last_layers_bf16: leading decoder layers in bf16.")
+    num_layers_at_end_in_bf16: int = opt(0, "With fp8 and first_last_layers_bf16: trailing decoder layers in bf16.")
     reuse_grad_buf_for_mxfp8_param_ag: bool = refused(False, "MXFP8 parameter all-gather.", "R32")
     fp4: str | None = refused(None, "FP4 format.", "R32")
     fp4_recipe: str = noop("nvfp4", "FP4 recipe.", "nothing: read only with fp4 (R32)")

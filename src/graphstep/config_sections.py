@@ -182,7 +182,8 @@ class ModelConfig:
         False, "With tensor parallelism: norms, dropout and residuals run on sequence shards (DTensor "
         "SequenceParallel); set to false with tensor_model_parallel_size=1, as Megatron Bridge does."
     )
-    fp8: str | None = unsupported(None, "FP8 training.")
+    fp8: str | None = opt(None, "FP8 format as Megatron Core's model config spells it (e4m3, hybrid): the same as "
+                          "mixed_precision.fp8, which it sets when that is null.")
     variable_seq_lengths: bool = opt(False, "Samples of different lengths (needs data.seq_length_buckets with graphs).")
 
     # --- Megatron Bridge fields: vocabulary padding (acts), then what graphstep refuses and the kernel hints
@@ -216,7 +217,7 @@ class ModelConfig:
     keep_mtp_spec_in_bf16: bool = noop(False, "MTP: keep the MTP block in bf16 under FP8.", "no MTP layers (R37)")
     mtp_eval_in_bf16: bool = noop(False, "MTP: evaluate in bf16.", "no MTP layers (R37)")
     fp8_param: bool | None = refused(None, "FP8 parameters.", "R32", allowed=(None, False))
-    fp8_param_gather: bool = refused(False, "All-gather parameters in FP8.", "R32")
+    fp8_param_gather: bool = opt(False, "All-gather parameters in FP8: as mixed_precision.fp8_param_gather.")
     fp8_output_proj: bool = refused(False, "FP8 output projection.", "R32")
     quant_recipe: str | None = refused(None, "A quantisation recipe (FP8/FP4 per layer).", "R32")
     tp_only_amax_red: bool = noop(False, "FP8: reduce amax over tensor-parallel ranks only.", "no FP8 (R32)")
@@ -536,7 +537,8 @@ class DDPConfig:
     megatron_fsdp_grad_comm_dtype: str | None = refused(None, "FSDP gradient reduction dtype (fp32).", "R34",
                                                         allowed=FP32)
     reuse_grad_buf_for_mxfp8_param_ag: bool = refused(False, "MXFP8 parameter all-gather.", "R32")
-    keep_fp8_transpose_cache: bool = noop(False, "FP8 transpose cache.", "no FP8 (R32), so no cache")
+    keep_fp8_transpose_cache: bool = noop(False, "FP8 transpose cache.", "torchao casts each FP8 operand where "
+                                          "it is used; nothing is cached between steps")
     fsdp_double_buffer: bool = noop(False, "Megatron FSDP's double buffer.", "FSDP2's own buffers")
     fsdp_manual_registration: bool = noop(False, "Megatron FSDP's NCCL buffer registration.", "FSDP2's own buffers")
     nccl_ub: bool = noop(False, "NCCL user buffers.", "torch's NCCL buffers")

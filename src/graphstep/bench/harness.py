@@ -358,8 +358,11 @@ def combine_rounds(rounds: list[Row]) -> Row:
 def peer_of(name: str, names: set[str]) -> str | None:
     """The row of another library doing ``name``'s job, when the run measured it: per-layer graphs against
     ``torch.cuda.make_graphed_callables``, a whole-step graph against a hand-written ``torch.cuda.graph``
-    step, compile + graphs against ``torch.compile(mode="reduce-overhead")``."""
-    if name.startswith("compile+"):
+    step, compile + graphs against ``torch.compile(mode="reduce-overhead")``, an ``fp8_`` row against the same
+    row in bf16."""
+    if name.startswith("fp8_"):  # an FP8 row against the same row in bf16
+        peer = name[len("fp8_"):]
+    elif name.startswith("compile+"):
         peer = "compile[reduce-overhead]"
     elif name.startswith(("local[", "te[")):
         peer = "make_graphed_callables"

@@ -49,6 +49,9 @@ MOE_ROWS = [
     "local[moe_router]", "local[attn,moe]", "manual_graph",
 ]
 HYBRID_ROWS = ["eager", "full_iteration", "full_iteration+optimizer", "local[attn,mamba]", "local[]", "manual_graph"]
+# fp8_<row>: the row with the decoder layers' linear layers in FP8 (current scaling; e4m3 forward, e5m2 gradients)
+FP8_PREFIX = "fp8_"
+FP8_OVERRIDES = ["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=tensorwise"]
 NO_GRAPH = ["model.cuda_graph_impl=none", "model.cuda_graph_modules=[]", "optimizer.optimizer_cuda_graph=false"]
 REFUSED = "refused"  # the note of a row the config rules refused (not built)
 
@@ -77,6 +80,9 @@ def row_overrides(name: str, world_size: int = 1) -> list[str] | None:
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration"]
     if name == "full_iteration+optimizer":
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+    if name.startswith(FP8_PREFIX):  # the row in FP8 (torchao float8, tensorwise, every decoder layer): models/fp8.py
+        inner = row_overrides(name[len(FP8_PREFIX):], world_size)
+        return None if inner is None else inner + FP8_OVERRIDES
     prefix, inner = split_prefix(name)
     if prefix:  # the one-process row ``inner`` on a layout over the world (fsdp_, zero2_ on one GPU: a one-rank mesh)
         graph = None if split_prefix(inner)[0] else row_overrides(inner)

@@ -41,7 +41,7 @@ from ..cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
 from ..cuda_graph.run_backend import RunBackend
 from ..cuda_graph.settings import CudaGraphSettings, GraphImpl
 from ..data.buckets import parse_buckets
-from ..models import build_model, resolve_dtype
+from ..models import build_model, fp8, resolve_dtype
 from ..models.hf import load_hf_weights
 from ..validation import REPLAY_COMPILE_REASON, resolve_cuda_graph_settings
 from .compile import CompileTimeReport, apply_compile, describe_compile
@@ -205,6 +205,10 @@ def _build_model(cfg: Config, device: torch.device, dp: DataParallel, dtype: tor
     model = build_model(cfg.model, device, dtype=torch.float32 if dp.layout.fsdp else dtype)
     if cfg.model.hf_path:
         load_hf_weights(model, cfg.model.hf_path, cfg.model)  # in place, before the optimizer copies the weights
+    plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers)
+    if plan is not None:  # torchao's Float8Linear in place of the layers' nn.Linear: before anything holds them
+        converted, total = fp8.convert(model, plan)
+        log.info("%s", plan.describe(len(converted), total))
     model.train()
     if cfg.rng.data_parallel_random_init:
         dp.broadcast_parameters(model)  # different seeds per rank, the same starting weights (Megatron)

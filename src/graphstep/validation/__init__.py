@@ -144,6 +144,11 @@ def accepted_notes(cfg: Config) -> list[str]:
     sharding = sharding_note(cfg)
     if sharding is not None:
         out.append(sharding)
+    if cfg.mixed_precision.fp8 is not None:
+        for key in ("mixed_precision.fp8_param_gather", "model.fp8_param_gather"):
+            section, name = key.split(".")
+            if getattr(getattr(cfg, section), name) is True:  # R32 refuses it with sharded parameters
+                out.append(f"{key}=true: nothing to gather in FP8, the data-parallel ranks hold whole replicas")
     m = cfg.model
     modules = [str(x) for x in m.cuda_graph_modules] if isinstance(m.cuda_graph_modules, list) else []
     if m.cuda_graph_impl == "local":

@@ -23,7 +23,10 @@ from typing import Any
 
 from graphstep.config import PRECISION_PRESETS, explicit_keys, field_kind, iter_fields, refused_values
 
+from graphstep.models import fp8
+
 from .graph_rules import View, _impl_f
+from .migrations import FP8_CURRENT_SCALING_PRESET
 from .report import Violation, as_num as _num, as_str as _str, fmt as _fmt, names as _names
 from .report import violation as _v
 
@@ -104,8 +107,9 @@ def _accepted(value: Any, allowed: tuple[Any, ...]) -> bool:
 # rule -> (what the refused values ask for, the general fix); the fields are declared with refused(...)
 REFUSED_REASONS = {
     "R18": ("graphstep does not implement this value", ""),
-    "R32": ("FP8 and FP4 training are not implemented yet: graphstep trains in bf16 (fp32 master weights) or fp32",
-            "; for bf16 write mixed_precision=bf16_mixed"),
+    "R32": ("this FP8/FP4 feature is not implemented: graphstep's FP8 is current (tensorwise) or row-wise scaling "
+            "of the decoder layers' linear layers on torchao, with bf16 parameters",
+            "; for FP8 write mixed_precision=bf16_with_fp8_current_scaling_mixed"),
     "R33": ("parameter-efficient fine-tuning (LoRA/DoRA) and Bridge's pretrained_checkpoint start are not "
             "implemented yet", "; to fine-tune all weights from a checkpoint: checkpoint.load=DIR "
             "checkpoint.finetune=true"),
@@ -179,25 +183,87 @@ def _refused(v: View, rule: str) -> list[Violation]:
     return out
 
 
-_FP8_PRESET = ("fp8", "fp4")
+# Megatron Bridge's FP8/FP4 presets graphstep does not implement, by what tells them apart in the name
+_PRESET_WHY = (
+    ("delayed", "delayed scaling (an amax history per tensor) is not implemented: torchao dropped it, and "
+                "graphstep has no in-graph version of it yet"),
+    ("subchannel", "blockwise (sub-channel) FP8 scaling is not implemented"),
+    ("mxfp8", "MXFP8 needs Blackwell tensor cores and is not implemented"),
+    ("nvfp4", "NVFP4 needs Blackwell tensor cores and is not implemented"),
+    ("current_scaling", "only the general current-scaling preset is implemented (its first and last layers in "
+                        "bf16), not this model-specific variant"),
+)
+_RECIPE_WHY = {
+    "delayed": "delayed scaling (an amax history per tensor) is not implemented: torchao dropped it, and graphstep "
+               "has no in-graph version of it yet",
+    "blockwise": "blockwise (sub-channel) FP8 scaling is not implemented",
+    "mxfp8": "MXFP8 needs Blackwell tensor cores and is not implemented",
+}
 
 
 def _r32(v: View) -> list[Violation]:
+    """FP8 as graphstep implements it (models/fp8.py): current or row-wise scaling on torchao, alone on data
+    parallel; the presets and fields it does not implement."""
     out = _refused(v, "R32")
-    preset = v.cfg.mixed_precision.preset
-    name = _str(preset)
-    if preset is None:
+    cfg, mp = v.cfg, v.cfg.mixed_precision
+    preset, name = mp.preset, _str(mp.preset)
+    if preset is not None:
+        name = name.replace("-", "_") if name is not None else None
+        if name is None or name not in PRECISION_PRESETS:
+            out.append(_v("R32", ["mixed_precision.preset"], f"mixed_precision={_fmt(preset)} is not one of Megatron "
+                          f"Bridge's precision presets ({', '.join(PRECISION_PRESETS)}).", "write "
+                          "mixed_precision=bf16_mixed (or leave mixed_precision unset)."))
+        elif name.startswith("fp16"):
+            out.append(_v("R18", ["mixed_precision.preset"], f"mixed_precision={name}: fp16 with loss scaling is not "
+                          "implemented by graphstep.", "write mixed_precision=bf16_mixed (or "
+                          "bf16_with_fp8_current_scaling_mixed for FP8)."))
+        elif name not in ("bf16_mixed", FP8_CURRENT_SCALING_PRESET):
+            why = next(why for tag, why in _PRESET_WHY if tag in name)
+            out.append(_v("R32", ["mixed_precision.preset"], f"mixed_precision={name}: {why}.",
+                          f"write mixed_precision={FP8_CURRENT_SCALING_PRESET} (FP8 current scaling) or "
+                          "mixed_precision=bf16_mixed."))
+    if mp.fp8 is None:
         return out
-    if name is None or name.replace("-", "_") not in PRECISION_PRESETS:
-        out.append(_v("R32", ["mixed_precision.preset"], f"mixed_precision={_fmt(preset)} is not one of Megatron "
-                      f"Bridge's precision presets ({', '.join(PRECISION_PRESETS)}).", "write "
-                      "mixed_precision=bf16_mixed (or leave mixed_precision unset)."))
-    elif any(tag in name for tag in _FP8_PRESET):
-        out.append(_v("R32", ["mixed_precision.preset"], f"mixed_precision={name}: {REFUSED_REASONS['R32'][0]}.",
-                      "write mixed_precision=bf16_mixed."))
-    elif name.startswith("fp16"):
-        out.append(_v("R18", ["mixed_precision.preset"], f"mixed_precision={name}: fp16 with loss scaling is not "
-                      "implemented by graphstep.", "write mixed_precision=bf16_mixed."))
+    fmt, recipe = _str(mp.fp8), _str(mp.fp8_recipe)
+    if fmt not in fp8.FORMATS:
+        out.append(_v("R32", ["mixed_precision.fp8"], f"mixed_precision.fp8={_fmt(mp.fp8)} is not an FP8 format "
+                      f"graphstep implements ({', '.join(fp8.FORMATS)}).", "set mixed_precision.fp8=hybrid (e4m3 "
+                      "forward, e5m2 gradients) or e4m3."))
+    if recipe in _RECIPE_WHY:
+        out.append(_v("R32", ["mixed_precision.fp8_recipe"], f"mixed_precision.fp8_recipe={recipe}: "
+                      f"{_RECIPE_WHY[recipe]}.", "set mixed_precision.fp8_recipe=tensorwise (current scaling)."))
+    elif recipe not in fp8.RECIPES:
+        out.append(_v("R32", ["mixed_precision.fp8_recipe"], f"mixed_precision.fp8_recipe={_fmt(mp.fp8_recipe)} is "
+                      f"not an FP8 scaling graphstep implements ({', '.join(fp8.RECIPES)}).",
+                      "set mixed_precision.fp8_recipe=tensorwise (current scaling)."))
+    elif recipe != "tensorwise" and fmt == "hybrid":
+        out.append(_v("R32", ["mixed_precision.fp8_recipe", "mixed_precision.fp8"], f"mixed_precision.fp8_recipe="
+                      f"{recipe} with mixed_precision.fp8=hybrid: torchao's row-wise scalings cast the gradients to "
+                      "e4m3, not e5m2.", "set mixed_precision.fp8=e4m3, or mixed_precision.fp8_recipe=tensorwise."))
+    m, d = cfg.model, cfg.ddp
+    sharded = d.use_megatron_fsdp is True
+    dist_opt = d.use_distributed_optimizer is True or cfg.optimizer.use_distributed_optimizer is True
+    others = [(f"model.{key}", f"{what} ({key}={_fmt(getattr(m, key))})") for key, what in (
+        ("tensor_model_parallel_size", "tensor parallel"), ("pipeline_model_parallel_size", "pipeline stages"),
+        ("expert_model_parallel_size", "expert parallel"), ("context_parallel_size", "context parallel"))
+        if isinstance(getattr(m, key), int) and getattr(m, key) > 1]
+    if sharded:
+        others.append(("ddp.use_megatron_fsdp", "FSDP2 (ddp.use_megatron_fsdp=true)"))
+    if cfg.compile.enable is True:
+        others.append(("compile.enable", "torch.compile (compile.enable=true)"))
+    for key, what in others:
+        out.append(_v("R32", ["mixed_precision.fp8", key], f"mixed_precision.fp8={fmt} with {what} is not "
+                      "implemented yet: graphstep's FP8 runs on data-parallel replicas.",
+                      f"set mixed_precision.fp8=null (bf16), or drop {what.split(' (')[0]}."))
+    for key in ("mixed_precision.fp8_param_gather", "model.fp8_param_gather"):
+        if _get_field(cfg, key) is True and (sharded or dist_opt):
+            out.append(_v("R32", [key], f"{key}=true with sharded parameters or optimizer state: the FP8 parameter "
+                          "all-gather is not implemented.", f"set {key}=false."))
+    if v.capability is not None and tuple(v.capability) < (8, 9):
+        major, minor = v.capability
+        out.append(_v("R32", ["mixed_precision.fp8"], f"mixed_precision.fp8={fmt} on a GPU of compute capability "
+                      f"{major}.{minor}: FP8 matmuls need FP8 tensor cores (8.9 or newer: Ada, Hopper).",
+                      "set mixed_precision.fp8=null (bf16) on this GPU."))
     return out
 
 

@@ -427,7 +427,8 @@ def _installed(module: str) -> bool:
 
 
 # field -> (the module it imports, the graphstep extra that installs it); torch.utils.tensorboard imports tensorboard
-_EXTRAS = {"logger.tensorboard_dir": ("tensorboard", "tensorboard"), "logger.wandb_project": ("wandb", "wandb")}
+_EXTRAS = {"logger.tensorboard_dir": ("tensorboard", "tensorboard"), "logger.wandb_project": ("wandb", "wandb"),
+           "mixed_precision.fp8": ("torchao", "fp8")}
 
 
 def _extra_violations(cfg: Config) -> list[Violation]:

@@ -1,0 +1,111 @@
+"""FP8 training of the decoder layers' linear layers, on torchao's float8 (Megatron Bridge's ``mixed_precision``).
+
+Megatron Bridge's FP8 recipes run Transformer Engine's FP8 linear layers; graphstep runs torchao's
+``Float8Linear`` (``convert_to_float8_training``), pure PyTorch over ``torch._scaled_mm``:
+
+* ``fp8_recipe=tensorwise`` is Bridge's current scaling: each operand is scaled by its own amax, computed on the
+  device in the same step (no history, no host sync), so a graph replays it exactly; ``fp8=hybrid`` casts the
+  forward operands to e4m3 and the gradients to e5m2 (torchao's default), ``fp8=e4m3`` all of them to e4m3;
+* ``rowwise`` and ``rowwise_with_gw_hp`` are torchao's row-wise scalings (a graphstep extension; all e4m3, the
+  second keeps the weight-gradient matmul in high precision);
+* ``first_last_layers_bf16`` keeps ``num_layers_at_start_in_bf16`` leading and ``num_layers_at_end_in_bf16``
+  trailing decoder layers in bf16, as Bridge does;
+* the embedding, the output layer, the MoE routers and experts (not ``nn.Linear``) stay in bf16, as do linear
+  layers whose dimensions ``torch._scaled_mm`` cannot take (not multiples of 16).
+
+The parameters stay bf16 (or fp32) ``nn.Parameter`` objects -- the same ones, so checkpoints and the optimizer
+see no difference -- and each use casts them (the cast of a weight is part of the step, inside the graph).
+What does not combine is refused by rule R32 (docs/rules.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+FORMATS = ("e4m3", "hybrid")
+ALIGN = 16  # torch._scaled_mm takes operands whose dimensions are multiples of 16
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class FP8Plan:
+    """What to convert: the scaling recipe, the format, and the decoder layers kept in bf16."""
+
+    recipe: str
+    format: str
+    bf16_layers: frozenset[int]
+
+    def describe(self, converted: int, total: int) -> str:
+        kept = f"; decoder layers {sorted(self.bf16_layers)} kept in bf16" if self.bf16_layers else ""
+        return (f"FP8 (torchao float8, {self.recipe} scaling, {self.format}): {converted} of {total} linear layers"
+                f"{kept}; the embedding, the output layer and layers off the 16-multiple shapes in high precision")
+
+
+def plan_from(mixed_precision: Any, num_layers: int) -> FP8Plan | None:
+    """The plan of a validated config's ``mixed_precision`` section (None without ``fp8``)."""
+    mp = mixed_precision
+    if mp.fp8 is None:
+        return None
+    bf16: set[int] = set()
+    if mp.first_last_layers_bf16:
+        bf16 |= set(range(min(num_layers, mp.num_layers_at_start_in_bf16)))
+        bf16 |= set(range(max(0, num_layers - mp.num_layers_at_end_in_bf16), num_layers))
+    return FP8Plan(recipe=str(mp.fp8_recipe), format=str(mp.fp8), bf16_layers=frozenset(bf16))
+
+
+def import_torchao() -> Any:
+    """``torchao.float8``. Its compiled extensions are not needed for float8 training (they fail to load on some
+    Pythons): unless you say otherwise, torchao is told to skip them."""
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    import torchao.float8 as float8
+
+    return float8
+
+
+def float8_config(recipe: str, fmt: str) -> Any:
+    """torchao's ``Float8LinearConfig`` for ``recipe`` and ``fmt`` (e4m3: the gradients in e4m3 too)."""
+    float8 = import_torchao()
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    if fmt == "e4m3" and recipe == "tensorwise":
+        e4m3 = torch.float8_e4m3fn
+        config = dataclasses.replace(
+            config,
+            cast_config_grad_output=dataclasses.replace(config.cast_config_grad_output, target_dtype=e4m3),
+            cast_config_grad_output_for_grad_weight=dataclasses.replace(
+                config.cast_config_grad_output_for_grad_weight, target_dtype=e4m3))
+    return config
+
+
+def _eligible(plan: FP8Plan, module: nn.Module, name: str) -> bool:
+    if type(module) is not nn.Linear:
+        return False
+    layer = _LAYER.search("." + name + ".")
+    if layer is None or int(layer.group(1)) in plan.bf16_layers:
+        return False  # outside the decoder layers (the output layer), or a layer kept in bf16
+    return module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
+
+
+def convert(model: nn.Module, plan: FP8Plan) -> tuple[list[str], int]:
+    """Swap the eligible ``nn.Linear`` of ``model`` for torchao's ``Float8Linear``, in place, before anything holds
+    on to the modules (tensor parallel, FSDP2, graphs). Returns the converted names and the number of linears."""
+    float8 = import_torchao()
+    total = sum(1 for m in model.modules() if type(m) is nn.Linear)
+    converted: list[str] = []
+
+    def take(module: nn.Module, name: str) -> bool:
+        if _eligible(plan, module, name):
+            converted.append(name)
+            return True
+        return False
+
+    float8.convert_to_float8_training(model, module_filter_fn=take,
+                                      config=float8_config(plan.recipe, plan.format))
+    return converted, total

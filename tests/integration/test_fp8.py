@@ -1,0 +1,176 @@
+"""FP8 training on torchao's float8 (mixed_precision.fp8, models/fp8.py): graphed equals the same FP8 program run
+eagerly, bit for bit; the FP8 loss tracks bf16; Megatron Bridge's presets and fields act or are refused by R32.
+
+The CPU runs use the replay backend (``torch._scaled_mm`` runs on the CPU); the ``cuda`` ones run the same
+comparison with CUDA graphs (scripts/gpu-check).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphstep
+from graphstep.models import fp8
+from graphstep.validation import accepted_notes, validate_config
+
+from helpers.runs import assert_same_run, eager, tiny_config
+
+try:
+    float8 = fp8.import_torchao()
+except ImportError:  # the test extra installs torchao (pip install 'graphstep[test]')
+    pytest.skip("torchao is not installed", allow_module_level=True)
+
+DEVICES = [
+    pytest.param("cpu"),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+        reason="needs a GPU with FP8 tensor cores (compute capability 8.9+)")]),
+]
+
+# 3 decoder layers: with the preset's first and last layers in bf16, the middle one runs in FP8
+BASE = ["model.num_layers=3", "train.train_iters=8", "checkpoint.save=null", "model.params_dtype=bf16"]
+RECIPES = {
+    "current_scaling_preset": ["mixed_precision=bf16_with_fp8_current_scaling_mixed"],
+    "tensorwise_e4m3_all_layers": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=tensorwise"],
+    "rowwise": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=rowwise"],
+    "rowwise_with_gw_hp": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=rowwise_with_gw_hp"],
+}
+GRAPHS = {
+    "full_iteration+optimizer": ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
+    "local[attn,mlp]": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+}
+
+
+def _fp8_layers(model: nn.Module) -> list[str]:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return sorted(name for name, m in model.named_modules() if isinstance(m, Float8Linear))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_fp8_graphed_equals_eager_fp8_bit_for_bit(recipe, device):
+    overrides = [*BASE, *RECIPES[recipe], f"train.device={device}"]
+    ref = train(eager(tiny_config(*overrides)))
+    fp8_layers = _fp8_layers(ref.model)
+    if recipe == "current_scaling_preset":  # Bridge's preset keeps the first and last decoder layers in bf16
+        assert fp8_layers and all(name.startswith("layers.1.") for name in fp8_layers), fp8_layers
+    else:
+        assert {name.split(".")[1] for name in fp8_layers} == {"0", "1", "2"}, fp8_layers
+    bf16 = train(eager(tiny_config(*BASE, f"train.device={device}")))
+    assert ref.rows[-1]["loss"] != bf16.rows[-1]["loss"]  # the FP8 layers change the numbers
+    for name, graphs in GRAPHS.items():
+        graphed = train(tiny_config(*overrides, *graphs))
+        assert _fp8_layers(graphed.model) == fp8_layers, name
+        assert_same_run(ref, graphed)
+
+
+@pytest.mark.slow
+def test_fp8_loss_tracks_bf16_over_200_iterations_and_is_never_nan():
+    overrides = [*BASE, "train.train_iters=200", "model.cuda_graph_impl=full_iteration"]
+    bf16 = [r["loss"] for r in train(tiny_config(*overrides)).rows]
+    fp8 = [r["loss"] for r in train(tiny_config(*overrides, "mixed_precision.fp8=hybrid")).rows]
+    assert len(fp8) == len(bf16) == 200
+    assert all(loss == loss for loss in fp8)  # never NaN
+    tail_bf16, tail_fp8 = sum(bf16[-50:]) / 50, sum(fp8[-50:]) / 50
+    assert tail_fp8 < 0.75 * fp8[0]  # it learns
+    assert abs(tail_fp8 - tail_bf16) <= 0.02 * tail_bf16, (tail_fp8, tail_bf16)
+
+
+def test_graph_step_over_a_model_the_user_converted_with_torchao():
+    def run(graphed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.GELU(), nn.Linear(64, 32, bias=False))
+        float8.convert_to_float8_training(model, config=float8.Float8LinearConfig.from_recipe_name("tensorwise"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=False)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        fn = graphstep.graph_step(step, warmup_steps=1, device="cpu", modules=[model]) if graphed else step
+        g = torch.Generator().manual_seed(1)
+        out = [fn(torch.randn(16, 32, generator=g)).clone() for _ in range(6)]
+        if graphed:
+            assert fn.state == "replayed"
+        graphstep.close_all()
+        return out + [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
+def train(cfg):
+    from graphstep.training.loop import train as run
+
+    return run(cfg, keep_model=True)
+
+
+# --------------------------------------------------------------------------
+# what acts and what R32 refuses
+
+
+def _rules(*overrides: str, capability=None) -> list[tuple[str, str]]:
+    return [(v.rule, v.message) for v in validate_config(tiny_config(*overrides), device_capability=capability)]
+
+
+def test_the_current_scaling_preset_sets_bridge_fields_and_a_field_you_set_wins():
+    from graphstep.validation import resolve_cuda_graph_settings
+
+    cfg = tiny_config("mixed_precision=bf16_with_fp8_current_scaling_mixed", "mixed_precision.num_layers_at_end_in_bf16=0")
+    resolve_cuda_graph_settings(cfg)
+    mp = cfg.mixed_precision
+    assert (mp.fp8, mp.fp8_recipe, mp.first_last_layers_bf16, mp.num_layers_at_start_in_bf16) == \
+        ("hybrid", "tensorwise", True, 1)
+    assert mp.num_layers_at_end_in_bf16 == 0 and cfg.model.params_dtype == "bf16"
+    assert any("fp8_param_gather=true: nothing to gather" in n for n in accepted_notes(cfg))
+    alias = tiny_config("model.fp8=e4m3")
+    resolve_cuda_graph_settings(alias)
+    assert alias.mixed_precision.fp8 == "e4m3"
+
+
+REFUSED = {
+    "delayed_preset": (["mixed_precision=bf16_with_fp8_delayed_scaling_mixed"], "delayed scaling"),
+    "subchannel_preset": (["mixed_precision=bf16_with_fp8_subchannel_scaling_mixed"], "blockwise"),
+    "mxfp8_preset": (["mixed_precision=bf16_with_mxfp8_mixed"], "Blackwell"),
+    "nvfp4_preset": (["mixed_precision=bf16_with_nvfp4_mixed"], "Blackwell"),
+    "model_variant_preset": (["mixed_precision=nemotron_h_bf16_with_fp8_current_scaling_mixed"], "model-specific"),
+    "delayed_recipe": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=delayed"], "delayed scaling"),
+    "blockwise_recipe": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=blockwise"], "blockwise"),
+    "unknown_format": (["mixed_precision.fp8=e5m2"], "not an FP8 format"),
+    "rowwise_hybrid": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=rowwise"], "cast the gradients"),
+    "tensor_parallel": (["mixed_precision.fp8=hybrid", "model.tensor_model_parallel_size=2"], "tensor parallel"),
+    "pipeline": (["mixed_precision.fp8=hybrid", "model.pipeline_model_parallel_size=2"], "pipeline stages"),
+    "fsdp2": (["mixed_precision.fp8=hybrid", "ddp.use_megatron_fsdp=true"], "FSDP2"),
+    "compile": (["mixed_precision.fp8=hybrid", "compile.enable=true"], "torch.compile"),
+    "param_gather_sharded": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_param_gather=true",
+                              "ddp.use_distributed_optimizer=true"], "FP8 parameter all-gather"),
+    "fp8_wgrad_off": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_wgrad=false"], "not implemented"),
+    "fp8_params": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_param=true"], "not implemented"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_r32_refuses_what_graphstep_does_not_implement(case):
+    overrides, words = REFUSED[case]
+    found = [message for rule, message in _rules(*overrides) if rule == "R32"]
+    assert any(words in message for message in found), (found, _rules(*overrides))
+
+
+def test_fp8_needs_fp8_tensor_cores_on_a_gpu():
+    assert any(rule == "R32" and "compute capability 8.0" in m
+               for rule, m in _rules("mixed_precision.fp8=hybrid", capability=(8, 0)))
+    assert not _rules("mixed_precision.fp8=hybrid", capability=(9, 0))
+    assert not _rules("mixed_precision=bf16_with_fp8_current_scaling_mixed")
+
+
+def test_fp8_without_torchao_is_v21(monkeypatch):
+    from graphstep.validation import values
+
+    monkeypatch.setattr(values, "_installed", lambda module: module != "torchao")
+    found = [(rule, m) for rule, m in _rules("mixed_precision.fp8=hybrid") if rule == "V21"]
+    assert found and "torchao" in found[0][1], found
