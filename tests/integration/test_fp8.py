@@ -67,6 +67,21 @@ def test_fp8_graphed_equals_eager_fp8_bit_for_bit(recipe, device):
         assert_same_run(ref, graphed)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 tensor cores (compute capability 8.9+)")
+def test_compiled_fp8_graphed_equals_compiled_fp8_eager_on_a_gpu():
+    # torchao's float8 is fast only compiled (its casts fused); the full-iteration graph must not change a bit
+    overrides = [*BASE, *RECIPES["current_scaling_preset"], "train.device=cuda", "train.train_iters=12",
+                 "compile.enable=true"]
+    torch._dynamo.reset()
+    ref = train(eager(tiny_config(*overrides)))
+    torch._dynamo.reset()
+    graphed = train(tiny_config(*overrides, *GRAPHS["full_iteration+optimizer"]))
+    assert [r["state"] for r in graphed.rows][3:5] == ["captured", "replayed"]
+    assert_same_run(ref, graphed)
+
+
 @pytest.mark.slow
 def test_fp8_loss_tracks_bf16_over_200_iterations_and_is_never_nan():
     overrides = [*BASE, "train.train_iters=200", "model.cuda_graph_impl=full_iteration"]
@@ -146,7 +161,8 @@ REFUSED = {
     "tensor_parallel": (["mixed_precision.fp8=hybrid", "model.tensor_model_parallel_size=2"], "tensor parallel"),
     "pipeline": (["mixed_precision.fp8=hybrid", "model.pipeline_model_parallel_size=2"], "pipeline stages"),
     "fsdp2": (["mixed_precision.fp8=hybrid", "ddp.use_megatron_fsdp=true"], "FSDP2"),
-    "compile": (["mixed_precision.fp8=hybrid", "compile.enable=true"], "torch.compile"),
+    "compile_per_layer": (["mixed_precision.fp8=hybrid", "compile.enable=true", "model.cuda_graph_impl=local",
+                           "model.cuda_graph_modules=[attn,mlp]"], "torch.compile of per-layer graphs"),
     "param_gather_sharded": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_param_gather=true",
                               "ddp.use_distributed_optimizer=true"], "FP8 parameter all-gather"),
     "fp8_wgrad_off": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_wgrad=false"], "not implemented"),

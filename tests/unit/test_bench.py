@@ -46,16 +46,17 @@ def test_fp8_rows_are_their_bf16_row_in_fp8_and_have_it_as_peer():
     from graphstep.bench.harness import peer_of
     from graphstep.bench.run import plan_row
 
-    for name in ("fp8_eager", "fp8_full_iteration", "fp8_local[attn,mlp]", "compile+fp8_full_iteration"):
+    for name in ("fp8_eager", "fp8_full_iteration", "fp8_local[attn,mlp]", "compile+fp8_full_iteration",
+                 "compile+fp8_local[attn,mlp]"):
         overrides = row_overrides(name)
         assert {"mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=tensorwise"} <= set(overrides), name
         assert set(row_overrides(name.replace("fp8_", ""))) <= set(overrides), name
         cfg = plan_row(get_recipe("small_dense_bench"), name).cfg
         rules = {v.rule for v in validate_config(cfg, device_capability=(9, 0))}
-        if name.startswith("compile+"):  # FP8 with torch.compile: not implemented yet
+        if name == "compile+fp8_local[attn,mlp]":  # FP8 in compiled per-layer graphs: not implemented yet
             assert "R32" in rules and rules <= {"R32", "R20"}, (name, rules)
-        else:
-            assert not rules, (name, rules)
+        else:  # R20: compile with graphs on the CPU replay backend (this machine may have no GPU)
+            assert rules <= {"R20"}, (name, rules)
     assert row_overrides("fp8_manual_graph") is None
     assert peer_of("fp8_full_iteration", {"full_iteration", "fp8_full_iteration"}) == "full_iteration"
     assert peer_of("fp8_local[attn,mlp]", {"make_graphed_callables"}) is None

@@ -249,8 +249,8 @@ def _r32(v: View) -> list[Violation]:
         if isinstance(getattr(m, key), int) and getattr(m, key) > 1]
     if sharded:
         others.append(("ddp.use_megatron_fsdp", "FSDP2 (ddp.use_megatron_fsdp=true)"))
-    if cfg.compile.enable is True:
-        others.append(("compile.enable", "torch.compile (compile.enable=true)"))
+    if cfg.compile.enable is True and v.per_layer:
+        others.append(("compile.enable", "torch.compile of per-layer graphs (compile.enable=true)"))
     for key, what in others:
         out.append(_v("R32", ["mixed_precision.fp8", key], f"mixed_precision.fp8={fmt} with {what} is not "
                       "implemented yet: graphstep's FP8 runs on data-parallel replicas.",
