@@ -178,7 +178,17 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        **({"torchao": _version("torchao")} if _version("torchao") else {}),  # the FP8 rows' engine
     }
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def run_bench(cfg: Config, rows: list[str], *, recipe: str, iters: int = 50, warmup: int = 8,
@@ -377,7 +387,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
     env, world = doc["environment"], doc.get("world_size", 1)
     ranks = (f"; {world} ranks under torchrun: step = rank 0's, peak = the maximum over ranks, ratios against "
              "the eager row of the same layout" if world > 1 else "")
-    head = (f"{doc['recipe']} -- {gpus(doc)}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']} "
+    ao = f", torchao {env['torchao']}" if env.get("torchao") else ""
+    head = (f"{doc['recipe']} -- {gpus(doc)}, torch {env['torch']}{ao}, CUDA {env['cuda']}, {env['date']} "
             f"(bf16 matmul {doc['bf16_matmul_tflops']:.0f} TFLOP/s measured{ranks})\n\n")
     rounds = _rounds(doc)
     if rounds > 1:
