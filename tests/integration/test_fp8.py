@@ -190,3 +190,16 @@ def test_fp8_without_torchao_is_v21(monkeypatch):
     monkeypatch.setattr(values, "_installed", lambda module: module != "torchao")
     found = [(rule, m) for rule, m in _rules("mixed_precision.fp8=hybrid") if rule == "V21"]
     assert found and "torchao" in found[0][1], found
+
+
+def test_fp8_resume_from_a_checkpoint_is_exact(tmp_path):
+    # Float8Linear keeps nn.Linear's parameters: the checkpoint is the bf16 one, the resumed FP8 run continues exactly
+    fp8_run = [*BASE, *RECIPES["current_scaling_preset"], "model.cuda_graph_impl=full_iteration",
+               "model.cuda_graph_warmup_steps=1"]
+    whole = train(tiny_config(*fp8_run))
+    ckpt = tmp_path / "ckpt"
+    train(tiny_config(*fp8_run, "train.train_iters=4", f"checkpoint.save={ckpt}", "checkpoint.save_interval=4"))
+    resumed = train(tiny_config(*fp8_run, f"checkpoint.load={ckpt}"))
+    assert [r["iteration"] for r in resumed.rows] == [5, 6, 7, 8]
+    assert [r["loss"] for r in resumed.rows] == [r["loss"] for r in whole.rows[4:]]
+    assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), resumed.model.parameters()))
