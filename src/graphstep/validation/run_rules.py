@@ -218,7 +218,7 @@ def _r32(v: View) -> list[Violation]:
                           "implemented by graphstep.", "write mixed_precision=bf16_mixed (or "
                           "bf16_with_fp8_current_scaling_mixed for FP8)."))
         elif name not in ("bf16_mixed", FP8_CURRENT_SCALING_PRESET):
-            why = next(why for tag, why in _PRESET_WHY if tag in name)
+            why = next((why for tag, why in _PRESET_WHY if tag in name), "this precision preset is not implemented")
             out.append(_v("R32", ["mixed_precision.preset"], f"mixed_precision={name}: {why}.",
                           f"write mixed_precision={FP8_CURRENT_SCALING_PRESET} (FP8 current scaling) or "
                           "mixed_precision=bf16_mixed."))
