@@ -1,0 +1,169 @@
+"""LoRA fine-tuning (peft=lora, models/lora.py): graphed equals eager bit for bit with the adapters inside the
+graphs, the base weights never move, the optimizer holds only the adapters; Bridge's peft fields act or are
+refused by R33.
+
+The CPU runs use the replay backend; the ``cuda`` ones run the same comparison with CUDA graphs (scripts/gpu-check).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphstep.models.lora import LoRALinear, TARGETS
+from graphstep.validation import validate_config
+
+from helpers.runs import assert_same_run, eager, tiny_config
+
+DEVICES = [
+    pytest.param("cpu"),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                     reason="needs a GPU")]),
+]
+BASE = ["train.train_iters=6", "checkpoint.save=null", "peft=lora", "peft.dim=8", "peft.alpha=16"]
+ADAPTERS = {
+    "no_dropout": [],
+    "dropout_pre": ["peft.dropout=0.1"],
+    "dropout_post_qkv_fc2_uniform": ["peft.dropout=0.1", "peft.dropout_position=post",
+                                     "peft.target_modules=[linear_qkv,linear_fc2]", "peft.lora_A_init_method=uniform"],
+}
+GRAPHS = {
+    "full_iteration+optimizer": ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
+    "local[attn,mlp]": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+}
+
+
+def train(cfg):
+    from graphstep.training.loop import train as run
+
+    return run(cfg, keep_model=True)
+
+
+def _initial(cfg) -> dict[str, torch.Tensor]:
+    """The model's parameters as built (adapters added), before any step."""
+    from graphstep.training.build import RunOptions, build_run
+
+    run = build_run(cfg, RunOptions(torch.device(cfg.train.device)))
+    try:
+        return {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    finally:
+        run.close()
+
+
+def _adapted(model) -> list[str]:
+    return sorted(name for name, m in model.named_modules() if isinstance(m, LoRALinear))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("adapters", sorted(ADAPTERS))
+def test_lora_graphed_equals_eager_and_trains_only_the_adapters(adapters, device):
+    overrides = [*BASE, *ADAPTERS[adapters], f"train.device={device}"]
+    cfg = eager(tiny_config(*overrides))
+    start = _initial(cfg)
+    ref = train(cfg)
+    targets = cfg.peft.target_modules
+    adapted = _adapted(ref.model)
+    assert {name.rsplit(".", 1)[-1] for name in adapted} == set(targets)
+    assert len(adapted) == len(targets) * cfg.model.num_layers
+    end = {n: p.detach() for n, p in ref.model.named_parameters()}
+    assert end.keys() == start.keys()
+    for name, p in ref.model.named_parameters():
+        if ".lora_" in name:
+            assert p.requires_grad and p.dtype == ref.model.embedding.weight.dtype, name
+            assert not torch.equal(p, start[name]), f"adapter {name} did not train"
+        else:
+            assert not p.requires_grad, name
+            assert torch.equal(p, start[name]), f"frozen {name} changed"
+    for name, graphs in GRAPHS.items():
+        graphed = train(tiny_config(*overrides, *graphs))
+        assert _adapted(graphed.model) == adapted, name
+        assert "replayed" in str(graphed.rows[-1]["state"]).lower(), name
+        assert_same_run(ref, graphed)
+
+
+def test_adapter_dropout_draws_masks():
+    losses = {k: [r["loss"] for r in train(eager(tiny_config(*BASE, *ADAPTERS[k], "train.train_iters=2"))).rows]
+              for k in ("no_dropout", "dropout_pre")}
+    assert losses["no_dropout"] != losses["dropout_pre"]
+
+
+def test_the_optimizer_and_gradient_buffers_hold_only_the_adapters():
+    from graphstep.training.build import RunOptions, build_run
+
+    cfg = tiny_config(*BASE, "model.params_dtype=bf16")
+    run = build_run(cfg, RunOptions(torch.device("cpu")))
+    try:
+        names = {id(p): n for n, p in run.model.named_parameters()}
+        held = sorted(names[id(p)] for p in run.grads.params)
+        adapters = sorted(n for n, p in run.model.named_parameters() if ".lora_" in n)
+        assert held == adapters and len(adapters) == 2 * len(TARGETS) * cfg.model.num_layers
+        numel = sum(p.numel() for n, p in run.model.named_parameters() if ".lora_" in n)
+        assert run.grads.flat.numel() == numel  # no gradient buffer for a frozen weight
+        opt = run.optimizer
+        assert len(opt.master) == len(opt.exp_avg) == len(opt.exp_avg_sq) == len(adapters)
+        assert sum(m.numel() for m in opt.master) == numel  # no fp32 master copy of a frozen weight
+        frozen = [p for n, p in run.model.named_parameters() if ".lora_" not in n]
+        assert all(not hasattr(p, "main_grad") for p in frozen)
+    finally:
+        run.close()
+
+
+def test_peft_null_trains_every_weight_as_before():
+    ref = train(eager(tiny_config("train.train_iters=3", "checkpoint.save=null")))
+    null = train(eager(tiny_config("train.train_iters=3", "checkpoint.save=null", "peft=null")))
+    assert not _adapted(null.model)
+    assert_same_run(ref, null)
+
+
+# --------------------------------------------------------------------------
+# what acts and what R33 refuses
+
+
+def _r33(*overrides: str) -> list[tuple[tuple[str, ...], str]]:
+    return [(v.fields, str(v)) for v in validate_config(tiny_config(*overrides)) if v.rule == "R33"]
+
+
+def test_bridge_lora_fields_are_accepted_with_their_defaults():
+    cfg = tiny_config("peft=lora")
+    p = cfg.peft
+    assert (p.scheme, p.target_modules, p.dim, p.alpha, p.dropout, p.dropout_position, p.lora_A_init_method,
+            p.lora_B_init_method) == ("lora", list(TARGETS), 32, 32, 0.0, "pre", "xavier", "zero")
+    assert not validate_config(cfg)
+    assert not _r33(*BASE, "peft.dropout=0.1", "peft.dropout_position=post", "peft.target_modules=[linear_qkv]",
+                    "peft.lora_A_init_method=uniform")
+
+
+@pytest.mark.parametrize("overrides, fields, words", [
+    (["peft=dora"], ("peft.scheme",), "DoRA"),
+    (["peft=qlora"], ("peft.scheme",), "not a PEFT scheme"),
+    (["peft.dim=8"], ("peft.dim",), "without a scheme"),
+    (["peft=lora", "peft.lora_dtype=fp32"], ("peft.lora_dtype",), "model's dtype"),
+    (["peft=lora", "peft.a2a_experimental=true"], ("peft.a2a_experimental",), "all-to-all"),
+    (["peft=lora", "peft.target_modules=[*.layers.0.*.linear_qkv]"], ("peft.target_modules",), "wildcards"),
+    (["peft=lora", "peft.target_modules=[]"], ("peft.target_modules",), "is empty"),
+    (["peft=lora", "peft.dim=0"], ("peft.dim",), "positive integer"),
+    (["peft=lora", "peft.alpha=-1"], ("peft.alpha",), "positive number"),
+    (["peft=lora", "peft.dropout=1.0"], ("peft.dropout",), "[0, 1)"),
+    (["peft=lora", "peft.dropout_position=middle"], ("peft.dropout_position",), "pre, post"),
+    (["peft=lora", "peft.lora_A_init_method=normal"], ("peft.lora_A_init_method",), "xavier, uniform"),
+    (["peft=lora", "peft.lora_B_init_method=xavier"], ("peft.lora_B_init_method",), "zero"),
+    (["peft=lora", "model.tensor_model_parallel_size=2"], ("peft.scheme", "model.tensor_model_parallel_size"),
+     "tensor parallel"),
+    (["peft=lora", "model.pipeline_model_parallel_size=2"], ("peft.scheme", "model.pipeline_model_parallel_size"),
+     "pipeline stages"),
+    (["peft=lora", "ddp.use_megatron_fsdp=true"], ("peft.scheme", "ddp.use_megatron_fsdp"), "FSDP2"),
+    (["peft=lora", "mixed_precision.fp8=hybrid"], ("peft.scheme", "mixed_precision.fp8"), "FP8"),
+    (["peft=lora", "checkpoint.pretrained_checkpoint=/ckpt"], ("checkpoint.pretrained_checkpoint",), "R33"),
+    (["peft=lora", "peft.dropout=0.1", "model.recompute_granularity=full"],
+     ("peft.dropout", "model.recompute_granularity"), "recompute"),
+])
+def test_r33_refuses_what_lora_does_not_implement_in_one_line(overrides, fields, words):
+    found = _r33(*overrides)
+    assert [f for f, _ in found] == [fields], found
+    message = found[0][1]
+    assert words in message and "\n" not in message and "Fix:" in message
+
+
+def test_r33_refuses_lora_on_moe_models():
+    found = _r33("peft=lora", "model.num_moe_experts=4")
+    assert [f for f, _ in found] == [("peft.scheme", "model.num_moe_experts")]
