@@ -153,7 +153,8 @@ def test_bridge_lora_fields_are_accepted_with_their_defaults():
      "pipeline stages"),
     (["peft=lora", "ddp.use_megatron_fsdp=true"], ("peft.scheme", "ddp.use_megatron_fsdp"), "FSDP2"),
     (["peft=lora", "mixed_precision.fp8=hybrid"], ("peft.scheme", "mixed_precision.fp8"), "FP8"),
-    (["peft=lora", "checkpoint.pretrained_checkpoint=/ckpt"], ("checkpoint.pretrained_checkpoint",), "R33"),
+    (["peft=lora", "checkpoint.pretrained_checkpoint=/ckpt", "model.hf_path=/hf"],
+     ("checkpoint.pretrained_checkpoint", "model.hf_path"), "two sources"),
     (["peft=lora", "peft.dropout=0.1", "model.recompute_granularity=full"],
      ("peft.dropout", "model.recompute_granularity"), "recompute"),
 ])
@@ -167,3 +168,45 @@ def test_r33_refuses_what_lora_does_not_implement_in_one_line(overrides, fields,
 def test_r33_refuses_lora_on_moe_models():
     found = _r33("peft=lora", "model.num_moe_experts=4")
     assert [f for f, _ in found] == [("peft.scheme", "model.num_moe_experts")]
+
+
+# --------------------------------------------------------------------------
+# checkpoint.pretrained_checkpoint and resume
+
+
+def test_lora_from_a_pretrained_checkpoint_keeps_its_weights_frozen(tmp_path):
+    base = train(eager(tiny_config("train.train_iters=4", f"checkpoint.save={tmp_path / 'base'}")))
+    pretrained = {n: p.detach().clone() for n, p in base.model.named_parameters()}
+    overrides = [*BASE, "peft.dropout=0.1", f"checkpoint.pretrained_checkpoint={tmp_path / 'base'}"]
+    cfg = eager(tiny_config(*overrides))
+    start = _initial(cfg)
+    assert all(torch.equal(start[n], p) for n, p in pretrained.items())  # the same names: loaded before the adapters
+    ref = train(cfg)
+    for name, p in ref.model.named_parameters():
+        if ".lora_" not in name:
+            assert torch.equal(p, pretrained[name]), name
+    scratch = train(eager(tiny_config(*BASE, "peft.dropout=0.1")))
+    assert ref.rows[0]["loss"] != scratch.rows[0]["loss"]
+    assert_same_run(ref, train(tiny_config(*overrides, *GRAPHS["full_iteration+optimizer"])))
+
+
+def test_a_pretrained_checkpoint_of_another_model_or_none_is_a_one_line_error(tmp_path):
+    from graphstep.errors import CheckpointError
+
+    train(eager(tiny_config("train.train_iters=1", "model.num_layers=3", f"checkpoint.save={tmp_path / 'three'}",
+                            "model.cuda_graph_warmup_steps=0")))
+    for where, words in ((tmp_path / "three", "model.num_layers=3 (this run: 2)"), (tmp_path / "none", "holds no")):
+        with pytest.raises(CheckpointError) as err:
+            train(eager(tiny_config(*BASE, f"checkpoint.pretrained_checkpoint={where}")))
+        message = str(err.value)
+        assert words in message and "checkpoint.pretrained_checkpoint" in message and "\n" not in message, message
+
+
+def test_lora_resumes_exactly(tmp_path):
+    overrides = [*BASE, "peft.dropout=0.1", *GRAPHS["full_iteration+optimizer"], "model.cuda_graph_warmup_steps=1"]
+    whole = train(tiny_config(*overrides))
+    train(tiny_config(*overrides, "train.train_iters=3", f"checkpoint.save={tmp_path / 'run'}"))
+    resumed = train(tiny_config(*overrides, f"checkpoint.load={tmp_path / 'run'}"))
+    assert [r["loss"] for r in resumed.rows] == [r["loss"] for r in whole.rows[3:]]
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)

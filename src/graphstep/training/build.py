@@ -44,6 +44,7 @@ from ..data.buckets import parse_buckets
 from ..models import build_model, fp8, lora, resolve_dtype
 from ..models.hf import load_hf_weights
 from ..validation import REPLAY_COMPILE_REASON, resolve_cuda_graph_settings
+from .checkpoint import load_pretrained
 from .compile import CompileTimeReport, apply_compile, describe_compile
 from .distributed import DataParallel
 from .graphs import CaptureLayersAfterWarmup, GraphPerBucket, Runner, evaluating, on_device, over_micro_batches
@@ -206,6 +207,8 @@ def _build_model(cfg: Config, device: torch.device, dp: DataParallel, dtype: tor
     model = build_model(cfg.model, device, dtype=torch.float32 if dp.layout.fsdp else dtype)
     if cfg.model.hf_path:
         load_hf_weights(model, cfg.model.hf_path, cfg.model)  # in place, before the optimizer copies the weights
+    if cfg.checkpoint.pretrained_checkpoint:  # the same, from a graphstep checkpoint (R33: not with hf_path)
+        load_pretrained(cfg.checkpoint.pretrained_checkpoint, model, dp, cfg)
     plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers)
     if plan is not None:  # torchao's Float8Linear in place of the layers' nn.Linear: before anything holds them
         converted, total = fp8.convert(model, plan)

@@ -110,8 +110,8 @@ REFUSED_REASONS = {
     "R32": ("this FP8/FP4 feature is not implemented: graphstep's FP8 is current (tensorwise) or row-wise scaling "
             "of the decoder layers' linear layers on torchao, with bf16 parameters",
             "; for FP8 write mixed_precision=bf16_with_fp8_current_scaling_mixed"),
-    "R33": ("not implemented yet: graphstep's LoRA keeps its adapters in the model's dtype, has no expert "
-            "all-to-all adapters and no separate pretrained start (peft=lora builds on model.hf_path weights)", ""),
+    "R33": ("not implemented yet: graphstep's LoRA keeps its adapters in the model's dtype (model.params_dtype) "
+            "and has no expert all-to-all adapters", ""),
     "R34": ("graphstep's optimizer keeps its master weights, main gradients and Adam moments in fp32 (the "
             "precision-aware optimizer's lower-precision states are not implemented)", ""),
     "R36": ("activation, weight and optimizer offloading to the host are not implemented (inside graphs they would "
@@ -275,6 +275,11 @@ def _r33(v: View) -> list[Violation]:
     replicas of a dense transformer; DoRA, the adapters' own dtype and the rest are refused."""
     out = _refused(v, "R33")
     cfg, p = v.cfg, v.cfg.peft
+    if cfg.checkpoint.pretrained_checkpoint and cfg.model.hf_path:
+        out.append(_v("R33", ["checkpoint.pretrained_checkpoint", "model.hf_path"], "checkpoint.pretrained_checkpoint "
+                      f"={_fmt(cfg.checkpoint.pretrained_checkpoint)} and model.hf_path={_fmt(cfg.model.hf_path)}: two "
+                      "sources of the starting weights.", "set one of them (a graphstep checkpoint, or a Hugging "
+                      "Face model), and the other to null."))
     scheme = _str(p.scheme)
     if p.scheme is None:
         explicit = explicit_keys(cfg)
