@@ -210,3 +210,24 @@ def test_lora_resumes_exactly(tmp_path):
     assert [r["loss"] for r in resumed.rows] == [r["loss"] for r in whole.rows[3:]]
     for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_the_memory_estimate_counts_gradients_and_optimizer_state_of_the_adapters_only():
+    from graphstep.recipes import get_recipe
+    from graphstep.config import apply_overrides
+    from graphstep.training.memory import element_size, estimate_memory
+
+    full = estimate_memory(get_recipe("llama32_1b"), torch.device("cpu"))
+    cfg = apply_overrides(get_recipe("llama32_1b"), ["peft=lora", "peft.dim=8"])
+    est = estimate_memory(cfg, torch.device("cpu"))
+    m = cfg.model
+    kv = m.num_query_groups * (m.kv_channels or m.hidden_size // m.num_attention_heads)
+    qkv = m.hidden_size + 2 * kv
+    per_layer = 8 * ((m.hidden_size + qkv) + (m.hidden_size + m.hidden_size)
+                     + (m.hidden_size + 2 * m.ffn_hidden_size) + (m.ffn_hidden_size + m.hidden_size))
+    trainable = m.num_layers * per_layer
+    e = element_size(cfg, torch.device("cpu"))
+    assert est.parameters == full.parameters + trainable
+    assert est.gradients == trainable * 4
+    assert est.optimizer == trainable * (8 if e == 4 else 12)
+    assert est.weights == full.weights + trainable * e
