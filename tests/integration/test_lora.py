@@ -231,3 +231,26 @@ def test_the_memory_estimate_counts_gradients_and_optimizer_state_of_the_adapter
     assert est.gradients == trainable * 4
     assert est.optimizer == trainable * (8 if e == 4 else 12)
     assert est.weights == full.weights + trainable * e
+
+
+# --------------------------------------------------------------------------
+# export
+
+
+def test_export_hf_writes_the_merged_model_transformers_loads_with_the_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from graphstep.models.hf import export_hf
+
+    cfg = eager(tiny_config(*BASE, "model.attention_dropout=0.0", "model.hidden_dropout=0.0"))
+    model = train(cfg).model.eval()
+    out = export_hf(model, cfg.model, tmp_path / "hf")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, model(tokens), atol=1e-4, rtol=0)
+    assert not any("lora" in k for k in back.state_dict())
+    with torch.no_grad():  # the adapters matter: without them the logits differ well beyond the tolerance
+        for module in model.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_B.weight.zero_()
+        assert (back(tokens).logits - model(tokens)).abs().max() > 1e-2

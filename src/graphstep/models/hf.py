@@ -26,7 +26,8 @@ is an error naming the key and the file.
 
 :func:`export_hf` writes the inverse -- config.json and one
 model.safetensors, experts per key as on the Hub -- which ``transformers``
-loads with the same logits. The model type follows the configuration: MoE
+loads with the same logits; a model fine-tuned with LoRA (models/lora.py) is exported merged, each adapter
+folded into its base weight. The model type follows the configuration: MoE
 is ``qwen3_moe``, q/k norms ``qwen3``, q/k/v bias ``qwen2``, else ``llama``.
 It writes into a new or empty folder only (``overwrite=True`` replaces the
 two files of a folder that has them; a sharded folder is refused even so,
@@ -53,6 +54,8 @@ import torch
 from torch import nn
 
 from graphstep.errors import HFCheckpointError, HFExportError
+
+from .lora import merged_state_dict
 
 log = logging.getLogger("graphstep")
 
@@ -414,7 +417,7 @@ def export_hf(model: nn.Module, model_cfg: Any, path: str | Path, model_type: st
     _check_export_target(path, overwrite)
     dtype = next(model.parameters()).dtype
     config = hf_config_for(model_cfg, model_type, dtype)  # refuses what has no HF equivalent, before writing
-    state = {k: v.detach() for k, v in model.state_dict().items()}
+    state = merged_state_dict(model)  # LoRA adapters (peft=lora) merged into their base weights
     tensors = {k: v.cpu().contiguous().clone() for k, v in graphstep_to_hf(state, model_cfg).items()}
     path.mkdir(parents=True, exist_ok=True)
     _replace_file(path / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))

@@ -16,6 +16,7 @@ decoder layers' target ``nn.Linear`` -- Bridge's names ``linear_qkv``, ``linear_
   RNG tracker's data-parallel stream, as the model's hidden dropout does (models/transformer.py), so a graph
   replays it with the generator state the tracker registers.
 
+``merged_state_dict`` folds the adapters into the base weights (``export_hf`` writes that merged model).
 What does not combine (DoRA, lora_dtype, tensor/pipeline/expert parallel, FSDP2, FP8, MoE and hybrid models)
 is refused by rule R33 (docs/rules.md).
 """
@@ -107,6 +108,12 @@ class LoRALinear(nn.Linear):
             update = hidden_dropout(update, self.dropout, self.training)
         return y + update * self.scale
 
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """``W + (alpha / dim) * B A``, computed in fp32 and cast to the weight's dtype."""
+        update = self.lora_B.weight.float() @ self.lora_A.weight.float()
+        return (self.weight.float() + self.scale * update).to(self.weight.dtype)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"dim={self.lora_A.out_features}, scale={self.scale:g}")
@@ -134,6 +141,18 @@ def apply_lora(model: nn.Module, plan: LoRAPlan) -> list[str]:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, LoRALinear(linear, plan))
     return [name for name, _ in found]
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` (detached) with every adapter merged into its base weight and the adapter entries
+    dropped: the plain model the adapters define (what ``export_hf`` writes). A model without adapters: as is."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            prefix = f"{name}." if name else ""
+            state[prefix + "weight"] = module.merged_weight()
+            del state[prefix + "lora_A.weight"], state[prefix + "lora_B.weight"]
+    return state
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
