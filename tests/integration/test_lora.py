@@ -254,3 +254,44 @@ def test_export_hf_writes_the_merged_model_transformers_loads_with_the_same_logi
             if isinstance(module, LoRALinear):
                 module.lora_B.weight.zero_()
         assert (back(tokens).logits - model(tokens)).abs().max() > 1e-2
+
+
+def test_export_peft_adapter_loads_in_hf_peft_over_the_exported_base_with_the_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")  # the test extra installs it
+    import copy
+    import json
+
+    from graphstep.models.hf import HFExportError, export_hf, export_peft_adapter
+
+    cfg = eager(tiny_config(*BASE, "model.attention_dropout=0.0", "model.hidden_dropout=0.0",
+                            "peft.dropout=0.1", "peft.target_modules=[linear_qkv,linear_fc1,linear_fc2]"))
+    model = train(cfg).model.eval()
+    base = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in base.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_B.weight.zero_()  # merged: exactly the frozen base weights
+    export_hf(base, cfg.model, tmp_path / "base")
+    out = export_peft_adapter(model, cfg.model, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (8, 16, 0.1)
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        plain = hf_base(tokens).logits
+        adapted = peft.PeftModel.from_pretrained(hf_base, out).eval()
+        logits = adapted(tokens).logits
+        torch.testing.assert_close(logits, model(tokens), atol=1e-4, rtol=0)
+        assert (plain - logits).abs().max() > 1e-2  # the adapters are what makes them equal
+    with pytest.raises(HFExportError, match="not a new or empty folder"):
+        export_peft_adapter(model, cfg.model, out)
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.dropout_position = "post"
+    with pytest.raises(HFExportError, match="dropout_position=post has no peft equivalent"):
+        export_peft_adapter(model, cfg.model, tmp_path / "post")
+    with pytest.raises(HFExportError, match="no LoRA adapters"):
+        export_peft_adapter(train(eager(tiny_config("train.train_iters=1", "model.cuda_graph_warmup_steps=0"))).model,
+                            cfg.model, tmp_path / "none")

@@ -89,7 +89,7 @@ class LoRALinear(nn.Linear):
         w = base.weight
         self.lora_A = nn.Linear(self.in_features, plan.dim, bias=False, device=w.device, dtype=w.dtype)
         self.lora_B = nn.Linear(plan.dim, self.out_features, bias=False, device=w.device, dtype=w.dtype)
-        self.scale = plan.scale
+        self.alpha, self.scale = plan.alpha, plan.scale
         self.dropout = plan.dropout
         self.dropout_position = plan.dropout_position
         with torch.no_grad():
