@@ -195,7 +195,10 @@ def test_a_pretrained_checkpoint_of_another_model_or_none_is_a_one_line_error(tm
 
     train(eager(tiny_config("train.train_iters=1", "model.num_layers=3", f"checkpoint.save={tmp_path / 'three'}",
                             "model.cuda_graph_warmup_steps=0")))
-    for where, words in ((tmp_path / "three", "model.num_layers=3 (this run: 2)"), (tmp_path / "none", "holds no")):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    for where, words in ((tmp_path / "three", "model.num_layers=3 (this run: 2)"), (tmp_path / "none", "holds no"),
+                         (tmp_path / "hf", f"set model.hf_path={tmp_path / 'hf'} instead")):
         with pytest.raises(CheckpointError) as err:
             train(eager(tiny_config(*BASE, f"checkpoint.pretrained_checkpoint={where}")))
         message = str(err.value)

@@ -541,8 +541,10 @@ def load_pretrained(load: str | Path, model: nn.Module, dp: DataParallel, config
     except CheckpointError as exc:
         raise CheckpointError(str(exc).replace("checkpoint.load", key)) from exc
     if path is None:
-        raise CheckpointError(f"{key}={load} holds no complete checkpoint; name a checkpoint.save folder of a "
-                              "graphstep run (or one iter_NNNNNNN folder in it)")
+        hf = (Path(load) / "config.json").is_file()
+        raise CheckpointError(f"{key}={load} holds no complete graphstep checkpoint; " + (
+            f"it is a Hugging Face model folder: set model.hf_path={load} instead" if hf else
+            "name a checkpoint.save folder of a graphstep run (or one iter_NNNNNNN folder in it)"))
     check_model_matches(path, model, dp, config, key=key)
     layout = LayoutEntries()
     _dcp_load({"model": layout.model(model)}, path, dp)
