@@ -298,3 +298,42 @@ def test_export_peft_adapter_loads_in_hf_peft_over_the_exported_base_with_the_sa
     with pytest.raises(HFExportError, match="no LoRA adapters"):
         export_peft_adapter(train(eager(tiny_config("train.train_iters=1", "model.cuda_graph_warmup_steps=0"))).model,
                             cfg.model, tmp_path / "none")
+
+
+# --------------------------------------------------------------------------
+# the library API over Hugging Face peft
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_graph_step_over_a_hugging_face_peft_lora_model_equals_eager(dropout):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")  # the test extra installs it
+    import graphstep
+
+    def run(graphed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=dropout, target_modules=["q_proj", "v_proj"])).train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=False)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        # peft's dropout draws from the default generator: the graph registers it
+        fn = graphstep.graph_step(step, warmup_steps=1, device="cpu", modules=[model],
+                                  generators=[torch.default_generator]) if graphed else step
+        g = torch.Generator().manual_seed(1)
+        out = [fn(torch.randint(0, 128, (2, 16), generator=g)).clone() for _ in range(5)]
+        if graphed:
+            assert fn.state == "replayed"
+        graphstep.close_all()
+        return out + [p.detach().clone() for p in model.parameters()]
+
+    eager_run, graphed_run = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(eager_run, graphed_run))
