@@ -146,18 +146,25 @@ class MixedPrecisionConfig:
 
 @dataclass(kw_only=True)
 class PeftConfig:
-    """Bridge's peft section (LoRA, DoRA): parameter-efficient fine-tuning is not implemented yet (R33).
+    """Bridge's peft section: ``peft=lora`` fine-tunes LoRA adapters on the frozen model (models/lora.py).
 
-    ``peft=null`` (Bridge's pre-training default) is accepted; any scheme or field is R33.
+    ``peft=null`` (Bridge's pre-training default) trains every weight. The fields below act with
+    ``peft=lora``, their defaults Bridge's ``LoRA`` defaults; DoRA, ``lora_dtype`` and the expert all-to-all
+    adapters are R33, as is a field set without a scheme.
     """
 
-    scheme: str | None = refused(None, "The scheme, written peft=NAME (lora, dora).", "R33")
-    target_modules: list[str] | None = refused(None, "Modules the adapters wrap.", "R33")
-    dim: int | None = refused(None, "Adapter rank.", "R33")
-    alpha: float | None = refused(None, "Adapter scaling.", "R33")
-    dropout: float | None = refused(None, "Adapter dropout.", "R33")
-    dropout_position: str | None = refused(None, "Where adapter dropout applies.", "R33")
-    lora_A_init_method: str | None = refused(None, "Init of A.", "R33")
-    lora_B_init_method: str | None = refused(None, "Init of B.", "R33")
-    lora_dtype: str | None = refused(None, "dtype of the adapter weights.", "R33")
+    scheme: str | None = opt(None, "The scheme, written peft=NAME: lora (acts), dora (R33), or null (no adapters).")
+    target_modules: list[str] = opt(["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                                    "With peft=lora: the decoder layers' linear layers that get adapters, by "
+                                    "Bridge's names (linear_qkv, linear_proj, linear_fc1, linear_fc2).")
+    dim: int = opt(32, "With peft=lora: the adapters' rank.")
+    alpha: float = opt(32, "With peft=lora: the adapters' scaling numerator (the update is scaled by alpha/dim).")
+    dropout: float = opt(0.0, "With peft=lora: adapter dropout probability (drawn from the RNG tracker).")
+    dropout_position: str = opt("pre", "With peft=lora: adapter dropout on the adapter's input (pre) or its "
+                                "output (post).")
+    lora_A_init_method: str = opt("xavier", "With peft=lora: initialisation of A: xavier (Xavier-uniform) or "
+                                  "uniform (Kaiming-uniform, nn.Linear's default).")
+    lora_B_init_method: str = opt("zero", "With peft=lora: initialisation of B: zero (the adapted model starts "
+                                  "as the base model).")
+    lora_dtype: str | None = refused(None, "dtype of the adapter weights (null: the model's params_dtype).", "R33")
     a2a_experimental: bool = refused(False, "Experimental all-to-all adapters for expert layers.", "R33")

@@ -585,8 +585,10 @@ class CheckpointConfig:
     load: str | None = opt(None, "Directory to resume from (its latest complete checkpoint).")
     save_interval: int | None = opt(None, "Save every N iterations (and at the end when save is set).")
     finetune: bool = opt(False, "Load weights only; start at iteration 0 with fresh optimizer state.")
-    pretrained_checkpoint: str | None = refused(
-        None, "Bridge's fine-tuning start point (weights only, when load has no checkpoint).", "R33")
+    pretrained_checkpoint: str | None = opt(
+        None, "Bridge's fine-tuning start point: a graphstep checkpoint folder (its newest intact checkpoint, or one "
+        "iter_NNNNNNN folder) whose model weights are loaded before the adapters are added (peft=lora) and the "
+        "optimizer copies them; a checkpoint in checkpoint.load resumes over it. Not with model.hf_path (R33).")
     ckpt_format: str = refused(
         "torch_dist", "Checkpoint format: torch_dist or fsdp_dtensor, both saved as graphstep's torch.distributed."
         "checkpoint (DCP) directories; torch (one file per rank) and torch_dcp are R18.", "R18",

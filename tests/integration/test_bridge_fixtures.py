@@ -60,11 +60,14 @@ def test_the_pretrain_yaml_validates(capsys):
     assert (cfg.optimizer.lr, cfg.data.seq_length, cfg.model.seq_length) == (3e-4, 2048, 2048)
 
 
-def test_the_finetune_yaml_reads_and_only_the_finetuning_rule_refuses_it():
+def test_the_finetune_yaml_reads_and_its_peft_fields_need_a_scheme():
     cfg = config("--recipe", "llama32_1b", "--config", str(FIXTURES / "llama32_1b_finetune.yaml"))
     found = validate_config(cfg, env={})
     assert {v.rule for v in found} == {"R33"}
-    assert sorted(v.fields for v in found) == [("checkpoint.pretrained_checkpoint",), ("peft.alpha",), ("peft.dim",)]
+    assert sorted(v.fields for v in found) == [("peft.alpha",), ("peft.dim",)]  # Bridge's recipe sets peft=lora
+    cfg = config("--recipe", "llama32_1b", "--config", str(FIXTURES / "llama32_1b_finetune.yaml"), "peft=lora")
+    assert not validate_config(cfg, env={})
+    assert (cfg.peft.dim, cfg.peft.alpha, cfg.checkpoint.pretrained_checkpoint) == (16, 32, "./checkpoints/llama32_1b")
 
 
 def test_the_tiny_bridge_yaml_trains(tmp_path, monkeypatch):

@@ -26,7 +26,8 @@ is an error naming the key and the file.
 
 :func:`export_hf` writes the inverse -- config.json and one
 model.safetensors, experts per key as on the Hub -- which ``transformers``
-loads with the same logits. The model type follows the configuration: MoE
+loads with the same logits; a model fine-tuned with LoRA (models/lora.py) is exported merged, each adapter
+folded into its base weight. The model type follows the configuration: MoE
 is ``qwen3_moe``, q/k norms ``qwen3``, q/k/v bias ``qwen2``, else ``llama``.
 It writes into a new or empty folder only (``overwrite=True`` replaces the
 two files of a folder that has them; a sharded folder is refused even so,
@@ -53,6 +54,8 @@ import torch
 from torch import nn
 
 from graphstep.errors import HFCheckpointError, HFExportError
+
+from .lora import LoRALinear, merged_state_dict
 
 log = logging.getLogger("graphstep")
 
@@ -376,22 +379,13 @@ def load_hf_weights(model: nn.Module, path: str | Path, model_cfg: Any) -> None:
 
 def graphstep_to_hf(state: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
     """Hugging Face tensors (Hub layout, experts per key) from graphstep's state dict."""
-    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
-    hd = m.kv_channels or m.hidden_size // heads
     out = {"model.embed_tokens.weight": state["embedding.weight"], "model.norm.weight": state["final_layernorm.weight"]}
     if not m.share_embeddings_and_output_weights:
         out["lm_head.weight"] = state["output_layer.weight"]
     for i, kinds in enumerate(_kinds(m)):
         for kind in kinds:
             for gs, keys in _layer_keys(i, kind, m):
-                t = state[gs]
-                if len(keys) == 3:  # q, k, v
-                    parts = t.split([heads * hd, groups * hd, groups * hd])
-                elif len(keys) == 2:  # gate, up
-                    parts = t.chunk(2)
-                else:
-                    parts = (t,)
-                out.update(zip(keys, parts))
+                out.update(zip(keys, _split_rows(state[gs], keys, m)))
             if kind == "moe":
                 fc1, fc2, prefix = _expert_keys(i)
                 for e in range(state[fc1].shape[0]):
@@ -414,13 +408,79 @@ def export_hf(model: nn.Module, model_cfg: Any, path: str | Path, model_type: st
     _check_export_target(path, overwrite)
     dtype = next(model.parameters()).dtype
     config = hf_config_for(model_cfg, model_type, dtype)  # refuses what has no HF equivalent, before writing
-    state = {k: v.detach() for k, v in model.state_dict().items()}
+    state = merged_state_dict(model)  # LoRA adapters (peft=lora) merged into their base weights
     tensors = {k: v.cpu().contiguous().clone() for k, v in graphstep_to_hf(state, model_cfg).items()}
     path.mkdir(parents=True, exist_ok=True)
     _replace_file(path / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     _replace_file(path / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
     log.info("exported %s (%d tensors, %s) to %s", config["model_type"], len(tensors), config["dtype"], path)
     return path
+
+
+def export_peft_adapter(model: nn.Module, model_cfg: Any, path: str | Path, *,
+                        base_model_name_or_path: str | None = None) -> Path:
+    """Write a LoRA model's adapters in Hugging Face peft's format: ``adapter_config.json`` +
+    ``adapter_model.safetensors``, which ``peft.PeftModel.from_pretrained`` loads over the base model
+    (``export_hf`` of the same weights without adapters) with the same logits.
+
+    A fused projection's adapter splits exactly: ``linear_qkv``'s update ``B A`` is q/k/v's ``B_q A``,
+    ``B_k A``, ``B_v A`` (A shared, B's rows split as the weight's), ``linear_fc1``'s gate/up the same way.
+    ``path`` must be a new or empty folder; a model without adapters, or adapters peft cannot express
+    (dropout after the adapter), raise ``HFExportError``."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise HFExportError(f"{path}: not a new or empty folder; export the adapters into a new or empty folder")
+    adapters = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    if not adapters:
+        raise HFExportError("the model has no LoRA adapters to export (train with peft=lora), or export the whole "
+                            "model with export_hf")
+    first = next(iter(adapters.values()))
+    if any(m.dropout > 0 and m.dropout_position == "post" for m in adapters.values()):
+        raise HFExportError("peft.dropout_position=post has no peft equivalent (peft drops the adapter's input); "
+                            "train with peft.dropout_position=pre or peft.dropout=0.0 to export the adapters")
+    tensors: dict[str, torch.Tensor] = {}
+    targets: set[str] = set()
+    exported = set()
+    for i, kinds in enumerate(_kinds(model_cfg)):
+        for kind in kinds:
+            for gs, keys in _layer_keys(i, kind, model_cfg):
+                module = adapters.get(gs.removesuffix(".weight")) if gs.endswith(".weight") else None
+                if module is None:
+                    continue
+                a, b = module.lora_A.weight.detach(), module.lora_B.weight.detach()
+                for key, part in zip(keys, _split_rows(b, keys, model_cfg)):
+                    prefix = "base_model.model." + key.removesuffix(".weight")
+                    tensors[prefix + ".lora_A.weight"] = a.cpu().contiguous().clone()
+                    tensors[prefix + ".lora_B.weight"] = part.cpu().contiguous().clone()
+                    targets.add(key.removesuffix(".weight").rsplit(".", 1)[-1])
+                exported.add(gs.removesuffix(".weight"))
+    if exported != set(adapters):
+        missing = ", ".join(sorted(set(adapters) - exported)[:3])
+        raise HFExportError(f"adapters with no Hugging Face module to export to: {missing}")
+    dim = first.lora_A.out_features
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": dim, "lora_alpha": first.alpha,
+              "lora_dropout": first.dropout, "target_modules": sorted(targets), "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "use_dora": False,
+              "init_lora_weights": True, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path}
+    path.mkdir(parents=True, exist_ok=True)
+    _replace_file(path / "adapter_model.safetensors",
+                  lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    _replace_file(path / "adapter_config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
+    log.info("exported %d LoRA adapters (rank %d) in peft's format to %s", len(adapters), dim, path)
+    return path
+
+
+def _split_rows(t: torch.Tensor, keys: tuple[str, ...], m: Any) -> tuple[torch.Tensor, ...]:
+    """``t``'s rows split as a fused weight's: q, k, v (three keys) or gate, up (two)."""
+    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    hd = m.kv_channels or m.hidden_size // heads
+    if len(keys) == 3:
+        return tuple(t.split([heads * hd, groups * hd, groups * hd]))
+    if len(keys) == 2:
+        return tuple(t.chunk(2))
+    return (t,)
 
 
 def _check_export_target(path: Path, overwrite: bool) -> None:

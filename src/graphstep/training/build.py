@@ -41,9 +41,10 @@ from ..cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
 from ..cuda_graph.run_backend import RunBackend
 from ..cuda_graph.settings import CudaGraphSettings, GraphImpl
 from ..data.buckets import parse_buckets
-from ..models import build_model, fp8, resolve_dtype
+from ..models import build_model, fp8, lora, resolve_dtype
 from ..models.hf import load_hf_weights
 from ..validation import REPLAY_COMPILE_REASON, resolve_cuda_graph_settings
+from .checkpoint import load_pretrained
 from .compile import CompileTimeReport, apply_compile, describe_compile
 from .distributed import DataParallel
 from .graphs import CaptureLayersAfterWarmup, GraphPerBucket, Runner, evaluating, on_device, over_micro_batches
@@ -126,7 +127,8 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
 
     # 1. The model, after seeding the RNG tracker per rank (its initialisation draws from it); model.hf_path
     #    weights copied in and, with rng.data_parallel_random_init, rank 0's weights broadcast -- before step 3
-    #    takes the fp32 master copy. A pipeline stage keeps its own layers.
+    #    takes the fp32 master copy; with peft=lora the model is frozen and its adapters added (models/lora.py),
+    #    so steps 2-3 see only the adapters as trainable. A pipeline stage keeps its own layers.
     dtype = resolve_dtype(cfg.model.params_dtype, device)
     model = _build_model(cfg, device, dp, dtype)
     # 2. Expert and tensor parallel, then FSDP2 (training/parallel.py): they turn parameters into DTensors
@@ -205,10 +207,16 @@ def _build_model(cfg: Config, device: torch.device, dp: DataParallel, dtype: tor
     model = build_model(cfg.model, device, dtype=torch.float32 if dp.layout.fsdp else dtype)
     if cfg.model.hf_path:
         load_hf_weights(model, cfg.model.hf_path, cfg.model)  # in place, before the optimizer copies the weights
+    if cfg.checkpoint.pretrained_checkpoint:  # the same, from a graphstep checkpoint (R33: not with hf_path)
+        load_pretrained(cfg.checkpoint.pretrained_checkpoint, model, dp, cfg)
     plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers)
     if plan is not None:  # torchao's Float8Linear in place of the layers' nn.Linear: before anything holds them
         converted, total = fp8.convert(model, plan)
         log.info("%s", plan.describe(len(converted), total))
+    adapters = lora.plan_from(cfg.peft)
+    if adapters is not None:  # after the base weights are loaded (they are frozen as loaded), before step 3
+        adapted = lora.apply_lora(model, adapters)  # takes the trainable parameters (the adapters only)
+        log.info("%s", adapters.describe(len(adapted), *lora.count_parameters(model)))
     model.train()
     if cfg.rng.data_parallel_random_init:
         dp.broadcast_parameters(model)  # different seeds per rank, the same starting weights (Megatron)

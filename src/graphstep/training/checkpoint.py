@@ -501,7 +501,8 @@ def saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {k[len("model."):]: tuple(v.size) for k, v in keys.items() if k.startswith("model.") and hasattr(v, "size")}
 
 
-def check_model_matches(path: Path, model: nn.Module, dp: DataParallel, config: Config | None = None) -> None:
+def check_model_matches(path: Path, model: nn.Module, dp: DataParallel, config: Config | None = None, *,
+                        key: str = "checkpoint.load") -> None:
     """Raise ``CheckpointError`` when ``path`` holds another model than ``model`` (names or shapes differ).
 
     DCP loads the entries a state dict asks for and ignores the others, so without this a 4-layer
@@ -520,14 +521,36 @@ def check_model_matches(path: Path, model: nn.Module, dp: DataParallel, config: 
     if fields:
         what = ", ".join(f"model.{f}={a} (this run: {b})" for f, (a, b) in fields.items())
         fix = ("set " + " ".join(f"model.{f}={a}" for f, (a, _) in fields.items())
-               + " to continue it, or point checkpoint.load at a checkpoint of this model")
+               + f" to continue it, or point {key} at a checkpoint of this model")
     else:
         what = "; ".join(part for part in (
             _some("it holds", extra, "that this model lacks"), _some("it lacks", missing, "that this model has"),
             "; ".join(f"{k} is {list(saved[k])} there, {list(wanted[k])} here" for k in differ[:3])) if part)
-        fix = "give this run the model.* fields of the run that saved it, or point checkpoint.load elsewhere"
+        fix = f"give this run the model.* fields of the run that saved it, or point {key} elsewhere"
     raise CheckpointError(f"cannot load checkpoint {path} into this run: it was saved for another model: {what}; "
                           f"{fix}")
+
+
+def load_pretrained(load: str | Path, model: nn.Module, dp: DataParallel, config: Config | None = None) -> Path:
+    """``checkpoint.pretrained_checkpoint``: the model weights of a graphstep checkpoint, loaded in place into the
+    model as built -- before adapters, parallelism or the optimizer exist (training/build.py). Every rank loads
+    the same folder: its newest intact checkpoint, or the ``iter_NNNNNNN`` folder named."""
+    key = "checkpoint.pretrained_checkpoint"
+    try:
+        path = choose_checkpoint(load)
+    except CheckpointError as exc:
+        raise CheckpointError(str(exc).replace("checkpoint.load", key)) from exc
+    if path is None:
+        hf = (Path(load) / "config.json").is_file()
+        raise CheckpointError(f"{key}={load} holds no complete graphstep checkpoint; " + (
+            f"it is a Hugging Face model folder: set model.hf_path={load} instead" if hf else
+            "name a checkpoint.save folder of a graphstep run (or one iter_NNNNNNN folder in it)"))
+    check_model_matches(path, model, dp, config, key=key)
+    layout = LayoutEntries()
+    _dcp_load({"model": layout.model(model)}, path, dp)
+    layout.finish_load()
+    log.info("%s=%s: model weights loaded from %s", key, load, path)
+    return path
 
 
 def _some(lead: str, keys: list[str], tail: str) -> str:

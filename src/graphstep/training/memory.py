@@ -16,7 +16,10 @@ is one unsharded replica. With ``P`` parameters, ``B`` buffer elements and
 
 Gradients are graphstep's fp32 ``main_grad`` buffer (training/optim.py), the
 optimizer Adam's exp_avg and exp_avg_sq in fp32, plus an fp32 master copy
-when replicated weights are not fp32. Under FSDP2 the fp32 shards are the
+when replicated weights are not fp32. With LoRA (``peft=lora``, models/lora.py)
+gradients and optimizer count only the ``T`` trainable (adapter) elements --
+``T/tp * 4`` and ``T/tp * 8 (+ T/tp * 4)`` -- and the weights include the
+adapters. Under FSDP2 the fp32 shards are the
 master weights themselves, and ``G`` is the compute copy gathered in the
 model dtype: with ``optim_grads_params`` (ZeRO-3) two of the largest decoder
 layers (the one being computed and the last, kept gathered into the backward)
@@ -75,7 +78,7 @@ import torch
 
 from ..config import Config
 from ..cuda_graph.devices import GiB
-from ..models import build_model, resolve_dtype
+from ..models import build_model, lora, resolve_dtype
 from ..models.hybrid import layer_kinds
 from ..models.transformer import recompute_runs
 from .parallel import Layout
@@ -100,6 +103,7 @@ class ParameterCounts:
     largest_layer: int  # parameters of the largest decoder layer
     root: int  # parameters outside the decoder layers: embedding, final norm, output layer
     experts: int = 0  # parameters of the routed experts (split over expert-parallel ranks)
+    trainable: int | None = None  # parameters the optimizer updates (LoRA: the adapters); None: all of them
 
 
 @dataclass(frozen=True)
@@ -145,11 +149,16 @@ def parameter_counts(cfg: Config) -> ParameterCounts:
     """The counts of the model ``cfg.model`` describes, built on the meta device."""
     with torch.device("meta"):
         model = build_model(cfg.model, "meta")
+        plan = lora.plan_from(cfg.peft)
+        if plan is not None:
+            lora.apply_lora(model, plan)
     params = sum(p.numel() for p in model.parameters())
     layers = [sum(p.numel() for p in layer.parameters()) for layer in getattr(model, "layers", [])]
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts.experts." in n)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if plan is not None else None
     return ParameterCounts(parameters=params, buffers=sum(b.numel() for b in model.buffers()),
-                           largest_layer=max(layers, default=0), root=params - sum(layers), experts=experts)
+                           largest_layer=max(layers, default=0), root=params - sum(layers), experts=experts,
+                           trainable=trainable)
 
 
 def count_parameters(cfg: Config) -> tuple[int, int]:
@@ -192,8 +201,9 @@ def static_bytes(counts: ParameterCounts, e: int, layout: Layout) -> tuple[int, 
     buffers = counts.buffers * e
     if layout.fsdp is None:
         local = _split(counts.parameters, tp)
-        master = 0 if e == 4 else local * 4  # fp32 weights serve as their own master copy
-        return local * e + buffers, local * 4, local * 8 + master
+        trained = local if counts.trainable is None else _split(counts.trainable, tp)  # frozen: no state
+        master = 0 if e == 4 else trained * 4  # fp32 weights serve as their own master copy
+        return local * e + buffers, trained * 4, trained * 8 + master
     shard = _split(counts.parameters, tp * layout.dp)
     gathered = min(2 * counts.largest_layer + counts.root, counts.parameters) if layout.fsdp == ZERO3 \
         else counts.parameters

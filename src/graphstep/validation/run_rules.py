@@ -23,7 +23,7 @@ from typing import Any
 
 from graphstep.config import PRECISION_PRESETS, explicit_keys, field_kind, iter_fields, refused_values
 
-from graphstep.models import fp8
+from graphstep.models import fp8, lora
 
 from .graph_rules import View, _impl_f
 from .migrations import FP8_CURRENT_SCALING_PRESET
@@ -110,9 +110,8 @@ REFUSED_REASONS = {
     "R32": ("this FP8/FP4 feature is not implemented: graphstep's FP8 is current (tensorwise) or row-wise scaling "
             "of the decoder layers' linear layers on torchao, with bf16 parameters",
             "; for FP8 write mixed_precision=bf16_with_fp8_current_scaling_mixed"),
-    "R33": ("parameter-efficient fine-tuning (LoRA/DoRA) and Bridge's pretrained_checkpoint start are not "
-            "implemented yet", "; to fine-tune all weights from a checkpoint: checkpoint.load=DIR "
-            "checkpoint.finetune=true"),
+    "R33": ("not implemented yet: graphstep's LoRA keeps its adapters in the model's dtype (model.params_dtype) "
+            "and has no expert all-to-all adapters", ""),
     "R34": ("graphstep's optimizer keeps its master weights, main gradients and Adam moments in fp32 (the "
             "precision-aware optimizer's lower-precision states are not implemented)", ""),
     "R36": ("activation, weight and optimizer offloading to the host are not implemented (inside graphs they would "
@@ -264,6 +263,91 @@ def _r32(v: View) -> list[Violation]:
         out.append(_v("R32", ["mixed_precision.fp8"], f"mixed_precision.fp8={fmt} on a GPU of compute capability "
                       f"{major}.{minor}: FP8 matmuls need FP8 tensor cores (8.9 or newer: Ada, Hopper).",
                       "set mixed_precision.fp8=null (bf16) on this GPU."))
+    return out
+
+
+_PEFT_DEFAULTS = {"target_modules": list(lora.TARGETS), "dim": 32, "alpha": 32, "dropout": 0.0,
+                  "dropout_position": "pre", "lora_A_init_method": "xavier", "lora_B_init_method": "zero"}
+
+
+def _r33(v: View) -> list[Violation]:
+    """LoRA as graphstep implements it (models/lora.py): Bridge's LoRA fields with valid values, on data-parallel
+    replicas of a dense transformer; DoRA, the adapters' own dtype and the rest are refused."""
+    out = _refused(v, "R33")
+    cfg, p = v.cfg, v.cfg.peft
+    if cfg.checkpoint.pretrained_checkpoint and cfg.model.hf_path:
+        out.append(_v("R33", ["checkpoint.pretrained_checkpoint", "model.hf_path"], "checkpoint.pretrained_checkpoint "
+                      f"={_fmt(cfg.checkpoint.pretrained_checkpoint)} and model.hf_path={_fmt(cfg.model.hf_path)}: two "
+                      "sources of the starting weights.", "set one of them (a graphstep checkpoint, or a Hugging "
+                      "Face model), and the other to null."))
+    scheme = _str(p.scheme)
+    if p.scheme is None:
+        explicit = explicit_keys(cfg)
+        for name, default in _PEFT_DEFAULTS.items():
+            value = getattr(p, name)
+            if f"peft.{name}" in explicit or _differs(value, default):
+                out.append(_v("R33", [f"peft.{name}"], f"peft.{name}={_fmt(value)} without a scheme (peft is null): "
+                              "the adapters' fields act only with peft=lora.", f"write peft=lora, or drop peft.{name}."))
+        return out
+    if scheme == "dora":
+        return out + [_v("R33", ["peft.scheme"], "peft=dora: DoRA (weight-decomposed adapters) is not implemented "
+                         "yet; graphstep's adapters are LoRA.", "write peft=lora (or peft=null).")]
+    if scheme not in lora.SCHEMES:
+        return out + [_v("R33", ["peft.scheme"], f"peft={_fmt(p.scheme)} is not a PEFT scheme (lora, dora).",
+                         "write peft=lora (or peft=null).")]
+    targets = p.target_modules
+    bad = [t for t in targets if t not in lora.TARGETS] if isinstance(targets, list) else None
+    if bad is None or not targets or bad:
+        what = f"has {', '.join(map(_fmt, bad))}" if bad else "is empty"
+        out.append(_v("R33", ["peft.target_modules"], f"peft.target_modules {what}: graphstep's adapters wrap the "
+                      f"decoder layers' linear layers by Bridge's names ({', '.join(lora.TARGETS)}); module paths "
+                      "and wildcards are not implemented.", "set peft.target_modules to a list of those names "
+                      "(default: all four)."))
+    dim, alpha, dropout = _num(p.dim), _num(p.alpha), _num(p.dropout)
+    if not isinstance(p.dim, int) or dim is None or dim < 1:
+        out.append(_v("R33", ["peft.dim"], f"peft.dim={_fmt(p.dim)}: the adapters' rank is a positive integer.",
+                      "set peft.dim=8 (or 16, 32: Bridge's default)."))
+    if alpha is None or alpha <= 0:
+        out.append(_v("R33", ["peft.alpha"], f"peft.alpha={_fmt(p.alpha)}: the scaling numerator is a positive "
+                      "number.", "set peft.alpha=32 (Bridge's default) or twice peft.dim."))
+    if dropout is None or not 0.0 <= dropout < 1.0:
+        out.append(_v("R33", ["peft.dropout"], f"peft.dropout={_fmt(p.dropout)}: a dropout probability is in "
+                      "[0, 1).", "set peft.dropout=0.0 (Bridge's default) or e.g. 0.1."))
+    for name, choices in (("dropout_position", lora.DROPOUT_POSITIONS), ("lora_A_init_method", lora.A_INITS),
+                          ("lora_B_init_method", lora.B_INITS)):
+        value = getattr(p, name)
+        if _str(value) not in choices:
+            out.append(_v("R33", [f"peft.{name}"], f"peft.{name}={_fmt(value)} is not one of "
+                          f"{', '.join(choices)}.", f"set peft.{name}={choices[0]} (Bridge's default)."))
+    return out + _r33_combinations(v, dropout or 0.0)
+
+
+def _r33_combinations(v: View, dropout: float) -> list[Violation]:
+    """What LoRA does not combine with yet: sharded or staged models, FP8, MoE and hybrid models, and
+    adapter dropout inside recomputed regions."""
+    m, out = v.cfg.model, []
+    others = [(f"model.{key}", f"{what} ({key}={_fmt(getattr(m, key))})") for key, what in (
+        ("tensor_model_parallel_size", "tensor parallel"), ("pipeline_model_parallel_size", "pipeline stages"),
+        ("expert_model_parallel_size", "expert parallel"), ("context_parallel_size", "context parallel"))
+        if isinstance(getattr(m, key), int) and getattr(m, key) > 1]
+    if v.cfg.ddp.use_megatron_fsdp is True:
+        others.append(("ddp.use_megatron_fsdp", "FSDP2 (ddp.use_megatron_fsdp=true)"))
+    if v.cfg.mixed_precision.fp8 is not None:
+        others.append(("mixed_precision.fp8", f"FP8 (mixed_precision.fp8={_fmt(v.cfg.mixed_precision.fp8)})"))
+    if m.num_moe_experts is not None:
+        others.append(("model.num_moe_experts", f"an MoE model (num_moe_experts={_fmt(m.num_moe_experts)})"))
+    if m.hybrid_override_pattern:
+        others.append(("model.hybrid_override_pattern", "a hybrid Mamba model (hybrid_override_pattern set)"))
+    for key, what in others:
+        out.append(_v("R33", ["peft.scheme", key], f"peft=lora with {what} is not implemented yet: graphstep's "
+                      "adapters run on data-parallel replicas of a dense transformer.",
+                      f"drop {what.split(' (')[0]}, or write peft=null."))
+    recomputed = _names(m.recompute_modules) or []
+    if dropout > 0 and (m.recompute_granularity == "full" or
+                        (m.recompute_granularity == "selective" and "mlp" in recomputed)):
+        out.append(_v("R33", ["peft.dropout", "model.recompute_granularity"], f"peft.dropout={dropout:g} inside "
+                      "recomputed layers: the recompute would draw other adapter dropout masks than the forward.",
+                      "set peft.dropout=0.0, or recompute only core_attn (or nothing)."))
     return out
 
 
@@ -425,7 +509,7 @@ def _r35(v: View) -> list[Violation]:
 
 
 RUN_RULES = (("R18", _r18), ("R19", _r19), ("R20", _r20), ("R21", _r21), ("R22", _r22), ("R23", _r23),
-             ("R24", _r24), ("R32", _r32), ("R33", lambda v: _refused(v, "R33")),
+             ("R24", _r24), ("R32", _r32), ("R33", _r33),
              ("R34", lambda v: _refused(v, "R34")), ("R35", _r35),
              ("R36", lambda v: _refused(v, "R36")), ("R37", lambda v: _refused(v, "R37")), ("R38", _r38),
              ("R39", lambda v: _refused(v, "R39")), ("R40", _r40))

@@ -1,0 +1,162 @@
+"""LoRA fine-tuning of the decoder layers' projections (Megatron Bridge's ``peft=lora``).
+
+``apply_lora(model, plan)`` freezes every parameter of the built model (its weights loaded) and swaps the
+decoder layers' target ``nn.Linear`` -- Bridge's names ``linear_qkv``, ``linear_proj``, ``linear_fc1``,
+``linear_fc2`` -- for :class:`LoRALinear`, in place, before anything holds on to the modules:
+
+    y = x W^T + b + (alpha / dim) * B(A(dropout(x)))
+
+* the base ``weight`` (and ``bias``) are the same ``nn.Parameter`` objects at the same names, frozen
+  (``requires_grad=False``): the gradient buffers and the optimizer (training/optim.py) take only parameters
+  that require a gradient, so a frozen weight has no gradient, no fp32 master copy and no Adam moments;
+* ``lora_A`` (``dim x in``) and ``lora_B`` (``out x dim``) are the only trainable parameters, in the model's
+  dtype; A is initialised as Bridge does (``xavier``: Xavier-uniform; ``uniform``: Kaiming-uniform with
+  ``a=sqrt(5)``, PyTorch's ``nn.Linear`` default), B with zeros, so the adapted model starts equal to the base;
+* adapter dropout (``dropout_position=pre``: on the adapter's input; ``post``: on its output) draws from the
+  RNG tracker's data-parallel stream, as the model's hidden dropout does (models/transformer.py), so a graph
+  replays it with the generator state the tracker registers.
+
+``merged_state_dict`` folds the adapters into the base weights (``export_hf`` writes that merged model).
+What does not combine (DoRA, lora_dtype, tensor/pipeline/expert parallel, FSDP2, FP8, MoE and hybrid models)
+is refused by rule R33 (docs/rules.md).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .transformer import hidden_dropout
+
+SCHEMES = ("lora",)
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Bridge's LoRA default: all four
+DROPOUT_POSITIONS = ("pre", "post")
+A_INITS = ("xavier", "uniform")
+B_INITS = ("zero",)
+_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
+
+
+@dataclass(frozen=True)
+class LoRAPlan:
+    """What to adapt and how: the target names, rank, scaling, dropout and initialisation."""
+
+    targets: tuple[str, ...]
+    dim: int
+    alpha: float
+    dropout: float
+    dropout_position: str
+    a_init: str
+    b_init: str
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.dim
+
+    def describe(self, adapted: int, trainable: int, frozen: int) -> str:
+        return (f"LoRA: {adapted} linear layers ({', '.join(self.targets)}) with rank {self.dim}, alpha "
+                f"{self.alpha:g} (scale {self.scale:g}), dropout {self.dropout:g} ({self.dropout_position}); "
+                f"{trainable:,} trainable parameters, {frozen:,} frozen")
+
+
+def plan_from(peft: Any) -> LoRAPlan | None:
+    """The plan of a validated config's ``peft`` section (None with ``peft=null``)."""
+    if peft.scheme is None:
+        return None
+    targets = peft.target_modules if peft.target_modules is not None else list(TARGETS)
+    return LoRAPlan(targets=tuple(str(t) for t in targets), dim=int(peft.dim), alpha=float(peft.alpha),
+                    dropout=float(peft.dropout), dropout_position=str(peft.dropout_position),
+                    a_init=str(peft.lora_A_init_method), b_init=str(peft.lora_B_init_method))
+
+
+class LoRALinear(nn.Linear):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update ``(alpha / dim) * B A``.
+
+    It holds the base layer's own ``weight`` and ``bias`` parameters (same objects, same names), so weights
+    loaded before the swap and checkpoints of the base model keep their keys.
+    """
+
+    def __init__(self, base: nn.Linear, plan: LoRAPlan) -> None:
+        nn.Module.__init__(self)  # not nn.Linear's: the weight exists already
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        w = base.weight
+        self.lora_A = nn.Linear(self.in_features, plan.dim, bias=False, device=w.device, dtype=w.dtype)
+        self.lora_B = nn.Linear(plan.dim, self.out_features, bias=False, device=w.device, dtype=w.dtype)
+        self.alpha, self.scale = plan.alpha, plan.scale
+        self.dropout = plan.dropout
+        self.dropout_position = plan.dropout_position
+        with torch.no_grad():
+            if plan.a_init == "xavier":
+                nn.init.xavier_uniform_(self.lora_A.weight)
+            else:
+                nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        pre = self.dropout_position == "pre"
+        a = hidden_dropout(x, self.dropout, self.training) if pre else x
+        update = self.lora_B(self.lora_A(a))
+        if not pre:
+            update = hidden_dropout(update, self.dropout, self.training)
+        return y + update * self.scale
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """``W + (alpha / dim) * B A``, computed in fp32 and cast to the weight's dtype."""
+        update = self.lora_B.weight.float() @ self.lora_A.weight.float()
+        return (self.weight.float() + self.scale * update).to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"dim={self.lora_A.out_features}, scale={self.scale:g}")
+
+
+def _target(name: str, module: nn.Module, targets: tuple[str, ...]) -> bool:
+    return (type(module) is nn.Linear and name.rsplit(".", 1)[-1] in targets
+            and _LAYER.search("." + name) is not None)
+
+
+def apply_lora(model: nn.Module, plan: LoRAPlan) -> list[str]:
+    """Freeze ``model`` and put :class:`LoRALinear` in place of its decoder layers' target linear layers.
+
+    Returns the adapted module names. A target name that matches no linear layer of the model is an error
+    (the adapters would silently be missing)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    found = [(name, m) for name, m in model.named_modules() if _target(name, m, plan.targets)]
+    missing = sorted(set(plan.targets) - {name.rsplit(".", 1)[-1] for name, _ in found})
+    if missing:
+        raise ValueError(f"peft.target_modules has {', '.join(missing)}, which names no linear layer of the "
+                         f"model's decoder layers; drop it from peft.target_modules.")
+    for name, linear in found:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LoRALinear(linear, plan))
+    return [name for name, _ in found]
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` (detached) with every adapter merged into its base weight and the adapter entries
+    dropped: the plain model the adapters define (what ``export_hf`` writes). A model without adapters: as is."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            prefix = f"{name}." if name else ""
+            state[prefix + "weight"] = module.merged_weight()
+            del state[prefix + "lora_A.weight"], state[prefix + "lora_B.weight"]
+    return state
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return trainable, frozen

@@ -1,0 +1,339 @@
+"""LoRA fine-tuning (peft=lora, models/lora.py): graphed equals eager bit for bit with the adapters inside the
+graphs, the base weights never move, the optimizer holds only the adapters; Bridge's peft fields act or are
+refused by R33.
+
+The CPU runs use the replay backend; the ``cuda`` ones run the same comparison with CUDA graphs (scripts/gpu-check).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphstep.models.lora import LoRALinear, TARGETS
+from graphstep.validation import validate_config
+
+from helpers.runs import assert_same_run, eager, tiny_config
+
+DEVICES = [
+    pytest.param("cpu"),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                     reason="needs a GPU")]),
+]
+BASE = ["train.train_iters=6", "checkpoint.save=null", "peft=lora", "peft.dim=8", "peft.alpha=16"]
+ADAPTERS = {
+    "no_dropout": [],
+    "dropout_pre": ["peft.dropout=0.1"],
+    "dropout_post_qkv_fc2_uniform": ["peft.dropout=0.1", "peft.dropout_position=post",
+                                     "peft.target_modules=[linear_qkv,linear_fc2]", "peft.lora_A_init_method=uniform"],
+}
+GRAPHS = {
+    "full_iteration+optimizer": ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
+    "local[attn,mlp]": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+}
+
+
+def train(cfg):
+    from graphstep.training.loop import train as run
+
+    return run(cfg, keep_model=True)
+
+
+def _initial(cfg) -> dict[str, torch.Tensor]:
+    """The model's parameters as built (adapters added), before any step."""
+    from graphstep.training.build import RunOptions, build_run
+
+    run = build_run(cfg, RunOptions(torch.device(cfg.train.device)))
+    try:
+        return {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    finally:
+        run.close()
+
+
+def _adapted(model) -> list[str]:
+    return sorted(name for name, m in model.named_modules() if isinstance(m, LoRALinear))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("adapters", sorted(ADAPTERS))
+def test_lora_graphed_equals_eager_and_trains_only_the_adapters(adapters, device):
+    overrides = [*BASE, *ADAPTERS[adapters], f"train.device={device}"]
+    cfg = eager(tiny_config(*overrides))
+    start = _initial(cfg)
+    ref = train(cfg)
+    targets = cfg.peft.target_modules
+    adapted = _adapted(ref.model)
+    assert {name.rsplit(".", 1)[-1] for name in adapted} == set(targets)
+    assert len(adapted) == len(targets) * cfg.model.num_layers
+    end = {n: p.detach() for n, p in ref.model.named_parameters()}
+    assert end.keys() == start.keys()
+    for name, p in ref.model.named_parameters():
+        if ".lora_" in name:
+            assert p.requires_grad and p.dtype == ref.model.embedding.weight.dtype, name
+            assert not torch.equal(p, start[name]), f"adapter {name} did not train"
+        else:
+            assert not p.requires_grad, name
+            assert torch.equal(p, start[name]), f"frozen {name} changed"
+    for name, graphs in GRAPHS.items():
+        graphed = train(tiny_config(*overrides, *graphs))
+        assert _adapted(graphed.model) == adapted, name
+        assert "replayed" in str(graphed.rows[-1]["state"]).lower(), name
+        assert_same_run(ref, graphed)
+
+
+def test_adapter_dropout_draws_masks():
+    losses = {k: [r["loss"] for r in train(eager(tiny_config(*BASE, *ADAPTERS[k], "train.train_iters=2"))).rows]
+              for k in ("no_dropout", "dropout_pre")}
+    assert losses["no_dropout"] != losses["dropout_pre"]
+
+
+def test_the_optimizer_and_gradient_buffers_hold_only_the_adapters():
+    from graphstep.training.build import RunOptions, build_run
+
+    cfg = tiny_config(*BASE, "model.params_dtype=bf16")
+    run = build_run(cfg, RunOptions(torch.device("cpu")))
+    try:
+        names = {id(p): n for n, p in run.model.named_parameters()}
+        held = sorted(names[id(p)] for p in run.grads.params)
+        adapters = sorted(n for n, p in run.model.named_parameters() if ".lora_" in n)
+        assert held == adapters and len(adapters) == 2 * len(TARGETS) * cfg.model.num_layers
+        numel = sum(p.numel() for n, p in run.model.named_parameters() if ".lora_" in n)
+        assert run.grads.flat.numel() == numel  # no gradient buffer for a frozen weight
+        opt = run.optimizer
+        assert len(opt.master) == len(opt.exp_avg) == len(opt.exp_avg_sq) == len(adapters)
+        assert sum(m.numel() for m in opt.master) == numel  # no fp32 master copy of a frozen weight
+        frozen = [p for n, p in run.model.named_parameters() if ".lora_" not in n]
+        assert all(not hasattr(p, "main_grad") for p in frozen)
+    finally:
+        run.close()
+
+
+def test_peft_null_trains_every_weight_as_before():
+    ref = train(eager(tiny_config("train.train_iters=3", "checkpoint.save=null")))
+    null = train(eager(tiny_config("train.train_iters=3", "checkpoint.save=null", "peft=null")))
+    assert not _adapted(null.model)
+    assert_same_run(ref, null)
+
+
+# --------------------------------------------------------------------------
+# what acts and what R33 refuses
+
+
+def _r33(*overrides: str) -> list[tuple[tuple[str, ...], str]]:
+    return [(v.fields, str(v)) for v in validate_config(tiny_config(*overrides)) if v.rule == "R33"]
+
+
+def test_bridge_lora_fields_are_accepted_with_their_defaults():
+    cfg = tiny_config("peft=lora")
+    p = cfg.peft
+    assert (p.scheme, p.target_modules, p.dim, p.alpha, p.dropout, p.dropout_position, p.lora_A_init_method,
+            p.lora_B_init_method) == ("lora", list(TARGETS), 32, 32, 0.0, "pre", "xavier", "zero")
+    assert not validate_config(cfg)
+    assert not _r33(*BASE, "peft.dropout=0.1", "peft.dropout_position=post", "peft.target_modules=[linear_qkv]",
+                    "peft.lora_A_init_method=uniform")
+
+
+@pytest.mark.parametrize("overrides, fields, words", [
+    (["peft=dora"], ("peft.scheme",), "DoRA"),
+    (["peft=qlora"], ("peft.scheme",), "not a PEFT scheme"),
+    (["peft.dim=8"], ("peft.dim",), "without a scheme"),
+    (["peft=lora", "peft.lora_dtype=fp32"], ("peft.lora_dtype",), "model's dtype"),
+    (["peft=lora", "peft.a2a_experimental=true"], ("peft.a2a_experimental",), "all-to-all"),
+    (["peft=lora", "peft.target_modules=[*.layers.0.*.linear_qkv]"], ("peft.target_modules",), "wildcards"),
+    (["peft=lora", "peft.target_modules=[]"], ("peft.target_modules",), "is empty"),
+    (["peft=lora", "peft.dim=0"], ("peft.dim",), "positive integer"),
+    (["peft=lora", "peft.alpha=-1"], ("peft.alpha",), "positive number"),
+    (["peft=lora", "peft.dropout=1.0"], ("peft.dropout",), "[0, 1)"),
+    (["peft=lora", "peft.dropout_position=middle"], ("peft.dropout_position",), "pre, post"),
+    (["peft=lora", "peft.lora_A_init_method=normal"], ("peft.lora_A_init_method",), "xavier, uniform"),
+    (["peft=lora", "peft.lora_B_init_method=xavier"], ("peft.lora_B_init_method",), "zero"),
+    (["peft=lora", "model.tensor_model_parallel_size=2"], ("peft.scheme", "model.tensor_model_parallel_size"),
+     "tensor parallel"),
+    (["peft=lora", "model.pipeline_model_parallel_size=2"], ("peft.scheme", "model.pipeline_model_parallel_size"),
+     "pipeline stages"),
+    (["peft=lora", "ddp.use_megatron_fsdp=true"], ("peft.scheme", "ddp.use_megatron_fsdp"), "FSDP2"),
+    (["peft=lora", "mixed_precision.fp8=hybrid"], ("peft.scheme", "mixed_precision.fp8"), "FP8"),
+    (["peft=lora", "checkpoint.pretrained_checkpoint=/ckpt", "model.hf_path=/hf"],
+     ("checkpoint.pretrained_checkpoint", "model.hf_path"), "two sources"),
+    (["peft=lora", "peft.dropout=0.1", "model.recompute_granularity=full"],
+     ("peft.dropout", "model.recompute_granularity"), "recompute"),
+])
+def test_r33_refuses_what_lora_does_not_implement_in_one_line(overrides, fields, words):
+    found = _r33(*overrides)
+    assert [f for f, _ in found] == [fields], found
+    message = found[0][1]
+    assert words in message and "\n" not in message and "Fix:" in message
+
+
+def test_r33_refuses_lora_on_moe_models():
+    found = _r33("peft=lora", "model.num_moe_experts=4")
+    assert [f for f, _ in found] == [("peft.scheme", "model.num_moe_experts")]
+
+
+# --------------------------------------------------------------------------
+# checkpoint.pretrained_checkpoint and resume
+
+
+def test_lora_from_a_pretrained_checkpoint_keeps_its_weights_frozen(tmp_path):
+    base = train(eager(tiny_config("train.train_iters=4", f"checkpoint.save={tmp_path / 'base'}")))
+    pretrained = {n: p.detach().clone() for n, p in base.model.named_parameters()}
+    overrides = [*BASE, "peft.dropout=0.1", f"checkpoint.pretrained_checkpoint={tmp_path / 'base'}"]
+    cfg = eager(tiny_config(*overrides))
+    start = _initial(cfg)
+    assert all(torch.equal(start[n], p) for n, p in pretrained.items())  # the same names: loaded before the adapters
+    ref = train(cfg)
+    for name, p in ref.model.named_parameters():
+        if ".lora_" not in name:
+            assert torch.equal(p, pretrained[name]), name
+    scratch = train(eager(tiny_config(*BASE, "peft.dropout=0.1")))
+    assert ref.rows[0]["loss"] != scratch.rows[0]["loss"]
+    assert_same_run(ref, train(tiny_config(*overrides, *GRAPHS["full_iteration+optimizer"])))
+
+
+def test_a_pretrained_checkpoint_of_another_model_or_none_is_a_one_line_error(tmp_path):
+    from graphstep.errors import CheckpointError
+
+    train(eager(tiny_config("train.train_iters=1", "model.num_layers=3", f"checkpoint.save={tmp_path / 'three'}",
+                            "model.cuda_graph_warmup_steps=0")))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    for where, words in ((tmp_path / "three", "model.num_layers=3 (this run: 2)"), (tmp_path / "none", "holds no"),
+                         (tmp_path / "hf", f"set model.hf_path={tmp_path / 'hf'} instead")):
+        with pytest.raises(CheckpointError) as err:
+            train(eager(tiny_config(*BASE, f"checkpoint.pretrained_checkpoint={where}")))
+        message = str(err.value)
+        assert words in message and "checkpoint.pretrained_checkpoint" in message and "\n" not in message, message
+
+
+def test_lora_resumes_exactly(tmp_path):
+    overrides = [*BASE, "peft.dropout=0.1", *GRAPHS["full_iteration+optimizer"], "model.cuda_graph_warmup_steps=1"]
+    whole = train(tiny_config(*overrides))
+    train(tiny_config(*overrides, "train.train_iters=3", f"checkpoint.save={tmp_path / 'run'}"))
+    resumed = train(tiny_config(*overrides, f"checkpoint.load={tmp_path / 'run'}"))
+    assert [r["loss"] for r in resumed.rows] == [r["loss"] for r in whole.rows[3:]]
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_memory_estimate_counts_gradients_and_optimizer_state_of_the_adapters_only():
+    from graphstep.recipes import get_recipe
+    from graphstep.config import apply_overrides
+    from graphstep.training.memory import element_size, estimate_memory
+
+    full = estimate_memory(get_recipe("llama32_1b"), torch.device("cpu"))
+    cfg = apply_overrides(get_recipe("llama32_1b"), ["peft=lora", "peft.dim=8"])
+    est = estimate_memory(cfg, torch.device("cpu"))
+    m = cfg.model
+    kv = m.num_query_groups * (m.kv_channels or m.hidden_size // m.num_attention_heads)
+    qkv = m.hidden_size + 2 * kv
+    per_layer = 8 * ((m.hidden_size + qkv) + (m.hidden_size + m.hidden_size)
+                     + (m.hidden_size + 2 * m.ffn_hidden_size) + (m.ffn_hidden_size + m.hidden_size))
+    trainable = m.num_layers * per_layer
+    e = element_size(cfg, torch.device("cpu"))
+    assert est.parameters == full.parameters + trainable
+    assert est.gradients == trainable * 4
+    assert est.optimizer == trainable * (8 if e == 4 else 12)
+    assert est.weights == full.weights + trainable * e
+
+
+# --------------------------------------------------------------------------
+# export
+
+
+def test_export_hf_writes_the_merged_model_transformers_loads_with_the_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from graphstep.models.hf import export_hf
+
+    cfg = eager(tiny_config(*BASE, "model.attention_dropout=0.0", "model.hidden_dropout=0.0"))
+    model = train(cfg).model.eval()
+    out = export_hf(model, cfg.model, tmp_path / "hf")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, model(tokens), atol=1e-4, rtol=0)
+    assert not any("lora" in k for k in back.state_dict())
+    with torch.no_grad():  # the adapters matter: without them the logits differ well beyond the tolerance
+        for module in model.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_B.weight.zero_()
+        assert (back(tokens).logits - model(tokens)).abs().max() > 1e-2
+
+
+def test_export_peft_adapter_loads_in_hf_peft_over_the_exported_base_with_the_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")  # the test extra installs it
+    import copy
+    import json
+
+    from graphstep.models.hf import HFExportError, export_hf, export_peft_adapter
+
+    cfg = eager(tiny_config(*BASE, "model.attention_dropout=0.0", "model.hidden_dropout=0.0",
+                            "peft.dropout=0.1", "peft.target_modules=[linear_qkv,linear_fc1,linear_fc2]"))
+    model = train(cfg).model.eval()
+    base = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in base.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_B.weight.zero_()  # merged: exactly the frozen base weights
+    export_hf(base, cfg.model, tmp_path / "base")
+    out = export_peft_adapter(model, cfg.model, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (8, 16, 0.1)
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        plain = hf_base(tokens).logits
+        adapted = peft.PeftModel.from_pretrained(hf_base, out).eval()
+        logits = adapted(tokens).logits
+        torch.testing.assert_close(logits, model(tokens), atol=1e-4, rtol=0)
+        assert (plain - logits).abs().max() > 1e-2  # the adapters are what makes them equal
+    with pytest.raises(HFExportError, match="not a new or empty folder"):
+        export_peft_adapter(model, cfg.model, out)
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.dropout_position = "post"
+    with pytest.raises(HFExportError, match="dropout_position=post has no peft equivalent"):
+        export_peft_adapter(model, cfg.model, tmp_path / "post")
+    with pytest.raises(HFExportError, match="no LoRA adapters"):
+        export_peft_adapter(train(eager(tiny_config("train.train_iters=1", "model.cuda_graph_warmup_steps=0"))).model,
+                            cfg.model, tmp_path / "none")
+
+
+# --------------------------------------------------------------------------
+# the library API over Hugging Face peft
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_graph_step_over_a_hugging_face_peft_lora_model_equals_eager(dropout):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")  # the test extra installs it
+    import graphstep
+
+    def run(graphed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=dropout, target_modules=["q_proj", "v_proj"])).train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=False)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        # peft's dropout draws from the default generator: the graph registers it
+        fn = graphstep.graph_step(step, warmup_steps=1, device="cpu", modules=[model],
+                                  generators=[torch.default_generator]) if graphed else step
+        g = torch.Generator().manual_seed(1)
+        out = [fn(torch.randint(0, 128, (2, 16), generator=g)).clone() for _ in range(5)]
+        if graphed:
+            assert fn.state == "replayed"
+        graphstep.close_all()
+        return out + [p.detach().clone() for p in model.parameters()]
+
+    eager_run, graphed_run = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(eager_run, graphed_run))
