@@ -153,6 +153,7 @@ def test_bridge_lora_fields_are_accepted_with_their_defaults():
      "pipeline stages"),
     (["peft=lora", "ddp.use_megatron_fsdp=true"], ("peft.scheme", "ddp.use_megatron_fsdp"), "FSDP2"),
     (["peft=lora", "mixed_precision.fp8=hybrid"], ("peft.scheme", "mixed_precision.fp8"), "FP8"),
+    (["peft=lora", "compile.enable=true"], ("peft.scheme", "compile.enable"), "torch.compile"),
     (["peft=lora", "checkpoint.pretrained_checkpoint=/ckpt", "model.hf_path=/hf"],
      ("checkpoint.pretrained_checkpoint", "model.hf_path"), "two sources"),
     (["peft=lora", "peft.dropout=0.1", "model.recompute_granularity=full"],

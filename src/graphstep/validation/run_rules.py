@@ -338,6 +338,8 @@ def _r33_combinations(v: View, dropout: float) -> list[Violation]:
         others.append(("model.num_moe_experts", f"an MoE model (num_moe_experts={_fmt(m.num_moe_experts)})"))
     if m.hybrid_override_pattern:
         others.append(("model.hybrid_override_pattern", "a hybrid Mamba model (hybrid_override_pattern set)"))
+    if v.cfg.compile.enable is True:
+        others.append(("compile.enable", "torch.compile (compile.enable=true)"))
     for key, what in others:
         out.append(_v("R33", ["peft.scheme", key], f"peft=lora with {what} is not implemented yet: graphstep's "
                       "adapters run on data-parallel replicas of a dense transformer.",
