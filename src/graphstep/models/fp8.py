@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .transformer import decoder_layer_of
+
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FORMATS = ("e4m3", "hybrid")
 ALIGN = 16  # torch._scaled_mm takes operands whose dimensions are multiples of 16
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,8 @@ def float8_config(recipe: str, fmt: str) -> Any:
 def _eligible(plan: FP8Plan, module: nn.Module, name: str) -> bool:
     if type(module) is not nn.Linear:
         return False
-    layer = _LAYER.search("." + name + ".")
-    if layer is None or int(layer.group(1)) in plan.bf16_layers:
+    layer = decoder_layer_of(name)
+    if layer is None or layer in plan.bf16_layers:
         return False  # outside the decoder layers (the output layer), or a layer kept in bf16
     return module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
 

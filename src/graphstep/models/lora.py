@@ -24,7 +24,6 @@ is refused by rule R33 (docs/rules.md).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .transformer import hidden_dropout
+from .transformer import decoder_layer_of, hidden_dropout
 
 SCHEMES = ("lora",)
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Bridge's LoRA default: all four
 DROPOUT_POSITIONS = ("pre", "post")
 A_INITS = ("xavier", "uniform")
 B_INITS = ("zero",)
-_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -121,7 +119,7 @@ class LoRALinear(nn.Linear):
 
 def _target(name: str, module: nn.Module, targets: tuple[str, ...]) -> bool:
     return (type(module) is nn.Linear and name.rsplit(".", 1)[-1] in targets
-            and _LAYER.search("." + name) is not None)
+            and decoder_layer_of(name) is not None)
 
 
 def apply_lora(model: nn.Module, plan: LoRAPlan) -> list[str]:

@@ -21,6 +21,7 @@ model how many heads it holds and how its final hidden state is laid out.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -275,6 +276,16 @@ def _vocab_parallel_logits(h: torch.Tensor, weight: DTensor, placement: Placemen
     if not placement.is_replicate():
         hidden = hidden.redistribute(mesh, [Replicate()])
     return F.linear(hidden, weight).full_tensor()
+
+
+_DECODER_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def decoder_layer_of(name: str) -> int | None:
+    """The index of the decoder layer a module of the model lies in, from its name (``layers.3.mlp.linear_fc1``:
+    3); None outside the decoder layers (the embedding, the output layer)."""
+    found = _DECODER_LAYER.search(name + ".")
+    return int(found.group(1)) if found is not None else None
 
 
 class GPTModel(nn.Module):

@@ -38,7 +38,7 @@ from graphstep.cuda_graph.settings import CudaGraphSettings, GraphImpl
 
 from .graph_rules import GRAPH_RULES, make_view
 from .migrations import apply_perf_flags, normalize_cuda_graph_config, normalized_copy
-from .report import ConfigValidationError, Violation, checked, format_violations
+from .report import ConfigValidationError, Violation, checked, format_violations, get
 from .parallel_rules import PARALLEL_RULES
 from .run_rules import REPLAY_COMPILE_REASON, RUN_RULES, noop_notes
 from .values import sharding_note, value_violations
@@ -146,8 +146,7 @@ def accepted_notes(cfg: Config) -> list[str]:
         out.append(sharding)
     if cfg.mixed_precision.fp8 is not None:
         for key in ("mixed_precision.fp8_param_gather", "model.fp8_param_gather"):
-            section, name = key.split(".")
-            if getattr(getattr(cfg, section), name) is True:  # R32 refuses it with sharded parameters
+            if get(cfg, key) is True:  # R32 refuses it with sharded parameters
                 out.append(f"{key}=true: nothing to gather in FP8, the data-parallel ranks hold whole replicas")
     m = cfg.model
     modules = [str(x) for x in m.cuda_graph_modules] if isinstance(m.cuda_graph_modules, list) else []

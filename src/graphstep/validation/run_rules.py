@@ -200,6 +200,18 @@ _RECIPE_WHY = {
 }
 
 
+def _beyond_replicas(cfg: Any) -> list[tuple[str, str]]:
+    """The layouts a run asks for beyond data-parallel replicas, as (field, what): model parallelism, FSDP2."""
+    m = cfg.model
+    out = [(f"model.{key}", f"{what} ({key}={_fmt(getattr(m, key))})") for key, what in (
+        ("tensor_model_parallel_size", "tensor parallel"), ("pipeline_model_parallel_size", "pipeline stages"),
+        ("expert_model_parallel_size", "expert parallel"), ("context_parallel_size", "context parallel"))
+        if isinstance(getattr(m, key), int) and getattr(m, key) > 1]
+    if cfg.ddp.use_megatron_fsdp is True:
+        out.append(("ddp.use_megatron_fsdp", "FSDP2 (ddp.use_megatron_fsdp=true)"))
+    return out
+
+
 def _r32(v: View) -> list[Violation]:
     """FP8 as graphstep implements it (models/fp8.py): current or row-wise scaling on torchao, alone on data
     parallel; the presets and fields it does not implement."""
@@ -239,15 +251,10 @@ def _r32(v: View) -> list[Violation]:
         out.append(_v("R32", ["mixed_precision.fp8_recipe", "mixed_precision.fp8"], f"mixed_precision.fp8_recipe="
                       f"{recipe} with mixed_precision.fp8=hybrid: torchao's row-wise scalings cast the gradients to "
                       "e4m3, not e5m2.", "set mixed_precision.fp8=e4m3, or mixed_precision.fp8_recipe=tensorwise."))
-    m, d = cfg.model, cfg.ddp
-    sharded = d.use_megatron_fsdp is True
-    dist_opt = d.use_distributed_optimizer is True or cfg.optimizer.use_distributed_optimizer is True
-    others = [(f"model.{key}", f"{what} ({key}={_fmt(getattr(m, key))})") for key, what in (
-        ("tensor_model_parallel_size", "tensor parallel"), ("pipeline_model_parallel_size", "pipeline stages"),
-        ("expert_model_parallel_size", "expert parallel"), ("context_parallel_size", "context parallel"))
-        if isinstance(getattr(m, key), int) and getattr(m, key) > 1]
-    if sharded:
-        others.append(("ddp.use_megatron_fsdp", "FSDP2 (ddp.use_megatron_fsdp=true)"))
+    d = cfg.ddp
+    sharded = d.use_megatron_fsdp is True or d.use_distributed_optimizer is True \
+        or cfg.optimizer.use_distributed_optimizer is True
+    others = _beyond_replicas(cfg)
     if cfg.compile.enable is True and v.per_layer:
         others.append(("compile.enable", "torch.compile of per-layer graphs (compile.enable=true)"))
     for key, what in others:
@@ -255,7 +262,7 @@ def _r32(v: View) -> list[Violation]:
                       "implemented yet: graphstep's FP8 runs on data-parallel replicas.",
                       f"set mixed_precision.fp8=null (bf16), or drop {what.split(' (')[0]}."))
     for key in ("mixed_precision.fp8_param_gather", "model.fp8_param_gather"):
-        if _get_field(cfg, key) is True and (sharded or dist_opt):
+        if _get_field(cfg, key) is True and sharded:
             out.append(_v("R32", [key], f"{key}=true with sharded parameters or optimizer state: the FP8 parameter "
                           "all-gather is not implemented.", f"set {key}=false."))
     if v.capability is not None and tuple(v.capability) < (8, 9):
@@ -326,12 +333,7 @@ def _r33_combinations(v: View, dropout: float) -> list[Violation]:
     """What LoRA does not combine with yet: sharded or staged models, FP8, MoE and hybrid models, and
     adapter dropout inside recomputed regions."""
     m, out = v.cfg.model, []
-    others = [(f"model.{key}", f"{what} ({key}={_fmt(getattr(m, key))})") for key, what in (
-        ("tensor_model_parallel_size", "tensor parallel"), ("pipeline_model_parallel_size", "pipeline stages"),
-        ("expert_model_parallel_size", "expert parallel"), ("context_parallel_size", "context parallel"))
-        if isinstance(getattr(m, key), int) and getattr(m, key) > 1]
-    if v.cfg.ddp.use_megatron_fsdp is True:
-        others.append(("ddp.use_megatron_fsdp", "FSDP2 (ddp.use_megatron_fsdp=true)"))
+    others = _beyond_replicas(v.cfg)
     if v.cfg.mixed_precision.fp8 is not None:
         others.append(("mixed_precision.fp8", f"FP8 (mixed_precision.fp8={_fmt(v.cfg.mixed_precision.fp8)})"))
     if m.num_moe_experts is not None:
