@@ -94,7 +94,7 @@ class MixedPrecisionConfig:
 
     bf16 acts (bf16 parameters, fp32 master weights and gradient reduction: graphstep's bf16 training);
     FP8 acts with current (tensorwise) scaling -- and torchao's rowwise scalings -- on torchao's float8
-    training (models/fp8.py); delayed, blockwise, MXFP8 and FP4 are R32; fp16 with loss scaling is R18.
+    training (converters/fp8.py); delayed, blockwise, MXFP8 and FP4 are R32; fp16 with loss scaling is R18.
     """
 
     preset: str | None = opt(
@@ -146,7 +146,7 @@ class MixedPrecisionConfig:
 
 @dataclass(kw_only=True)
 class PeftConfig:
-    """Bridge's peft section: ``peft=lora`` fine-tunes LoRA adapters on the frozen model (models/lora.py).
+    """Bridge's peft section: ``peft=lora`` fine-tunes LoRA adapters on the frozen model (converters/lora.py).
 
     ``peft=null`` (Bridge's pre-training default) trains every weight. The fields below act with
     ``peft=lora``, their defaults Bridge's ``LoRA`` defaults; DoRA, ``lora_dtype`` and the expert all-to-all

@@ -1,4 +1,4 @@
-"""FP8 training on torchao's float8 (mixed_precision.fp8, models/fp8.py): graphed equals the same FP8 program run
+"""FP8 training on torchao's float8 (mixed_precision.fp8, converters/fp8.py): graphed equals the same FP8 program run
 eagerly, bit for bit; the FP8 loss tracks bf16; Megatron Bridge's presets and fields act or are refused by R32.
 
 The CPU runs use the replay backend (``torch._scaled_mm`` runs on the CPU); the ``cuda`` ones run the same
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import graphstep
-from graphstep.models import fp8
+from graphstep.converters import fp8
 from graphstep.validation import accepted_notes, validate_config
 
 from helpers.runs import assert_same_run, eager, tiny_config

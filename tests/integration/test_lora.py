@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (peft=lora, models/lora.py): graphed equals eager bit for bit with the adapters inside the
+"""LoRA fine-tuning (peft=lora, converters/lora.py): graphed equals eager bit for bit with the adapters inside the
 graphs, the base weights never move, the optimizer holds only the adapters; Bridge's peft fields act or are
 refused by R33.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphstep.models.lora import LoRALinear, TARGETS
+from graphstep.converters.lora import LoRALinear, TARGETS
 from graphstep.validation import validate_config
 
 from helpers.runs import assert_same_run, eager, tiny_config

@@ -46,7 +46,7 @@ KNOWN_CYCLES_TO_REMOVE: set[frozenset[str]] = set()
 LAYERS: list[set[str]] = [
     {"cuda_graph"},
     {"config_sections", "config_bridge_sections", "config", "errors"},
-    {"data", "models", "integrations", "observability", "recipes", "engines_compat"},
+    {"data", "models", "converters", "integrations", "observability", "recipes", "engines_compat"},
     {"validation", "config_files"},
     {"training"},
     {"doctor", "bench", "api"},

@@ -80,7 +80,7 @@ def row_overrides(name: str, world_size: int = 1) -> list[str] | None:
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration"]
     if name == "full_iteration+optimizer":
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
-    if name.startswith(FP8_PREFIX):  # the row in FP8 (torchao float8, tensorwise, every decoder layer): models/fp8.py
+    if name.startswith(FP8_PREFIX):  # the row in FP8 (torchao float8, tensorwise, every decoder layer): converters/fp8.py
         inner = row_overrides(name[len(FP8_PREFIX):], world_size)
         return None if inner is None else inner + FP8_OVERRIDES
     prefix, inner = split_prefix(name)

@@ -26,7 +26,7 @@ is an error naming the key and the file.
 
 :func:`export_hf` writes the inverse -- config.json and one
 model.safetensors, experts per key as on the Hub -- which ``transformers``
-loads with the same logits; a model fine-tuned with LoRA (models/lora.py) is exported merged, each adapter
+loads with the same logits; a model fine-tuned with LoRA (converters/lora.py) is exported merged, each adapter
 folded into its base weight. The model type follows the configuration: MoE
 is ``qwen3_moe``, q/k norms ``qwen3``, q/k/v bias ``qwen2``, else ``llama``.
 It writes into a new or empty folder only (``overwrite=True`` replaces the
@@ -55,7 +55,7 @@ from torch import nn
 
 from graphstep.errors import HFCheckpointError, HFExportError
 
-from .lora import LoRALinear, merged_state_dict
+from ..converters.lora import LoRALinear, merged_state_dict
 
 log = logging.getLogger("graphstep")
 

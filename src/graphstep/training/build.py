@@ -41,7 +41,8 @@ from ..cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
 from ..cuda_graph.run_backend import RunBackend
 from ..cuda_graph.settings import CudaGraphSettings, GraphImpl
 from ..data.buckets import parse_buckets
-from ..models import build_model, fp8, lora, resolve_dtype
+from ..converters import fp8, lora
+from ..models import build_model, resolve_dtype
 from ..models.hf import load_hf_weights
 from ..validation import REPLAY_COMPILE_REASON, resolve_cuda_graph_settings
 from .checkpoint import load_pretrained
@@ -127,7 +128,7 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
 
     # 1. The model, after seeding the RNG tracker per rank (its initialisation draws from it); model.hf_path
     #    weights copied in and, with rng.data_parallel_random_init, rank 0's weights broadcast -- before step 3
-    #    takes the fp32 master copy; with peft=lora the model is frozen and its adapters added (models/lora.py),
+    #    takes the fp32 master copy; with peft=lora the model is frozen and its adapters added (converters/lora.py),
     #    so steps 2-3 see only the adapters as trainable. A pipeline stage keeps its own layers.
     dtype = resolve_dtype(cfg.model.params_dtype, device)
     model = _build_model(cfg, device, dp, dtype)

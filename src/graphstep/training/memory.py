@@ -16,7 +16,7 @@ is one unsharded replica. With ``P`` parameters, ``B`` buffer elements and
 
 Gradients are graphstep's fp32 ``main_grad`` buffer (training/optim.py), the
 optimizer Adam's exp_avg and exp_avg_sq in fp32, plus an fp32 master copy
-when replicated weights are not fp32. With LoRA (``peft=lora``, models/lora.py)
+when replicated weights are not fp32. With LoRA (``peft=lora``, converters/lora.py)
 gradients and optimizer count only the ``T`` trainable (adapter) elements --
 ``T/tp * 4`` and ``T/tp * 8 (+ T/tp * 4)`` -- and the weights include the
 adapters. Under FSDP2 the fp32 shards are the
@@ -78,7 +78,8 @@ import torch
 
 from ..config import Config
 from ..cuda_graph.devices import GiB
-from ..models import build_model, lora, resolve_dtype
+from ..converters import lora
+from ..models import build_model, resolve_dtype
 from ..models.hybrid import layer_kinds
 from ..models.transformer import recompute_runs
 from .parallel import Layout

@@ -23,7 +23,7 @@ from typing import Any
 
 from graphstep.config import PRECISION_PRESETS, explicit_keys, field_kind, iter_fields, refused_values
 
-from graphstep.models import fp8, lora
+from graphstep.converters import fp8, lora
 
 from .graph_rules import View, _impl_f
 from .migrations import FP8_CURRENT_SCALING_PRESET
@@ -213,7 +213,7 @@ def _beyond_replicas(cfg: Any) -> list[tuple[str, str]]:
 
 
 def _r32(v: View) -> list[Violation]:
-    """FP8 as graphstep implements it (models/fp8.py): current or row-wise scaling on torchao, alone on data
+    """FP8 as graphstep implements it (converters/fp8.py): current or row-wise scaling on torchao, alone on data
     parallel; the presets and fields it does not implement."""
     out = _refused(v, "R32")
     cfg, mp = v.cfg, v.cfg.mixed_precision
@@ -278,7 +278,7 @@ _PEFT_DEFAULTS = {"target_modules": list(lora.TARGETS), "dim": 32, "alpha": 32, 
 
 
 def _r33(v: View) -> list[Violation]:
-    """LoRA as graphstep implements it (models/lora.py): Bridge's LoRA fields with valid values, on data-parallel
+    """LoRA as graphstep implements it (converters/lora.py): Bridge's LoRA fields with valid values, on data-parallel
     replicas of a dense transformer; DoRA, the adapters' own dtype and the rest are refused."""
     out = _refused(v, "R33")
     cfg, p = v.cfg, v.cfg.peft

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .transformer import decoder_layer_of, hidden_dropout
+from ..models.transformer import decoder_layer_of, hidden_dropout
 
 SCHEMES = ("lora",)
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Bridge's LoRA default: all four

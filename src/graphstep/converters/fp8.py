@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .transformer import decoder_layer_of
+from ..models.transformer import decoder_layer_of
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FORMATS = ("e4m3", "hybrid")
