@@ -286,6 +286,7 @@ def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callab
         built = False
         try:
             step, data, capture_s, owner = build()
+            row.note = getattr(owner, "note", "") or row.note  # what a peer did differently, said beside it
             built = True
         finally:
             if lockstep is not None:  # on every rank, built or not, before the row's first step

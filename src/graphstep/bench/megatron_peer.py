@@ -21,97 +21,54 @@ it cannot run is a one-line ``RuntimeError``.
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import socket
 import sys
-import tempfile
 import time
 import types
 import warnings
-import zipfile
 from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
+from .wheels import extract_wheel, find_wheel as find_wheel_of, first_line, forget_package
+
 ROW = "megatron_full_cuda_graph"
 WHEEL_ENV = "GRAPHSTEP_MEGATRON_WHEEL"
 TESTED_VERSION = "0.16.1"  # the version scripts/fetch-megatron-core pins
+FETCH = "run scripts/fetch-megatron-core [VERSION]"
+_loaded_root: Path | None = None  # the unpacked wheel megatron is imported from in this process
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+_first_line = first_line
 
 
-def _version_key(wheel: Path) -> tuple[tuple[int, ...], int]:
-    """(version numbers, 1 if the wheel's tag fits this interpreter) of ``megatron_core-V-TAG.whl``."""
-    parts = wheel.name[: -len(".whl")].split("-")
-    version = tuple(int(n) for n in re.findall(r"\d+", parts[1])) if len(parts) > 1 else ()
-    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    fits = int(tag in parts[2:3] or "py3" in parts[2:3])
-    return version, fits
+def find_wheel(version: str | None = None) -> Path:
+    """The megatron-core wheel to use (of ``version`` when given); RuntimeError naming where it looked."""
+    return find_wheel_of("megatron_core", WHEEL_ENV, FETCH, version)
 
 
-def vendor_dirs() -> list[Path]:
-    """Where the wheel is looked for: ``vendor/`` of the repository, then of the working directory."""
-    dirs = [Path(__file__).resolve().parents[3] / "vendor", Path.cwd() / "vendor"]
-    return list(dict.fromkeys(d.resolve() for d in dirs))
-
-
-def find_wheel() -> Path:
-    """The megatron-core wheel to use; RuntimeError naming the path(s) when there is none."""
-    env = os.environ.get(WHEEL_ENV)
-    if env:
-        path = Path(env).expanduser()
-        if not path.is_file():
-            raise RuntimeError(f"megatron-core wheel not found: {path} (from ${WHEEL_ENV})")
-        return path
-    wheels = [w for d in vendor_dirs() if d.is_dir() for w in d.glob("megatron_core-*.whl") if w.is_file()]
-    if not wheels:
-        where = ", ".join(str(d) for d in vendor_dirs())
-        raise RuntimeError(f"megatron-core wheel not found: no megatron_core-*.whl in {where} "
-                           f"(run scripts/fetch-megatron-core, or set ${WHEEL_ENV})")
-    return max(wheels, key=_version_key)
-
-
-def extract_wheel(wheel: Path) -> Path:
-    """Unpack ``wheel`` once into the temporary directory; returns the directory to put on sys.path."""
-    size = wheel.stat().st_size
-    dest = Path(tempfile.gettempdir()) / "graphstep-megatron" / f"{wheel.name[:-len('.whl')]}-{size}"
-    if (dest / ".complete").is_file():
-        return dest
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
-    try:
-        with zipfile.ZipFile(wheel) as z:
-            z.extractall(tmp)
-    except (zipfile.BadZipFile, OSError) as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"megatron-core wheel cannot be unpacked: {_first_line(exc)} ({wheel})") from exc
-    (tmp / ".complete").touch()
-    try:
-        os.replace(tmp, dest)
-    except OSError:  # another process unpacked it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
-
-
-def load_megatron() -> types.SimpleNamespace:
-    """Import the parts of Megatron Core the row uses, from the wheel (or an already-imported megatron.core).
+def load_megatron(version: str | None = None) -> types.SimpleNamespace:
+    """Import the parts of Megatron Core the row uses, from the wheel (of ``version`` when given; else the
+    newest, or an already-imported megatron.core). Another version imported earlier in this process is
+    dropped first, so one bench run can measure two versions.
 
     Raises RuntimeError with the wheel path and the missing module or API when
     it cannot.
     """
-    wheel = find_wheel()
+    global _loaded_root
+    wheel = find_wheel(version)
+    root = extract_wheel(wheel)
+    if "megatron.core" in sys.modules and (version is not None or _loaded_root is not None) and _loaded_root != root:
+        forget_package("megatron", _loaded_root)
+        _loaded_root = None
     if "megatron.core" not in sys.modules:
-        root = extract_wheel(wheel)
         if not (root / "megatron" / "core" / "full_cuda_graph.py").is_file():
             raise RuntimeError(f"megatron-core too old: no megatron/core/full_cuda_graph.py in {wheel.name} "
                                f"(tested {TESTED_VERSION})")
         sys.path.insert(0, str(root))
+        _loaded_root = root
     origin = getattr(sys.modules.get("megatron.core"), "__file__", None) or str(wheel)
     try:
         with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed. Falling back ..."
@@ -120,6 +77,7 @@ def load_megatron() -> types.SimpleNamespace:
             from megatron.core import parallel_state, tensor_parallel
             from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                    finalize_model_grads)
+            from megatron.core import full_cuda_graph
             from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
             from megatron.core.models.gpt.gpt_model import GPTModel
@@ -152,6 +110,8 @@ def load_megatron() -> types.SimpleNamespace:
         OptimizerConfig=OptimizerConfig, get_megatron_optimizer=get_megatron_optimizer,
         OptimizerParamScheduler=OptimizerParamScheduler, get_forward_backward_func=get_forward_backward_func,
         CudaGraphManager=CudaGraphManager, Float16Module=Float16Module, TransformerConfig=TransformerConfig,
+        # megatron-core >= 0.17: one shared stream for every full-iteration capture
+        get_shared_capture_stream=getattr(full_cuda_graph, "get_shared_capture_stream", None),
     )
 
 
@@ -197,6 +157,7 @@ class MegatronFullGraph:
         self.saved_env: dict[str, str | None] = {}
         self.saved_stream: torch.cuda.Stream | None = None
         self.n_mb = cfg.train.global_batch_size // cfg.train.micro_batch_size
+        self.note = ""  # what the row did differently from Megatron-LM, shown beside its result
 
     # -- setup ---------------------------------------------------------------
     def setup(self) -> None:
@@ -286,6 +247,15 @@ class MegatronFullGraph:
         self.stage = "FullCudaGraphWrapper"
         fwd_bwd = mc.FullCudaGraphWrapper(mc.get_forward_backward_func(),
                                           cuda_graph_warmup_steps=m.cuda_graph_warmup_steps)
+        if mc.get_shared_capture_stream is not None and \
+                not hasattr(torch.autograd.graph, "set_override_stale_capture_stream"):
+            # megatron-core >= 0.17 captures on its own shared stream, while the warm-up iterations ran on the
+            # current one; it relies on torch.autograd.graph.set_override_stale_capture_stream (pytorch#180090)
+            # to let autograd capture nodes made on another stream. Without it (torch 2.11) the row runs the
+            # whole step on that shared stream, so warm-up and capture use one stream, as graphstep's do.
+            torch.cuda.set_stream(mc.get_shared_capture_stream())
+            self.note = (f"megatron-core {mc.version}: the step runs on Megatron's capture stream (this torch "
+                         "lacks set_override_stale_capture_stream)")
 
         self.stage = "data"
         from ..data import build_data
@@ -363,9 +333,11 @@ class MegatronFullGraph:
                     os.environ[k] = v
 
 
-def megatron_full_graph(cfg, device: torch.device) -> tuple[Any, Iterator[Any], Any, Any]:
-    """Megatron Core's ``FullCudaGraphWrapper`` on its local-spec ``GPTModel``: (step, data, capture s, owner)."""
-    mc = load_megatron()
+def megatron_full_graph(cfg, device: torch.device, version: str | None = None
+                        ) -> tuple[Any, Iterator[Any], Any, Any]:
+    """Megatron Core's ``FullCudaGraphWrapper`` on its local-spec ``GPTModel``: (step, data, capture s, owner);
+    ``version``: that megatron-core wheel's (``megatron_full_cuda_graph@0.16.1``), else the newest."""
+    mc = load_megatron(version)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise RuntimeError(f"megatron-core needs a CUDA device, got {device} (it allocates on "
                            "torch.cuda.current_device() and captures torch.cuda graphs)")

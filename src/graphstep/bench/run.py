@@ -5,7 +5,10 @@ Row names: ``eager``; graphstep settings ``full_iteration``,
 ``local[attn,mlp]``, ``local[]`` (whole layer), ``te[...]`` (Transformer
 Engine semantics), MoE scopes such as ``local[attn,moe_router,moe_preprocess]``;
 peers ``manual_graph``, ``make_graphed_callables`` and
-``compile[reduce-overhead]`` (bench/peers.py), and ``compile+full_iteration``:
+``compile[reduce-overhead]`` (bench/peers.py), ``torchtitan_cuda_graph``
+(bench/torchtitan_peer.py), ``megatron_full_cuda_graph`` and
+``megatron_full_cuda_graph@VERSION`` (bench/megatron_peer.py; what each peer
+captures: ``CAPTURES``), and ``compile+full_iteration``:
 graphstep's full-iteration graph around ``torch.compile(model)`` (Inductor's
 fused kernels, default mode, and no launch overhead).
 
@@ -42,7 +45,7 @@ from .ranks import Ranks, world_size_from_env
 DENSE_ROWS = [
     "eager", "full_iteration", "full_iteration+optimizer", "local[attn]", "local[mlp]", "local[attn,mlp]",
     "local[]", "te[attn,mlp]", "manual_graph", "make_graphed_callables", "compile[reduce-overhead]", "compile",
-    "compile+full_iteration", "compile+local[attn,mlp]", "megatron_full_cuda_graph",
+    "compile+full_iteration", "compile+local[attn,mlp]", "torchtitan_cuda_graph", "megatron_full_cuda_graph",
 ]
 MOE_ROWS = [
     "eager", "full_iteration", "full_iteration+optimizer", "local[attn,moe_router,moe_preprocess]",
@@ -54,6 +57,23 @@ FP8_PREFIX = "fp8_"
 FP8_OVERRIDES = ["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=tensorwise"]
 NO_GRAPH = ["model.cuda_graph_impl=none", "model.cuda_graph_modules=[]", "optimizer.optimizer_cuda_graph=false"]
 REFUSED = "refused"  # the note of a row the config rules refused (not built)
+# What each peer row captures, so a comparison with graphstep's rows is read fairly (shown under the tables).
+CAPTURES = {
+    "manual_graph": "whole step, one hand-written torch.cuda.graph (forward, backward of every micro-batch, "
+                    "optimizer)",
+    "make_graphed_callables": "per layer: torch.cuda.make_graphed_callables on each attention and MLP block",
+    "compile[reduce-overhead]": "per micro-batch: torch.compile's CUDA graph trees (forward and backward), "
+                                "optimizer eager",
+    "torchtitan_cuda_graph": "per micro-batch: torchtitan's CUDAGraphWrapper around forward+backward, one graph "
+                             "replayed per micro-batch, optimizer eager",
+    "megatron_full_cuda_graph": "forward+backward of every micro-batch in one graph (Megatron Core's "
+                                "FullCudaGraphWrapper), optimizer eager",
+}
+
+
+def captures(name: str) -> str | None:
+    """What the peer row ``name`` captures (``megatron_full_cuda_graph@0.16.1`` as its unversioned row)."""
+    return CAPTURES.get(name.split("@")[0])
 
 
 def default_rows(cfg: Config, world_size: int = 1) -> list[str]:
@@ -158,14 +178,23 @@ def _plan_builder(plan: RowPlan, device: torch.device, world_size: int) -> Calla
     m = re.fullmatch(r"compile\[([a-z-]+)\]", name)
     if m:
         return lambda: compiled(cfg, device, mode=m.group(1))
-    if name == "megatron_full_cuda_graph":
+    m = re.fullmatch(r"megatron_full_cuda_graph(?:@([0-9][0-9a-z.]*))?", name)
+    if m:
 
         def build_megatron() -> tuple:
             from .megatron_peer import megatron_full_graph  # megatron-core (a wheel) is imported only here
 
-            return megatron_full_graph(cfg, device)
+            return megatron_full_graph(cfg, device, version=m.group(1))
 
         return build_megatron
+    if name == "torchtitan_cuda_graph":
+
+        def build_torchtitan() -> tuple:
+            from .torchtitan_peer import torchtitan_graph  # torchtitan (a wheel) is imported only here
+
+            return torchtitan_graph(cfg, device)
+
+        return build_torchtitan
     raise ValueError(f"unknown bench row {name!r}")
 
 
@@ -414,7 +443,9 @@ def markdown_table(doc: dict[str, Any]) -> str:
             f"| {_f(r['mfu'] * 100 if r['mfu'] else None, 1, '%')} | {_vs_peer(r)} |"
             + (f" {_spread(r)} |" if rounds > 1 else "") + layout
         )
-    return head + "\n".join(lines) + "\n"
+    said = [f"- {r['name']}: {captures(r['name'])}" for r in doc["rows"] if captures(r["name"])]
+    said += [f"- {r['name']}: {r['note']}" for r in doc["rows"] if r.get("note") and r["note"] != REFUSED]
+    return head + "\n".join(lines) + "\n" + ("\nPeers and notes:\n" + "\n".join(said) + "\n" if said else "")
 
 
 def _layout(r: dict[str, Any]) -> str:
