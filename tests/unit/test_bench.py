@@ -60,6 +60,8 @@ def test_fp8_rows_are_their_bf16_row_in_fp8_and_have_it_as_peer():
     assert row_overrides("fp8_manual_graph") is None
     assert peer_of("fp8_full_iteration", {"full_iteration", "fp8_full_iteration"}) == "full_iteration"
     assert peer_of("fp8_local[attn,mlp]", {"make_graphed_callables"}) is None
+    assert peer_of("compile+fp8_full_iteration", {"compile+full_iteration", "compile[reduce-overhead]"}) == \
+        "compile+full_iteration"
 
 
 @pytest.mark.parametrize("recipe, rows", [("small_dense_bench", DENSE_ROWS), ("gpt_124m_bench", DENSE_ROWS),

@@ -363,6 +363,8 @@ def peer_of(name: str, names: set[str]) -> str | None:
     row in bf16."""
     if name.startswith("fp8_"):  # an FP8 row against the same row in bf16
         peer = name[len("fp8_"):]
+    elif name.startswith("compile+fp8_"):  # compiled FP8 against the same compiled row in bf16
+        peer = "compile+" + name[len("compile+fp8_"):]
     elif name.startswith("compile+"):
         peer = "compile[reduce-overhead]"
     elif name.startswith(("local[", "te[")):
