@@ -112,6 +112,7 @@ def load_megatron(version: str | None = None) -> types.SimpleNamespace:
         CudaGraphManager=CudaGraphManager, Float16Module=Float16Module, TransformerConfig=TransformerConfig,
         # megatron-core >= 0.17: one shared stream for every full-iteration capture
         get_shared_capture_stream=getattr(full_cuda_graph, "get_shared_capture_stream", None),
+        full_cuda_graph=full_cuda_graph,
     )
 
 
@@ -205,6 +206,7 @@ class MegatronFullGraph:
         )
 
         self.stage = "GPTModel (local spec)"
+        self._pin_capture_stream()
         spec = mc.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=m.qk_layernorm)
         model = mc.GPTModel(
             config=tc, transformer_layer_spec=spec, vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
@@ -218,6 +220,7 @@ class MegatronFullGraph:
             model = mc.Float16Module(tc, model)
 
         self.stage = "DistributedDataParallel"
+        self._pin_capture_stream()  # before DDP: it keeps the parameters' gradient accumulators
         ddp_config = mc.DistributedDataParallelConfig(
             grad_reduce_in_fp32=cfg.ddp.grad_reduce_in_fp32, overlap_grad_reduce=False,
             use_distributed_optimizer=False, check_for_nan_in_grad=False,  # host check: not capturable
@@ -247,16 +250,6 @@ class MegatronFullGraph:
         self.stage = "FullCudaGraphWrapper"
         fwd_bwd = mc.FullCudaGraphWrapper(mc.get_forward_backward_func(),
                                           cuda_graph_warmup_steps=m.cuda_graph_warmup_steps)
-        if mc.get_shared_capture_stream is not None and \
-                not hasattr(torch.autograd.graph, "set_override_stale_capture_stream"):
-            # megatron-core >= 0.17 captures on its own shared stream, while the warm-up iterations ran on the
-            # current one; it relies on torch.autograd.graph.set_override_stale_capture_stream (pytorch#180090)
-            # to let autograd capture nodes made on another stream. Without it (torch 2.11) the row runs the
-            # whole step on that shared stream, so warm-up and capture use one stream, as graphstep's do.
-            torch.cuda.set_stream(mc.get_shared_capture_stream())
-            self.note = (f"megatron-core {mc.version}: the step runs on Megatron's capture stream (this torch "
-                         "lacks set_override_stale_capture_stream)")
-
         self.stage = "data"
         from ..data import build_data
 
@@ -267,6 +260,19 @@ class MegatronFullGraph:
             batches.append({"tokens": b["tokens"], "labels": b["labels"], "loss_mask": b["loss_mask"].float()})
         self.state.update(ddp=ddp, opt=opt, sched=sched, fwd_bwd=fwd_bwd, batches=batches)
         self.stage = "ready"
+
+    def _pin_capture_stream(self) -> None:
+        """megatron-core >= 0.17 captures on its own shared stream, while the warm-up iterations run on the
+        current one, and relies on torch.autograd.graph.set_override_stale_capture_stream (pytorch#180090) to
+        let the capture use gradient accumulators that DDP made on another stream. Without it (torch 2.11) the
+        row makes that shared stream current before the model and DDP are built (the layers' CudaGraphManager
+        switches to a side stream of its own), so accumulators, warm-up and capture share one stream."""
+        mc = self.mc
+        if mc.get_shared_capture_stream is None or hasattr(torch.autograd.graph, "set_override_stale_capture_stream"):
+            return
+        torch.cuda.set_stream(mc.get_shared_capture_stream())
+        self.note = (f"megatron-core {mc.version}: built and run on Megatron's capture stream (this torch lacks "
+                     "set_override_stale_capture_stream)")
 
     # -- the row -------------------------------------------------------------
     def data(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -307,6 +313,9 @@ class MegatronFullGraph:
             lambda: wrapper.cuda_graph["training"] is not None and wrapper.cuda_graph["training"].reset(),
             lambda: _reset_wrapper_state(mc),
             lambda: setattr(mc.CudaGraphManager, "global_mempool", None),
+            # megatron-core >= 0.17's process-wide capture stream and graph pool: the next row starts its own
+            lambda: [setattr(mc.full_cuda_graph, g, None) for g in ("_shared_capture_stream", "_shared_graph_pool")
+                     if hasattr(mc.full_cuda_graph, g)],
             # CudaGraphManager.__init__ made a new side stream the current stream
             lambda: self.saved_stream is not None and torch.cuda.set_stream(self.saved_stream),
             self.state.clear,
