@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (peft=lora, converters/lora.py): graphed equals eager bit for bit with the adapters inside the
+"""LoRA and DoRA fine-tuning (peft=lora, peft=dora, converters/lora.py): graphed equals eager bit for bit with the adapters inside the
 graphs, the base weights never move, the optimizer holds only the adapters; Bridge's peft fields act or are
 refused by R33.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphstep.converters.lora import LoRALinear, TARGETS
+from graphstep.converters.lora import DoRALinear, LoRALinear, TARGETS
 from graphstep.validation import validate_config
 
 from helpers.runs import assert_same_run, eager, tiny_config
@@ -26,6 +26,7 @@ ADAPTERS = {
     "dropout_pre": ["peft.dropout=0.1"],
     "dropout_post_qkv_fc2_uniform": ["peft.dropout=0.1", "peft.dropout_position=post",
                                      "peft.target_modules=[linear_qkv,linear_fc2]", "peft.lora_A_init_method=uniform"],
+    "dora_dropout_pre": ["peft=dora", "peft.dropout=0.1"],
 }
 GRAPHS = {
     "full_iteration+optimizer": ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
@@ -87,6 +88,46 @@ def test_adapter_dropout_draws_masks():
     assert losses["no_dropout"] != losses["dropout_pre"]
 
 
+def _dora_layer(bias: bool) -> tuple[DoRALinear, torch.nn.Linear]:
+    from graphstep.converters.lora import LoRAPlan
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(16, 12, bias=bias)
+    plan = LoRAPlan(scheme="dora", targets=("linear_qkv",), dim=4, alpha=8, dropout=0.0, dropout_position="pre",
+                    a_init="xavier", b_init="zero")
+    return DoRALinear(base, plan), base
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_dora_is_the_papers_rescaled_weight_with_a_detached_norm(bias):
+    layer, base = _dora_layer(bias)
+    x = torch.randn(3, 16)
+    assert torch.equal(layer.lora_magnitude, torch.linalg.vector_norm(base.weight, dim=1))
+    assert torch.equal(layer(x), base(x))  # B = 0 and m = ||W||: the base layer exactly
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+        layer.lora_magnitude.mul_(1.5)
+    y = layer(x)
+    # the reference: m * (W + s B A) / ||W + s B A||_row, the norm a constant (DoRA paper 4.3, Bridge, peft)
+    A, B, m = (t.detach().clone().requires_grad_() for t in (layer.lora_A.weight, layer.lora_B.weight,
+                                                               layer.lora_magnitude))
+    adapted = base.weight + layer.scale * B @ A
+    ref = torch.nn.functional.linear(x, (m / torch.linalg.vector_norm(adapted, dim=1).detach())[:, None] * adapted,
+                                     base.bias)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.merged_weight(), ((m / torch.linalg.vector_norm(adapted, dim=1))[:, None]
+                                                       * adapted).detach(), atol=1e-6, rtol=1e-6)
+    y.square().sum().backward()
+    ref.square().sum().backward()
+    for got, want in ((layer.lora_A.weight, A), (layer.lora_B.weight, B), (layer.lora_magnitude, m)):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-4, rtol=1e-4)
+    A.grad = None  # with the norm in the gradient, A's gradient would differ
+    adapted = base.weight + layer.scale * B @ A
+    torch.nn.functional.linear(x, (m / torch.linalg.vector_norm(adapted, dim=1))[:, None] * adapted,
+                               base.bias).square().sum().backward()
+    assert not torch.allclose(layer.lora_A.weight.grad, A.grad, atol=1e-4, rtol=1e-4)
+
+
 def test_the_optimizer_and_gradient_buffers_hold_only_the_adapters():
     from graphstep.training.build import RunOptions, build_run
 
@@ -134,7 +175,9 @@ def test_bridge_lora_fields_are_accepted_with_their_defaults():
 
 
 @pytest.mark.parametrize("overrides, fields, words", [
-    (["peft=dora"], ("peft.scheme",), "DoRA"),
+    (["peft=dora", "peft.dropout_position=post"], ("peft.scheme", "peft.dropout_position"), "DoRA drops"),
+    (["peft=dora", "model.tensor_model_parallel_size=2"], ("peft.scheme", "model.tensor_model_parallel_size"),
+     "peft=dora with tensor parallel"),
     (["peft=qlora"], ("peft.scheme",), "not a PEFT scheme"),
     (["peft.dim=8"], ("peft.dim",), "without a scheme"),
     (["peft=lora", "peft.lora_dtype=fp32"], ("peft.lora_dtype",), "model's dtype"),
@@ -164,6 +207,15 @@ def test_r33_refuses_what_lora_does_not_implement_in_one_line(overrides, fields,
     assert [f for f, _ in found] == [fields], found
     message = found[0][1]
     assert words in message and "\n" not in message and "Fix:" in message
+
+
+def test_dora_takes_bridges_alpha_default_unless_alpha_is_given():
+    from graphstep.validation import normalize_cuda_graph_config
+
+    for overrides, alpha in ((["peft=dora"], 64), (["peft=dora", "peft.alpha=32"], 32), (["peft=lora"], 32)):
+        cfg = tiny_config(*overrides)
+        normalize_cuda_graph_config(cfg)
+        assert cfg.peft.alpha == alpha, overrides
 
 
 def test_r33_refuses_lora_on_moe_models():
@@ -206,8 +258,9 @@ def test_a_pretrained_checkpoint_of_another_model_or_none_is_a_one_line_error(tm
         assert words in message and "checkpoint.pretrained_checkpoint" in message and "\n" not in message, message
 
 
-def test_lora_resumes_exactly(tmp_path):
-    overrides = [*BASE, "peft.dropout=0.1", *GRAPHS["full_iteration+optimizer"], "model.cuda_graph_warmup_steps=1"]
+@pytest.mark.parametrize("scheme", ["lora", "dora"])
+def test_lora_resumes_exactly(tmp_path, scheme):
+    overrides = [*BASE, f"peft={scheme}", "peft.dropout=0.1", *GRAPHS["full_iteration+optimizer"], "model.cuda_graph_warmup_steps=1"]
     whole = train(tiny_config(*overrides))
     train(tiny_config(*overrides, "train.train_iters=3", f"checkpoint.save={tmp_path / 'run'}"))
     resumed = train(tiny_config(*overrides, f"checkpoint.load={tmp_path / 'run'}"))
@@ -241,11 +294,12 @@ def test_the_memory_estimate_counts_gradients_and_optimizer_state_of_the_adapter
 # export
 
 
-def test_export_hf_writes_the_merged_model_transformers_loads_with_the_same_logits(tmp_path):
+@pytest.mark.parametrize("scheme", ["lora", "dora"])
+def test_export_hf_writes_the_merged_model_transformers_loads_with_the_same_logits(tmp_path, scheme):
     transformers = pytest.importorskip("transformers")
     from graphstep.models.hf import export_hf
 
-    cfg = eager(tiny_config(*BASE, "model.attention_dropout=0.0", "model.hidden_dropout=0.0"))
+    cfg = eager(tiny_config(*BASE, f"peft={scheme}", "model.attention_dropout=0.0", "model.hidden_dropout=0.0"))
     model = train(cfg).model.eval()
     out = export_hf(model, cfg.model, tmp_path / "hf")
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -260,26 +314,36 @@ def test_export_hf_writes_the_merged_model_transformers_loads_with_the_same_logi
         assert (back(tokens).logits - model(tokens)).abs().max() > 1e-2
 
 
-def test_export_peft_adapter_loads_in_hf_peft_over_the_exported_base_with_the_same_logits(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")  # the test extra installs it
+def _without_adapters(model):
+    """A copy of ``model`` whose adapters are the identity: merged, exactly the frozen base weights."""
     import copy
-    import json
 
-    from graphstep.models.hf import HFExportError, export_hf, export_peft_adapter
-
-    cfg = eager(tiny_config(*BASE, "model.attention_dropout=0.0", "model.hidden_dropout=0.0",
-                            "peft.dropout=0.1", "peft.target_modules=[linear_qkv,linear_fc1,linear_fc2]"))
-    model = train(cfg).model.eval()
     base = copy.deepcopy(model)
     with torch.no_grad():
         for module in base.modules():
             if isinstance(module, LoRALinear):
-                module.lora_B.weight.zero_()  # merged: exactly the frozen base weights
-    export_hf(base, cfg.model, tmp_path / "base")
+                module.lora_B.weight.zero_()
+            if isinstance(module, DoRALinear):
+                module.lora_magnitude.copy_(module.weight_norm())
+    return base
+
+
+@pytest.mark.parametrize("scheme", ["lora", "dora"])
+def test_export_peft_adapter_loads_in_hf_peft_over_the_exported_base_with_the_same_logits(tmp_path, scheme):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")  # the test extra installs it
+    import json
+
+    from graphstep.models.hf import HFExportError, export_hf, export_peft_adapter
+
+    cfg = eager(tiny_config(*BASE, f"peft={scheme}", "model.attention_dropout=0.0", "model.hidden_dropout=0.0",
+                            "peft.dropout=0.1", "peft.target_modules=[linear_qkv,linear_fc1,linear_fc2]"))
+    model = train(cfg).model.eval()
+    export_hf(_without_adapters(model), cfg.model, tmp_path / "base")
     out = export_peft_adapter(model, cfg.model, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
     config = json.loads((out / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (8, 16, 0.1)
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"], config["use_dora"]) == (8, 16, 0.1,
+                                                                                               scheme == "dora")
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))

@@ -27,7 +27,7 @@ is an error naming the key and the file.
 :func:`export_hf` writes the inverse -- config.json and one
 model.safetensors, experts per key as on the Hub -- which ``transformers``
 loads with the same logits; a model fine-tuned with LoRA (converters/lora.py) is exported merged, each adapter
-folded into its base weight. The model type follows the configuration: MoE
+folded into its base weight (DoRA: rescaled by its magnitude). The model type follows the configuration: MoE
 is ``qwen3_moe``, q/k norms ``qwen3``, q/k/v bias ``qwen2``, else ``llama``.
 It writes into a new or empty folder only (``overwrite=True`` replaces the
 two files of a folder that has them; a sharded folder is refused even so,
@@ -55,7 +55,7 @@ from torch import nn
 
 from graphstep.errors import HFCheckpointError, HFExportError
 
-from ..converters.lora import LoRALinear, merged_state_dict
+from ..converters.lora import DoRALinear, LoRALinear, merged_state_dict
 
 log = logging.getLogger("graphstep")
 
@@ -425,6 +425,8 @@ def export_peft_adapter(model: nn.Module, model_cfg: Any, path: str | Path, *,
 
     A fused projection's adapter splits exactly: ``linear_qkv``'s update ``B A`` is q/k/v's ``B_q A``,
     ``B_k A``, ``B_v A`` (A shared, B's rows split as the weight's), ``linear_fc1``'s gate/up the same way.
+    DoRA adapters (``peft=dora``) export as peft's ``use_dora=True``: the magnitude splits by rows as B does
+    (each row's norm is its own), written as peft's ``lora_magnitude_vector``.
     ``path`` must be a new or empty folder; a model without adapters, or adapters peft cannot express
     (dropout after the adapter), raise ``HFExportError``."""
     from safetensors.torch import save_file
@@ -450,10 +452,14 @@ def export_peft_adapter(model: nn.Module, model_cfg: Any, path: str | Path, *,
                 if module is None:
                     continue
                 a, b = module.lora_A.weight.detach(), module.lora_B.weight.detach()
-                for key, part in zip(keys, _split_rows(b, keys, model_cfg)):
+                parts = {".lora_B.weight": _split_rows(b, keys, model_cfg)}
+                if isinstance(module, DoRALinear):
+                    parts[".lora_magnitude_vector"] = _split_rows(module.lora_magnitude.detach(), keys, model_cfg)
+                for j, key in enumerate(keys):
                     prefix = "base_model.model." + key.removesuffix(".weight")
                     tensors[prefix + ".lora_A.weight"] = a.cpu().contiguous().clone()
-                    tensors[prefix + ".lora_B.weight"] = part.cpu().contiguous().clone()
+                    for suffix, split in parts.items():
+                        tensors[prefix + suffix] = split[j].cpu().contiguous().clone()
                     targets.add(key.removesuffix(".weight").rsplit(".", 1)[-1])
                 exported.add(gs.removesuffix(".weight"))
     if exported != set(adapters):
@@ -462,13 +468,15 @@ def export_peft_adapter(model: nn.Module, model_cfg: Any, path: str | Path, *,
     dim = first.lora_A.out_features
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": dim, "lora_alpha": first.alpha,
               "lora_dropout": first.dropout, "target_modules": sorted(targets), "bias": "none",
-              "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "use_dora": False,
+              "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
+              "use_dora": isinstance(first, DoRALinear),
               "init_lora_weights": True, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path}
     path.mkdir(parents=True, exist_ok=True)
     _replace_file(path / "adapter_model.safetensors",
                   lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     _replace_file(path / "adapter_config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
-    log.info("exported %d LoRA adapters (rank %d) in peft's format to %s", len(adapters), dim, path)
+    log.info("exported %d %s adapters (rank %d) in peft's format to %s", len(adapters),
+             "DoRA" if config["use_dora"] else "LoRA", dim, path)
     return path
 
 
