@@ -269,6 +269,44 @@ def test_lora_resumes_exactly(tmp_path, scheme):
         assert torch.equal(a, b)
 
 
+def _saved(root) -> tuple[dict, int]:
+    """(the model entries' shapes, the bytes on disk) of the newest checkpoint in ``root``."""
+    from graphstep.training.checkpoint import find_checkpoint, saved_model_shapes
+
+    path = find_checkpoint(root)
+    return saved_model_shapes(path), sum(f.stat().st_size for f in path.iterdir())
+
+
+@pytest.mark.slow
+def test_an_adapter_checkpoint_holds_the_adapters_and_the_base_it_started_from_and_resumes_exactly(tmp_path):
+    from graphstep.errors import CheckpointError
+
+    base, wider = tmp_path / "base", ["model.hidden_size=128", "model.ffn_hidden_size=512"]
+    train(eager(tiny_config("train.train_iters=2", f"checkpoint.save={base}", *wider)))
+    _, full_bytes = _saved(base)
+    overrides = [*BASE, *wider, "peft=dora", "peft.dim=2", f"checkpoint.pretrained_checkpoint={base}"]
+    whole = train(eager(tiny_config(*overrides)))
+    train(eager(tiny_config(*overrides, "train.train_iters=3", f"checkpoint.save={tmp_path / 'run'}")))
+    shapes, size = _saved(tmp_path / "run")
+    adapters = {n for n, p in whole.model.named_parameters() if p.requires_grad}
+    assert set(shapes) == adapters and adapters < set(whole.model.state_dict())
+    assert size < 0.1 * full_bytes, (size, full_bytes)  # the adapters and their Adam state, no base weights
+    resumed = train(eager(tiny_config(*overrides, f"checkpoint.load={tmp_path / 'run'}")))
+    assert [r["loss"] for r in resumed.rows] == [r["loss"] for r in whole.rows[3:]]
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+    refusals = {  # another base, no adapters, an adapter checkpoint as the base: one-line errors
+        "were trained over checkpoint.pretrained_checkpoint=": [*BASE, *wider, "peft=dora", "peft.dim=2"],
+        "holds LoRA/DoRA adapters only": ["train.train_iters=6", "checkpoint.save=null", *wider],
+    }
+    for words, run in refusals.items():
+        with pytest.raises(CheckpointError, match=words) as err:
+            train(eager(tiny_config(*run, f"checkpoint.load={tmp_path / 'run'}")))
+        assert "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match="point it at the checkpoint of the base model"):
+        train(eager(tiny_config(*BASE, *wider, f"checkpoint.pretrained_checkpoint={tmp_path / 'run'}")))
+
+
 def test_the_memory_estimate_counts_gradients_and_optimizer_state_of_the_adapters_only():
     from graphstep.recipes import get_recipe
     from graphstep.config import apply_overrides

@@ -40,6 +40,15 @@ one iteration to the next, so a resumed run's losses are bit-identical:
 * ``meta.world_size``, ``meta.layout`` (pipeline stages, data-parallel
   replicas, tensor-parallel ranks).
 
+Adapter-only checkpoints. With ``peft=lora`` or ``peft=dora`` the base weights are frozen and never change,
+so ``model.*`` holds only the trainable parameters (the adapters; :func:`adapter_keys`) -- the optimizer
+state is theirs alone anyway -- and ``meta.base`` records where the base weights came from
+(``checkpoint.pretrained_checkpoint=...``, ``model.hf_path=...`` or ``rng.seed=...``: :func:`base_source`).
+A resumed run builds the base from its own config, loads the adapters over it and refuses a checkpoint whose
+``meta.base`` differs from its own source (its adapters fit only that base); a run without adapters, or
+``checkpoint.pretrained_checkpoint``, refuses an adapter-only checkpoint. The checkpoint is as small as the
+adapters (a few percent of a full one at rank 8) and resumes bit-exactly.
+
 RNG streams on resume (:func:`rng_source_rank`): each rank takes the streams
 saved by the rank that had its place -- the same pipeline stage and
 tensor-parallel rank, and its data-parallel replica (the first one when the
@@ -119,6 +128,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..config import CheckpointConfig, Config
 from ..config_files import save_yaml
+from ..converters.lora import LoRALinear
 from ..cuda_graph.rng import get_rng_tracker
 from ..engines_compat import dtensor_local
 from ..errors import CheckpointError
@@ -190,15 +200,61 @@ class LayoutEntries:
         return natural
 
     def model(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """``model.state_dict()`` with the fused tensor-parallel parameters in their natural layout."""
+        """``model.state_dict()`` with the fused tensor-parallel parameters in their natural layout; of a model with
+        adapters, only the entries an adapter-only checkpoint holds (:func:`adapter_keys`)."""
         owners = {f"{prefix}.{name}" if prefix else name: fused_parts(module)
                   for prefix, module in model.named_modules() for name, _ in module.named_parameters(recurse=False)}
-        return {key: self.entry(t, t, owners.get(key)) for key, t in model.state_dict().items()}
+        keep = adapter_keys(model)
+        return {key: self.entry(t, t, owners.get(key)) for key, t in model.state_dict().items()
+                if keep is None or key in keep}
 
     def finish_load(self) -> None:
         for scatter in self._after_load:
             scatter()
         self._after_load.clear()
+
+
+# --------------------------------------------------------------------------
+# adapter-only checkpoints
+
+
+def adapter_keys(model: nn.Module) -> set[str] | None:
+    """The model entries an adapter-only checkpoint holds -- the trainable parameters (the adapters) and the
+    buffers -- of a model with LoRA/DoRA adapters (peft set); None for any other model (a full checkpoint).
+
+    The frozen base weights are left out: a resumed run rebuilds them from the source it started from
+    (:func:`base_source`), which the checkpoint records as ``meta.base``."""
+    if not any(isinstance(m, LoRALinear) for m in model.modules()):
+        return None
+    params = dict(model.named_parameters())
+    return {k for k in model.state_dict() if k not in params or params[k].requires_grad}
+
+
+def base_source(config: Config) -> str:
+    """Where a run's frozen base weights come from, as the field that names it."""
+    if config.checkpoint.pretrained_checkpoint:
+        return f"checkpoint.pretrained_checkpoint={Path(config.checkpoint.pretrained_checkpoint).resolve()}"
+    if config.model.hf_path:
+        return f"model.hf_path={Path(config.model.hf_path).resolve()}"
+    return f"rng.seed={config.rng.seed}"  # initialised from the seed, no pretrained weights
+
+
+def saved_base(path: Path, dp: DataParallel) -> str | None:
+    """The base an adapter-only checkpoint's adapters were trained over; None for a full checkpoint."""
+    if not _has_key(path, "meta.base"):
+        return None
+    box: dict[str, Any] = {"meta": {"base": ""}}
+    _dcp_load(box, path, dp)
+    return str(box["meta"]["base"])
+
+
+def _check_base(path: Path, dp: DataParallel, config: Config | None, key: str) -> None:
+    """An adapter-only checkpoint fits only the base weights its adapters were trained over."""
+    saved = saved_base(path, dp)
+    if saved is None or config is None or saved == base_source(config):
+        return
+    raise CheckpointError(f"{key}={path}: its adapters were trained over {saved}, this run's base weights are "
+                          f"{base_source(config)}; set {saved} (an adapter-only checkpoint holds no base weights)")
 
 
 # --------------------------------------------------------------------------
@@ -214,6 +270,7 @@ class TrainingState:
     data: Any  # MicroBatchIterator
     valid: Any = None
     device: torch.device = torch.device("cpu")
+    base: str | None = None  # base_source(config): recorded in an adapter-only checkpoint (Checkpointer sets it)
 
     def __post_init__(self) -> None:
         self._layout = LayoutEntries()
@@ -255,6 +312,8 @@ class TrainingState:
             "data": {"train": self.data.state_dict()},
             "meta": {"world_size": dp.world_size, "layout": _layout(dp)},
         }
+        if adapter_keys(self.model) is not None:  # adapter-only: the base it was trained over
+            state["meta"]["base"] = self.base or "unknown"
         if self.valid is not None:
             state["data"]["valid"] = self.valid.state_dict()
         return state
@@ -414,6 +473,7 @@ def load_checkpoint(path: Path, state: TrainingState, dp: DataParallel, *, finet
     ``model.*`` field that differs when ``config`` (this run's) and the checkpoint's config.yaml say which.
     """
     check_model_matches(path, state.model, dp, config)
+    _check_base(path, dp, config, "checkpoint.load")
     if finetune:  # weights only: a fresh optimizer, schedule, data order and iteration count
         template: dict[str, Any] = {"model": state.model_state()}
         _dcp_load(template, path, dp)
@@ -434,6 +494,8 @@ def load_checkpoint(path: Path, state: TrainingState, dp: DataParallel, *, finet
         log.warning("resuming %s from a checkpoint of %s: %s and the data order continues, but the run is not "
                     "bit-identical to an uninterrupted one", _describe(_layout(dp), dp.world_size),
                     _describe(saved_layout, saved_world), how)
+    if "base" in template["meta"] and not _has_key(path, "meta.base"):  # a full checkpoint into a run with adapters
+        del template["meta"]["base"]
     own_rng = template["rng"].pop(f"rank{dp.rank}")
     template["rng"] = {f"rank{rng_rank}": own_rng} if rng_rank is not None else {}
     if "valid" in template["data"] and not _has_key(path, "data.valid."):  # saved by a run without evaluation
@@ -508,11 +570,20 @@ def check_model_matches(path: Path, model: nn.Module, dp: DataParallel, config: 
     DCP loads the entries a state dict asks for and ignores the others, so without this a 4-layer
     checkpoint loads into a 2-layer model, its last layers dropped. Every rank calls it.
     """
+    keep = adapter_keys(model)
     wanted: dict[str, tuple[int, ...]] = {}
-    for part in dp.all_gather_object({k: tuple(t.shape) for k, t in model.state_dict().items()}):
+    for part in dp.all_gather_object({k: tuple(t.shape) for k, t in model.state_dict().items()
+                                      if keep is None or k in keep}):
         wanted.update(part)  # global shapes (DTensors report theirs); pipeline stages hold parts of the model
     saved = saved_model_shapes(path)
-    extra = [k for k in saved if k not in wanted]
+    if keep is None and _has_key(path, "meta.base"):
+        raise CheckpointError(f"{key}={path} holds LoRA/DoRA adapters only (a checkpoint of a peft run), not a "
+                              f"whole model; " + ("point it at the checkpoint of the base model (the adapters' run "
+                                                  "names it as its checkpoint.pretrained_checkpoint)"
+                                                  if key == "checkpoint.pretrained_checkpoint" else
+                              "resume it with the peft.* fields and the base weights of the run that saved it"))
+    frozen = set(model.state_dict()) if keep is not None else set()  # a full checkpoint holds them: not read
+    extra = [k for k in saved if k not in wanted and k not in frozen]
     missing = [k for k in wanted if k not in saved]
     differ = [k for k in wanted if k in saved and saved[k] != wanted[k]]
     if not (extra or missing or differ):
@@ -706,6 +777,7 @@ class Checkpointer:
                  before_rename: Callable[[int], None] | None = None) -> None:
         self.cfg, self.dp, self.state, self.config = cfg, dp, state, config
         self.before_rename = before_rename  # RunHooks.before_checkpoint_rename
+        state.base = base_source(config)
         assert cfg.save_interval is None or cfg.save_interval >= 1, "rule V7 refuses checkpoint.save_interval < 1"
         self.last_saved: int | None = None
 
