@@ -170,5 +170,9 @@ class PeftConfig:
                                   "uniform (Kaiming-uniform, nn.Linear's default).")
     lora_B_init_method: str = opt("zero", "With peft=lora: initialisation of B: zero (the adapted model starts "
                                   "as the base model).")
+    adapter_path: str | None = opt(None, "graphstep's own field (Bridge has none): a Hugging Face peft adapter folder "
+                                   "(adapter_config.json + adapter_model.safetensors) loaded into the adapters to "
+                                   "continue training it; its r, lora_alpha, use_dora and modules must be this "
+                                   "run's peft.dim, peft.alpha, peft.scheme and peft.target_modules.")
     lora_dtype: str | None = refused(None, "dtype of the adapter weights (null: the model's params_dtype).", "R33")
     a2a_experimental: bool = refused(False, "Experimental all-to-all adapters for expert layers.", "R33")

@@ -440,3 +440,105 @@ def test_graph_step_over_a_hugging_face_peft_lora_model_equals_eager(dropout):
 
     eager_run, graphed_run = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(eager_run, graphed_run))
+
+
+# --------------------------------------------------------------------------
+# peft.adapter_path: a Hugging Face peft adapter imported to continue training
+
+
+def _adapter_run(*overrides: str, peft: tuple[str, ...] = tuple(BASE)):
+    """The run's model as built (base from the seed, adapters added and, with peft.adapter_path, loaded)."""
+    from graphstep.training.build import RunOptions, build_run
+
+    run = build_run(eager(tiny_config(*peft, "model.attention_dropout=0.0", "model.hidden_dropout=0.0", *overrides)),
+                    RunOptions(torch.device("cpu")))
+    run.close()
+    return run.model.eval()
+
+
+@pytest.mark.parametrize("scheme", ["lora", "dora"])
+def test_an_exported_peft_adapter_imports_back_exactly_and_trains_on(tmp_path, scheme):
+    from graphstep.models.hf import export_peft_adapter
+
+    overrides = [f"peft={scheme}", "model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+    cfg = eager(tiny_config(*BASE, *overrides, "train.train_iters=2"))
+    trained = train(cfg).model.eval()
+    out = export_peft_adapter(trained, cfg.model, tmp_path / "adapter")
+    imported = _adapter_run(*overrides, f"peft.adapter_path={out}")
+    fresh = _adapter_run(*overrides)
+    trained_params = dict(trained.named_parameters())
+    for name, p in imported.named_parameters():
+        assert torch.equal(p, trained_params[name]), name  # adapters from the file, base from the same seed
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(imported(tokens), trained(tokens))
+        assert not torch.equal(fresh(tokens), trained(tokens))  # without the import, the untrained adapters
+    resumed = train(tiny_config(*BASE, *overrides, f"peft.adapter_path={out}", "train.train_iters=6",
+                                *GRAPHS["full_iteration+optimizer"]))
+    assert "replayed" in str(resumed.rows[-1]["state"]).lower()
+
+
+def test_a_peft_adapter_that_does_not_fit_is_a_one_line_error(tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from graphstep.errors import HFCheckpointError
+    from graphstep.models.hf import export_peft_adapter
+
+    cfg = eager(tiny_config(*BASE, "train.train_iters=1", "model.cuda_graph_warmup_steps=0"))
+    good = export_peft_adapter(train(cfg).model, cfg.model, tmp_path / "good")
+    tensors = load_file(str(good / "adapter_model.safetensors"))
+    qkv = "base_model.model.model.layers.0.self_attn.{}_proj.lora_A.weight"
+
+    def variant(name: str, change) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        config = json.loads((good / "adapter_config.json").read_text())
+        changed = dict(tensors)
+        change(config, changed)
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        save_file(changed, str(folder / "adapter_model.safetensors"))
+        return str(folder)
+
+    (tmp_path / "empty").mkdir()
+    cases = {
+        str(tmp_path / "empty"): "no adapter_config.json and adapter_model.safetensors",
+        variant("rank", lambda c, t: c.update(r=4, use_rslora=True)): "r=4 (set peft.dim=4); use_rslora=True",
+        variant("dora", lambda c, t: c.update(use_dora=True)): "use_dora=True (set peft=dora)",
+        variant("shape", lambda c, t: t.update({qkv.format("q"): t[qkv.format("q")][:, :32].contiguous()})): "has shape (8, 32)",
+        variant("shared_a", lambda c, t: t.update({qkv.format("k"): t[qkv.format("k")] + 1})): "different lora_A",
+        variant("lm_head", lambda c, t: t.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)})):
+            "adapts the decoder layers' q/k/v/o and gate/up/down projections only",
+        variant("no_fc2", lambda c, t: [t.pop(k) for k in list(t) if "down_proj" in k]):
+            "set peft.target_modules to the modules the adapter has (linear_fc1, linear_proj, linear_qkv)",
+    }
+    for folder, words in cases.items():
+        with pytest.raises(HFCheckpointError) as err:
+            _adapter_run(f"peft.adapter_path={folder}")
+        message = str(err.value)
+        assert words in message and "peft.adapter_path=" in message and "\n" not in message, message
+    only_qkv = variant("only_qkv", lambda c, t: [t.pop(k) for k in list(t) if "self_attn" not in k or "o_proj" in k])
+    _adapter_run("peft.target_modules=[linear_qkv]", f"peft.adapter_path={only_qkv}")  # fits that run
+    with pytest.raises(HFCheckpointError, match="add linear_fc2 to peft.target_modules"):
+        _adapter_run("peft.target_modules=[linear_qkv,linear_proj,linear_fc1]", f"peft.adapter_path={good}")
+
+
+def test_an_adapter_trained_by_hf_peft_on_unfused_projections_loads_with_the_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")  # the test extra installs it
+    from graphstep.models.hf import export_hf
+
+    base = _adapter_run(peft=())
+    export_hf(base, tiny_config().model, tmp_path / "base")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    adapted = peft.get_peft_model(hf, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["o_proj", "down_proj"],
+                                                      init_lora_weights=False)).eval()  # B random: not the base
+    adapted.save_pretrained(tmp_path / "adapter")
+    ours = _adapter_run(f"model.hf_path={tmp_path / 'base'}", "peft.target_modules=[linear_proj,linear_fc2]",
+                        f"peft.adapter_path={tmp_path / 'adapter'}")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = adapted(tokens).logits
+        torch.testing.assert_close(ours(tokens), want, atol=1e-4, rtol=0)
+        assert (base(tokens) - want).abs().max() > 1e-2

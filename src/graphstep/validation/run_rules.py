@@ -274,7 +274,8 @@ def _r32(v: View) -> list[Violation]:
 
 
 _PEFT_DEFAULTS = {"target_modules": list(lora.TARGETS), "dim": 32, "alpha": 32, "dropout": 0.0,
-                  "dropout_position": "pre", "lora_A_init_method": "xavier", "lora_B_init_method": "zero"}
+                  "dropout_position": "pre", "lora_A_init_method": "xavier", "lora_B_init_method": "zero",
+                  "adapter_path": None}
 
 
 def _r33(v: View) -> list[Violation]:
