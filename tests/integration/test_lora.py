@@ -258,9 +258,11 @@ def test_a_pretrained_checkpoint_of_another_model_or_none_is_a_one_line_error(tm
         assert words in message and "checkpoint.pretrained_checkpoint" in message and "\n" not in message, message
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scheme", ["lora", "dora"])
-def test_lora_resumes_exactly(tmp_path, scheme):
-    overrides = [*BASE, f"peft={scheme}", "peft.dropout=0.1", *GRAPHS["full_iteration+optimizer"], "model.cuda_graph_warmup_steps=1"]
+def test_lora_resumes_exactly(tmp_path, scheme, device):
+    """The checkpoint holds the adapters only (adapter-only checkpoints, below); the resumed run equals the whole."""
+    overrides = [*BASE, f"peft={scheme}", f"train.device={device}", "peft.dropout=0.1", *GRAPHS["full_iteration+optimizer"], "model.cuda_graph_warmup_steps=1"]
     whole = train(tiny_config(*overrides))
     train(tiny_config(*overrides, "train.train_iters=3", f"checkpoint.save={tmp_path / 'run'}"))
     resumed = train(tiny_config(*overrides, f"checkpoint.load={tmp_path / 'run'}"))
@@ -326,6 +328,9 @@ def test_the_memory_estimate_counts_gradients_and_optimizer_state_of_the_adapter
     assert est.gradients == trainable * 4
     assert est.optimizer == trainable * (8 if e == 4 else 12)
     assert est.weights == full.weights + trainable * e
+    dora = estimate_memory(apply_overrides(get_recipe("llama32_1b"), ["peft=dora", "peft.dim=8"]), torch.device("cpu"))
+    magnitudes = m.num_layers * (qkv + m.hidden_size + 2 * m.ffn_hidden_size + m.hidden_size)  # one per output row
+    assert dora.parameters == est.parameters + magnitudes and dora.gradients == est.gradients + magnitudes * 4
 
 
 # --------------------------------------------------------------------------
