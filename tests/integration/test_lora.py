@@ -128,6 +128,33 @@ def test_dora_is_the_papers_rescaled_weight_with_a_detached_norm(bias):
     assert not torch.allclose(layer.lora_A.weight.grad, A.grad, atol=1e-4, rtol=1e-4)
 
 
+def test_doras_adapter_dropout_corrects_the_base_output_of_the_dropped_input_as_bridge_and_peft():
+    from graphstep.cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
+    from graphstep.models.transformer import hidden_dropout
+
+    layer, base = _dora_layer(bias=True)
+    layer.dropout = 0.5
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+        layer.lora_magnitude.mul_(1.5)
+    initialize_rng_tracker(7, "cpu")
+    state = get_rng_tracker().get_all_states()
+    x = torch.randn(3, 16)
+    y = layer.train()(x)
+    get_rng_tracker().set_all_states(state)
+    dropped = hidden_dropout(x, 0.5, True)  # the same mask
+    assert not torch.equal(dropped, x)
+    with torch.no_grad():
+        r = layer.lora_magnitude / layer.weight_norm()
+        W, s = base.weight, layer.scale
+        # Bridge: r (W x + s B A x_d) + (r - 1) W (x_d - x); peft: W x + (r - 1) W x_d + r s B A x_d; plus the bias
+        want = x @ W.T + (r - 1) * (dropped @ W.T) + r * s * (dropped @ layer.lora_A.weight.T @ layer.lora_B.weight.T)
+        torch.testing.assert_close(y, want + base.bias, atol=1e-5, rtol=1e-5)
+        eval_y = layer.eval()(x)
+        torch.testing.assert_close(eval_y, torch.nn.functional.linear(x, layer.merged_weight(), base.bias),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_the_optimizer_and_gradient_buffers_hold_only_the_adapters():
     from graphstep.training.build import RunOptions, build_run
 
