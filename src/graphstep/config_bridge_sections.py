@@ -146,25 +146,33 @@ class MixedPrecisionConfig:
 
 @dataclass(kw_only=True)
 class PeftConfig:
-    """Bridge's peft section: ``peft=lora`` fine-tunes LoRA adapters on the frozen model (converters/lora.py).
+    """Bridge's peft section: ``peft=lora`` (or ``peft=dora``) fine-tunes adapters on the frozen model
+    (converters/lora.py).
 
     ``peft=null`` (Bridge's pre-training default) trains every weight. The fields below act with
-    ``peft=lora``, their defaults Bridge's ``LoRA`` defaults; DoRA, ``lora_dtype`` and the expert all-to-all
-    adapters are R33, as is a field set without a scheme.
+    ``peft=lora`` and ``peft=dora``, their defaults Bridge's ``LoRA`` defaults (``DoRA``'s alpha default is 64, set
+    when alpha is not given); ``lora_dtype`` and the expert all-to-all adapters are R33, as is a field set without
+    a scheme.
     """
 
-    scheme: str | None = opt(None, "The scheme, written peft=NAME: lora (acts), dora (R33), or null (no adapters).")
+    scheme: str | None = opt(None, "The scheme, written peft=NAME: lora (LoRA), dora (DoRA: LoRA plus a trained "
+                             "magnitude per output row), or null (no adapters).")
     target_modules: list[str] = opt(["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
                                     "With peft=lora: the decoder layers' linear layers that get adapters, by "
                                     "Bridge's names (linear_qkv, linear_proj, linear_fc1, linear_fc2).")
     dim: int = opt(32, "With peft=lora: the adapters' rank.")
-    alpha: float = opt(32, "With peft=lora: the adapters' scaling numerator (the update is scaled by alpha/dim).")
+    alpha: float = opt(32, "With peft=lora: the adapters' scaling numerator (the update is scaled by alpha/dim); "
+                       "peft=dora without alpha takes Bridge's DoRA default, 64.")
     dropout: float = opt(0.0, "With peft=lora: adapter dropout probability (drawn from the RNG tracker).")
     dropout_position: str = opt("pre", "With peft=lora: adapter dropout on the adapter's input (pre) or its "
-                                "output (post).")
+                                "output (post); peft=dora: pre only.")
     lora_A_init_method: str = opt("xavier", "With peft=lora: initialisation of A: xavier (Xavier-uniform) or "
                                   "uniform (Kaiming-uniform, nn.Linear's default).")
     lora_B_init_method: str = opt("zero", "With peft=lora: initialisation of B: zero (the adapted model starts "
                                   "as the base model).")
+    adapter_path: str | None = opt(None, "graphstep's own field (Bridge has none): a Hugging Face peft adapter folder "
+                                   "(adapter_config.json + adapter_model.safetensors) loaded into the adapters to "
+                                   "continue training it; its r, lora_alpha, use_dora and modules must be this "
+                                   "run's peft.dim, peft.alpha, peft.scheme and peft.target_modules.")
     lora_dtype: str | None = refused(None, "dtype of the adapter weights (null: the model's params_dtype).", "R33")
     a2a_experimental: bool = refused(False, "Experimental all-to-all adapters for expert layers.", "R33")

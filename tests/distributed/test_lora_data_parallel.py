@@ -1,4 +1,4 @@
-"""LoRA (peft=lora) on 2 data-parallel gloo processes under torchrun, on the CPU replay backend: the graphed runs
+"""LoRA (peft=lora; DoRA, peft=dora, too) on 2 data-parallel gloo processes under torchrun, on the CPU replay backend: the graphed runs
 equal eager bit for bit on every rank, the ranks agree, and the frozen base weights never move. Adapter dropout
 is on: every data-parallel rank draws from the same tracker streams, as in test_distributed.py."""
 
@@ -19,6 +19,8 @@ RUNS = {
     "eager": ["model.cuda_graph_impl=none"],
     "full_iteration": ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
     "attn_mlp": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+    "dora_eager": ["peft=dora", "model.cuda_graph_impl=none"],
+    "dora_full_iteration": ["peft=dora", "model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
 }
 
 
@@ -56,11 +58,12 @@ def reports(tmp_path_factory):
                             json.dumps(RUNS), timeout=240)
 
 
-@pytest.mark.parametrize("name", ["full_iteration", "attn_mlp"])
+@pytest.mark.parametrize("name", ["full_iteration", "attn_mlp", "dora_full_iteration"])
 def test_graphed_lora_on_two_ranks_equals_eager_bit_for_bit(reports, name):
+    ref = "dora_eager" if name.startswith("dora_") else "eager"
     for report in reports:
-        assert exact_list(report[name]["losses"]) == exact_list(report["eager"]["losses"])
-        assert report[name]["params"] == report["eager"]["params"]
+        assert exact_list(report[name]["losses"]) == exact_list(report[ref]["losses"])
+        assert report[name]["params"] == report[ref]["params"]
         assert "replayed" in report[name]["states"][-1].lower()
 
 

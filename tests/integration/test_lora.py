@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (peft=lora, converters/lora.py): graphed equals eager bit for bit with the adapters inside the
+"""LoRA and DoRA fine-tuning (peft=lora, peft=dora, converters/lora.py): graphed equals eager bit for bit with the adapters inside the
 graphs, the base weights never move, the optimizer holds only the adapters; Bridge's peft fields act or are
 refused by R33.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphstep.converters.lora import LoRALinear, TARGETS
+from graphstep.converters.lora import DoRALinear, LoRALinear, TARGETS
 from graphstep.validation import validate_config
 
 from helpers.runs import assert_same_run, eager, tiny_config
@@ -26,6 +26,7 @@ ADAPTERS = {
     "dropout_pre": ["peft.dropout=0.1"],
     "dropout_post_qkv_fc2_uniform": ["peft.dropout=0.1", "peft.dropout_position=post",
                                      "peft.target_modules=[linear_qkv,linear_fc2]", "peft.lora_A_init_method=uniform"],
+    "dora_dropout_pre": ["peft=dora", "peft.dropout=0.1"],
 }
 GRAPHS = {
     "full_iteration+optimizer": ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
@@ -87,6 +88,73 @@ def test_adapter_dropout_draws_masks():
     assert losses["no_dropout"] != losses["dropout_pre"]
 
 
+def _dora_layer(bias: bool) -> tuple[DoRALinear, torch.nn.Linear]:
+    from graphstep.converters.lora import LoRAPlan
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(16, 12, bias=bias)
+    plan = LoRAPlan(scheme="dora", targets=("linear_qkv",), dim=4, alpha=8, dropout=0.0, dropout_position="pre",
+                    a_init="xavier", b_init="zero")
+    return DoRALinear(base, plan), base
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_dora_is_the_papers_rescaled_weight_with_a_detached_norm(bias):
+    layer, base = _dora_layer(bias)
+    x = torch.randn(3, 16)
+    assert torch.equal(layer.lora_magnitude, torch.linalg.vector_norm(base.weight, dim=1))
+    assert torch.equal(layer(x), base(x))  # B = 0 and m = ||W||: the base layer exactly
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+        layer.lora_magnitude.mul_(1.5)
+    y = layer(x)
+    # the reference: m * (W + s B A) / ||W + s B A||_row, the norm a constant (DoRA paper 4.3, Bridge, peft)
+    A, B, m = (t.detach().clone().requires_grad_() for t in (layer.lora_A.weight, layer.lora_B.weight,
+                                                               layer.lora_magnitude))
+    adapted = base.weight + layer.scale * B @ A
+    ref = torch.nn.functional.linear(x, (m / torch.linalg.vector_norm(adapted, dim=1).detach())[:, None] * adapted,
+                                     base.bias)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.merged_weight(), ((m / torch.linalg.vector_norm(adapted, dim=1))[:, None]
+                                                       * adapted).detach(), atol=1e-6, rtol=1e-6)
+    y.square().sum().backward()
+    ref.square().sum().backward()
+    for got, want in ((layer.lora_A.weight, A), (layer.lora_B.weight, B), (layer.lora_magnitude, m)):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-4, rtol=1e-4)
+    A.grad = None  # with the norm in the gradient, A's gradient would differ
+    adapted = base.weight + layer.scale * B @ A
+    torch.nn.functional.linear(x, (m / torch.linalg.vector_norm(adapted, dim=1))[:, None] * adapted,
+                               base.bias).square().sum().backward()
+    assert not torch.allclose(layer.lora_A.weight.grad, A.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_doras_adapter_dropout_corrects_the_base_output_of_the_dropped_input_as_bridge_and_peft():
+    from graphstep.cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
+    from graphstep.models.transformer import hidden_dropout
+
+    layer, base = _dora_layer(bias=True)
+    layer.dropout = 0.5
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+        layer.lora_magnitude.mul_(1.5)
+    initialize_rng_tracker(7, "cpu")
+    state = get_rng_tracker().get_all_states()
+    x = torch.randn(3, 16)
+    y = layer.train()(x)
+    get_rng_tracker().set_all_states(state)
+    dropped = hidden_dropout(x, 0.5, True)  # the same mask
+    assert not torch.equal(dropped, x)
+    with torch.no_grad():
+        r = layer.lora_magnitude / layer.weight_norm()
+        W, s = base.weight, layer.scale
+        # Bridge: r (W x + s B A x_d) + (r - 1) W (x_d - x); peft: W x + (r - 1) W x_d + r s B A x_d; plus the bias
+        want = x @ W.T + (r - 1) * (dropped @ W.T) + r * s * (dropped @ layer.lora_A.weight.T @ layer.lora_B.weight.T)
+        torch.testing.assert_close(y, want + base.bias, atol=1e-5, rtol=1e-5)
+        eval_y = layer.eval()(x)
+        torch.testing.assert_close(eval_y, torch.nn.functional.linear(x, layer.merged_weight(), base.bias),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_the_optimizer_and_gradient_buffers_hold_only_the_adapters():
     from graphstep.training.build import RunOptions, build_run
 
@@ -134,7 +202,9 @@ def test_bridge_lora_fields_are_accepted_with_their_defaults():
 
 
 @pytest.mark.parametrize("overrides, fields, words", [
-    (["peft=dora"], ("peft.scheme",), "DoRA"),
+    (["peft=dora", "peft.dropout_position=post"], ("peft.scheme", "peft.dropout_position"), "DoRA drops"),
+    (["peft=dora", "model.tensor_model_parallel_size=2"], ("peft.scheme", "model.tensor_model_parallel_size"),
+     "peft=dora with tensor parallel"),
     (["peft=qlora"], ("peft.scheme",), "not a PEFT scheme"),
     (["peft.dim=8"], ("peft.dim",), "without a scheme"),
     (["peft=lora", "peft.lora_dtype=fp32"], ("peft.lora_dtype",), "model's dtype"),
@@ -164,6 +234,15 @@ def test_r33_refuses_what_lora_does_not_implement_in_one_line(overrides, fields,
     assert [f for f, _ in found] == [fields], found
     message = found[0][1]
     assert words in message and "\n" not in message and "Fix:" in message
+
+
+def test_dora_takes_bridges_alpha_default_unless_alpha_is_given():
+    from graphstep.validation import normalize_cuda_graph_config
+
+    for overrides, alpha in ((["peft=dora"], 64), (["peft=dora", "peft.alpha=32"], 32), (["peft=lora"], 32)):
+        cfg = tiny_config(*overrides)
+        normalize_cuda_graph_config(cfg)
+        assert cfg.peft.alpha == alpha, overrides
 
 
 def test_r33_refuses_lora_on_moe_models():
@@ -206,14 +285,55 @@ def test_a_pretrained_checkpoint_of_another_model_or_none_is_a_one_line_error(tm
         assert words in message and "checkpoint.pretrained_checkpoint" in message and "\n" not in message, message
 
 
-def test_lora_resumes_exactly(tmp_path):
-    overrides = [*BASE, "peft.dropout=0.1", *GRAPHS["full_iteration+optimizer"], "model.cuda_graph_warmup_steps=1"]
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scheme", ["lora", "dora"])
+def test_lora_resumes_exactly(tmp_path, scheme, device):
+    """The checkpoint holds the adapters only (adapter-only checkpoints, below); the resumed run equals the whole."""
+    overrides = [*BASE, f"peft={scheme}", f"train.device={device}", "peft.dropout=0.1", *GRAPHS["full_iteration+optimizer"], "model.cuda_graph_warmup_steps=1"]
     whole = train(tiny_config(*overrides))
     train(tiny_config(*overrides, "train.train_iters=3", f"checkpoint.save={tmp_path / 'run'}"))
     resumed = train(tiny_config(*overrides, f"checkpoint.load={tmp_path / 'run'}"))
     assert [r["loss"] for r in resumed.rows] == [r["loss"] for r in whole.rows[3:]]
     for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+
+
+def _saved(root) -> tuple[dict, int]:
+    """(the model entries' shapes, the bytes on disk) of the newest checkpoint in ``root``."""
+    from graphstep.training.checkpoint import find_checkpoint, saved_model_shapes
+
+    path = find_checkpoint(root)
+    return saved_model_shapes(path), sum(f.stat().st_size for f in path.iterdir())
+
+
+@pytest.mark.slow
+def test_an_adapter_checkpoint_holds_the_adapters_and_the_base_it_started_from_and_resumes_exactly(tmp_path):
+    from graphstep.errors import CheckpointError
+
+    base, wider = tmp_path / "base", ["model.hidden_size=128", "model.ffn_hidden_size=512"]
+    train(eager(tiny_config("train.train_iters=2", f"checkpoint.save={base}", *wider)))
+    _, full_bytes = _saved(base)
+    overrides = [*BASE, *wider, "peft=dora", "peft.dim=2", f"checkpoint.pretrained_checkpoint={base}"]
+    whole = train(eager(tiny_config(*overrides)))
+    train(eager(tiny_config(*overrides, "train.train_iters=3", f"checkpoint.save={tmp_path / 'run'}")))
+    shapes, size = _saved(tmp_path / "run")
+    adapters = {n for n, p in whole.model.named_parameters() if p.requires_grad}
+    assert set(shapes) == adapters and adapters < set(whole.model.state_dict())
+    assert size < 0.1 * full_bytes, (size, full_bytes)  # the adapters and their Adam state, no base weights
+    resumed = train(eager(tiny_config(*overrides, f"checkpoint.load={tmp_path / 'run'}")))
+    assert [r["loss"] for r in resumed.rows] == [r["loss"] for r in whole.rows[3:]]
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+    refusals = {  # another base, no adapters, an adapter checkpoint as the base: one-line errors
+        "were trained over checkpoint.pretrained_checkpoint=": [*BASE, *wider, "peft=dora", "peft.dim=2"],
+        "holds LoRA/DoRA adapters only": ["train.train_iters=6", "checkpoint.save=null", *wider],
+    }
+    for words, run in refusals.items():
+        with pytest.raises(CheckpointError, match=words) as err:
+            train(eager(tiny_config(*run, f"checkpoint.load={tmp_path / 'run'}")))
+        assert "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match="point it at the checkpoint of the base model"):
+        train(eager(tiny_config(*BASE, *wider, f"checkpoint.pretrained_checkpoint={tmp_path / 'run'}")))
 
 
 def test_the_memory_estimate_counts_gradients_and_optimizer_state_of_the_adapters_only():
@@ -235,17 +355,21 @@ def test_the_memory_estimate_counts_gradients_and_optimizer_state_of_the_adapter
     assert est.gradients == trainable * 4
     assert est.optimizer == trainable * (8 if e == 4 else 12)
     assert est.weights == full.weights + trainable * e
+    dora = estimate_memory(apply_overrides(get_recipe("llama32_1b"), ["peft=dora", "peft.dim=8"]), torch.device("cpu"))
+    magnitudes = m.num_layers * (qkv + m.hidden_size + 2 * m.ffn_hidden_size + m.hidden_size)  # one per output row
+    assert dora.parameters == est.parameters + magnitudes and dora.gradients == est.gradients + magnitudes * 4
 
 
 # --------------------------------------------------------------------------
 # export
 
 
-def test_export_hf_writes_the_merged_model_transformers_loads_with_the_same_logits(tmp_path):
+@pytest.mark.parametrize("scheme", ["lora", "dora"])
+def test_export_hf_writes_the_merged_model_transformers_loads_with_the_same_logits(tmp_path, scheme):
     transformers = pytest.importorskip("transformers")
     from graphstep.models.hf import export_hf
 
-    cfg = eager(tiny_config(*BASE, "model.attention_dropout=0.0", "model.hidden_dropout=0.0"))
+    cfg = eager(tiny_config(*BASE, f"peft={scheme}", "model.attention_dropout=0.0", "model.hidden_dropout=0.0"))
     model = train(cfg).model.eval()
     out = export_hf(model, cfg.model, tmp_path / "hf")
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -260,26 +384,36 @@ def test_export_hf_writes_the_merged_model_transformers_loads_with_the_same_logi
         assert (back(tokens).logits - model(tokens)).abs().max() > 1e-2
 
 
-def test_export_peft_adapter_loads_in_hf_peft_over_the_exported_base_with_the_same_logits(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")  # the test extra installs it
+def _without_adapters(model):
+    """A copy of ``model`` whose adapters are the identity: merged, exactly the frozen base weights."""
     import copy
-    import json
 
-    from graphstep.models.hf import HFExportError, export_hf, export_peft_adapter
-
-    cfg = eager(tiny_config(*BASE, "model.attention_dropout=0.0", "model.hidden_dropout=0.0",
-                            "peft.dropout=0.1", "peft.target_modules=[linear_qkv,linear_fc1,linear_fc2]"))
-    model = train(cfg).model.eval()
     base = copy.deepcopy(model)
     with torch.no_grad():
         for module in base.modules():
             if isinstance(module, LoRALinear):
-                module.lora_B.weight.zero_()  # merged: exactly the frozen base weights
-    export_hf(base, cfg.model, tmp_path / "base")
+                module.lora_B.weight.zero_()
+            if isinstance(module, DoRALinear):
+                module.lora_magnitude.copy_(module.weight_norm())
+    return base
+
+
+@pytest.mark.parametrize("scheme", ["lora", "dora"])
+def test_export_peft_adapter_loads_in_hf_peft_over_the_exported_base_with_the_same_logits(tmp_path, scheme):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")  # the test extra installs it
+    import json
+
+    from graphstep.models.hf import HFExportError, export_hf, export_peft_adapter
+
+    cfg = eager(tiny_config(*BASE, f"peft={scheme}", "model.attention_dropout=0.0", "model.hidden_dropout=0.0",
+                            "peft.dropout=0.1", "peft.target_modules=[linear_qkv,linear_fc1,linear_fc2]"))
+    model = train(cfg).model.eval()
+    export_hf(_without_adapters(model), cfg.model, tmp_path / "base")
     out = export_peft_adapter(model, cfg.model, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
     config = json.loads((out / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (8, 16, 0.1)
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"], config["use_dora"]) == (8, 16, 0.1,
+                                                                                               scheme == "dora")
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
@@ -338,3 +472,105 @@ def test_graph_step_over_a_hugging_face_peft_lora_model_equals_eager(dropout):
 
     eager_run, graphed_run = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(eager_run, graphed_run))
+
+
+# --------------------------------------------------------------------------
+# peft.adapter_path: a Hugging Face peft adapter imported to continue training
+
+
+def _adapter_run(*overrides: str, peft: tuple[str, ...] = tuple(BASE)):
+    """The run's model as built (base from the seed, adapters added and, with peft.adapter_path, loaded)."""
+    from graphstep.training.build import RunOptions, build_run
+
+    run = build_run(eager(tiny_config(*peft, "model.attention_dropout=0.0", "model.hidden_dropout=0.0", *overrides)),
+                    RunOptions(torch.device("cpu")))
+    run.close()
+    return run.model.eval()
+
+
+@pytest.mark.parametrize("scheme", ["lora", "dora"])
+def test_an_exported_peft_adapter_imports_back_exactly_and_trains_on(tmp_path, scheme):
+    from graphstep.models.hf import export_peft_adapter
+
+    overrides = [f"peft={scheme}", "model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+    cfg = eager(tiny_config(*BASE, *overrides, "train.train_iters=2"))
+    trained = train(cfg).model.eval()
+    out = export_peft_adapter(trained, cfg.model, tmp_path / "adapter")
+    imported = _adapter_run(*overrides, f"peft.adapter_path={out}")
+    fresh = _adapter_run(*overrides)
+    trained_params = dict(trained.named_parameters())
+    for name, p in imported.named_parameters():
+        assert torch.equal(p, trained_params[name]), name  # adapters from the file, base from the same seed
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(imported(tokens), trained(tokens))
+        assert not torch.equal(fresh(tokens), trained(tokens))  # without the import, the untrained adapters
+    resumed = train(tiny_config(*BASE, *overrides, f"peft.adapter_path={out}", "train.train_iters=6",
+                                *GRAPHS["full_iteration+optimizer"]))
+    assert "replayed" in str(resumed.rows[-1]["state"]).lower()
+
+
+def test_a_peft_adapter_that_does_not_fit_is_a_one_line_error(tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from graphstep.errors import HFCheckpointError
+    from graphstep.models.hf import export_peft_adapter
+
+    cfg = eager(tiny_config(*BASE, "train.train_iters=1", "model.cuda_graph_warmup_steps=0"))
+    good = export_peft_adapter(train(cfg).model, cfg.model, tmp_path / "good")
+    tensors = load_file(str(good / "adapter_model.safetensors"))
+    qkv = "base_model.model.model.layers.0.self_attn.{}_proj.lora_A.weight"
+
+    def variant(name: str, change) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        config = json.loads((good / "adapter_config.json").read_text())
+        changed = dict(tensors)
+        change(config, changed)
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        save_file(changed, str(folder / "adapter_model.safetensors"))
+        return str(folder)
+
+    (tmp_path / "empty").mkdir()
+    cases = {
+        str(tmp_path / "empty"): "no adapter_config.json and adapter_model.safetensors",
+        variant("rank", lambda c, t: c.update(r=4, use_rslora=True)): "r=4 (set peft.dim=4); use_rslora=True",
+        variant("dora", lambda c, t: c.update(use_dora=True)): "use_dora=True (set peft=dora)",
+        variant("shape", lambda c, t: t.update({qkv.format("q"): t[qkv.format("q")][:, :32].contiguous()})): "has shape (8, 32)",
+        variant("shared_a", lambda c, t: t.update({qkv.format("k"): t[qkv.format("k")] + 1})): "different lora_A",
+        variant("lm_head", lambda c, t: t.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)})):
+            "adapts the decoder layers' q/k/v/o and gate/up/down projections only",
+        variant("no_fc2", lambda c, t: [t.pop(k) for k in list(t) if "down_proj" in k]):
+            "set peft.target_modules to the modules the adapter has (linear_fc1, linear_proj, linear_qkv)",
+    }
+    for folder, words in cases.items():
+        with pytest.raises(HFCheckpointError) as err:
+            _adapter_run(f"peft.adapter_path={folder}")
+        message = str(err.value)
+        assert words in message and "peft.adapter_path=" in message and "\n" not in message, message
+    only_qkv = variant("only_qkv", lambda c, t: [t.pop(k) for k in list(t) if "self_attn" not in k or "o_proj" in k])
+    _adapter_run("peft.target_modules=[linear_qkv]", f"peft.adapter_path={only_qkv}")  # fits that run
+    with pytest.raises(HFCheckpointError, match="add linear_fc2 to peft.target_modules"):
+        _adapter_run("peft.target_modules=[linear_qkv,linear_proj,linear_fc1]", f"peft.adapter_path={good}")
+
+
+def test_an_adapter_trained_by_hf_peft_on_unfused_projections_loads_with_the_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")  # the test extra installs it
+    from graphstep.models.hf import export_hf
+
+    base = _adapter_run(peft=())
+    export_hf(base, tiny_config().model, tmp_path / "base")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    adapted = peft.get_peft_model(hf, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["o_proj", "down_proj"],
+                                                      init_lora_weights=False)).eval()  # B random: not the base
+    adapted.save_pretrained(tmp_path / "adapter")
+    ours = _adapter_run(f"model.hf_path={tmp_path / 'base'}", "peft.target_modules=[linear_proj,linear_fc2]",
+                        f"peft.adapter_path={tmp_path / 'adapter'}")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = adapted(tokens).logits
+        torch.testing.assert_close(ours(tokens), want, atol=1e-4, rtol=0)
+        assert (base(tokens) - want).abs().max() > 1e-2

@@ -64,6 +64,62 @@ def test_fp8_rows_are_their_bf16_row_in_fp8_and_have_it_as_peer():
         "compile+full_iteration"
 
 
+LORA_ROWS = ["lora_eager", "lora_full_iteration", "lora_local[attn,mlp]"]
+
+
+@pytest.mark.parametrize("recipe", ["small_dense_bench", "dense_1b_bench"])
+def test_lora_rows_are_the_row_fine_tuning_adapters_with_full_fine_tuning_as_peer(recipe):
+    from graphstep.bench.harness import eager_reference, peer_of
+    from graphstep.bench.run import plan_row
+
+    for name in LORA_ROWS:
+        overrides = row_overrides(name)
+        assert "peft=lora" in overrides and set(row_overrides(name[len("lora_"):])) <= set(overrides), name
+        cfg = plan_row(get_recipe(recipe), name).cfg
+        assert cfg.peft.scheme == "lora" and not validate_config(cfg), name
+        assert peer_of(name, {name[len("lora_"):]}) == name[len("lora_"):]
+        assert eager_reference(name, {"eager", "lora_eager"}) == "lora_eager"
+    assert get_recipe("dense_1b_bench").model.seq_length == 2048  # llama32_1b at seq 2048
+    assert row_overrides("lora_manual_graph") is None
+
+
+def test_lora_rows_build_and_run_on_the_cpu_training_only_the_adapters():
+    from graphstep.bench.run import _builder
+
+    base = get_recipe("small_dense_bench")  # at a CPU size; two steps: one eager, one captured
+    m = base.model
+    m.num_layers, m.seq_length, m.vocab_size, m.cuda_graph_warmup_steps = 2, 64, 512, 1
+    losses = {}
+    for name in LORA_ROWS:
+        step, data, _, runner = _builder(name, base, torch.device("cpu"))()
+        run = step.__self__  # the row's Run (training/build.py)
+        try:
+            start = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+            losses[name] = [float(step(data)[0]["loss"]) for _ in range(2)]
+            assert runner.state() == ("eager" if name == "lora_eager" else "captured"), name
+            for n, p in run.model.named_parameters():
+                assert torch.equal(p, start[n]) != (".lora_" in n), n  # the adapters train, the base does not
+        finally:
+            run.close()
+    assert losses["lora_eager"] == losses["lora_full_iteration"] == losses["lora_local[attn,mlp]"], losses
+
+
+def test_finish_puts_a_lora_rows_memory_beside_full_fine_tuning():
+    rows = [Row("eager", step_ms=20.0, peak_allocated_gib=2.0), Row("full_iteration", step_ms=4.0,
+                                                                  peak_allocated_gib=2.2),
+            Row("lora_eager", step_ms=18.0, peak_allocated_gib=1.0),
+            Row("lora_full_iteration", step_ms=3.0, peak_allocated_gib=1.1)]
+    finish(rows, tokens_per_step=1024, flops_per_step=1e12, peak_tflops=800.0)
+    lora = rows[3]
+    assert (lora.peer, lora.vs_peer, lora.memory_vs_peer) == ("full_iteration", 0.75, 0.5)
+    assert lora.speedup == pytest.approx(6.0) and lora.memory_vs_eager == pytest.approx(1.1)  # against lora_eager
+    env = {"date": "2026-12-06", "gpu": "Test GPU", "gpu_memory_gib": 80.0, "torch": "2.x", "cuda": "13.0",
+           "python": "3.12"}
+    md = markdown_table({"recipe": "small_dense_bench", "environment": env, "bf16_matmul_tflops": 800.0,
+                         "rows": [r.as_dict() for r in rows]})
+    assert "0.75x full_iteration, memory 0.50x" in md
+
+
 @pytest.mark.parametrize("recipe, rows", [("small_dense_bench", DENSE_ROWS), ("gpt_124m_bench", DENSE_ROWS),
                                           ("moe_launch_bound_bench", MOE_ROWS),
                                           ("hybrid_launch_bound_bench", HYBRID_ROWS)])

@@ -114,10 +114,11 @@ def test_the_fp8_current_scaling_preset_and_fields_act_and_unknown_values_are_r3
     assert _rules(apply_overrides(Config(), ["mixed_precision=fp16_mixed"])).keys() == {"R18"}
 
 
-def test_peft_null_and_lora_pass_and_lora_fields_without_a_scheme_are_r33(tmp_path):
+def test_peft_null_lora_and_dora_pass_and_lora_fields_without_a_scheme_are_r33(tmp_path):
     assert not _rules(apply_overrides(Config(), ["peft=null"]))
     assert not _rules(apply_overrides(Config(), ["peft=lora", "peft.dim=8", "peft.alpha=16"]))
-    assert _rules(apply_overrides(Config(), ["peft=dora"]))["R33"] == [("peft.scheme",)]
+    assert not _rules(apply_overrides(Config(), ["peft=dora"]))
+    assert _rules(apply_overrides(Config(), ["peft=qlora"]))["R33"] == [("peft.scheme",)]
     (tmp_path / "ft.yaml").write_text("peft:\n  dim: 8\n  alpha: 16\ncheckpoint:\n  pretrained_checkpoint: /ckpt\n")
     found = _rules(load_yaml(tmp_path / "ft.yaml"))
     assert sorted(found["R33"]) == [("peft.alpha",), ("peft.dim",)]  # pretrained_checkpoint acts

@@ -98,6 +98,7 @@ class Row:
     speedup: float | None = None
     floor_ratio: float | None = None
     memory_vs_eager: float | None = None
+    memory_vs_peer: float | None = None  # peak allocated / the peer's (a lora_ row: against full fine-tuning)
     tokens_per_s: float | None = None
     tflops: float | None = None
     mfu: float | None = None
@@ -318,7 +319,9 @@ def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callab
 def eager_reference(name: str, measured: set[str]) -> str:
     """The eager row ``name``'s ratios are against: ``eager`` for one-process rows (``fsdp_`` and ``zero2_``
     ones too, as on one GPU); ``<layout>_eager`` for the multi-rank layouts, and for ``fsdp_``/``zero2_`` rows
-    when the run has no plain ``eager`` row (under torchrun)."""
+    when the run has no plain ``eager`` row (under torchrun); ``lora_eager`` for ``lora_`` rows when measured."""
+    if name.startswith("lora_") and "lora_eager" in measured:
+        return "lora_eager"
     for prefix in TORCHRUN_ONLY:  # rows whose eager reference is their own layout's
         if name.startswith(prefix):
             return "dp_eager" if prefix == "dp_overlap_" else prefix + "eager"
@@ -360,9 +363,9 @@ def peer_of(name: str, names: set[str]) -> str | None:
     """The row of another library doing ``name``'s job, when the run measured it: per-layer graphs against
     ``torch.cuda.make_graphed_callables``, a whole-step graph against a hand-written ``torch.cuda.graph``
     step, compile + graphs against ``torch.compile(mode="reduce-overhead")``, an ``fp8_`` row against the same
-    row in bf16."""
-    if name.startswith("fp8_"):  # an FP8 row against the same row in bf16
-        peer = name[len("fp8_"):]
+    row in bf16, a ``lora_`` row against the same row fine-tuning every weight."""
+    if name.startswith(("fp8_", "lora_")):  # FP8 against bf16; LoRA against full fine-tuning
+        peer = name.split("_", 1)[1]
     elif name.startswith("compile+fp8_"):  # compiled FP8 against the same compiled row in bf16
         peer = "compile+" + name[len("compile+fp8_"):]
     elif name.startswith("compile+"):
@@ -409,6 +412,8 @@ def finish(rows: list[Row], *, tokens_per_step: int, flops_per_step: float, peak
             pairs = list(zip(r.step_ms_rounds, peer.step_ms_rounds)) or [(r.step_ms, peer.step_ms)]
             r.vs_peer_rounds = [a / b for a, b in pairs]
             r.vs_peer = statistics.median(r.vs_peer_rounds)
+            if r.peak_allocated_gib and peer.peak_allocated_gib:
+                r.memory_vs_peer = r.peak_allocated_gib / peer.peak_allocated_gib
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:

@@ -4,8 +4,9 @@ Row names: ``eager``; graphstep settings ``full_iteration``,
 ``full_iteration+optimizer``, ``local[attn]``, ``local[mlp]``,
 ``local[attn,mlp]``, ``local[]`` (whole layer), ``te[...]`` (Transformer
 Engine semantics), MoE scopes such as ``local[attn,moe_router,moe_preprocess]``;
-peers ``manual_graph``, ``make_graphed_callables`` and
-``compile[reduce-overhead]`` (bench/peers.py), ``torchtitan_cuda_graph``
+``lora_<row>`` (the row fine-tuning LoRA adapters on the frozen model, against ``<row>`` fine-tuning every
+weight: its step time and peak memory beside it) and ``fp8_<row>``; peers ``manual_graph``,
+``make_graphed_callables`` and ``compile[reduce-overhead]`` (bench/peers.py), ``torchtitan_cuda_graph``
 (bench/torchtitan_peer.py), ``megatron_full_cuda_graph`` and
 ``megatron_full_cuda_graph@VERSION`` (bench/megatron_peer.py; what each peer
 captures: ``CAPTURES``), and ``compile+full_iteration``:
@@ -55,6 +56,10 @@ HYBRID_ROWS = ["eager", "full_iteration", "full_iteration+optimizer", "local[att
 # fp8_<row>: the row with the decoder layers' linear layers in FP8 (current scaling; e4m3 forward, e5m2 gradients)
 FP8_PREFIX = "fp8_"
 FP8_OVERRIDES = ["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=tensorwise"]
+# lora_<row>: the row fine-tuning LoRA adapters (Bridge's defaults: rank 32 on linear_qkv, linear_proj, linear_fc1,
+# linear_fc2) on the frozen model: converters/lora.py; its peer is the row fine-tuning every weight
+LORA_PREFIX = "lora_"
+LORA_OVERRIDES = ["peft=lora"]
 NO_GRAPH = ["model.cuda_graph_impl=none", "model.cuda_graph_modules=[]", "optimizer.optimizer_cuda_graph=false"]
 REFUSED = "refused"  # the note of a row the config rules refused (not built)
 # What each peer row captures, so a comparison with graphstep's rows is read fairly (shown under the tables).
@@ -103,6 +108,9 @@ def row_overrides(name: str, world_size: int = 1) -> list[str] | None:
     if name.startswith(FP8_PREFIX):  # the row in FP8 (torchao float8, tensorwise, every decoder layer): converters/fp8.py
         inner = row_overrides(name[len(FP8_PREFIX):], world_size)
         return None if inner is None else inner + FP8_OVERRIDES
+    if name.startswith(LORA_PREFIX):  # the row with LoRA adapters on the frozen model: converters/lora.py
+        inner = row_overrides(name[len(LORA_PREFIX):], world_size)
+        return None if inner is None else inner + LORA_OVERRIDES
     prefix, inner = split_prefix(name)
     if prefix:  # the one-process row ``inner`` on a layout over the world (fsdp_, zero2_ on one GPU: a one-rank mesh)
         graph = None if split_prefix(inner)[0] else row_overrides(inner)
@@ -401,14 +409,16 @@ def _spread(r: dict[str, Any]) -> str:
 
 
 def _vs_peer(r: dict[str, Any]) -> str:
-    """``0.83x make_graphed_callables``, with the rounds' range ``(0.80-0.90x, ahead in 3/3)`` after several."""
+    """``0.83x make_graphed_callables``, with the rounds' range ``(0.80-0.90x, ahead in 3/3)`` after several; a
+    ``lora_`` row adds its peak memory against full fine-tuning (``, memory 0.41x``)."""
     if r.get("vs_peer") is None:
         return "-"
     ratios = r.get("vs_peer_rounds") or []
     spread = ""
     if len(ratios) > 1:
         spread = f" ({min(ratios):.2f}-{max(ratios):.2f}x, ahead in {sum(x < 1 for x in ratios)}/{len(ratios)})"
-    return f"{r['vs_peer']:.2f}x {r['peer']}{spread}"
+    memory = f", memory {r['memory_vs_peer']:.2f}x" if r.get("memory_vs_peer") and r["name"].startswith("lora_") else ""
+    return f"{r['vs_peer']:.2f}x {r['peer']}{spread}{memory}"
 
 
 def markdown_table(doc: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of the decoder layers' projections (Megatron Bridge's ``peft=lora``).
+"""LoRA and DoRA fine-tuning of the decoder layers' projections (Megatron Bridge's ``peft=lora`` / ``peft=dora``).
 
 ``apply_lora(model, plan)`` freezes every parameter of the built model (its weights loaded) and swaps the
 decoder layers' target ``nn.Linear`` -- Bridge's names ``linear_qkv``, ``linear_proj``, ``linear_fc1``,
@@ -16,9 +16,20 @@ decoder layers' target ``nn.Linear`` -- Bridge's names ``linear_qkv``, ``linear_
   RNG tracker's data-parallel stream, as the model's hidden dropout does (models/transformer.py), so a graph
   replays it with the generator state the tracker registers.
 
+DoRA (``peft=dora``, :class:`DoRALinear`, Bridge's ``DoRA`` and the DoRA paper's equation 5) adds a trainable
+magnitude ``m`` per output row, initialised to the row norms of ``W + s B A`` (of ``W``: B starts at zero), and
+rescales each row of the adapted weight to it:
+
+    y = (m / ||W + s B A||_row) * (x W^T + s B(A(x))) + b
+
+The norm is detached, as in the paper (section 4.3), Bridge and HF peft: it follows B and A but takes no gradient.
+With adapter dropout (``pre`` only, as Bridge) the base output of the dropped input is corrected as Bridge and peft
+do: ``y = x W^T + (m/n - 1) x_d W^T + (m/n) s B(A(x_d)) + b``. The bias is added after the rescaling (the paper and
+peft; Bridge's fused ``linear_qkv`` would rescale a q/k/v bias too).
+
 ``merged_state_dict`` folds the adapters into the base weights (``export_hf`` writes that merged model).
-What does not combine (DoRA, lora_dtype, tensor/pipeline/expert parallel, FSDP2, FP8, MoE and hybrid models)
-is refused by rule R33 (docs/rules.md).
+What does not combine (lora_dtype, DoRA's post dropout, tensor/pipeline/expert parallel, FSDP2, FP8, MoE and
+hybrid models) is refused by rule R33 (docs/rules.md).
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from torch import nn
 
 from ..models.transformer import decoder_layer_of, hidden_dropout
 
-SCHEMES = ("lora",)
+SCHEMES = ("lora", "dora")
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Bridge's LoRA default: all four
 DROPOUT_POSITIONS = ("pre", "post")
 A_INITS = ("xavier", "uniform")
@@ -42,8 +53,9 @@ B_INITS = ("zero",)
 
 @dataclass(frozen=True)
 class LoRAPlan:
-    """What to adapt and how: the target names, rank, scaling, dropout and initialisation."""
+    """What to adapt and how: the scheme, target names, rank, scaling, dropout and initialisation."""
 
+    scheme: str
     targets: tuple[str, ...]
     dim: int
     alpha: float
@@ -57,7 +69,7 @@ class LoRAPlan:
         return self.alpha / self.dim
 
     def describe(self, adapted: int, trainable: int, frozen: int) -> str:
-        return (f"LoRA: {adapted} linear layers ({', '.join(self.targets)}) with rank {self.dim}, alpha "
+        return (f"{'DoRA' if self.scheme == 'dora' else 'LoRA'}: {adapted} linear layers ({', '.join(self.targets)}) with rank {self.dim}, alpha "
                 f"{self.alpha:g} (scale {self.scale:g}), dropout {self.dropout:g} ({self.dropout_position}); "
                 f"{trainable:,} trainable parameters, {frozen:,} frozen")
 
@@ -67,7 +79,7 @@ def plan_from(peft: Any) -> LoRAPlan | None:
     if peft.scheme is None:
         return None
     targets = peft.target_modules if peft.target_modules is not None else list(TARGETS)
-    return LoRAPlan(targets=tuple(str(t) for t in targets), dim=int(peft.dim), alpha=float(peft.alpha),
+    return LoRAPlan(scheme=str(peft.scheme), targets=tuple(str(t) for t in targets), dim=int(peft.dim), alpha=float(peft.alpha),
                     dropout=float(peft.dropout), dropout_position=str(peft.dropout_position),
                     a_init=str(peft.lora_A_init_method), b_init=str(peft.lora_B_init_method))
 
@@ -117,13 +129,51 @@ class LoRALinear(nn.Linear):
                 f"dim={self.lora_A.out_features}, scale={self.scale:g}")
 
 
+class DoRALinear(LoRALinear):
+    """:class:`LoRALinear` plus DoRA's trainable magnitude ``lora_magnitude`` (one per output row): each row of
+    ``W + s B A`` is rescaled to its magnitude (module docstring)."""
+
+    def __init__(self, base: nn.Linear, plan: LoRAPlan) -> None:
+        super().__init__(base, plan)
+        self.lora_magnitude = nn.Parameter(self.weight_norm())  # ||W + s B0 A0||_row = ||W||_row: starts as the base
+
+    def weight_norm(self) -> torch.Tensor:
+        """``||W + s B A||`` per output row, in the weight's dtype, detached (no gradient flows through it)."""
+        with torch.no_grad():
+            update = self.lora_B.weight @ self.lora_A.weight
+            return torch.linalg.vector_norm(self.weight + self.scale * update, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rescale = self.lora_magnitude / self.weight_norm()
+        y = F.linear(x, self.weight)
+        if self.dropout > 0.0 and self.training:  # Bridge's and peft's correction for the dropped input
+            dropped = hidden_dropout(x, self.dropout, self.training)
+            y = y + (rescale - 1) * F.linear(dropped, self.weight) + rescale * (self.lora_B(self.lora_A(dropped))
+                                                                                * self.scale)
+        else:
+            y = rescale * (y + self.lora_B(self.lora_A(x)) * self.scale)
+        return y + self.bias if self.bias is not None else y
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """``m / ||W + s B A||_row * (W + s B A)``, computed in fp32 and cast to the weight's dtype."""
+        update = self.lora_B.weight.float() @ self.lora_A.weight.float()
+        adapted = self.weight.float() + self.scale * update
+        rescale = self.lora_magnitude.float() / torch.linalg.vector_norm(adapted, dim=1)
+        return (rescale[:, None] * adapted).to(self.weight.dtype)
+
+
+ADAPTER_KEYS = ("lora_A.weight", "lora_B.weight", "lora_magnitude")
+
+
 def _target(name: str, module: nn.Module, targets: tuple[str, ...]) -> bool:
     return (type(module) is nn.Linear and name.rsplit(".", 1)[-1] in targets
             and decoder_layer_of(name) is not None)
 
 
 def apply_lora(model: nn.Module, plan: LoRAPlan) -> list[str]:
-    """Freeze ``model`` and put :class:`LoRALinear` in place of its decoder layers' target linear layers.
+    """Freeze ``model`` and put :class:`LoRALinear` (:class:`DoRALinear` with ``peft=dora``) in place of its decoder
+    layers' target linear layers.
 
     Returns the adapted module names. A target name that matches no linear layer of the model is an error
     (the adapters would silently be missing)."""
@@ -137,7 +187,7 @@ def apply_lora(model: nn.Module, plan: LoRAPlan) -> list[str]:
     for name, linear in found:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, LoRALinear(linear, plan))
+        setattr(parent, child, (DoRALinear if plan.scheme == "dora" else LoRALinear)(linear, plan))
     return [name for name, _ in found]
 
 
@@ -149,7 +199,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, LoRALinear):
             prefix = f"{name}." if name else ""
             state[prefix + "weight"] = module.merged_weight()
-            del state[prefix + "lora_A.weight"], state[prefix + "lora_B.weight"]
+            for key in ADAPTER_KEYS:
+                state.pop(prefix + key, None)
     return state
 
 

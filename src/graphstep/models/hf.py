@@ -27,7 +27,7 @@ is an error naming the key and the file.
 :func:`export_hf` writes the inverse -- config.json and one
 model.safetensors, experts per key as on the Hub -- which ``transformers``
 loads with the same logits; a model fine-tuned with LoRA (converters/lora.py) is exported merged, each adapter
-folded into its base weight. The model type follows the configuration: MoE
+folded into its base weight (DoRA: rescaled by its magnitude). The model type follows the configuration: MoE
 is ``qwen3_moe``, q/k norms ``qwen3``, q/k/v bias ``qwen2``, else ``llama``.
 It writes into a new or empty folder only (``overwrite=True`` replaces the
 two files of a folder that has them; a sharded folder is refused even so,
@@ -55,7 +55,7 @@ from torch import nn
 
 from graphstep.errors import HFCheckpointError, HFExportError
 
-from ..converters.lora import LoRALinear, merged_state_dict
+from ..converters.lora import DoRALinear, LoRALinear, merged_state_dict
 
 log = logging.getLogger("graphstep")
 
@@ -425,6 +425,8 @@ def export_peft_adapter(model: nn.Module, model_cfg: Any, path: str | Path, *,
 
     A fused projection's adapter splits exactly: ``linear_qkv``'s update ``B A`` is q/k/v's ``B_q A``,
     ``B_k A``, ``B_v A`` (A shared, B's rows split as the weight's), ``linear_fc1``'s gate/up the same way.
+    DoRA adapters (``peft=dora``) export as peft's ``use_dora=True``: the magnitude splits by rows as B does
+    (each row's norm is its own), written as peft's ``lora_magnitude_vector``.
     ``path`` must be a new or empty folder; a model without adapters, or adapters peft cannot express
     (dropout after the adapter), raise ``HFExportError``."""
     from safetensors.torch import save_file
@@ -442,34 +444,153 @@ def export_peft_adapter(model: nn.Module, model_cfg: Any, path: str | Path, *,
                             "train with peft.dropout_position=pre or peft.dropout=0.0 to export the adapters")
     tensors: dict[str, torch.Tensor] = {}
     targets: set[str] = set()
-    exported = set()
-    for i, kinds in enumerate(_kinds(model_cfg)):
-        for kind in kinds:
-            for gs, keys in _layer_keys(i, kind, model_cfg):
-                module = adapters.get(gs.removesuffix(".weight")) if gs.endswith(".weight") else None
-                if module is None:
-                    continue
-                a, b = module.lora_A.weight.detach(), module.lora_B.weight.detach()
-                for key, part in zip(keys, _split_rows(b, keys, model_cfg)):
-                    prefix = "base_model.model." + key.removesuffix(".weight")
-                    tensors[prefix + ".lora_A.weight"] = a.cpu().contiguous().clone()
-                    tensors[prefix + ".lora_B.weight"] = part.cpu().contiguous().clone()
-                    targets.add(key.removesuffix(".weight").rsplit(".", 1)[-1])
-                exported.add(gs.removesuffix(".weight"))
-    if exported != set(adapters):
-        missing = ", ".join(sorted(set(adapters) - exported)[:3])
-        raise HFExportError(f"adapters with no Hugging Face module to export to: {missing}")
+    for module, keys in _adapter_parts(adapters, model_cfg):
+        a, b = module.lora_A.weight.detach(), module.lora_B.weight.detach()
+        parts = {".lora_B.weight": _split_rows(b, keys, model_cfg)}
+        if isinstance(module, DoRALinear):
+            parts[".lora_magnitude_vector"] = _split_rows(module.lora_magnitude.detach(), keys, model_cfg)
+        for j, key in enumerate(keys):
+            prefix = _PEFT_PREFIX + key.removesuffix(".weight")
+            tensors[prefix + ".lora_A.weight"] = a.cpu().contiguous().clone()
+            for suffix, split in parts.items():
+                tensors[prefix + suffix] = split[j].cpu().contiguous().clone()
+            targets.add(prefix.rsplit(".", 1)[-1])
     dim = first.lora_A.out_features
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": dim, "lora_alpha": first.alpha,
               "lora_dropout": first.dropout, "target_modules": sorted(targets), "bias": "none",
-              "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "use_dora": False,
+              "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
+              "use_dora": isinstance(first, DoRALinear),
               "init_lora_weights": True, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path}
     path.mkdir(parents=True, exist_ok=True)
     _replace_file(path / "adapter_model.safetensors",
                   lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     _replace_file(path / "adapter_config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
-    log.info("exported %d LoRA adapters (rank %d) in peft's format to %s", len(adapters), dim, path)
+    log.info("exported %d %s adapters (rank %d) in peft's format to %s", len(adapters),
+             "DoRA" if config["use_dora"] else "LoRA", dim, path)
     return path
+
+
+@torch.no_grad()
+def load_peft_adapter(model: nn.Module, model_cfg: Any, path: str | Path) -> None:
+    """``peft.adapter_path``: copy a Hugging Face peft adapter (``adapter_config.json`` +
+    ``adapter_model.safetensors``) into ``model``'s LoRA/DoRA adapters, to continue training it.
+
+    The inverse of :func:`export_peft_adapter`: q/k/v (gate/up) parts fuse back into ``linear_qkv``
+    (``linear_fc1``) -- their B rows (and DoRA magnitudes) concatenated, their A shared, so the parts must hold
+    the same A (as graphstep and Bridge export them; an adapter peft trained per module has an A each, which one
+    fused adapter of rank r cannot hold). The adapter's r, lora_alpha and use_dora must be this run's peft.dim,
+    peft.alpha and peft.scheme, and its modules this run's peft.target_modules; anything else -- a folder
+    without the two files, a shape that differs, a module graphstep cannot map -- is an ``HFCheckpointError``
+    of one line naming the field to set."""
+    path = Path(path)
+    where = f"peft.adapter_path={path}"
+    config_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights.is_file():
+        raise HFCheckpointError(f"{where}: no adapter_config.json and adapter_model.safetensors there; name a folder "
+                                "written by peft's save_pretrained or graphstep's export_peft_adapter")
+    try:
+        config = json.loads(config_file.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise HFCheckpointError(f"{config_file}: not a JSON object; write the adapter's config again") from None
+    adapters = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    if not adapters or not isinstance(config, dict):
+        raise HFCheckpointError(f"{where}: " + ("adapter_config.json is not a JSON object" if adapters else
+                                                "the model has no adapters to load it into (set peft=lora)"))
+    _check_adapter_config(config, next(iter(adapters.values())), where)
+    tensors, used = _load_safetensors(weights), set()
+    for module, keys in _adapter_parts(adapters, model_cfg):
+        prefixes = [_PEFT_PREFIX + k.removesuffix(".weight") for k in keys]
+
+        def take(suffix: str, like: torch.Tensor) -> list[torch.Tensor]:
+            names = [p + suffix for p in prefixes]
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                target = _HF_TARGETS.get(_module_of(missing[0]), "?")
+                raise HFCheckpointError(f"{where}: no {missing[0]} in adapter_model.safetensors, for this run's "
+                                        f"{target} adapter; set peft.target_modules to the modules the adapter has "
+                                        f"({', '.join(_adapter_targets(tensors))})")
+            used.update(names)
+            parts = [tensors[n] for n in names]
+            whole = parts[0] if suffix == ".lora_A.weight" else torch.cat(parts)
+            if whole.shape != like.shape:
+                raise HFCheckpointError(f"{where}: {names[0].removeprefix(_PEFT_PREFIX)} has shape "
+                                        f"{tuple(parts[0].shape)}, this run's adapter needs {tuple(like.shape)}"
+                                        f"{' (in parts)' if len(parts) > 1 else ''}; is the model the adapter's "
+                                        "base (model.* fields, model.hf_path)?")
+            if suffix == ".lora_A.weight" and any(not torch.equal(parts[0], a) for a in parts[1:]):
+                raise HFCheckpointError(f"{where}: {', '.join(k.rsplit('.', 2)[-2] for k in keys)} of "
+                                        f"{prefixes[0].rsplit('.', 1)[0].removeprefix(_PEFT_PREFIX)} hold different "
+                                        "lora_A matrices; graphstep's fused adapter shares one A (adapters exported "
+                                        "by graphstep or Bridge do), so this adapter cannot be loaded exactly")
+            return [whole.to(device=like.device, dtype=like.dtype)]
+
+        module.lora_A.weight.copy_(take(".lora_A.weight", module.lora_A.weight)[0])
+        module.lora_B.weight.copy_(take(".lora_B.weight", module.lora_B.weight)[0])
+        if isinstance(module, DoRALinear):
+            module.lora_magnitude.copy_(take(".lora_magnitude_vector", module.lora_magnitude)[0])
+    extra = sorted(set(tensors) - used)
+    if extra:
+        name, module_name = extra[0].removeprefix(_PEFT_PREFIX), _module_of(extra[0])
+        fix = (f"add {_HF_TARGETS[module_name]} to peft.target_modules" if module_name in _HF_TARGETS else
+               "graphstep adapts the decoder layers' q/k/v/o and gate/up/down projections only")
+        raise HFCheckpointError(f"{where}: {len(extra)} tensor(s) this run's adapters cannot take, e.g. {name}; {fix}")
+    log.info("loaded the peft adapter %s into %d adapters", path, len(adapters))
+
+
+def _module_of(key: str) -> str:
+    """The Hugging Face module name of an adapter key (``...self_attn.q_proj.lora_A.weight`` -> ``q_proj``)."""
+    return key.split(".lora_")[0].rsplit(".", 1)[-1]
+
+
+def _adapter_targets(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """graphstep's target names of the modules an adapter file has weights for."""
+    return sorted({_HF_TARGETS.get(_module_of(k), _module_of(k)) for k in tensors})
+
+
+def _check_adapter_config(config: dict[str, Any], like: LoRALinear, where: str) -> None:
+    """The adapter's config against this run's adapters: all problems in one line."""
+    dora = isinstance(like, DoRALinear)
+    problems = []
+    if config.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type={config.get('peft_type')!r} (graphstep imports LoRA and DoRA adapters only)")
+    if bool(config.get("use_dora")) != dora:
+        problems.append(f"use_dora={bool(config.get('use_dora'))} (set peft={'lora' if dora else 'dora'})")
+    if config.get("r") != like.lora_A.out_features:
+        problems.append(f"r={config.get('r')!r} (set peft.dim={config.get('r')})")
+    if config.get("lora_alpha") != like.alpha:
+        problems.append(f"lora_alpha={config.get('lora_alpha')!r} (set peft.alpha={config.get('lora_alpha')})")
+    for name, fine, why in (("use_rslora", False, "rank-stabilised scaling alpha/sqrt(r) is not implemented"),
+                            ("bias", "none", "graphstep's adapters train no bias"),
+                            ("fan_in_fan_out", False, "transposed (Conv1D) weights are not graphstep's layout"),
+                            ("modules_to_save", None, "graphstep trains the adapters only"),
+                            ("rank_pattern", {}, "per-module ranks are not implemented"),
+                            ("alpha_pattern", {}, "per-module alphas are not implemented")):
+        if config.get(name) not in (fine, None):
+            problems.append(f"{name}={config.get(name)!r} ({why})")
+    if problems:
+        raise HFCheckpointError(f"{where}: adapter_config.json does not fit this run: {'; '.join(problems)}")
+
+
+_PEFT_PREFIX = "base_model.model."  # peft's prefix of the wrapped model's keys
+# Hugging Face module names -> graphstep's target names (Bridge's)
+_HF_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+               "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+
+
+def _adapter_parts(adapters: dict[str, LoRALinear], m: Any) -> list[tuple[LoRALinear, tuple[str, ...]]]:
+    """Each adapted module with the Hugging Face weight keys its rows split into (q, k, v; gate, up; or one)."""
+    out, seen = [], set()
+    for i, kinds in enumerate(_kinds(m)):
+        for kind in kinds:
+            for gs, keys in _layer_keys(i, kind, m):
+                module = adapters.get(gs.removesuffix(".weight")) if gs.endswith(".weight") else None
+                if module is not None:
+                    out.append((module, keys))
+                    seen.add(gs.removesuffix(".weight"))
+    if seen != set(adapters):
+        missing = ", ".join(sorted(set(adapters) - seen)[:3])
+        raise HFExportError(f"adapters with no Hugging Face module to export to: {missing}")
+    return out
 
 
 def _split_rows(t: torch.Tensor, keys: tuple[str, ...], m: Any) -> tuple[torch.Tensor, ...]:

@@ -43,7 +43,7 @@ from ..cuda_graph.settings import CudaGraphSettings, GraphImpl
 from ..data.buckets import parse_buckets
 from ..converters import fp8, lora
 from ..models import build_model, resolve_dtype
-from ..models.hf import load_hf_weights
+from ..models.hf import load_hf_weights, load_peft_adapter
 from ..validation import REPLAY_COMPILE_REASON, resolve_cuda_graph_settings
 from .checkpoint import load_pretrained
 from .compile import CompileTimeReport, apply_compile, describe_compile
@@ -218,6 +218,8 @@ def _build_model(cfg: Config, device: torch.device, dp: DataParallel, dtype: tor
     if adapters is not None:  # after the base weights are loaded (they are frozen as loaded), before step 3
         adapted = lora.apply_lora(model, adapters)  # takes the trainable parameters (the adapters only)
         log.info("%s", adapters.describe(len(adapted), *lora.count_parameters(model)))
+        if cfg.peft.adapter_path:  # a Hugging Face peft adapter to continue training (models/hf.py)
+            load_peft_adapter(model, cfg.model, cfg.peft.adapter_path)
     model.train()
     if cfg.rng.data_parallel_random_init:
         dp.broadcast_parameters(model)  # different seeds per rank, the same starting weights (Megatron)

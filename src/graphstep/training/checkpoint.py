@@ -40,6 +40,15 @@ one iteration to the next, so a resumed run's losses are bit-identical:
 * ``meta.world_size``, ``meta.layout`` (pipeline stages, data-parallel
   replicas, tensor-parallel ranks).
 
+Adapter-only checkpoints. With ``peft=lora`` or ``peft=dora`` the base weights are frozen and never change,
+so ``model.*`` holds only the trainable parameters (the adapters; :func:`adapter_keys`) -- the optimizer
+state is theirs alone anyway -- and ``meta.base`` records where the base weights came from
+(``checkpoint.pretrained_checkpoint=...``, ``model.hf_path=...`` or ``rng.seed=...``: :func:`base_source`).
+A resumed run builds the base from its own config, loads the adapters over it and refuses a checkpoint whose
+``meta.base`` differs from its own source (its adapters fit only that base); a run without adapters, or
+``checkpoint.pretrained_checkpoint``, refuses an adapter-only checkpoint. The checkpoint is as small as the
+adapters (a few percent of a full one at rank 8) and resumes bit-exactly.
+
 RNG streams on resume (:func:`rng_source_rank`): each rank takes the streams
 saved by the rank that had its place -- the same pipeline stage and
 tensor-parallel rank, and its data-parallel replica (the first one when the
@@ -72,28 +81,8 @@ their parameter.
 ``dcp.load`` filled it, :meth:`LayoutEntries.finish_load` copies the fused
 parameters' natural tensors into the local shards.
 
-Verification: which checkpoint to resume from, verified before anything is
-loaded. A checkpoint folder is *intact* when its ``.metadata`` (DCP's index)
-unpickles and every file that the index names is present and at least as
-long as the byte ranges it records (DCP stores, for each tensor and object,
-the file, the offset and the length). That finds a truncated or missing
-``__0_0.distcp`` and a garbage or missing ``.metadata`` -- what a full disk,
-an interrupted copy or a lost file leave behind -- in milliseconds, without
-reading the data. (A bit flip inside a file keeps the sizes; DCP's load
-then fails on it and says so.)
-
-``choose_checkpoint(load)``:
-
-* ``load`` names one ``iter_NNNNNNN`` folder: it is used if intact, else
-  refused (``CheckpointError``, exit 2) with the list of intact ones beside it
-  -- also when it does not exist (a typo must not restart the run);
-* ``load`` names a file (a ``.pt``, a ``model.safetensors``, a file inside a
-  checkpoint folder): refused, naming what ``checkpoint.load`` takes;
-* ``load`` is a save directory: the tracker's iteration, else the newest
-  ``iter_*`` folder; a damaged one is skipped with a warning naming the
-  damaged file, and the newest intact one is taken; when every checkpoint is
-  damaged the run is refused (starting over would overwrite them);
-* no checkpoint at all: ``None`` (the trainer starts from iteration 0).
+Verification: which checkpoint to resume from, verified before anything is loaded (a damaged one is skipped
+for the newest intact one): training/checkpoint_select.py.
 """
 
 from __future__ import annotations
@@ -119,21 +108,18 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..config import CheckpointConfig, Config
 from ..config_files import save_yaml
+from ..converters.lora import LoRALinear
 from ..cuda_graph.rng import get_rng_tracker
 from ..engines_compat import dtensor_local
 from ..errors import CheckpointError
+# choosing a checkpoint (re-exported: the loop and the tools import them from here)
+from .checkpoint_select import (ITER_DIR, TRACKER, choose_checkpoint, find_checkpoint,  # noqa: F401
+                                intact_checkpoints, iter_dir_name, verify_checkpoint)
 from .distributed import DataParallel
 from .optim import AdamW
 from .parallel import TP, fused_parts
 
 log = logging.getLogger("graphstep")
-
-TRACKER = "latest_checkpointed_iteration.txt"
-ITER_DIR = re.compile(r"^iter_(\d{7,})$")
-
-
-def iter_dir_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
 
 
 # --------------------------------------------------------------------------
@@ -190,15 +176,61 @@ class LayoutEntries:
         return natural
 
     def model(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """``model.state_dict()`` with the fused tensor-parallel parameters in their natural layout."""
+        """``model.state_dict()`` with the fused tensor-parallel parameters in their natural layout; of a model with
+        adapters, only the entries an adapter-only checkpoint holds (:func:`adapter_keys`)."""
         owners = {f"{prefix}.{name}" if prefix else name: fused_parts(module)
                   for prefix, module in model.named_modules() for name, _ in module.named_parameters(recurse=False)}
-        return {key: self.entry(t, t, owners.get(key)) for key, t in model.state_dict().items()}
+        keep = adapter_keys(model)
+        return {key: self.entry(t, t, owners.get(key)) for key, t in model.state_dict().items()
+                if keep is None or key in keep}
 
     def finish_load(self) -> None:
         for scatter in self._after_load:
             scatter()
         self._after_load.clear()
+
+
+# --------------------------------------------------------------------------
+# adapter-only checkpoints
+
+
+def adapter_keys(model: nn.Module) -> set[str] | None:
+    """The model entries an adapter-only checkpoint holds -- the trainable parameters (the adapters) and the
+    buffers -- of a model with LoRA/DoRA adapters (peft set); None for any other model (a full checkpoint).
+
+    The frozen base weights are left out: a resumed run rebuilds them from the source it started from
+    (:func:`base_source`), which the checkpoint records as ``meta.base``."""
+    if not any(isinstance(m, LoRALinear) for m in model.modules()):
+        return None
+    params = dict(model.named_parameters())
+    return {k for k in model.state_dict() if k not in params or params[k].requires_grad}
+
+
+def base_source(config: Config) -> str:
+    """Where a run's frozen base weights come from, as the field that names it."""
+    if config.checkpoint.pretrained_checkpoint:
+        return f"checkpoint.pretrained_checkpoint={Path(config.checkpoint.pretrained_checkpoint).resolve()}"
+    if config.model.hf_path:
+        return f"model.hf_path={Path(config.model.hf_path).resolve()}"
+    return f"rng.seed={config.rng.seed}"  # initialised from the seed, no pretrained weights
+
+
+def saved_base(path: Path, dp: DataParallel) -> str | None:
+    """The base an adapter-only checkpoint's adapters were trained over; None for a full checkpoint."""
+    if not _has_key(path, "meta.base"):
+        return None
+    box: dict[str, Any] = {"meta": {"base": ""}}
+    _dcp_load(box, path, dp)
+    return str(box["meta"]["base"])
+
+
+def _check_base(path: Path, dp: DataParallel, config: Config | None, key: str) -> None:
+    """An adapter-only checkpoint fits only the base weights its adapters were trained over."""
+    saved = saved_base(path, dp)
+    if saved is None or config is None or saved == base_source(config):
+        return
+    raise CheckpointError(f"{key}={path}: its adapters were trained over {saved}, this run's base weights are "
+                          f"{base_source(config)}; set {saved} (an adapter-only checkpoint holds no base weights)")
 
 
 # --------------------------------------------------------------------------
@@ -214,6 +246,7 @@ class TrainingState:
     data: Any  # MicroBatchIterator
     valid: Any = None
     device: torch.device = torch.device("cpu")
+    base: str | None = None  # base_source(config): recorded in an adapter-only checkpoint (Checkpointer sets it)
 
     def __post_init__(self) -> None:
         self._layout = LayoutEntries()
@@ -255,6 +288,8 @@ class TrainingState:
             "data": {"train": self.data.state_dict()},
             "meta": {"world_size": dp.world_size, "layout": _layout(dp)},
         }
+        if adapter_keys(self.model) is not None:  # adapter-only: the base it was trained over
+            state["meta"]["base"] = self.base or "unknown"
         if self.valid is not None:
             state["data"]["valid"] = self.valid.state_dict()
         return state
@@ -295,35 +330,6 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate(state["python"])
     if device.type == "cuda" and "torch_cuda" in state:
         torch.cuda.set_rng_state(state["torch_cuda"], device)
-
-
-# --------------------------------------------------------------------------
-# finding a checkpoint
-
-
-def find_checkpoint(root: str | Path) -> Path | None:
-    """The checkpoint to resume from in ``root``: the tracker's, else the newest complete ``iter_*``."""
-    root = Path(root)
-    if _is_complete(root):  # checkpoint.load may name an iter_* folder itself
-        return root
-    if not root.is_dir():
-        return None
-    try:
-        iteration = int((root / TRACKER).read_text().strip())
-        chosen = root / iter_dir_name(iteration)
-        if _is_complete(chosen):
-            return chosen
-        log.warning("%s names iteration %d but %s is not a complete checkpoint; using the newest complete one",
-                    root / TRACKER, iteration, chosen.name)
-    except (OSError, ValueError):
-        pass
-    complete = sorted((int(m.group(1)), p) for p in root.iterdir()
-                      if (m := ITER_DIR.match(p.name)) and _is_complete(p))
-    return complete[-1][1] if complete else None
-
-
-def _is_complete(path: Path) -> bool:
-    return bool(ITER_DIR.match(path.name)) and (path / ".metadata").is_file()
 
 
 # --------------------------------------------------------------------------
@@ -414,6 +420,7 @@ def load_checkpoint(path: Path, state: TrainingState, dp: DataParallel, *, finet
     ``model.*`` field that differs when ``config`` (this run's) and the checkpoint's config.yaml say which.
     """
     check_model_matches(path, state.model, dp, config)
+    _check_base(path, dp, config, "checkpoint.load")
     if finetune:  # weights only: a fresh optimizer, schedule, data order and iteration count
         template: dict[str, Any] = {"model": state.model_state()}
         _dcp_load(template, path, dp)
@@ -434,6 +441,8 @@ def load_checkpoint(path: Path, state: TrainingState, dp: DataParallel, *, finet
         log.warning("resuming %s from a checkpoint of %s: %s and the data order continues, but the run is not "
                     "bit-identical to an uninterrupted one", _describe(_layout(dp), dp.world_size),
                     _describe(saved_layout, saved_world), how)
+    if "base" in template["meta"] and not _has_key(path, "meta.base"):  # a full checkpoint into a run with adapters
+        del template["meta"]["base"]
     own_rng = template["rng"].pop(f"rank{dp.rank}")
     template["rng"] = {f"rank{rng_rank}": own_rng} if rng_rank is not None else {}
     if "valid" in template["data"] and not _has_key(path, "data.valid."):  # saved by a run without evaluation
@@ -508,11 +517,20 @@ def check_model_matches(path: Path, model: nn.Module, dp: DataParallel, config: 
     DCP loads the entries a state dict asks for and ignores the others, so without this a 4-layer
     checkpoint loads into a 2-layer model, its last layers dropped. Every rank calls it.
     """
+    keep = adapter_keys(model)
     wanted: dict[str, tuple[int, ...]] = {}
-    for part in dp.all_gather_object({k: tuple(t.shape) for k, t in model.state_dict().items()}):
+    for part in dp.all_gather_object({k: tuple(t.shape) for k, t in model.state_dict().items()
+                                      if keep is None or k in keep}):
         wanted.update(part)  # global shapes (DTensors report theirs); pipeline stages hold parts of the model
     saved = saved_model_shapes(path)
-    extra = [k for k in saved if k not in wanted]
+    if keep is None and _has_key(path, "meta.base"):
+        raise CheckpointError(f"{key}={path} holds LoRA/DoRA adapters only (a checkpoint of a peft run), not a "
+                              f"whole model; " + ("point it at the checkpoint of the base model (the adapters' run "
+                                                  "names it as its checkpoint.pretrained_checkpoint)"
+                                                  if key == "checkpoint.pretrained_checkpoint" else
+                              "resume it with the peft.* fields and the base weights of the run that saved it"))
+    frozen = set(model.state_dict()) if keep is not None else set()  # a full checkpoint holds them: not read
+    extra = [k for k in saved if k not in wanted and k not in frozen]
     missing = [k for k in wanted if k not in saved]
     differ = [k for k in wanted if k in saved and saved[k] != wanted[k]]
     if not (extra or missing or differ):
@@ -590,112 +608,6 @@ def _check_schedule(saved: dict[str, Any], optimizer: AdamW, path: Path) -> None
 
 
 # --------------------------------------------------------------------------
-# verifying a checkpoint before loading
-
-
-def verify_checkpoint(path: Path) -> str | None:
-    """What is wrong with the checkpoint folder ``path`` (one short phrase), or None when it is intact."""
-    meta_file = path / ".metadata"
-    if not meta_file.is_file():
-        return f"{meta_file} is missing"
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except Exception as exc:  # unpickling garbage raises anything
-        return f"{meta_file} is unreadable ({type(exc).__name__})"
-    needed: dict[str, int] = {}
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    if not needed:
-        return f"{meta_file} names no data files"
-    for name, size in sorted(needed.items()):
-        f = path / name
-        try:
-            actual = f.stat().st_size
-        except FileNotFoundError:
-            return f"{f} is missing"
-        except OSError as exc:
-            return f"{f} cannot be read ({exc.strerror})"
-        if actual < size:
-            return f"{f} is truncated ({actual} of {size} bytes)"
-    return None
-
-
-def _iteration_dirs(root: Path) -> list[tuple[int, Path]]:
-    return sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := ITER_DIR.match(p.name)) and p.is_dir()),
-                  reverse=True)
-
-
-def _tracker_iteration(root: Path) -> int | None:
-    try:
-        return int((root / TRACKER).read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def intact_checkpoints(root: Path) -> list[Path]:
-    """The intact ``iter_*`` folders of ``root``, newest first."""
-    return [p for _, p in _iteration_dirs(root) if verify_checkpoint(p) is None] if root.is_dir() else []
-
-
-def choose_checkpoint(load: str | Path) -> Path | None:
-    """The intact checkpoint to resume from (see the module docstring)."""
-    root = Path(load)
-    if root.exists() and not root.is_dir():
-        raise CheckpointError(_not_a_folder(root))
-    if ITER_DIR.match(root.name):
-        return _exact(root)
-    if not root.is_dir():
-        return None
-    candidates = _iteration_dirs(root)
-    tracked = _tracker_iteration(root)
-    candidates.sort(key=lambda ip: (ip[0] != tracked, -ip[0]))  # the tracker's first, then newest first
-    damaged: list[str] = []
-    for _, path in candidates:
-        problem = verify_checkpoint(path)
-        if problem is None:
-            if damaged:
-                log.warning("resuming from %s, the newest intact checkpoint (skipped: %s)", path, "; ".join(damaged))
-            return path
-        log.warning("checkpoint %s is damaged: %s", path, problem)
-        damaged.append(f"{path.name}: {problem}")
-    if damaged:
-        raise CheckpointError(f"checkpoint.load={load}: every checkpoint there is damaged ({'; '.join(damaged)}); "
-                              "restore one, or set checkpoint.load=null to train from the start")
-    return None
-
-
-def _not_a_folder(path: Path) -> str:
-    where = next((p for p in path.parents if ITER_DIR.match(p.name)), None)
-    if where is not None:
-        hint = f"it is inside the checkpoint {where}: set checkpoint.load={where}"
-    elif (path.parent / TRACKER).is_file() or _iteration_dirs(path.parent):
-        hint = f"it is inside the checkpoint folder {path.parent}: set checkpoint.load={path.parent}"
-    elif path.suffix == ".safetensors" or (path.parent / "config.json").is_file():
-        hint = f"Hugging Face weights are read from a folder with model.hf_path={path.parent}"
-    else:
-        hint = ("name a checkpoint.save folder (its newest intact checkpoint is loaded) or one iter_NNNNNNN folder "
-                "in it")
-    return f"checkpoint.load={path} is a file, not a checkpoint folder; {hint}"
-
-
-def _exact(path: Path) -> Path:
-    if not path.is_dir():
-        intact = intact_checkpoints(path.parent)
-        others = ", ".join(str(p) for p in intact) if intact else "none"
-        raise CheckpointError(f"checkpoint.load={path}: no such checkpoint folder; intact checkpoints in "
-                              f"{path.parent}: {others} (name one, or checkpoint.load={path.parent} to take the "
-                              "newest)")
-    problem = verify_checkpoint(path)
-    if problem is None:
-        return path
-    intact = intact_checkpoints(path.parent)
-    others = ", ".join(str(p) for p in intact) if intact else "none"
-    raise CheckpointError(f"checkpoint.load={path} is damaged: {problem}; intact checkpoints: {others} "
-                          f"(name one, or checkpoint.load={path.parent} to take the newest intact one)")
-
-
-# --------------------------------------------------------------------------
 # the trainer's view
 
 
@@ -706,6 +618,7 @@ class Checkpointer:
                  before_rename: Callable[[int], None] | None = None) -> None:
         self.cfg, self.dp, self.state, self.config = cfg, dp, state, config
         self.before_rename = before_rename  # RunHooks.before_checkpoint_rename
+        state.base = base_source(config)
         assert cfg.save_interval is None or cfg.save_interval >= 1, "rule V7 refuses checkpoint.save_interval < 1"
         self.last_saved: int | None = None
 

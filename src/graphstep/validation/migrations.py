@@ -12,7 +12,7 @@ Bridge); ``sequence_parallel`` is turned off with one tensor-parallel rank (as
 Bridge does); ``local`` captures ``moe_router`` and ``moe_preprocess``
 together; and Megatron Bridge's fields that act through graphstep's own
 (:func:`_bridge_fields`: a precision preset, comm_overlap's ddp overrides,
-the tokenizer, a dataset blend, vocabulary padding). It never raises and is idempotent: anything it cannot migrate
+the tokenizer, a dataset blend, vocabulary padding, DoRA's alpha default). It never raises and is idempotent: anything it cannot migrate
 without losing information (conflicting or malformed values) is left as it
 is, for validation to report. It remembers which coverage field the user
 wrote (``coverage_field``) so that messages name it after the migration.
@@ -249,11 +249,24 @@ def _weight_decay(cfg: Config) -> list[str]:
     return [f"optimizer.weight_decay={fmt(float(start))} from scheduler.start_weight_decay/end_weight_decay"]
 
 
+# Bridge's DoRA dataclass has its own alpha default (64; LoRA's is 32)
+DORA_ALPHA = 64
+
+
+def _dora_alpha(cfg: Config, explicit: frozenset[str]) -> list[str]:
+    """peft=dora without an alpha of the user's: Bridge's DoRA default, 64."""
+    p = cfg.peft
+    if as_str(p.scheme) != "dora" or "peft.alpha" in explicit or p.alpha != 32:
+        return []
+    p.alpha = DORA_ALPHA
+    return [f"peft.alpha={DORA_ALPHA} (Bridge's DoRA default) from peft=dora"]
+
+
 def _bridge_fields(cfg: Config) -> list[str]:
     """Megatron Bridge's fields that act through graphstep's own ones (docs/config.md: "acts")."""
     explicit = explicit_keys(cfg)
     return (_precision(cfg, explicit) + _comm_overlap(cfg) + _tokenizer(cfg) + _blend(cfg) + _pad_vocab(cfg)
-            + _weight_decay(cfg))
+            + _weight_decay(cfg) + _dora_alpha(cfg, explicit))
 
 
 def _normalize(cfg: Config, *, warn: bool) -> list[str]:

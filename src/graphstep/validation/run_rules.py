@@ -274,7 +274,8 @@ def _r32(v: View) -> list[Violation]:
 
 
 _PEFT_DEFAULTS = {"target_modules": list(lora.TARGETS), "dim": 32, "alpha": 32, "dropout": 0.0,
-                  "dropout_position": "pre", "lora_A_init_method": "xavier", "lora_B_init_method": "zero"}
+                  "dropout_position": "pre", "lora_A_init_method": "xavier", "lora_B_init_method": "zero",
+                  "adapter_path": None}
 
 
 def _r33(v: View) -> list[Violation]:
@@ -294,14 +295,11 @@ def _r33(v: View) -> list[Violation]:
             value = getattr(p, name)
             if f"peft.{name}" in explicit or _differs(value, default):
                 out.append(_v("R33", [f"peft.{name}"], f"peft.{name}={_fmt(value)} without a scheme (peft is null): "
-                              "the adapters' fields act only with peft=lora.", f"write peft=lora, or drop peft.{name}."))
+                              "the adapters' fields act only with peft=lora or peft=dora.", f"write peft=lora, or drop peft.{name}."))
         return out
-    if scheme == "dora":
-        return out + [_v("R33", ["peft.scheme"], "peft=dora: DoRA (weight-decomposed adapters) is not implemented "
-                         "yet; graphstep's adapters are LoRA.", "write peft=lora (or peft=null).")]
     if scheme not in lora.SCHEMES:
         return out + [_v("R33", ["peft.scheme"], f"peft={_fmt(p.scheme)} is not a PEFT scheme (lora, dora).",
-                         "write peft=lora (or peft=null).")]
+                         "write peft=lora (or peft=dora, peft=null).")]
     targets = p.target_modules
     bad = [t for t in targets if t not in lora.TARGETS] if isinstance(targets, list) else None
     if bad is None or not targets or bad:
@@ -326,6 +324,10 @@ def _r33(v: View) -> list[Violation]:
         if _str(value) not in choices:
             out.append(_v("R33", [f"peft.{name}"], f"peft.{name}={_fmt(value)} is not one of "
                           f"{', '.join(choices)}.", f"set peft.{name}={choices[0]} (Bridge's default)."))
+    if scheme == "dora" and _str(p.dropout_position) == "post":
+        out.append(_v("R33", ["peft.scheme", "peft.dropout_position"], "peft=dora with peft.dropout_position=post: "
+                      "DoRA drops the adapter's input only (Bridge asserts the same; its rescaling corrects the base "
+                      "output of the dropped input).", "set peft.dropout_position=pre."))
     return out + _r33_combinations(v, dropout or 0.0)
 
 
@@ -343,8 +345,8 @@ def _r33_combinations(v: View, dropout: float) -> list[Violation]:
     if v.cfg.compile.enable is True:
         others.append(("compile.enable", "torch.compile (compile.enable=true)"))
     for key, what in others:
-        out.append(_v("R33", ["peft.scheme", key], f"peft=lora with {what} is not implemented yet: graphstep's "
-                      "adapters run on data-parallel replicas of a dense transformer.",
+        out.append(_v("R33", ["peft.scheme", key], f"peft={_fmt(v.cfg.peft.scheme)} with {what} is not implemented "
+                      "yet: graphstep's adapters run on data-parallel replicas of a dense transformer.",
                       f"drop {what.split(' (')[0]}, or write peft=null."))
     recomputed = _names(m.recompute_modules) or []
     if dropout > 0 and (m.recompute_granularity == "full" or
