@@ -98,20 +98,21 @@ def test_an_example_longer_than_a_row_is_the_sft_error_or_is_cut(tmp_path):
 # --- attention ----------------------------------------------------------------------------------
 
 
-def _model(*more: str):
-    cfg = tiny_config(*FP32_NO_DROPOUT, "model.seq_length=64", *more)
+def _model(device: str = "cpu"):
+    cfg = tiny_config(*FP32_NO_DROPOUT, "model.seq_length=64")
     torch.manual_seed(0)
-    return build_model(cfg.model, "cpu", dtype=torch.float32).eval()
+    return build_model(cfg.model, device, dtype=torch.float32).eval()
 
 
-def test_positions_restart_and_no_token_attends_to_another_document():
-    model = _model()
-    cu = torch.tensor([[0, 10, 30, 45, 64, 64]])
-    tokens = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("device", DEVICES)
+def test_positions_restart_and_no_token_attends_to_another_document(device):
+    model = _model(device)
+    cu = torch.tensor([[0, 10, 30, 45, 64, 64]], device=device)
+    tokens = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         logits = model(tokens, cu_seqlens=cu)
         expected = torch.cat([torch.arange(n) for n in (10, 20, 15, 19)])
-        assert torch.equal(model.packed.positions[0], expected)
+        assert torch.equal(model.packed.positions[0].cpu(), expected)
         changed = tokens.clone()
         changed[0, 10:30] = (changed[0, 10:30] + 7) % 256  # document 2 only
         other = model(changed, cu_seqlens=cu)
@@ -121,14 +122,16 @@ def test_positions_restart_and_no_token_attends_to_another_document():
     assert not torch.equal(causal[0, 30:], other[0, 30:])  # a plain forward sees across the documents
 
 
-def test_a_packed_row_loss_equals_its_documents_run_one_by_one(sft_file):
-    model = _model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_packed_row_loss_equals_its_documents_run_one_by_one(sft_file, device):
+    model = _model(device)
     packed = packed_source(sft_file, *FP32_NO_DROPOUT)
     plain = build_data(tiny_config(*sft_overrides(sft_file))).source
     row = max(range(len(packed.rows)), key=lambda r: len(packed.rows[r]))
     docs = packed.rows[row]
     assert len(docs) >= 3
     batch, alone = packed.batch(np.array([row]), 64), plain.batch(np.array(docs), 64)
+    batch, alone = ({k: t.to(device) for k, t in b.items()} for b in (batch, alone))
     with torch.no_grad():
         loss = model(batch["tokens"], batch["labels"], batch["loss_mask"], cu_seqlens=batch["cu_seqlens"])
         ref = model(alone["tokens"], alone["labels"], alone["loss_mask"])  # one padded row per document

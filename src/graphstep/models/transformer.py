@@ -225,6 +225,11 @@ class Attention(nn.Module):
         """Causal attention, or with ``mask`` (packed rows) attention within each document."""
         p = self.s.attention_dropout if self.training else 0.0
         gqa = self.groups != self.heads
+        if mask is not None and gqa:
+            # The fused GPU kernels that take a mask (memory-efficient, cuDNN) want as many key/value heads as
+            # query heads; repeat them here (a copy, no host sync) rather than fall back to the math kernel.
+            k, v = (_repeat_heads(t, self.heads // self.groups) for t in (k, v))
+            gqa = False
         if p == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         with get_rng_tracker().fork(MODEL_PARALLEL_RNG):
@@ -249,6 +254,13 @@ class Attention(nn.Module):
         else:
             out = self.core_attention(q, k, v, mask)
         return self.linear_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+def _repeat_heads(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[batch, groups, seq, dim] -> [batch, groups * n, seq, dim], each group's head ``n`` times in a row (the
+    query heads ``g * n .. g * n + n - 1`` read group ``g``, as ``enable_gqa`` pairs them)."""
+    b, g, t, d = x.shape
+    return x[:, :, None].expand(b, g, n, t, d).reshape(b, g * n, t, d)
 
 
 class SwiGLU(nn.Module):
