@@ -161,15 +161,18 @@ GRAPHS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_packed_sft_graphed_equals_eager(sft_file, device):
-    """Dropout on, two micro-batches of two rows per step: graphs read each micro-batch's documents."""
+    """Dropout on, two micro-batches of two rows per step: graphs read each micro-batch's documents; the
+    validation split is packed too."""
     common = sft_overrides(sft_file, *PACKED, "train.train_iters=4", "train.global_batch_size=4",
                            "train.micro_batch_size=2", "model.cuda_graph_warmup_steps=2", "checkpoint.save=null",
-                           f"train.device={device}")
+                           "data.split=75,25,0", "train.eval_iters=1", "train.eval_interval=2", f"train.device={device}")
     ref = _train(eager(tiny_config(*common)))
+    assert len(ref.eval_losses) == 2
     for name, graphs in GRAPHS.items():
         graphed = _train(tiny_config(*common, *graphs))
         assert "replayed" in str(graphed.rows[-1]["state"]).lower(), name
         assert_same_run(ref, graphed)
+        assert graphed.eval_losses == ref.eval_losses, name
     unpacked = _train(eager(tiny_config(*[o for o in common if o not in PACKED])))
     assert [r["loss"] for r in unpacked.rows] != [r["loss"] for r in ref.rows]
 
