@@ -176,17 +176,19 @@ class PackedRows:
     ``update(cu_seqlens)`` (``[batch, slots]`` offsets, see data/packing.py) computes on the device,
     without a host sync: each token's document (how many document ends lie at or before it), its
     position in that document, and the mask ``[batch, 1, seq, seq]`` that lets a token attend to the
-    tokens of its own document up to itself. The first call allocates ``positions`` and ``mask``; later
-    calls copy into them, so a graph that read them at capture reads the current micro-batch at replay
-    (the input contract: static tensors, rewritten by the model's forward before its layers run). The
-    model owns one and hands it to every layer's attention. ``active`` is false for a forward without
-    ``cu_seqlens`` (plain causal attention).
+    tokens of its own document up to itself. The first call of a shape allocates that shape's
+    ``positions`` and ``mask``; later calls of the shape copy into them, so a graph that read them at
+    capture reads the current micro-batch at replay (the input contract: static tensors, rewritten by the
+    model's forward before its layers run; a graph of one shape is replayed only with inputs of that
+    shape). The model owns one and hands it to every layer's attention. ``active`` is false for a forward
+    without ``cu_seqlens`` (plain causal attention).
     """
 
     def __init__(self) -> None:
         self.positions: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
         self.active = False
+        self._static: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (shape, device) -> the tensors
 
     def update(self, cu_seqlens: torch.Tensor | None, seq: int) -> None:
         self.active = cu_seqlens is not None
@@ -197,11 +199,13 @@ class PackedRows:
         positions = token - cu_seqlens.gather(1, document)
         causal = token[None, :] <= token[:, None]
         mask = ((document[:, :, None] == document[:, None, :]) & causal).unsqueeze(1)
-        if self.mask is None or self.mask.shape != mask.shape or self.mask.device != mask.device:
-            self.positions, self.mask = positions, mask
+        key = (tuple(mask.shape), mask.device)
+        if key not in self._static:
+            self._static[key] = (positions, mask)
         else:
-            self.positions.copy_(positions)
-            self.mask.copy_(mask)
+            self._static[key][0].copy_(positions)
+            self._static[key][1].copy_(mask)
+        self.positions, self.mask = self._static[key]
 
 
 class Attention(nn.Module):
