@@ -79,6 +79,17 @@ def test_rows_hold_every_example_once_with_its_own_loss_mask_and_static_offsets(
             assert batch["loss_mask"][b, cu[len(docs)]:].sum() == 0  # the row's tail is padding
 
 
+def test_data_parallel_ranks_split_the_same_rows(sft_file):
+    """Every rank packs the same rows (no communication) and reads its own share of each global batch."""
+    cfg = tiny_config(*sft_overrides(sft_file, *PACKED, "train.global_batch_size=4"))
+    one = build_data(cfg)
+    ranks = [build_data(cfg, dp_rank=r, dp_size=2) for r in range(2)]
+    for _ in range(3):
+        whole = torch.cat([torch.cat([mb["tokens"], mb["cu_seqlens"]], 1) for mb in one.next_step()])
+        parts = torch.cat([torch.cat([mb["tokens"], mb["cu_seqlens"]], 1) for it in ranks for mb in it.next_step()])
+        assert torch.equal(whole, parts)
+
+
 def test_an_example_longer_than_a_row_is_the_sft_error_or_is_cut(tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text('{"prompt": "ab", "response": "cd"}\n{"prompt": "ab", "response": "%s"}\n' % ("x" * 40))
