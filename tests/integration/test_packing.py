@@ -176,7 +176,8 @@ def test_packed_sft_graphed_equals_eager(sft_file, device):
     validation split is packed too."""
     common = sft_overrides(sft_file, *PACKED, "train.train_iters=4", "train.global_batch_size=4",
                            "train.micro_batch_size=2", "model.cuda_graph_warmup_steps=2", "checkpoint.save=null",
-                           "data.split=75,25,0", "train.eval_iters=1", "train.eval_interval=2", f"train.device={device}")
+                           "data.split=75,25,0", "train.eval_iters=1", "train.eval_interval=2",
+                           f"train.device={device}")
     ref = _train(eager(tiny_config(*common)))
     assert len(ref.eval_losses) == 2
     for name, graphs in GRAPHS.items():
@@ -225,7 +226,8 @@ def test_bridge_packing_fields_turn_packing_on(sft_file):
     (["SFT", "data.packed_sequences=true", "data.seq_length_buckets=[32,64]"], "there is nothing to bucket"),
     (["SFT", "dataset.packed_sequence_specs.packed_sequence_size=128"],
      "packed_sequence_size=128: a packed row is an integer number of tokens, at most model.seq_length=64"),
-    (["SFT", "dataset.packed_sequence_specs.packed_sequence_size=64", "dataset.packed_sequence_specs.pad_seq_to_mult=0"],
+    (["SFT", "dataset.packed_sequence_specs.packed_sequence_size=64",
+      "dataset.packed_sequence_specs.pad_seq_to_mult=0"],
      "pad_seq_to_mult=0"),
     (["SFT", "dataset.offline_packing_specs.packed_train_data_path=/data/train.npy"],
      "reading the files of Bridge's offline packing is not implemented"),
