@@ -198,6 +198,19 @@ def test_lora_on_packed_rows_graphed_equals_eager(sft_file):
     assert_same_run(ref, graphed)
 
 
+@pytest.mark.slow
+def test_recomputed_packed_layers_read_the_same_documents(sft_file):
+    """Full and core_attn recompute re-run the attention in the backward: with the same documents, so the
+    losses equal the run without recompute, eager and under the full-iteration graph."""
+    common = sft_overrides(sft_file, *PACKED, *FP32_NO_DROPOUT, "train.train_iters=3",
+                           "model.cuda_graph_warmup_steps=1", "checkpoint.save=null")
+    ref = _train(eager(tiny_config(*common)))
+    for recompute in (["model.recompute_granularity=full"],
+                      ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"]):
+        graphed = _train(tiny_config(*common, *recompute, *GRAPHS["full_iteration+optimizer"]))
+        assert [r["loss"] for r in graphed.rows] == [r["loss"] for r in ref.rows], recompute
+
+
 # --- config: Bridge's names and rule R41 --------------------------------------------------------
 
 
