@@ -173,33 +173,35 @@ class Rotary(nn.Module):
 class PackedRows:
     """Where the documents of a micro-batch of packed rows lie, in tensors of fixed address.
 
-    ``update(cu_seqlens)`` (``[batch, slots]`` offsets, see data/packing.py) computes on the device,
-    without a host sync: each token's document (how many document ends lie at or before it), its
-    position in that document, and the mask ``[batch, 1, seq, seq]`` that lets a token attend to the
-    tokens of its own document up to itself. The first call of a shape allocates that shape's
-    ``positions`` and ``mask``; later calls of the shape copy into them, so a graph that read them at
-    capture reads the current micro-batch at replay (the input contract: static tensors, rewritten by the
-    model's forward before its layers run; a graph of one shape is replayed only with inputs of that
-    shape). The model owns one and hands it to every layer's attention. ``active`` is false for a forward
-    without ``cu_seqlens`` (plain causal attention).
+    ``update(cu_seqlens, seq, dtype)`` (``[batch, slots]`` offsets, see data/packing.py) computes on
+    the device, without a host sync: each token's document (how many document ends lie at or before
+    it), its position in that document, and the additive mask ``[batch, 1, seq, seq]`` (0 or -inf, in
+    the attention's dtype) that lets a token attend to the tokens of its own document up to itself. The
+    first call of a shape allocates that shape's ``positions`` and ``mask``; later calls of the shape
+    copy into them, so a graph that read them at capture reads the current micro-batch at replay (the
+    input contract: static tensors, rewritten by the model's forward before its layers run; a graph of
+    one shape is replayed only with inputs of that shape). The model owns one and hands it to every
+    layer's attention. ``active`` is false after a forward without ``cu_seqlens`` (plain causal
+    attention).
     """
 
     def __init__(self) -> None:
         self.positions: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
         self.active = False
-        self._static: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (shape, device) -> the tensors
+        self._static: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (shape, device, dtype) -> tensors
 
-    def update(self, cu_seqlens: torch.Tensor | None, seq: int) -> None:
-        self.active = cu_seqlens is not None
-        if cu_seqlens is None:
-            return
+    def update(self, cu_seqlens: torch.Tensor, seq: int, dtype: torch.dtype) -> None:
+        self.active = True
         token = torch.arange(seq, device=cu_seqlens.device)
         document = (cu_seqlens[:, None, 1:] <= token[None, :, None]).sum(-1)  # [batch, seq]
         positions = token - cu_seqlens.gather(1, document)
         causal = token[None, :] <= token[:, None]
-        mask = ((document[:, :, None] == document[:, None, :]) & causal).unsqueeze(1)
-        key = (tuple(mask.shape), mask.device)
+        allowed = ((document[:, :, None] == document[:, None, :]) & causal).unsqueeze(1)
+        # An additive mask in the attention's dtype, made once for all layers: SDPA would turn a boolean one
+        # into such a tensor in every layer's call (and each layer's backward would keep its own copy).
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        key = (tuple(mask.shape), mask.device, dtype)
         if key not in self._static:
             self._static[key] = (positions, mask)
         else:
@@ -229,6 +231,8 @@ class Attention(nn.Module):
         """Causal attention, or with ``mask`` (packed rows) attention within each document."""
         p = self.s.attention_dropout if self.training else 0.0
         gqa = self.groups != self.heads
+        if mask is not None and mask.dtype != q.dtype:  # made in the parameters' dtype; the queries differ
+            mask = mask.to(q.dtype)
         if mask is not None and gqa:
             # The fused GPU kernels that take a mask (memory-efficient, cuDNN) want as many key/value heads as
             # query heads; repeat them here (a copy, no host sync) rather than fall back to the math kernel.
@@ -416,7 +420,10 @@ class GPTModel(nn.Module):
 
     def logits(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """The logits of ``tokens``; ``cu_seqlens``: the rows are packed documents (:class:`PackedRows`)."""
-        self.packed.update(cu_seqlens, tokens.shape[-1])
+        if cu_seqlens is None:
+            self.packed.active = False
+        else:
+            self.packed.update(cu_seqlens, tokens.shape[-1], self.embedding.weight.dtype)
         return self.stage_forward(tokens)
 
     def forward(
