@@ -242,6 +242,8 @@ def test_bridge_packing_fields_turn_packing_on(sft_file):
     (["SFT", "dataset.packed_sequence_specs.packed_sequence_size=64",
       "dataset.packed_sequence_specs.pad_seq_to_mult=0"],
      "pad_seq_to_mult=0"),
+    (["SFT", "data.packed_sequences=true", "dataset.packed_sequence_specs.pad_seq_to_mult=128"],
+     "pad_seq_to_mult=128: each example is padded to a multiple of this positive integer, which must fit"),
     (["SFT", "dataset.offline_packing_specs.packed_train_data_path=/data/train.npy"],
      "reading the files of Bridge's offline packing is not implemented"),
     (["SFT", "dataset.packed_sequence_specs.max_seq_len=64"], "not a field of Bridge's PackedSequenceSpecs"),

@@ -442,8 +442,9 @@ def _r41_specs(cfg: Any) -> list[Violation]:
                           f"row is an integer number of tokens, at most model.seq_length={_fmt(seq)} (the model's "
                           "RoPE table and static shapes).", f"set {bridge}.packed_sequence_size={_fmt(seq)} (or "
                           "-1: model.seq_length with data.packed_sequences=true)."))
+        row = size if isinstance(size, int) and size > 0 else seq  # the row's width (-1: model.seq_length)
         if mult is not None and (not isinstance(mult, int) or isinstance(mult, bool) or mult < 1
-                                 or (isinstance(size, int) and size > 0 and mult > size)):
+                                 or (isinstance(row, int) and mult > row)):
             out.append(_v("R41", [key], f"{bridge}.pad_seq_to_mult={_fmt(mult)}: each example is padded to a "
                           "multiple of this positive integer, which must fit a packed row.",
                           f"set {bridge}.pad_seq_to_mult=1 (no padding) or a small multiple such as 8."))
