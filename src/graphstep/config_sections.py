@@ -447,7 +447,11 @@ class DataConfig:
     )
     split: str = opt("98,2,0", "Train/validation/test split of the documents.")
     corpus_max_bytes: int = opt(4_000_000, "Byte cap of the embedded standard-library corpus.")
-    packed_sequences: bool = unsupported(False, "Packed sequences with per-document attention masks.")
+    packed_sequences: bool = opt(
+        False, "sft: pack several examples into each row (first-fit over a shuffled order), with per-document "
+        "causal attention and RoPE positions restarting per document (data/packing.py; R41 says what it runs "
+        "with). Rows are packed_sequence_size tokens of Bridge's packed_sequence_specs, default "
+        "model.seq_length.")
     # --- Bridge's dataset section (``dataset.*`` is this section)
     seq_length: int | None = opt(
         None, "Bridge's dataset.seq_length: null, or equal to model.seq_length (R38): graphstep's samples are "
@@ -468,9 +472,17 @@ class DataConfig:
     preprocessing: Any = unsupported(None, "Bridge's SFT preprocessing (chat template, prompt/answer fields).")
     do_validation: bool = noop(True, "SFT: build the validation split.", "data.split decides the validation split")
     do_test: bool = noop(True, "SFT: build the test split.", "no test split is read (data.split's third part)")
-    offline_packing_specs: dict[str, Any] | None = unsupported(
-        None, "Bridge's offline sequence packing (packed_sequence_size, pad_seq_to_mult, pad_cu_seqlens; set one "
-        "with dataset.offline_packing_specs.NAME=VALUE): packed sequences are not implemented.")
+    packed_sequence_specs: dict[str, Any] | None = opt(
+        None, "Bridge's PackedSequenceSpecs of SFT packing (set one with dataset.packed_sequence_specs.NAME=VALUE): "
+        "packed_sequence_size (> 0 turns packing on; the row width, at most model.seq_length), pad_seq_to_mult "
+        "(each example padded to a multiple of it), pad_cu_seqlens (graphstep always pads cu_seqlens to a fixed "
+        "count), tokenizer_model_name and num_tokenizer_workers (accepted, not read); the packed_*_path files of "
+        "Bridge's offline packing are refused (R41): graphstep packs data.data_path when the run starts.")
+    enable_offline_packing: bool = opt(
+        False, "Bridge's switch of SFT packing with offline_packing_specs: the same as data.packed_sequences.")
+    offline_packing_specs: dict[str, Any] | None = opt(
+        None, "Bridge's newer name of packed_sequence_specs (the same fields; set one with "
+        "dataset.offline_packing_specs.NAME=VALUE); entries set here win over packed_sequence_specs'.")
     pin_memory: bool = noop(True, "Pin loaded batches.", "pins batches on a GPU whatever this says")
     persistent_workers: bool = noop(False, "Keep data-loader workers alive.", "no workers (see num_workers)")
     dataloader_type: str | None = noop(None, "single, cyclic or external.", "its own sequential loader per rank")

@@ -25,7 +25,7 @@ def test_validate_names_r4_and_exits_2(capsys):
 
 def test_validate_lists_three_violations_at_once(capsys):
     code = main(["config", "validate", "model.cuda_graph_impl=local", "model.cuda_graph_scope=[attn,full_iteration]",
-                 "model.use_te_rng_tracker=false", "rng.te_rng_tracker=false", "data.packed_sequences=true"])
+                 "model.use_te_rng_tracker=false", "rng.te_rng_tracker=false", "data.reset_position_ids=true"])
     out = capsys.readouterr().out
     assert code == 2
     for rule in ("R4", "R5", "R18"):

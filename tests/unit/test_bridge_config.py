@@ -439,11 +439,11 @@ def test_env_vars_are_set_at_the_start_where_the_environment_does_not(monkeypatc
     assert (os.environ["GS_TEST_MINE"], os.environ["GS_TEST_NEW"], os.environ["GS_TEST_FLAG"]) == ("kept", "32", "1")
 
 
-def test_a_mapping_field_takes_one_entry_and_packing_is_refused():
-    cfg = apply_overrides(Config(), ["dataset.offline_packing_specs.packed_sequence_size=4096",
+def test_a_mapping_field_takes_one_entry_and_packing_needs_sft_data():
+    cfg = apply_overrides(Config(), ["dataset.offline_packing_specs.packed_sequence_size=128",
                                      "dataset.offline_packing_specs.pad_seq_to_mult=1"])
-    assert cfg.data.offline_packing_specs == {"packed_sequence_size": 4096, "pad_seq_to_mult": 1}
-    assert _rules(cfg) == {"R18": [("data.offline_packing_specs",)]}
+    assert cfg.data.offline_packing_specs == {"packed_sequence_size": 128, "pad_seq_to_mult": 1}
+    assert _rules(cfg) == {"R41": [("data.packed_sequences", "data.dataset")]}  # packing is on: SFT data only
     with pytest.raises(ConfigError, match="keys have the form section.field"):
         apply_overrides(Config(), ["model.num_layers.x=1"])
 

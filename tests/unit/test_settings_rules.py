@@ -164,8 +164,8 @@ CASES = {
                        "no data.seq_length_buckets", "with model.cuda_graph_impl=full_iteration (one graph per bucket",
                        ("model.cuda_graph_impl=full_iteration", "model.variable_seq_lengths=true",
                         "data.seq_length_buckets=[64,128]")),
-    "R18": Case("R18", ("data.packed_sequences=true",), "graphstep does not implement data.packed_sequences (set "
-                "to true)", "data.packed_sequences=false (its default)", ()),
+    "R18": Case("R18", ("data.reset_position_ids=true",), "graphstep does not implement data.reset_position_ids "
+                "(set to true)", "data.reset_position_ids=false (its default)", ()),
     "V-warmup": Case("V", ("model.cuda_graph_warmup_steps=-1",), "model.cuda_graph_warmup_steps=-1 is below 0",
                      "model.cuda_graph_warmup_steps to 0 or more", ("model.cuda_graph_warmup_steps=0",)),
     "V-backend": Case("V", ("model.cuda_graph_backend=gpu",), "model.cuda_graph_backend=gpu is not one of",
@@ -441,7 +441,7 @@ def test_all_violations_are_reported_together() -> None:
 
 def test_resolve_raises_with_every_rule_id() -> None:
     cfg = make("model.cuda_graph_impl=full_iteration", "model.cuda_graph_modules=[attn]",
-               "model.use_te_rng_tracker=false", "rerun_state_machine.check_for_nan_in_loss=true", "data.packed_sequences=true")
+               "model.use_te_rng_tracker=false", "rerun_state_machine.check_for_nan_in_loss=true", "data.reset_position_ids=true")
     with pytest.raises(ConfigValidationError) as info:
         resolve_cuda_graph_settings(cfg, env={})
     assert isinstance(info.value, ConfigError)

@@ -257,6 +257,9 @@ class MegatronFullGraph:
         batches = []
         for _ in range(4 * self.n_mb):  # as make_workload: pinned, generated once, cycled
             b = next(it)
+            if "cu_seqlens" in b:  # Megatron's packed path takes PackedSeqParams (THD), which this row does not build
+                raise RuntimeError("the megatron row does not run packed SFT rows (data.packed_sequences); "
+                                   "compare packed rows among graphstep's own rows")
             batches.append({"tokens": b["tokens"], "labels": b["labels"], "loss_mask": b["loss_mask"].float()})
         self.state.update(ddp=ddp, opt=opt, sched=sched, fwd_bwd=fwd_bwd, batches=batches)
         self.stage = "ready"

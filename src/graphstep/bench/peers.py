@@ -23,6 +23,7 @@ import torch
 
 from ..cuda_graph.scopes import scope_modules
 from ..engines_compat import reset_dynamo
+from ..training.step import packed_rows
 from .harness import Workload, make_workload
 
 
@@ -45,7 +46,7 @@ def manual_graph(cfg, device: torch.device) -> tuple[Any, Iterator[Any], Any, An
         opt.zero_grad(set_to_none=False)
         total = torch.zeros((), device=device)
         for mb in static:
-            loss = w.model(mb["tokens"], mb["labels"], mb["loss_mask"])
+            loss = w.model(mb["tokens"], mb["labels"], mb["loss_mask"], **packed_rows(mb))
             (loss / n).backward()
             total += loss.detach()
         opt.step()

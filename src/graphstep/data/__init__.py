@@ -6,8 +6,8 @@ sharding are built, :mod:`graphstep.data.corpus` for the embedded corpus and
 :mod:`graphstep.data.mock` for mock data, :mod:`graphstep.data.indexed` and
 :mod:`graphstep.data.megatron` for Megatron ``.bin``/``.idx`` datasets and
 their samples and blends, :mod:`graphstep.data.sft` for prompt/response
-fine-tuning data and :mod:`graphstep.data.buckets` for sequence-length
-buckets; ``graphstep preprocess`` (:mod:`graphstep.data.cli`) writes indexed
+fine-tuning data, :mod:`graphstep.data.packing` for packing it into rows and
+:mod:`graphstep.data.buckets` for sequence-length buckets; ``graphstep preprocess`` (:mod:`graphstep.data.cli`) writes indexed
 datasets.
 """
 

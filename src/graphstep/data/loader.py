@@ -39,7 +39,9 @@ such a source is ``ordered``, and the loader reads its positions in order.
 ``data.dataset=sft`` reads prompt/response jsonl (:mod:`graphstep.data.sft`):
 variable-length samples that the source pads itself, to ``model.seq_length``
 or, with ``data.seq_length_buckets``, to the bucket of the step's longest
-sample over the whole global batch (:mod:`graphstep.data.buckets`).
+sample over the whole global batch (:mod:`graphstep.data.buckets`); with
+``data.packed_sequences`` its samples are rows of packed examples
+(:mod:`graphstep.data.packing`), whose micro-batches also carry ``cu_seqlens``.
 
 Micro-batches are dicts of CPU tensors (``tokens``/``labels`` int64 and
 ``loss_mask`` float32, all ``[micro_batch_size, seq_length]``, or the step's

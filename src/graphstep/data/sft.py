@@ -15,6 +15,8 @@ or with ``data.seq_length_buckets`` to the step's bucket
 (:mod:`graphstep.data.buckets`). An example longer than that width is an
 error naming ``file:line``; ``data.sft_truncate=true`` cuts it to the width
 instead (an example whose prompt alone fills the width is still an error).
+With ``data.packed_sequences`` several examples share a row instead
+(:mod:`graphstep.data.packing`).
 
 The lines are divided into train/valid/test ranges by ``data.split`` like
 documents, and the training examples are shuffled per epoch by the loader.
@@ -69,8 +71,13 @@ def _text_lines(path: Path) -> list[str]:
     return text.split("\n")  # not splitlines(): JSON strings may hold U+2028
 
 
-def read_examples(path: str | Path, tokenizer: Tokenizer, *, max_tokens: int, truncate: bool) -> list[SFTExample]:
-    """Every example of the file, tokenized and checked against ``max_tokens`` model positions."""
+def read_examples(path: str | Path, tokenizer: Tokenizer, *, max_tokens: int, truncate: bool,
+                  width_name: str | None = None) -> list[SFTExample]:
+    """Every example of the file, tokenized and checked against ``max_tokens`` model positions.
+
+    ``width_name`` says where ``max_tokens`` comes from (default: ``model.seq_length`` or the largest bucket).
+    """
+    width_name = width_name or "model.seq_length, or the largest of data.seq_length_buckets"
     path = Path(path)
     if not path.is_file():
         raise SFTDataError(f"data.data_path={str(path)!r}: no such SFT file (jsonl with prompt/response lines)")
@@ -94,7 +101,7 @@ def read_examples(path: str | Path, tokenizer: Tokenizer, *, max_tokens: int, tr
                 raise SFTDataError(
                     f"{where}: the example is {len(seq) - 1} tokens (prompt {len(prompt)}, response "
                     f"{len(response)} + eod) and {why} the padded width of {max_tokens} "
-                    "(model.seq_length, or the largest of data.seq_length_buckets); raise it, shorten the "
+                    f"({width_name}); raise it, shorten the "
                     "example, or set data.sft_truncate=true to cut long responses"
                 )
             seq = seq[: max_tokens + 1]

@@ -17,6 +17,7 @@ from graphstep.data.buckets import parse_buckets
 from graphstep.data.corpus import split_documents
 from graphstep.data.indexed import IndexedDataset, check_tokens
 from graphstep.data.megatron import BlendedSamples, GPTSamples, component_sizes, parse_blend
+from graphstep.data.packing import PackedSFTSamples, packing_spec
 from graphstep.data.sft import SFTSamples, read_examples
 from graphstep.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -67,16 +68,22 @@ def indexed_source(cfg: Config, split: str) -> GPTSamples | BlendedSamples:
     return BlendedSamples(parts, weights, size)
 
 
-def sft_source(cfg: Config, split: str) -> SFTSamples:
+def sft_source(cfg: Config, split: str) -> SFTSamples | PackedSFTSamples:
+    """Padded examples, or rows of packed examples with packing on (:mod:`graphstep.data.packing`)."""
     tokenizer = checked_tokenizer(cfg)
     buckets = parse_buckets(cfg)
+    packing = packing_spec(cfg)
     path = cfg.data.data_path
     if not isinstance(path, str) or not path:
         raise ConfigError(f"data.dataset=sft needs data.data_path=<file.jsonl> (one path), got {path!r}")
-    examples = read_examples(path, tokenizer, max_tokens=buckets[-1] if buckets else cfg.model.seq_length,
-                             truncate=cfg.data.sft_truncate)
+    width = packing.max_example if packing else buckets[-1] if buckets else cfg.model.seq_length
+    examples = read_examples(path, tokenizer, max_tokens=width, truncate=cfg.data.sft_truncate,
+                             width_name=packing.describe() if packing else None)
     first, last = split_documents(cfg.data.split, len(examples))[split]
     if first == last:
         raise ConfigError(f"{path}: the {split} split holds none of its {len(examples)} examples "
                           f"(data.split={cfg.data.split!r}); give the {split} split a larger share")
-    return SFTSamples(examples[first:last], path, getattr(tokenizer, "pad", tokenizer.eod))
+    pad_id = getattr(tokenizer, "pad", tokenizer.eod)
+    if packing is not None:
+        return PackedSFTSamples(examples[first:last], path, pad_id, packing, seed=cfg.rng.seed, split=split)
+    return SFTSamples(examples[first:last], path, pad_id)

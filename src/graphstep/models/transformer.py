@@ -16,6 +16,14 @@ All dropout draws from the graph-safe RNG tracker: attention dropout from
 ``model-parallel-rng`` under sequence parallelism). Tensor parallelism
 (training/parallel.py) shards the projections with DTensor and tells the
 model how many heads it holds and how its final hidden state is laid out.
+
+Packed rows (data/packing.py): a micro-batch with ``cu_seqlens`` holds
+several documents per row. :class:`PackedRows` turns the offsets into each
+token's position in its document and a block-diagonal causal mask, on the
+device and into tensors of fixed address that every layer's attention reads
+(so per-layer graphs replay with the current micro-batch's documents); the
+attention passes the mask to ``scaled_dot_product_attention`` and RoPE reads
+the positions, which restart at 0 in every document.
 """
 
 from __future__ import annotations
@@ -148,15 +156,58 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape [batch, heads, seq, head_dim]."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` of shape [batch, heads, seq, head_dim] at positions 0..seq-1, or at ``positions``
+        ([batch, seq], each below the table's length: packed rows, whose width R41 bounds)."""
         seq = x.shape[-2]
         if seq > self.cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds model.seq_length={self.cos.shape[0]}")
-        cos = self.cos[:seq].to(x.dtype)
-        sin = self.sin[:seq].to(x.dtype)
+        if positions is None:
+            cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        else:  # [batch, 1, seq, head_dim]: the same rows of the table, gathered per token
+            cos, sin = self.cos[positions].unsqueeze(1).to(x.dtype), self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class PackedRows:
+    """Where the documents of a micro-batch of packed rows lie, in tensors of fixed address.
+
+    ``update(cu_seqlens, seq, dtype)`` (``[batch, slots]`` offsets, see data/packing.py) computes on
+    the device, without a host sync: each token's document (how many document ends lie at or before
+    it), its position in that document, and the additive mask ``[batch, 1, seq, seq]`` (0 or -inf, in
+    the attention's dtype) that lets a token attend to the tokens of its own document up to itself. The
+    first call of a shape allocates that shape's ``positions`` and ``mask``; later calls of the shape
+    copy into them, so a graph that read them at capture reads the current micro-batch at replay (the
+    input contract: static tensors, rewritten by the model's forward before its layers run; a graph of
+    one shape is replayed only with inputs of that shape). The model owns one and hands it to every
+    layer's attention. ``active`` is false after a forward without ``cu_seqlens`` (plain causal
+    attention).
+    """
+
+    def __init__(self) -> None:
+        self.positions: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        self.active = False
+        self._static: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (shape, device, dtype) -> tensors
+
+    def update(self, cu_seqlens: torch.Tensor, seq: int, dtype: torch.dtype) -> None:
+        self.active = True
+        token = torch.arange(seq, device=cu_seqlens.device)
+        document = (cu_seqlens[:, None, 1:] <= token[None, :, None]).sum(-1)  # [batch, seq]
+        positions = token - cu_seqlens.gather(1, document)
+        causal = token[None, :] <= token[:, None]
+        allowed = ((document[:, :, None] == document[:, None, :]) & causal).unsqueeze(1)
+        # An additive mask in the attention's dtype, made once for all layers: SDPA would turn a boolean one
+        # into such a tensor in every layer's call (and each layer's backward would keep its own copy).
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        key = (tuple(mask.shape), mask.device, dtype)
+        if key not in self._static:
+            self._static[key] = (positions, mask)
+        else:
+            self._static[key][0].copy_(positions)
+            self._static[key][1].copy_(mask)
+        self.positions, self.mask = self._static[key]
 
 
 class Attention(nn.Module):
@@ -173,14 +224,25 @@ class Attention(nn.Module):
             self.q_layernorm = RMSNorm(self.head_dim, s.eps)
             self.k_layernorm = RMSNorm(self.head_dim, s.eps)
         self.rotary = Rotary(self.head_dim, s.seq_length, s.rotary_base)
+        self.packed: PackedRows | None = None  # set by GPTModel: the documents of packed rows
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention, or with ``mask`` (packed rows) attention within each document."""
         p = self.s.attention_dropout if self.training else 0.0
         gqa = self.groups != self.heads
+        if mask is not None and mask.dtype != q.dtype:  # made in the parameters' dtype; the queries differ
+            mask = mask.to(q.dtype)
+        if mask is not None and gqa:
+            # The fused GPU kernels that take a mask (memory-efficient, cuDNN) want as many key/value heads as
+            # query heads; repeat them here (a copy, no host sync) rather than fall back to the math kernel.
+            k, v = (_repeat_heads(t, self.heads // self.groups) for t in (k, v))
+            gqa = False
         if p == 0.0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         with get_rng_tracker().fork(MODEL_PARALLEL_RNG):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
+                                                  enable_gqa=gqa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.linear_qkv(x)
@@ -191,13 +253,22 @@ class Attention(nn.Module):
         v = v.view(b, t, self.groups, self.head_dim).transpose(1, 2)
         if self.s.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        q, k = self.rotary(q), self.rotary(k)
+        packed = self.packed if self.packed is not None and self.packed.active else None
+        positions, mask = (packed.positions, packed.mask) if packed is not None else (None, None)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
         if self.s.recompute_core_attn and self.training:
             # Recompute without RNG replay: rule R15 forbids attention dropout here.
-            out = checkpoint(self.core_attention, q, k, v, use_reentrant=False, preserve_rng_state=False)
+            out = checkpoint(self.core_attention, q, k, v, mask, use_reentrant=False, preserve_rng_state=False)
         else:
-            out = self.core_attention(q, k, v)
+            out = self.core_attention(q, k, v, mask)
         return self.linear_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+def _repeat_heads(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[batch, groups, seq, dim] -> [batch, groups * n, seq, dim], each group's head ``n`` times in a row (the
+    query heads ``g * n .. g * n + n - 1`` read group ``g``, as ``enable_gqa`` pairs them)."""
+    b, g, t, d = x.shape
+    return x[:, :, None].expand(b, g, n, t, d).reshape(b, g * n, t, d)
 
 
 class SwiGLU(nn.Module):
@@ -301,6 +372,10 @@ class GPTModel(nn.Module):
         self.final_layernorm = RMSNorm(s.hidden_size, s.eps)
         self.output_layer = None if s.tie_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.hidden_placement: Placement = Replicate()  # Shard(1) under sequence parallelism
+        self.packed = PackedRows()
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.packed = self.packed
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -343,13 +418,20 @@ class GPTModel(nn.Module):
             return _vocab_parallel_logits(h, weight, self.hidden_placement)
         return F.linear(h, weight)
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of ``tokens``; ``cu_seqlens``: the rows are packed documents (:class:`PackedRows`)."""
+        if cu_seqlens is None:
+            self.packed.active = False
+        else:
+            self.packed.update(cu_seqlens, tokens.shape[-1], self.embedding.weight.dtype)
         return self.stage_forward(tokens)
 
     def forward(
-        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        logits = self.logits(tokens)
+        """The mean token loss (the logits without ``labels``); ``cu_seqlens``: the rows are packed documents."""
+        logits = self.logits(tokens, cu_seqlens)
         if labels is None:
             return logits
         return token_loss(logits, labels, loss_mask)

@@ -20,6 +20,11 @@ from .optim import GradBuffers
 Batch = dict[str, torch.Tensor]
 
 
+def packed_rows(mb: Batch) -> dict[str, torch.Tensor]:
+    """The document offsets of a micro-batch of packed rows (data/packing.py), for the model's forward."""
+    return {"cu_seqlens": mb["cu_seqlens"]} if "cu_seqlens" in mb else {}
+
+
 class TrainStep:
     """Forward/backward of all micro-batches, gradient accumulation and reduction.
 
@@ -81,7 +86,7 @@ class TrainStep:
         n = len(batches)
         arm = getattr(self.reduce_grads, "arm", None)  # an overlapped reduction starts in the last backward
         for i, mb in enumerate(batches):
-            loss = self.model(mb["tokens"], mb["labels"], mb.get("loss_mask"))
+            loss = self.model(mb["tokens"], mb["labels"], mb.get("loss_mask"), **packed_rows(mb))
             if arm is not None and i == n - 1:
                 arm()
             (loss / n).backward(retain_graph=self.retain_graph)
@@ -120,7 +125,7 @@ class EvalStep:
 
     def _accumulate(self, batches: list[Batch], total: torch.Tensor) -> None:
         for mb in batches:
-            total.add_(self.model(mb["tokens"], mb["labels"], mb.get("loss_mask")))
+            total.add_(self.model(mb["tokens"], mb["labels"], mb.get("loss_mask"), **packed_rows(mb)))
 
     def _mean(self, total: torch.Tensor, n: int) -> torch.Tensor:
         return total / n

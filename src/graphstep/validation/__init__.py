@@ -8,7 +8,7 @@ function each:
    tracker flags). :func:`apply_perf_flags` maps the perf-harness flags
    onto the config before it.
 2. :func:`validate_config` checks every numbered rule -- R1-R17 (graph_rules.py),
-   R18-R24 and R32-R40 (run_rules.py), R25-R31 (parallel_rules.py) -- and every value rule, ``V`` and V1-V24
+   R18-R24 and R32-R41 (run_rules.py), R25-R31 (parallel_rules.py) -- and every value rule, ``V`` and V1-V24
    (values.py), and returns all violations at once, each with its rule id,
    the fields it names and the fix. It never raises, whatever the values: a
    rule that cannot even be evaluated reports itself. Given a config that is
@@ -67,7 +67,7 @@ def _rule_violations(cfg: Config, env: Mapping[str, str], capability: tuple[int,
 
 def validate_config(cfg: Config, *, env: Mapping[str, str] | None = None, device_capability: tuple[int, int] | None = None,
              world_size: int | None = None, normalized: bool = False) -> list[Violation]:
-    """Every rule (R1-R40, V, V1-V24) on the normalised ``cfg``; all violations, never an exception.
+    """Every rule (R1-R41, V, V1-V24) on the normalised ``cfg``; all violations, never an exception.
 
     ``normalized=True``: ``cfg`` was normalised in place already (``resolve_cuda_graph_settings``); otherwise a normalised
     copy is judged. ``env`` (default ``os.environ``) gives ``WORLD_SIZE`` unless ``world_size`` is given.

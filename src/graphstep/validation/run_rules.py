@@ -1,4 +1,4 @@
-"""The run rules R18-R24 and R32-R40: unimplemented fields, the tracker flags, torch.compile, what training
+"""The run rules R18-R24 and R32-R41: unimplemented fields, the tracker flags, torch.compile, what training
 refused late, and Megatron Bridge's fields whose values ask for what graphstep lacks.
 
 Same shape as graph_rules.py (``_rN(view) -> list[Violation]`` over a
@@ -24,6 +24,7 @@ from typing import Any
 from graphstep.config import PRECISION_PRESETS, explicit_keys, field_kind, iter_fields, refused_values
 
 from graphstep.converters import fp8, lora
+from graphstep.data import packing
 
 from .graph_rules import View, _impl_f
 from .migrations import FP8_CURRENT_SCALING_PRESET
@@ -409,6 +410,85 @@ def _r38(v: View) -> list[Violation]:
     return out
 
 
+def _packing_switch(cfg: Any) -> str:
+    """The field that turned packing on, as the user wrote it (for the messages)."""
+    if cfg.data.packed_sequences is True:
+        return "data.packed_sequences=true"
+    if cfg.data.enable_offline_packing is True:
+        return "dataset.enable_offline_packing=true"
+    return f"packed_sequence_size={_fmt(packing.spec_fields(cfg).get('packed_sequence_size'))}"
+
+
+def _r41_specs(cfg: Any) -> list[Violation]:
+    """Bridge's packing specs: known fields with valid values; the offline-packed files are refused."""
+    out, seq = [], cfg.model.seq_length
+    for key in packing.SPEC_SECTIONS:
+        specs, bridge = getattr(cfg.data, key.split(".")[1]), key.replace("data.", "dataset.")
+        if specs is None:
+            continue
+        if not isinstance(specs, dict):
+            out.append(_v("R41", [key], f"{bridge}={_fmt(specs)} is not a mapping of Bridge's PackedSequenceSpecs "
+                          "fields.", f"set {bridge}.packed_sequence_size=N (and the other fields one by one)."))
+            continue
+        for name in [n for n in specs if n not in packing.SPEC_FIELDS]:
+            out.append(_v("R41", [key], f"{bridge} has {_fmt(name)}, not a field of Bridge's PackedSequenceSpecs "
+                          f"({', '.join(packing.SPEC_FIELDS)}).", f"drop {bridge}.{name}."))
+        for name in [n for n in packing.SPEC_PATHS if specs.get(n) is not None]:
+            out.append(_v("R41", [key], f"{bridge}.{name}={_fmt(specs[name])}: reading the files of Bridge's "
+                          "offline packing is not implemented; graphstep packs data.data_path (an SFT jsonl file) "
+                          "itself when the run starts.", f"drop {bridge}.{name} and set data.data_path to the jsonl "
+                          "file the packed data was made from."))
+        size, mult = specs.get("packed_sequence_size", -1), specs.get("pad_seq_to_mult", 1)
+        if not isinstance(size, int) or isinstance(size, bool) or (isinstance(seq, int) and size > seq):
+            out.append(_v("R41", [key, "model.seq_length"], f"{bridge}.packed_sequence_size={_fmt(size)}: a packed "
+                          f"row is an integer number of tokens, at most model.seq_length={_fmt(seq)} (the model's "
+                          "RoPE table and static shapes).", f"set {bridge}.packed_sequence_size={_fmt(seq)} (or "
+                          "-1: model.seq_length with data.packed_sequences=true)."))
+        row = size if isinstance(size, int) and size > 0 else seq  # the row's width (-1: model.seq_length)
+        if mult is not None and (not isinstance(mult, int) or isinstance(mult, bool) or mult < 1
+                                 or (isinstance(row, int) and mult > row)):
+            out.append(_v("R41", [key], f"{bridge}.pad_seq_to_mult={_fmt(mult)}: each example is padded to a "
+                          "multiple of this positive integer, which must fit a packed row.",
+                          f"set {bridge}.pad_seq_to_mult=1 (no padding) or a small multiple such as 8."))
+        if not isinstance(specs.get("pad_cu_seqlens", False), bool):
+            out.append(_v("R41", [key], f"{bridge}.pad_cu_seqlens={_fmt(specs['pad_cu_seqlens'])} is not a "
+                          "boolean.", f"set {bridge}.pad_cu_seqlens=true (graphstep pads cu_seqlens either way)."))
+    return out
+
+
+def _r41(v: View) -> list[Violation]:
+    """Packed SFT sequences (data/packing.py): valid specs, SFT data, and what packing runs with so far --
+    data-parallel replicas of a dense graphstep transformer, rows of one width."""
+    cfg = v.cfg
+    out = _r41_specs(cfg)
+    if not packing.packing_on(cfg):
+        return out
+    switch = _packing_switch(cfg)
+    if cfg.data.dataset != "sft":
+        out.append(_v("R41", ["data.packed_sequences", "data.dataset"], f"{switch} with data.dataset="
+                      f"{_fmt(cfg.data.dataset)}: packing joins prompt/response examples, which only SFT data has.",
+                      "set data.dataset=sft with data.data_path=FILE.jsonl, or data.packed_sequences=false."))
+    if cfg.data.seq_length_buckets:
+        out.append(_v("R41", ["data.packed_sequences", "data.seq_length_buckets"], f"{switch} with "
+                      f"data.seq_length_buckets={_fmt(cfg.data.seq_length_buckets)}: packed rows all have one width, "
+                      "there is nothing to bucket.", "set data.seq_length_buckets=null."))
+    m, others = cfg.model, _beyond_replicas(cfg)
+    if m.num_moe_experts is not None:
+        others.append(("model.num_moe_experts", f"an MoE model (num_moe_experts={_fmt(m.num_moe_experts)})"))
+    if m.hybrid_override_pattern:
+        others.append(("model.hybrid_override_pattern", "a hybrid Mamba model (hybrid_override_pattern set: the "
+                       "Mamba scan would carry state across documents)"))
+    if m.hf_path:
+        others.append(("model.hf_path", "a Hugging Face model (model.hf_path set)"))
+    if cfg.compile.enable is True:
+        others.append(("compile.enable", "torch.compile (compile.enable=true)"))
+    for key, what in others:
+        out.append(_v("R41", ["data.packed_sequences", key], f"{switch} with {what} is not implemented yet: packed "
+                      "rows run on data-parallel replicas of graphstep's dense transformer.",
+                      f"drop {what.split(' (')[0]}, or data.packed_sequences=false."))
+    return out
+
+
 def _get_field(cfg: Any, key: str) -> Any:
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name)
@@ -518,4 +598,4 @@ RUN_RULES = (("R18", _r18), ("R19", _r19), ("R20", _r20), ("R21", _r21), ("R22",
              ("R24", _r24), ("R32", _r32), ("R33", _r33),
              ("R34", lambda v: _refused(v, "R34")), ("R35", _r35),
              ("R36", lambda v: _refused(v, "R36")), ("R37", lambda v: _refused(v, "R37")), ("R38", _r38),
-             ("R39", lambda v: _refused(v, "R39")), ("R40", _r40))
+             ("R39", lambda v: _refused(v, "R39")), ("R40", _r40), ("R41", _r41))
