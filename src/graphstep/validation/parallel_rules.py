@@ -3,7 +3,7 @@
 Same shape as graph_rules.py (``_rN(view) -> list[Violation]``). The layout
 itself -- which ranks form the data-parallel and tensor-parallel dimensions of
 the device mesh, what each sharding strategy means -- is
-training/parallel.py; these rules say which configurations it takes:
+parallel/; these rules say which configurations it takes:
 
 * R25 -- the layout fits the model and the world: the world size is a
   multiple of ``tensor_model_parallel_size``; heads, query groups, the MLP
