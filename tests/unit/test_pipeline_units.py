@@ -65,7 +65,7 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.pipeline_model_parallel_size=3"], 3, "R28", "do not split evenly"),
     (["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=0"], 2, "R28", "at least one"),
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2"], 2, "R28", "interleaved"),
-    (["model.pipeline_model_parallel_size=2", "model.share_embeddings_and_output_weights=true"], 2, "R28", "ties"),
+    (["model.pipeline_model_parallel_size=4", "model.share_embeddings_and_output_weights=true"], 4, "R28", "ties"),
     (["model.pipeline_model_parallel_size=2", "model.pipeline_dtype=fp32", "model.params_dtype=bf16"], 2, "R28",
      "pipeline_dtype"),
     (["model.pipeline_model_parallel_size=2", "train.global_batch_size=2"], 2, "R28", "1F1B"),
@@ -91,6 +91,7 @@ def test_accepted_pipeline_layouts_break_no_rule():
     assert _rules("model.pipeline_model_parallel_size=2") == []
     assert _rules("model.pipeline_model_parallel_size=2", "model.pipeline_schedule=gpipe", "train.global_batch_size=2") == []
     assert _rules("model.pipeline_model_parallel_size=2", world=4) == []  # 2 pipelines
+    assert _rules("model.pipeline_model_parallel_size=2", "model.share_embeddings_and_output_weights=true") == []
     assert _rules("model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
                   "model.cuda_graph_modules=[attn,mlp]") == []
     assert _rules("model.pipeline_model_parallel_size=3", "model.num_layers=5", "model.num_layers_in_first_pipeline_"

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import Config
 from ..engines_compat import dtensor_local, flatten_mesh
+from .pipeline import is_tied_copy
 
 PP, DP_REPLICATE, DP_SHARD, CP, TP = "pp", "dp_replicate", "dp_shard", "cp", "tp"
 EDP, EP = "edp", "ep"  # expert parallel: the replicas as (expert-data-parallel, expert-parallel) ranks
@@ -204,10 +205,13 @@ def counted_here(p: torch.Tensor, mesh: WorldMesh | None) -> bool:
     A gradient replicated over a mesh dimension (a replicated parameter, or any
     parameter over replicated data-parallel ranks) is counted on that
     dimension's rank 0 only; a sharded one on every rank (and every pipeline
-    stage counts its own parameters).
+    stage counts its own parameters, but the last stage's copy of a tied
+    embedding, whose gradient is the first stage's).
     """
     if mesh is None:
         return True
+    if is_tied_copy(p):
+        return False
     sharded: set[str] = {PP}  # each pipeline stage holds other parameters
     if isinstance(p, DTensor):  # a parameter is replicated or sharded (Shard, or FSDP2's _StridedShard) per dimension
         for name, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements):

@@ -28,6 +28,19 @@ shapes of what they send, on the host. Evaluation runs a forward-only GPipe
 pass over a stage of its own (its own receive buffers, for its own number
 of micro-batches).
 
+Tied embeddings (``share_embeddings_and_output_weights``, two stages: rule
+R28 refuses more): the first stage embeds the tokens with the embedding's
+weight, the last computes the logits with it. Each holds a copy, named
+``embedding.weight`` on both (so checkpoints name it the same at every
+layout; the last stage's :class:`TiedOutputEmbedding` only lends the weight
+to the logits), equal at the start (every rank builds the model from one
+seed) and kept equal as Megatron keeps them: after the backward, the two
+copies' gradients are summed over the two stages
+(:class:`TiedEmbeddingReducer`, an all-reduce over the stage group, inside
+the full-iteration graph), so both take the gradient one process computes
+and the same optimizer step. The gradient norm counts the first stage's copy
+only (:func:`is_tied_copy`).
+
 That first step's set-up draws no random numbers (:func:`_setup_draws_nothing`):
 torch 2.13 infers the shapes by running the stage's forward and backward
 once, with dropout, and shields only torch's default generators from it, not
@@ -76,12 +89,32 @@ def stage_layers(num_layers: int, stages: int, first: int | None = None, last: i
     return out
 
 
+class TiedOutputEmbedding(nn.Module):
+    """The last stage's copy of a tied embedding: GPTModel computes the logits with its ``weight``; its forward
+    passes the hidden state the stage received on unchanged (the first stage embedded the tokens)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+        weight.tied_copy = True  # counted once in the gradient norm: on the first stage (is_tied_copy)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+def is_tied_copy(p: torch.Tensor) -> bool:
+    """Whether ``p`` is the last stage's copy of a tied embedding (its gradient is the first stage's too)."""
+    return getattr(p, "tied_copy", False)
+
+
 def keep_stage(model: nn.Module, layers: range, *, first: bool, last: bool) -> nn.Module:
-    """Keep in ``model`` (a GPTModel) what one stage holds; layer names keep their whole-model index."""
+    """Keep in ``model`` (a GPTModel) what one stage holds; layer names keep their whole-model index. With tied
+    embeddings the last stage keeps the embedding's weight for its logits (:class:`TiedOutputEmbedding`)."""
     kept = nn.ModuleDict({str(i): model.layers[i] for i in layers})
     model.layers = kept
+    tied = model.output_layer is None  # the logits use the embedding's weight
     if not first:
-        model.embedding = None
+        model.embedding = TiedOutputEmbedding(model.embedding.weight) if last and tied else None
     if not last:
         model.final_layernorm = None
         model.output_layer = None
@@ -186,6 +219,31 @@ class Pipeline:
     def share_(self, t: torch.Tensor) -> None:
         """The last stage's ``t`` on every stage, in place (others hold zeros): a device all-reduce."""
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+
+
+class TiedEmbeddingReducer:
+    """The training step's gradient reduction with tied embeddings over two stages: ``then`` (the data-parallel
+    reduction, or None), then the tied copies' gradients summed over the stage group, as Megatron does."""
+
+    def __init__(self, grad: torch.Tensor, group: Any, then: Callable[[], None] | None = None) -> None:
+        self.grad, self.group, self.then = grad, group, then
+
+    def __call__(self) -> None:
+        if self.then is not None:
+            self.then()
+        dist.all_reduce(self.grad, op=dist.ReduceOp.SUM, group=self.group)
+
+    def describe(self) -> str:
+        inner = getattr(self.then, "describe", None)
+        return (f"{inner()}; " if inner is not None else "") + "tied embedding gradients summed over the two stages"
+
+
+def tied_embedding_grad(model: nn.Module, *, tied: bool, first: bool, last: bool) -> torch.Tensor | None:
+    """The gradient buffer (``main_grad``) of the stage's copy of the tied embedding; None on a middle stage, without
+    tied embeddings, on one stage, or when the embedding is frozen (its copies stay equal without gradients)."""
+    if not tied or first == last:
+        return None
+    return getattr(model.embedding.weight, "main_grad", None)
 
 
 def _setup_draws_nothing(schedule: Any) -> Any:

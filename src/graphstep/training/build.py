@@ -49,7 +49,7 @@ from ..parallel.compile import compile_mode_of, describe_compile
 from ..parallel.data_parallel import grad_reducer
 from ..parallel.fsdp import reshard_all
 from ..parallel.parallelize import parallelize
-from ..parallel.pipeline import Pipeline, split_stage
+from ..parallel.pipeline import Pipeline, TiedEmbeddingReducer, split_stage, tied_embedding_grad
 from .checkpoint import load_pretrained
 from .compile import CompileTimeReport
 from .distributed import DataParallel
@@ -229,8 +229,13 @@ def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, ste
                  grads: GradBuffers, moe: MoEHooks, dp: DataParallel, device: torch.device,
                  num_micro_batches: int) -> tuple[Any, Any]:
     """The steps over ``step_model`` (the compiled model, or ``model``); a pipeline stage's over its schedule."""
-    hooks = dict(reduce_grads=grad_reducer(grads, cfg.ddp, dp.layout, dp.mesh, dp.backend),
-                 reduce_loss=dp.loss_reducer(),
+    reduce_grads = grad_reducer(grads, cfg.ddp, dp.layout, dp.mesh, dp.backend)
+    if dp.layout.pp > 1:  # tied embeddings: the first and last stage's copies take the sum of their gradients
+        tied = tied_embedding_grad(model, tied=cfg.model.share_embeddings_and_output_weights is True,
+                                   first=dp.pp_rank == 0, last=dp.pp_rank == dp.layout.pp - 1)
+        if tied is not None:
+            reduce_grads = TiedEmbeddingReducer(tied, dp.pp_group, then=reduce_grads)
+    hooks = dict(reduce_grads=reduce_grads, reduce_loss=dp.loss_reducer(),
                  before_step=moe.before_step if moe.enabled else None,
                  check_nonfinite=cfg.train.check_for_nan_on_device)
     if dp.layout.pp > 1:  # the schedule runs forward and backward (parallel/pipeline.py)
