@@ -145,7 +145,7 @@ class ModelConfig:
     enable_cuda_graph: bool = opt(False, "Deprecated: = cuda_graph_impl=local.")
     external_cuda_graph: bool = opt(False, "Deprecated: = cuda_graph_impl=transformer_engine.")
 
-    # --- parallel layouts (training/parallel.py, training/pipeline.py) and what graphstep does not implement
+    # --- parallel layouts (parallel/) and what graphstep does not implement
     tensor_model_parallel_size: int = opt(
         1, "Tensor-parallel ranks: DTensor colwise/rowwise sharding of attention, MLP and the vocabulary over the "
         "tp dimension of the device mesh; world size = pipeline x data-parallel x tensor-parallel ranks (rules R25-R29)."

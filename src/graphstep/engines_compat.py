@@ -2,7 +2,7 @@
 
 The companion of cuda_graph/torch_compat.py (which holds the mechanism's
 private accesses, the probe registry and :class:`TorchCompatError`): tensor
-parallel's partition hook, the pipelining schedules' set-up and backward
+parallel's partition hook, the device mesh's flattened views, the pipelining schedules' set-up and backward
 switch, DTensor's local tensor, a view's base, dynamo's compile callbacks and
 reset, and transformers' mask helpers. Each access is a small named function
 with a probe registered in the same ``PROBES``; a missing name raises a
@@ -96,6 +96,31 @@ def probe_colwise_partition() -> None:
     params = list(inspect.signature(ColwiseParallel._partition_linear_fn).parameters)
     expect(params == ["self", "name", "module", "device_mesh"], f"signature {params}")
     expect("_partition_linear_fn" in inspect.getsource(ColwiseParallel._apply), "_apply partitions with it")
+
+
+# --------------------------------------------------------------------------
+# device mesh: a view of several dimensions as one
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``mesh`` (a view of some dimensions of a root DeviceMesh) as one dimension named ``name``, on the same
+    root (``DeviceMesh._flatten``): FSDP2 and DTensor then combine it with the root's other dimensions, e.g.
+    the data-parallel ranks with the tensor-parallel ones."""
+    flatten = getattr(mesh, "_flatten", None)
+    if not callable(flatten):
+        raise PROBES["probe_mesh_flatten"].error(f"{type(mesh).__name__} has no _flatten")
+    return flatten(name)
+
+
+@probe("DeviceMesh._flatten", purpose="the data-parallel ranks as one mesh dimension (FSDP2's mesh, the gradient "
+       "all-reduce's group) over the layout's finer dimensions", verified=(CPU_2_13,), needs="process_group")
+def probe_mesh_flatten() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = torch.distributed.get_world_size()
+    root = init_device_mesh("cpu", (world, 1), mesh_dim_names=("probe_a", "probe_b"))
+    flat = flatten_mesh(root[("probe_a", "probe_b")], "probe_ab")
+    expect(flat.mesh_dim_names == ("probe_ab",) and flat.size() == world, "a flattened 1-D mesh over the world")
 
 
 # --------------------------------------------------------------------------

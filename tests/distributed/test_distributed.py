@@ -211,7 +211,7 @@ def test_graphs_are_freed_before_the_process_group_is_destroyed(monkeypatch, how
 
 
 def test_grad_reducer_buckets_are_views_of_the_flat_buffer():
-    from graphstep.training.grad_reduce import GradReducer
+    from graphstep.parallel.data_parallel import GradReducer
 
     flat = torch.arange(10, dtype=torch.float32)
     reducer = GradReducer(flat, 2, bucket_size=4, backend="gloo")

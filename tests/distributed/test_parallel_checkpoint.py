@@ -38,7 +38,7 @@ LAYOUTS_2D = {  # 4 ranks: FSDP2 over tensor-parallel shards (2-D DTensors, the 
 }
 COMMON = ["train.train_iters=6", "logger.log_interval=1", "model.attention_dropout=0.0", "model.hidden_dropout=0.0",
           "checkpoint.save_interval=3", "model.use_te_rng_tracker=true",
-          "model.share_embeddings_and_output_weights=false"]  # pipeline stages do not tie (R28)
+          "model.share_embeddings_and_output_weights=false"]  # untied (tied over 2 stages: test_pipeline.py)
 GRAPHED = ["model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1"]
 DROPOUT = ["model.attention_dropout=0.1", "model.hidden_dropout=0.1"]
 EAGER = ["model.cuda_graph_impl=none"]

@@ -14,6 +14,7 @@ the same global batch and the same initial weights, up to rounding.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -43,6 +44,10 @@ LAYOUTS = {  # 3 layers: 2 on the first stage, 1 on the last (Bridge's num_layer
 # flight (4 slots of layer graphs), 1F1B up to 2 on the first stage and 1 on the last
 PER_LAYER = {"pp2_1f1b": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
              "pp2_gpipe": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"]}
+# tied embeddings over the two stages (Llama 3.2 1B/3B-style), run in the same launch as LAYOUTS: the first stage's
+# embedding and the last stage's copy (for the logits) take the sum of their gradients
+TIED = {"pp2_tied": ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2",
+                     "model.share_embeddings_and_output_weights=true"]}
 # 4 ranks: 2 pipelines of 2 stages, the gradients all-reduced over each stage's data-parallel group
 LAYOUTS_4 = {"pp2_dp2": ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2",
                          "train.global_batch_size=16", "train.train_iters=4"]}  # 4 processes on CI's 2 cores
@@ -60,10 +65,15 @@ def layouts_worker(out: str, device: str, which: str) -> None:
     if which == "LAYOUTS":
         runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT, *EAGER] for name, layout in layouts.items()})
         runs.update({f"{name}/layers": [*layouts[name], *graphs] for name, graphs in PER_LAYER.items()})
+        runs.update({f"{name}/{mode}": [*layout, *extra] for name, layout in TIED.items()
+                     for mode, extra in (("eager", EAGER), ("graphed", GRAPHED), ("nodrop", [*NO_DROPOUT, *EAGER]))})
 
     def run(overrides: list[str]) -> dict:
         result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
-        return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()]}
+        embedding = getattr(result.model, "embedding", None)
+        return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()],
+                "embedding": None if embedding is None else  # the bits of this stage's embedding weight
+                hashlib.sha256(embedding.weight.detach().float().cpu().numpy().tobytes()).hexdigest()}
 
     report_runs(Path(out), device, runs, run)
 
@@ -116,6 +126,42 @@ def test_stages_agree_on_the_loss_and_hold_their_own_layers(reports, layout):
     assert layers == ([{"0", "1"}, {"2"}] if layout == "pp2_1f1b" else [{"0"}, {"1", "2"}])
 
 
+@pytest.mark.parametrize("layout", list(TIED))
+def test_tied_embeddings_over_two_stages_graphed_equal_eager_and_stay_equal(reports, layout):
+    """Both stages hold ``embedding.weight`` (the last for its logits); graphed equals eager bit for bit, and after
+    10 iterations with dropout the two copies are the same bits, eager and graphed."""
+    first, last = (report[f"{layout}/eager"] for report in reports)
+    assert first["names"][0] == "embedding.weight" and last["names"][0] == "embedding.weight"
+    assert "output_layer.weight" not in first["names"] + last["names"]
+    for report in reports:
+        eager, graphed = report[f"{layout}/eager"], report[f"{layout}/graphed"]
+        assert graphed["states"][1:4] == ["eager", "captured", "replayed"] and graphed["graphs"] == 3
+        assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"]
+        assert graphed["shard"] == eager["shard"]
+        assert eager["losses"][-1] < eager["losses"][0]
+    for mode in ("eager", "graphed", "nodrop"):
+        copies = [report[f"{layout}/{mode}"]["embedding"] for report in reports]
+        assert copies[0] == copies[1], mode  # the same bits on both stages
+    assert reports[0][f"{layout}/eager"]["embedding"] != reports[0][f"{layout}/nodrop"]["embedding"]  # it trained
+
+
+@pytest.fixture(scope="module")
+def one_process_tied():
+    from helpers.runs import tiny_config
+    from graphstep.training.loop import train
+
+    return train(tiny_config(*COMMON, *NO_DROPOUT, *EAGER, "model.share_embeddings_and_output_weights=true"))
+
+
+@pytest.mark.parametrize("layout", list(TIED))
+def test_tied_pipeline_computes_what_one_tied_process_computes(reports, one_process_tied, layout):
+    """Dropout off: the summed gradients of the two copies are the one tied embedding's gradient."""
+    two = torch.tensor(reports[1][f"{layout}/nodrop"]["losses"], dtype=torch.float64)
+    one = torch.tensor(one_process_tied.losses, dtype=torch.float64)
+    assert two.shape == one.shape and len(two) > 0
+    torch.testing.assert_close(two, one, rtol=2e-5, atol=0)
+
+
 @pytest.fixture(scope="module")
 def one_process():
     from helpers.runs import tiny_config
@@ -153,7 +199,7 @@ def test_two_pipelines_on_four_ranks_equal_eager(tmp_path):
 def test_pipeline_on_two_gpus_graphed_equal_eager(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine)")
-    assert_graphed_equals_eager(run_layouts(tmp_path, "cuda", timeout=900), LAYOUTS)
+    assert_graphed_equals_eager(run_layouts(tmp_path, "cuda", timeout=900), {**LAYOUTS, **TIED})
 
 
 def exchange_worker(out: str) -> None:

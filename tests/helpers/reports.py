@@ -10,7 +10,7 @@ import torch
 
 def shard_digest(model: torch.nn.Module) -> str:
     """This rank's part of every parameter (the local tensor of a DTensor)."""
-    from graphstep.training.parallel import local_tensor
+    from graphstep.parallel.dims import local_tensor
 
     h = hashlib.sha256()
     for p in model.parameters():

@@ -144,10 +144,10 @@ def test_resharding_resume_takes_the_rng_streams_of_the_rank_with_the_same_place
     data-parallel replica, else the first); where the checkpoint has no such rank, it keeps its own seeded ones."""
     from graphstep.training.checkpoint import rng_source_rank
     from graphstep.training.distributed import DataParallel
-    from graphstep.training.parallel import Layout
+    from graphstep.parallel.dims import ParallelDims
 
     def sources(saved: dict, saved_world: int, world: int, **dims: int) -> list:
-        layout = Layout(dp=world // (dims.get("tp", 1) * dims.get("pp", 1)), **dims)
+        layout = ParallelDims(dp_replicate=world // (dims.get("tp", 1) * dims.get("pp", 1)), **dims)
         return [rng_source_rank(saved, saved_world, DataParallel(rank=r, world_size=world, layout=layout))
                 for r in range(world)]
 

@@ -20,7 +20,7 @@ import torch
 from helpers.runs import assert_same_run, eager, params_of, tiny_config
 from graphstep.config import Config, ConfigError, apply_overrides
 from graphstep.validation import ConfigValidationError, resolve_cuda_graph_settings, validate_config
-from graphstep.training.compile import apply_compile
+from graphstep.parallel.compile import apply_compile
 from graphstep.training.loop import train
 
 needs_inductor_cpu = pytest.mark.skipif(

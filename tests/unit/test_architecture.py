@@ -42,12 +42,14 @@ KNOWN_CYCLES_TO_REMOVE: set[frozenset[str]] = set()
 
 # graphstep's packages (and top-level modules) from the bottom up: a module imports only its own layer and the
 # ones below it. The mechanism at the bottom; the config; what a run is made of; the rules and config files; the
-# trainer; the tools built on the trainer (and the library API, which uses the doctor); the command line.
+# parallel engines a run is laid out with; the trainer; the tools built on the trainer (and the library API, which
+# uses the doctor); the command line.
 LAYERS: list[set[str]] = [
     {"cuda_graph"},
     {"config_sections", "config_bridge_sections", "config", "errors"},
     {"data", "models", "converters", "integrations", "observability", "recipes", "engines_compat"},
     {"validation", "config_files"},
+    {"parallel"},
     {"training"},
     {"doctor", "bench", "api"},
     {"cli", "__main__", ""},  # "": graphstep/__init__.py

@@ -60,7 +60,6 @@ REFUSED_OTHERWISE = {
     "model.virtual_pipeline_model_parallel_size": ("R28", ["model.virtual_pipeline_model_parallel_size=2"]),
     "model.pipeline_dtype": ("R28", ["model.pipeline_dtype=fp32", "model.params_dtype=bf16",
                                      "model.pipeline_model_parallel_size=2"]),
-    "model.context_parallel_size": ("R30", ["model.context_parallel_size=2"]),
     "mixed_precision.fp8_param_gather": ("R32", ["mixed_precision.fp8=hybrid", "ddp.use_megatron_fsdp=true",
                                                  "mixed_precision.fp8_param_gather=true"]),
     "model.fp8_param_gather": ("R32", ["mixed_precision.fp8=hybrid", "ddp.use_distributed_optimizer=true",

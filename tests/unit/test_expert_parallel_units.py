@@ -120,7 +120,8 @@ def _one_rank_runs(device: str, dispatcher: str, names: tuple[str, ...]) -> dict
     from graphstep.models import build_model
     from graphstep.models.moe import MoEBlock
     from graphstep.training.optim import GradBuffers
-    from graphstep.training.parallel import EDP, EP, apply_expert_parallel, local_tensor
+    from graphstep.parallel.dims import EDP, EP, local_tensor
+    from graphstep.parallel.expert_parallel import apply_expert_parallel
     from graphstep.training.step import TrainStep
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -15,7 +15,7 @@ from graphstep.training import memory
 from graphstep.training.memory import (
     GiB, HEADROOM, ZERO3, candidate_layouts, check_memory_fits, estimate_memory, parameter_counts,
 )
-from graphstep.training.parallel import Layout
+from graphstep.parallel.dims import ParallelDims
 from graphstep.training.rundir import RunSetupError
 from graphstep.validation import validate_config
 
@@ -53,8 +53,8 @@ def test_parameter_counts_split_into_layers_and_root(llama3_8b, counts):
 def test_fsdp_zero3_on_8_ranks_shards_the_static_memory(llama3_8b, counts):
     cfg = get_recipe("llama3_8b")
     apply_overrides(cfg, ZERO3_ARGS)
-    one, eight = Layout.from_config(cfg, 1), Layout.from_config(cfg, 8)
-    assert eight == Layout(dp=8, fsdp=ZERO3) and one == Layout(dp=1, fsdp=ZERO3)
+    one, eight = ParallelDims.from_config(cfg, 1), ParallelDims.from_config(cfg, 8)
+    assert eight == ParallelDims(dp_shard=8, fsdp=ZERO3) and one == ParallelDims(dp_shard=1, fsdp=ZERO3)
     p, b = counts.parameters, counts.buffers
     gathered = (2 * counts.largest_layer + counts.root) * BF16  # two layers and the root module, in bf16
     est = estimate_memory(cfg, CUDA, eight)
@@ -72,7 +72,7 @@ def test_fsdp_zero3_on_8_ranks_shards_the_static_memory(llama3_8b, counts):
 
 
 def test_fsdp_zero2_keeps_every_layer_gathered(llama3_8b, counts):
-    est = estimate_memory(llama3_8b, CUDA, Layout(dp=8, fsdp="optim_grads"))
+    est = estimate_memory(llama3_8b, CUDA, ParallelDims(dp_shard=8, fsdp="optim_grads"))
     shard = ceil_div(counts.parameters, 8)
     assert est.weights == shard * 4 + counts.parameters * BF16 + counts.buffers * BF16
 
@@ -81,28 +81,29 @@ def test_tensor_parallel_2_halves_the_static_memory(llama3_8b, counts):
     p, b = counts.parameters, counts.buffers
     assert p % 2 == 0
     one = estimate_memory(llama3_8b, CUDA)
-    two = estimate_memory(llama3_8b, CUDA, Layout(tp=2))
+    two = estimate_memory(llama3_8b, CUDA, ParallelDims(tp=2))
     assert (two.gradients, two.optimizer) == (one.gradients // 2, one.optimizer // 2)
     assert two.static - b * BF16 == (one.static - b * BF16) // 2  # buffers (RoPE tables) are not split
-    fsdp1, fsdp2 = (estimate_memory(llama3_8b, CUDA, Layout(dp=4, tp=tp, fsdp=ZERO3)) for tp in (1, 2))
+    fsdp1, fsdp2 = (estimate_memory(llama3_8b, CUDA, ParallelDims(dp_shard=4, tp=tp, fsdp=ZERO3)) for tp in (1, 2))
     assert fsdp2.static - b * BF16 == ceil_div(fsdp1.static - b * BF16, 2)
 
 
 def test_sequence_parallel_halves_the_block_activations_not_the_logits(llama3_8b):
     logits = logits_bytes(llama3_8b, BF16)
     one = estimate_memory(llama3_8b, CUDA).activations_per_sample
-    sp = estimate_memory(llama3_8b, CUDA, Layout(tp=2, sequence_parallel=True)).activations_per_sample
-    no_sp = estimate_memory(llama3_8b, CUDA, Layout(tp=2)).activations_per_sample
+    sp = estimate_memory(llama3_8b, CUDA, ParallelDims(tp=2, sequence_parallel=True)).activations_per_sample
+    no_sp = estimate_memory(llama3_8b, CUDA, ParallelDims(tp=2)).activations_per_sample
     assert sp - logits == (one - logits) // 2
     assert sp < no_sp < one  # without sequence parallel the residual stream stays whole
 
 
-def _suggested(message: str) -> tuple[Layout, list[str], int]:
+def _suggested(message: str) -> tuple[ParallelDims, list[str], int]:
     """The layout, overrides and rank count a refusal names."""
     overrides = re.search(r"add (.*?) and launch", message).group(1).split()
     ranks = int(re.search(r"--nproc_per_node (\d+)", message).group(1))
     tp = next((int(o.split("=")[1]) for o in overrides if o.startswith("model.tensor_model_parallel_size=")), 1)
-    layout = Layout(dp=ranks // tp, tp=tp, sequence_parallel="model.sequence_parallel=true" in overrides, fsdp=ZERO3)
+    layout = ParallelDims(dp_shard=ranks // tp, tp=tp, sequence_parallel="model.sequence_parallel=true" in overrides,
+                          fsdp=ZERO3)
     return layout, overrides, ranks
 
 
@@ -112,7 +113,7 @@ def test_llama3_8b_on_one_h200_is_told_the_smallest_layout_that_fits(monkeypatch
     with pytest.raises(RunSetupError) as info:
         check_memory_fits(llama3_8b, CUDA)
     message = str(info.value)
-    assert Layout().describe() in message and "per rank" in message
+    assert ParallelDims().describe() in message and "per rank" in message
     assert f"data_parallel_sharding_strategy={ZERO3}" in message and "nproc_per_node" in message
     assert "not yet available" not in message
     layout, _overrides, ranks = _suggested(message)
@@ -130,7 +131,7 @@ def test_the_suggested_layout_passes_the_check_and_the_layout_rules(monkeypatch,
     layout, overrides, ranks = _suggested(str(info.value))
     cfg = get_recipe("llama3_8b")
     apply_overrides(cfg, overrides)
-    assert Layout.from_config(cfg, ranks) == layout
+    assert ParallelDims.from_config(cfg, ranks) == layout
     estimate = check_memory_fits(cfg, CUDA, layout=layout)
     assert estimate is not None and estimate.layout == layout
     layout_rules = {"R25", "R26", "R27", "V13"}
@@ -164,14 +165,14 @@ def test_expert_parallel_ranks_hold_their_share_of_the_experts():
     cfg = get_recipe("qwen3_30b_a3b")
     counts = parameter_counts(cfg)
     assert 0 < counts.experts < counts.parameters
-    whole, split = estimate_memory(cfg, CUDA, Layout(dp=8)), estimate_memory(cfg, CUDA, Layout(dp=8, ep=8))
+    whole, split = estimate_memory(cfg, CUDA, ParallelDims(dp_replicate=8)), estimate_memory(cfg, CUDA, ParallelDims(dp_replicate=8, ep=8))
     local = counts.parameters - counts.experts + ceil_div(counts.experts, 8)
     assert split.gradients == local * 4 and whole.gradients == counts.parameters * 4
     assert split.activations == whole.activations
 
 
 def test_a_pipeline_stage_holds_its_share_of_the_layers(llama3_8b, counts):
-    est = estimate_memory(llama3_8b, CUDA, Layout(pp=2))
+    est = estimate_memory(llama3_8b, CUDA, ParallelDims(pp=2))
     stage = ceil_div(llama3_8b.model.num_layers, 2) * counts.largest_layer + counts.root
     assert est.gradients == stage * 4 < counts.parameters * 4
     assert est.weights == stage * BF16 + counts.buffers * BF16

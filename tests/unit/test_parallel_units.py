@@ -110,7 +110,8 @@ def test_sequence_parallel_model_on_a_one_rank_mesh_graphs_equal_eager(one_rank_
 
     from graphstep.models.transformer import GPTModel, ModelShape
     from graphstep.config import ModelConfig
-    from graphstep.training.parallel import apply_tensor_parallel, local_tensor
+    from graphstep.parallel.dims import local_tensor
+    from graphstep.parallel.tensor_parallel import apply_tensor_parallel
 
     def make():
         torch.manual_seed(0)
@@ -154,7 +155,8 @@ def test_layer_graphs_over_tensor_parallel_blocks_equal_eager(one_rank_group, de
 
     from graphstep.config import ModelConfig
     from graphstep.models.transformer import GPTModel, ModelShape
-    from graphstep.training.parallel import apply_tensor_parallel, local_tensor
+    from graphstep.parallel.dims import local_tensor
+    from graphstep.parallel.tensor_parallel import apply_tensor_parallel
 
     def make(graphed: bool):
         torch.manual_seed(0)
@@ -361,7 +363,7 @@ def test_llama3_8b_layers_under_fsdp_graphed_equal_eager(graphs):
 def test_overlapped_buckets_start_during_the_last_backward(one_rank_group):
     """A bucket's all-reduce starts as soon as its last gradient is in (before the backward ends), only in the
     last micro-batch's backward, and the reduced buffer equals the plain reducer's."""
-    from graphstep.training.grad_reduce import GradReducer, OverlappedGradReducer
+    from graphstep.parallel.data_parallel import GradReducer, OverlappedGradReducer
     from graphstep.training.optim import GradBuffers
 
     torch.manual_seed(0)
@@ -400,7 +402,7 @@ def test_overlapped_buckets_start_during_the_last_backward(one_rank_group):
 def test_overlapped_reduction_captured_in_a_graph_equals_eager(one_rank_group, device):
     """The asynchronous bucket all-reduces of the last backward inside one graph (on a GPU: the process group's
     stream forked from the capture stream and joined back), against the same step run eagerly."""
-    from graphstep.training.grad_reduce import OverlappedGradReducer
+    from graphstep.parallel.data_parallel import OverlappedGradReducer
     from graphstep.training.optim import GradBuffers
 
     def make():
@@ -443,8 +445,8 @@ def test_overlapped_reduction_captured_in_a_graph_equals_eager(one_rank_group, d
 ])
 def test_layout_from_config(overrides, world, expected):
     from helpers.runs import tiny_config
-    from graphstep.training.parallel import Layout
+    from graphstep.parallel.dims import ParallelDims
 
-    layout = Layout.from_config(tiny_config(*overrides), world)
+    layout = ParallelDims.from_config(tiny_config(*overrides), world)
     assert {k: getattr(layout, k) for k in expected} == expected
     assert layout.needs_mesh == (layout.tp > 1 or layout.fsdp is not None)

@@ -18,7 +18,7 @@ SHAPE = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_hea
 
 
 def test_layers_split_as_bridge_splits_them():
-    from graphstep.training.pipeline import stage_layers
+    from graphstep.parallel.pipeline import stage_layers
 
     assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
     assert stage_layers(5, 3, first=1) == [range(0, 1), range(1, 3), range(3, 5)]
@@ -31,7 +31,7 @@ def test_layers_split_as_bridge_splits_them():
 
 def test_a_stage_keeps_its_layers_under_their_whole_model_names():
     from graphstep.models.transformer import GPTModel, ModelShape
-    from graphstep.training.pipeline import keep_stage
+    from graphstep.parallel.pipeline import keep_stage
 
     torch.manual_seed(0)
     whole = GPTModel(ModelShape.from_config(ModelConfig(**SHAPE)))
@@ -65,7 +65,7 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.pipeline_model_parallel_size=3"], 3, "R28", "do not split evenly"),
     (["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=0"], 2, "R28", "at least one"),
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2"], 2, "R28", "interleaved"),
-    (["model.pipeline_model_parallel_size=2", "model.share_embeddings_and_output_weights=true"], 2, "R28", "ties"),
+    (["model.pipeline_model_parallel_size=4", "model.share_embeddings_and_output_weights=true"], 4, "R28", "ties"),
     (["model.pipeline_model_parallel_size=2", "model.pipeline_dtype=fp32", "model.params_dtype=bf16"], 2, "R28",
      "pipeline_dtype"),
     (["model.pipeline_model_parallel_size=2", "train.global_batch_size=2"], 2, "R28", "1F1B"),
@@ -91,6 +91,7 @@ def test_accepted_pipeline_layouts_break_no_rule():
     assert _rules("model.pipeline_model_parallel_size=2") == []
     assert _rules("model.pipeline_model_parallel_size=2", "model.pipeline_schedule=gpipe", "train.global_batch_size=2") == []
     assert _rules("model.pipeline_model_parallel_size=2", world=4) == []  # 2 pipelines
+    assert _rules("model.pipeline_model_parallel_size=2", "model.share_embeddings_and_output_weights=true") == []
     assert _rules("model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
                   "model.cuda_graph_modules=[attn,mlp]") == []
     assert _rules("model.pipeline_model_parallel_size=3", "model.num_layers=5", "model.num_layers_in_first_pipeline_"
@@ -101,9 +102,9 @@ def test_accepted_pipeline_layouts_break_no_rule():
                                                  (4, 3, (1, 1, 0))])
 def test_a_rank_finds_its_stage_and_replica(world, rank, expected):
     from graphstep.training.distributed import DataParallel
-    from graphstep.training.parallel import Layout
+    from graphstep.parallel.dims import ParallelDims
 
-    dp = DataParallel(rank=rank, world_size=world, layout=Layout(dp=world // 2, pp=2))
+    dp = DataParallel(rank=rank, world_size=world, layout=ParallelDims(dp_replicate=world // 2, pp=2))
     assert (dp.pp_rank, dp.dp_rank, dp.tp_rank) == expected
     assert dp.dp_size == world // 2
     assert "2 pipeline-stage x" in dp.layout.describe()
@@ -113,7 +114,8 @@ def _sgd_one_stage(model, device: str, schedule: str):
     """``model`` as the one stage of torch's ``schedule`` over 3 micro-batches, trained by PipelineTrainStep on
     graphstep's gradient buffers with a plain SGD update: batches -> loss."""
     from graphstep.training.optim import GradBuffers
-    from graphstep.training.pipeline import Pipeline, PipelineTrainStep
+    from graphstep.parallel.pipeline import Pipeline
+    from graphstep.training.step import PipelineTrainStep
 
     grads = GradBuffers(model)
     pipe = Pipeline(model, stage_index=0, stages=1, group=dist.group.WORLD, device=torch.device(device),

@@ -62,7 +62,7 @@ from ..validation import resolve_cuda_graph_settings
 from ..training.build import Run, RunOptions, build_run
 from ..training.distributed import DataParallel, init_data_parallel
 from ..training.optim import GradBuffers
-from ..training.parallel import Layout
+from ..parallel.dims import ParallelDims
 from ..training.step import TrainStep
 from ..engines_compat import reset_dynamo
 from .layouts import ONE_RANK_MESH, TORCHRUN_ONLY
@@ -85,7 +85,7 @@ class Row:
     step_ms_all: list[float] = field(default_factory=list)
     error: str | None = None
     note: str = ""
-    layout: str | None = None  # the ranks the row ran on (Layout.describe()); None for a peer
+    layout: str | None = None  # the ranks the row ran on (ParallelDims.describe()); None for a peer
     ranks: int = 1  # GPUs the row ran on (MFU is against all of them)
     global_batch: int | None = None  # sequences per iteration over all ranks (None: the recipe's)
     tokens_per_step: int | None = None  # tokens per iteration over all ranks (None: the recipe's)
@@ -168,7 +168,7 @@ def make_workload(cfg: Config, device: torch.device, n_steps: int = 4, *,
     dp = None
     if world_size > 1:
         dp = init_data_parallel(cfg, settings)
-    elif Layout.from_config(cfg, 1).needs_mesh:  # FSDP2 on one GPU: the trainer's one-rank group and mesh
+    elif ParallelDims.from_config(cfg, 1).needs_mesh:  # FSDP2 on one GPU: the trainer's one-rank group and mesh
         dp = init_data_parallel(cfg, settings, env={})
     run = build_run(cfg, RunOptions(device, dp=dp, settings=settings, compile_mode=compile_mode))
     rank = dict(dp_rank=dp.dp_rank, dp_size=dp.dp_size) if dp is not None else {}

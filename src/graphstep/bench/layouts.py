@@ -36,7 +36,7 @@ import re
 import shlex
 
 from ..config import Config, ConfigError
-from ..training.parallel import Layout
+from ..parallel.dims import ParallelDims
 
 FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
 ZERO2 = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads"]
@@ -95,7 +95,7 @@ def batch_overrides(cfg: Config, world_size: int) -> list[str]:
     """The global batch a row's layout (``cfg``: the recipe with the row's overrides) runs on ``world_size``
     ranks: the recipe's per data-parallel replica, and 1F1B's micro-batch per stage (empty: unchanged)."""
     t = cfg.train
-    layout = Layout.from_config(cfg, world_size)
+    layout = ParallelDims.from_config(cfg, world_size)
     per_replica = t.global_batch_size
     if layout.pp > 1 and cfg.model.pipeline_schedule == "1f1b":
         per_replica = max(per_replica, layout.pp * t.micro_batch_size)

@@ -36,7 +36,7 @@ import torch
 from ..config import Config
 from ..cuda_graph.devices import GiB, normalize_device
 from ..training.flops import flops_per_step
-from ..training.parallel import Layout
+from ..parallel.dims import ParallelDims
 from ..validation import validate_config
 from .harness import Row, combine_rounds, finish, graphstep_row, make_workload, matmul_tflops, measure, row_config
 from .layouts import batch_overrides, check_world, layout_overrides, multi_rank_rows, split_prefix
@@ -132,7 +132,7 @@ class RowPlan:
     name: str
     cfg: Config  # the row's config (a peer: the recipe with graphstep's graphs off)
     graphstep: bool  # built by build_run; False for a peer
-    layout: Layout | None = None
+    layout: ParallelDims | None = None
     refusal: str | None = None
 
     def describe(self, row: Row) -> None:
@@ -152,7 +152,7 @@ def plan_row(base: Config, name: str, world_size: int = 1) -> RowPlan:
         return RowPlan(name, row_config(base, NO_GRAPH), graphstep=False)
     cfg = row_config(base, overrides)
     if not split_prefix(name)[0]:
-        return RowPlan(name, cfg, graphstep=True, layout=Layout.from_config(cfg, 1))
+        return RowPlan(name, cfg, graphstep=True, layout=ParallelDims.from_config(cfg, 1))
     cfg = row_config(cfg, batch_overrides(cfg, world_size))
     violations = validate_config(cfg, world_size=world_size)
     refusal = None
@@ -160,7 +160,7 @@ def plan_row(base: Config, name: str, world_size: int = 1) -> RowPlan:
         rules = ", ".join(sorted({v.rule for v in violations}))
         ranks = f"{world_size} rank" + ("s" if world_size > 1 else "")
         refusal = f"refused by the config rules ({rules}; {ranks}): " + "\n".join(map(str, violations))
-    return RowPlan(name, cfg, graphstep=True, layout=Layout.from_config(cfg, world_size), refusal=refusal)
+    return RowPlan(name, cfg, graphstep=True, layout=ParallelDims.from_config(cfg, world_size), refusal=refusal)
 
 
 def _builder(name: str, base: Config, device: torch.device, world_size: int = 1) -> Callable[[], tuple]:

@@ -91,7 +91,7 @@ class RNGTracker:
         where they were: ``torch.random.fork_rng`` for the tracker's streams too.
 
         For eager work that must not count as a draw, such as torch's set-up of a pipeline stage, which runs a real
-        forward to infer shapes (training/pipeline.py). Not for a capture: CUDA cannot copy a generator's state then.
+        forward to infer shapes (parallel/pipeline.py). Not for a capture: CUDA cannot copy a generator's state then.
         """
         gens = [*self.states.values(), self._default()]
         if self.device.type != "cpu":

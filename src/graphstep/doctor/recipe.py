@@ -44,7 +44,7 @@ import torch
 from ..config import Config
 from ..cuda_graph.devices import GiB
 from ..training.memory import HEADROOM, SKIP_ENV, available_memory, estimate_memory
-from ..training.parallel import Layout
+from ..parallel.dims import ParallelDims
 from ..training.rundir import RunSetupError
 from ..cuda_graph.backend import CaptureReport, Graph, GraphBackend
 from ..validation import resolve_cuda_graph_settings, validate_config
@@ -171,7 +171,7 @@ def check_recipe(cfg: Config, *, name: str = "recipe", full_size: bool = False, 
     if report.findings:
         report.notes.append("the configuration breaks rules: the step was not run (fix the config first)")
         return report
-    if Layout.from_config(cfg, 1).needs_mesh:  # tensor parallel, FSDP2 or pipeline stages
+    if ParallelDims.from_config(cfg, 1).needs_mesh:  # tensor parallel, FSDP2 or pipeline stages
         report.add(Finding("config", "layout", None, why="the doctor judges one unsharded rank; with tensor "
                            "parallel, FSDP2 or pipeline stages it would judge another model than the run trains",
                            fix="dry-run the layout on the CPU replay backend under torchrun (train.device=cpu, "

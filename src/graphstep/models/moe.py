@@ -32,7 +32,7 @@ exactly ``capacity`` slots; with or without
 ``moe_pad_expert_input_to_capacity`` the same static layout runs, as the
 outputs are the same).
 
-Expert parallel (``model.expert_model_parallel_size``, training/parallel.py):
+Expert parallel (``model.expert_model_parallel_size``, parallel/expert_parallel.py):
 each rank holds ``num_moe_experts / ep`` experts; the exchanges are in
 :mod:`.moe_parallel`. With ``moe_token_dispatcher_type=allgather`` the block
 all-gathers the tokens of its expert-parallel ranks, runs its own experts on
@@ -298,7 +298,7 @@ class MoEBlock(nn.Module):
 
     @property
     def expert_parallel(self) -> ExpertParallel | None:
-        """This rank's expert-parallel place (training/parallel.py), or None: every expert is here."""
+        """This rank's expert-parallel place (parallel/expert_parallel.py), or None: every expert is here."""
         return self._expert_parallel
 
     @expert_parallel.setter

@@ -197,7 +197,7 @@ class GroupedExperts(nn.Module):
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The stacked weights of this rank's experts (the local part under expert parallelism)."""
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-        if isinstance(w1, DTensor):  # sharded over the expert-parallel ranks (training/parallel.py)
+        if isinstance(w1, DTensor):  # sharded over the expert-parallel ranks (parallel/expert_parallel.py)
             return w1.to_local(), w2.to_local()
         return w1, w2
 

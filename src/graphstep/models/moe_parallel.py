@@ -38,7 +38,7 @@ from .moe_dispatch import GroupedExperts
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """This rank's place among the expert-parallel ranks of a MoE block (training/parallel.py sets it)."""
+    """This rank's place among the expert-parallel ranks of a MoE block (parallel/expert_parallel.py sets it)."""
 
     group: Any  # the process group of the ranks that share their tokens
     rank: int

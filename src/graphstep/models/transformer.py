@@ -14,7 +14,7 @@ same way.
 All dropout draws from the graph-safe RNG tracker: attention dropout from
 ``model-parallel-rng``, hidden dropout from ``data-parallel-rng`` (from
 ``model-parallel-rng`` under sequence parallelism). Tensor parallelism
-(training/parallel.py) shards the projections with DTensor and tells the
+(parallel/tensor_parallel.py) shards the projections with DTensor and tells the
 model how many heads it holds and how its final hidden state is laid out.
 
 Packed rows (data/packing.py): a micro-batch with ``cu_seqlens`` holds
@@ -137,7 +137,7 @@ class RMSNorm(nn.Module):
 
 def hidden_dropout(x: torch.Tensor, p: float, training: bool, stream: str = DATA_PARALLEL_RNG) -> torch.Tensor:
     """Dropout on a block output, drawn from the tracker's data-parallel stream (model-parallel with
-    sequence parallelism, where each tensor-parallel rank holds other tokens: training/parallel.py)."""
+    sequence parallelism, where each tensor-parallel rank holds other tokens: parallel/tensor_parallel.py)."""
     if p == 0.0 or not training:
         return x
     with get_rng_tracker().fork(stream):
@@ -396,7 +396,7 @@ class GPTModel(nn.Module):
         """What this model holds of the network, from its input to its output.
 
         The whole model: tokens -> logits. A pipeline stage
-        (training/pipeline.py) holds the embedding only on the first stage and
+        (parallel/pipeline.py) holds the embedding only on the first stage and
         the final norm and output layer only on the last: it maps tokens or a
         hidden state to a hidden state or the logits.
         """
@@ -414,7 +414,7 @@ class GPTModel(nn.Module):
             return h
         h = self.final_layernorm(h)
         weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
-        if isinstance(weight, DTensor):  # tensor parallel: the vocabulary is sharded (training/parallel.py)
+        if isinstance(weight, DTensor):  # tensor parallel: the vocabulary is sharded (parallel/tensor_parallel.py)
             return _vocab_parallel_logits(h, weight, self.hidden_placement)
         return F.linear(h, weight)
 

@@ -45,15 +45,18 @@ from ..converters import fp8, lora
 from ..models import build_model, resolve_dtype
 from ..models.hf import load_hf_weights, load_peft_adapter
 from ..validation import REPLAY_COMPILE_REASON, resolve_cuda_graph_settings
+from ..parallel.compile import compile_mode_of, describe_compile
+from ..parallel.data_parallel import grad_reducer
+from ..parallel.fsdp import reshard_all
+from ..parallel.parallelize import parallelize
+from ..parallel.pipeline import Pipeline, TiedEmbeddingReducer, split_stage, tied_embedding_grad
 from .checkpoint import load_pretrained
-from .compile import CompileTimeReport, apply_compile, describe_compile
+from .compile import CompileTimeReport
 from .distributed import DataParallel
 from .graphs import CaptureLayersAfterWarmup, GraphPerBucket, Runner, evaluating, on_device, over_micro_batches
 from .moe_hooks import MoEHooks
 from .optim import AdamW, GradBuffers, build_optimizer
-from .parallel import parallelize, reshard_all
-from .pipeline import Pipeline, PipelineEvalStep, PipelineTrainStep, keep_stage, stage_layers
-from .step import EvalStep, TrainStep
+from .step import EvalStep, PipelineEvalStep, PipelineTrainStep, TrainStep
 
 log = logging.getLogger("graphstep")
 
@@ -132,45 +135,40 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     #    so steps 2-3 see only the adapters as trainable. A pipeline stage keeps its own layers.
     dtype = resolve_dtype(cfg.model.params_dtype, device)
     model = _build_model(cfg, device, dp, dtype)
-    # 2. Expert and tensor parallel, then FSDP2 (training/parallel.py): they turn parameters into DTensors
-    #    (FSDP2: fp32 shards), so they come before anything holds on to a parameter.
-    model = parallelize(model, dp.layout, dp.mesh, dtype)
+    # 2. The layout's engines, in parallelize's order (parallel/parallelize.py: tensor parallel, expert parallel,
+    #    compile, FSDP2): they turn parameters into DTensors (FSDP2: fp32 shards), so they come before anything
+    #    holds on to a parameter. torch.compile (compile.enable, or the bench's compile_mode) is one of them and
+    #    comes before the layer graphs (step 5): it compiles the graphed modules' forwards, which the engine then
+    #    keeps as the modules' own and patches over (parallel/compile.py). step_model is what the steps call.
+    compile_mode = compile_mode_of(cfg, options.compile_mode)
+    step_model = parallelize(model, dp.layout, dp.mesh, cfg, param_dtype=dtype, settings=settings,
+                             compile_mode=compile_mode)
     # 3. Gradient buffers at fixed addresses (the graphs write them), the optimizer over them; restore loads a
     #    checkpoint in place before any graph exists, so warm-up and capture count from the resume iteration.
     grads = GradBuffers(model, dp.mesh)
     optimizer = build_optimizer(cfg, model, grads)
     start = options.restore(model, optimizer) if options.restore is not None else 0
-    # 4. torch.compile (compile.enable, or the bench's compile_mode) of the module the steps will call, as
-    #    parallelize left it. torchtitan compiles each block between tensor parallel (Dynamo traces the DTensor
-    #    modules) and FSDP2 (which shards the compiled blocks); graphstep refuses compile with tensor parallel or
-    #    FSDP2 (R27), pipeline stages (R29) and expert parallel (R31), so the model compiled here is the model as
-    #    built (plain data parallel reduces gradients inside the step, no module wrapper). Compile comes before
-    #    the layer graphs (step 6): it compiles the graphed modules' forwards, which the engine then keeps as
-    #    the modules' own and patches over (training/compile.py).
-    compile_mode = options.compile_mode if options.compile_mode is not None else \
-        (cfg.compile.mode if cfg.compile.enable else None)
-    step_model = apply_compile(model, compile_mode, settings) if compile_mode is not None else model
-    # 5. The training and evaluation steps: data-parallel reducers, MoE hooks, the non-finite flag.
+    # 4. The training and evaluation steps: data-parallel reducers, MoE hooks, the non-finite flag.
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.dp_size)  # per pipeline too
     moe = MoEHooks(model, num_mb)
     train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb)
     if compile_mode is not None:
         train_step = CompileTimeReport(train_step, describe_compile(compile_mode, settings))
 
-    # 6-8. The graphs, all made through this run's view of the backend: close() frees these and no others.
+    # 5-7. The graphs, all made through this run's view of the backend: close() frees these and no others.
     backend = _run_backend(settings, options.backend, device, compiled=compile_mode is not None)
     capture = CaptureOptions(warmup_steps=settings.warmup_steps, generators=get_rng_tracker().generators,
                              shared_pool=settings.use_single_mempool, on_failure=settings.on_failure,
                              on_capture_error=options.on_capture_error)
     graphs: list[Any] = []
-    # 6. Per-layer graphs patch the selected modules' forward in place: after compile (step 4), whose compiled
-    #    forwards the engine keeps as the modules' own; the steps of step 5 look the forward up at each call,
-    #    so they run the graphed modules from now on. Before step 7, which wraps the iteration that warms the
+    # 5. Per-layer graphs patch the selected modules' forward in place: after compile (step 2), whose compiled
+    #    forwards the engine keeps as the modules' own; the steps of step 4 look the forward up at each call,
+    #    so they run the graphed modules from now on. Before step 6, which wraps the iteration that warms the
     #    layer graphs up and captures them.
     layers = apply_layer_graphs(model, settings, backend, generators=capture.generators) if settings.per_layer \
         else None
-    # 7. The iteration: forward/backward of all micro-batches, as one graph with full_iteration (never together
-    #    with step 6: R4) and a separate graph for evaluation. train_step holds the data-parallel reductions, so
+    # 6. The iteration: forward/backward of all micro-batches, as one graph with full_iteration (never together
+    #    with step 5: R4) and a separate graph for evaluation. train_step holds the data-parallel reductions, so
     #    the ranks meet before each capture of these graphs (a barrier; Megatron does the same).
     if settings.full_iteration:
         barrier = dp.barrier if dp.enabled else None
@@ -183,7 +181,7 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
         if layers is not None:
             train = CaptureLayersAfterWarmup(train, layers, settings.warmup_steps)
             graphs = [train, layers]
-    # 8. The optimizer graph last: it reads the training step's outputs (the non-finite flag) and is captured
+    # 7. The optimizer graph last: it reads the training step's outputs (the non-finite flag) and is captured
     #    after the training graph, into the same pool.
     optimizer_step = _optimizer_step(optimizer, skip_on_nonfinite=tr.skip_step_on_nan)
     if settings.optimizer_graph and settings.enabled:
@@ -223,11 +221,8 @@ def _build_model(cfg: Config, device: torch.device, dp: DataParallel, dtype: tor
     model.train()
     if cfg.rng.data_parallel_random_init:
         dp.broadcast_parameters(model)  # different seeds per rank, the same starting weights (Megatron)
-    if dp.layout.pp > 1:  # training/pipeline.py; dropout streams differ per stage (Megatron: seed + 100 x stage)
-        m = cfg.model
-        layers = stage_layers(m.num_layers, dp.layout.pp, m.num_layers_in_first_pipeline_stage,
-                              m.num_layers_in_last_pipeline_stage)[dp.pp_rank]
-        keep_stage(model, layers, first=dp.pp_rank == 0, last=dp.pp_rank == dp.layout.pp - 1)
+    if dp.layout.pp > 1:  # parallel/pipeline.py; dropout streams differ per stage (Megatron: seed + 100 x stage)
+        split_stage(model, cfg.model, dp.layout.pp, dp.pp_rank)
         seed_tracker(dp.pp_rank)
     return model
 
@@ -236,10 +231,16 @@ def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, ste
                  grads: GradBuffers, moe: MoEHooks, dp: DataParallel, device: torch.device,
                  num_micro_batches: int) -> tuple[Any, Any]:
     """The steps over ``step_model`` (the compiled model, or ``model``); a pipeline stage's over its schedule."""
-    hooks = dict(reduce_grads=dp.grad_reducer(grads, cfg.ddp), reduce_loss=dp.loss_reducer(),
+    reduce_grads = grad_reducer(grads, cfg.ddp, dp.layout, dp.mesh, dp.backend)
+    if dp.layout.pp > 1:  # tied embeddings: the first and last stage's copies take the sum of their gradients
+        tied = tied_embedding_grad(model, tied=cfg.model.share_embeddings_and_output_weights is True,
+                                   first=dp.pp_rank == 0, last=dp.pp_rank == dp.layout.pp - 1)
+        if tied is not None:
+            reduce_grads = TiedEmbeddingReducer(tied, dp.pp_group, then=reduce_grads)
+    hooks = dict(reduce_grads=reduce_grads, reduce_loss=dp.loss_reducer(),
                  before_step=moe.before_step if moe.enabled else None,
                  check_nonfinite=cfg.train.check_for_nan_on_device)
-    if dp.layout.pp > 1:  # the schedule runs forward and backward (training/pipeline.py)
+    if dp.layout.pp > 1:  # the schedule runs forward and backward (parallel/pipeline.py)
         pipeline = Pipeline(model, stage_index=dp.pp_rank, stages=dp.layout.pp, group=dp.pp_group, device=device,
                             schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
         return PipelineTrainStep(pipeline, grads, **hooks), PipelineEvalStep(pipeline, device, dp.loss_reducer())

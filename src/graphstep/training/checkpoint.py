@@ -29,7 +29,7 @@ one iteration to the next, so a resumed run's losses are bit-identical:
 * ``model.*``: parameters and persistent buffers (e.g. MoE expert biases);
 * ``optimizer.*``: the step counter (the LR is computed from it on the
   device), fp32 master weights, ``exp_avg``, ``exp_avg_sq``, by parameter name;
-  under tensor parallelism or FSDP2 (training/parallel.py) both are DTensors
+  under tensor parallelism or FSDP2 (parallel/) both are DTensors
   in the parameters' natural layout (*Sharded parameters* below), so a run
   of another layout -- or one GPU -- loads them, DCP resharding;
 * ``scheduler.*``: the LR schedule's settings (checked on resume);
@@ -69,7 +69,7 @@ ranks into 1 rank's whole tensor, tensor-parallel shards into FSDP2's. That
 holds as long as the DTensor's global tensor is the parameter in its
 natural layout, which is true of every parameter but one kind: a *fused*
 projection sharded for tensor parallelism (``linear_qkv``, ``linear_fc1``:
-training/parallel.py's ``FusedColwiseParallel``), whose rows each rank holds
+parallel/tensor_parallel.py's ``FusedColwiseParallel``), whose rows each rank holds
 part by part, so its DTensor's global rows are ordered per rank. For those
 the checkpoint holds the natural tensor (q, k, v or gate, up, whole) on every
 rank -- gathered when saving, sliced back into the local part after loading --
@@ -117,7 +117,8 @@ from .checkpoint_select import (ITER_DIR, TRACKER, choose_checkpoint, find_check
                                 intact_checkpoints, iter_dir_name, verify_checkpoint)
 from .distributed import DataParallel
 from .optim import AdamW
-from .parallel import TP, fused_parts
+from ..parallel.dims import TP
+from ..parallel.tensor_parallel import fused_parts
 
 log = logging.getLogger("graphstep")
 

@@ -16,10 +16,13 @@ module reads. :func:`init_data_parallel` then:
    must never be created while a stream is being captured;
 4. makes a small gloo group for host-side agreement (stop signals,
    checkpoint names) that never touches the GPU stream;
-5. leaves logging to rank 0 (other ranks keep warnings, tagged with their
+5. builds the run's device mesh when the layout needs one (parallel/dims.py:
+   the layout is read from the config once, here, and every rank index and
+   group of :class:`DataParallel` is read from that mesh);
+6. leaves logging to rank 0 (other ranks keep warnings, tagged with their
    rank).
 
-Gradient reduction (:class:`GradReducer`, training/grad_reduce.py) is one all-reduce per bucket of
+Gradient reduction (:class:`GradReducer`, parallel/data_parallel.py) is one all-reduce per bucket of
 the flat fp32 gradient buffer (``ddp.bucket_size`` elements), averaging by
 pre-dividing (Megatron's gradient scaling factor) or with ``ReduceOp.AVG``
 when ``ddp.average_in_collective`` and NCCL allow it. TrainStep calls it after
@@ -47,12 +50,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import Config, DDPConfig
+from ..config import Config
 from ..cuda_graph.devices import normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
-from .grad_reduce import ExpertParallelReducer, GradReducer, OverlappedGradReducer
-from .optim import GradBuffers
-from .parallel import DP, EDP, PP, Layout, build_mesh
+from ..parallel.data_parallel import dp_group
+from ..parallel.dims import DP, PP, TP, ParallelDims, WorldMesh, build_mesh
 from .rundir import RunSetupError
 
 log = logging.getLogger("graphstep")
@@ -67,8 +69,8 @@ class DataParallel:
     backend: str | None = None  # "nccl", "gloo", or None without a process group
     owns_group: bool = False  # created here, so destroyed here
     control: Any = None  # a gloo group for host-side agreement (None: the default group)
-    layout: Layout = field(default_factory=Layout)  # data-parallel x tensor-parallel ranks (training/parallel.py)
-    mesh: Any = None  # the (dp, tp) DeviceMesh when the layout needs one
+    layout: ParallelDims = field(default_factory=ParallelDims)  # the run's layout (parallel/dims.py)
+    mesh: WorldMesh | None = None  # the run's device mesh when the layout needs one
     _log_filter: logging.Filter | None = field(default=None, repr=False)
     _log_level: int | None = field(default=None, repr=False)
 
@@ -80,50 +82,41 @@ class DataParallel:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    # ---- this rank's place in the layout ---------------------------------------
+    # ---- this rank's place in the layout: read from the mesh -----------------------
+    def _index(self, name: str) -> int:
+        """This rank's index along dimension ``name`` of the mesh (without one: of the rank grid it would have)."""
+        if self.mesh is not None:
+            return self.mesh.local_rank(name)
+        return self.layout.coordinate(self.rank)[name]
+
     @property
     def dp_size(self) -> int:
-        """Data-parallel replicas (each reads its own shard of the data): the world over the pp x tp ranks."""
-        return self.world_size // (self.layout.tp * self.layout.pp)
+        """Data-parallel ranks (each reads its own shard of the data), replicated or sharded."""
+        return self.mesh.size(DP) if self.mesh is not None else self.layout.dp
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // self.layout.tp) % self.dp_size  # the mesh is (pp, dp, tp) in rank order
+        return self._index(DP)
 
     @property
     def tp_rank(self) -> int:
-        return self.rank % self.layout.tp
+        return self._index(TP)
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.layout.tp * self.dp_size)
+        return self._index(PP)
 
     @property
     def dp_group(self) -> Any:
         """The data-parallel ranks of this tensor-parallel rank and stage (None: the default group)."""
-        split = self.layout.tp > 1 or self.layout.pp > 1
-        return self.mesh.get_group(DP) if self.mesh is not None and split else None
+        return dp_group(self.layout, self.mesh)
 
     @property
     def pp_group(self) -> Any:
         """The pipeline stages of this data-parallel and tensor-parallel rank (None without stages)."""
-        return self.mesh.get_group(PP) if self.mesh is not None and self.layout.pp > 1 else None
+        return self.mesh.group(PP) if self.mesh is not None and self.layout.pp > 1 else None
 
-    # ---- gradient and loss reduction ------------------------------------------
-    def grad_reducer(self, grads: GradBuffers, ddp: DDPConfig) -> "GradReducer | None":
-        """The bucketed all-reduce of ``grads.flat`` over data-parallel replicas (None with one, or with
-        FSDP2, which reduce-scatters in the backward)."""
-        if self.dp_size <= 1 or self.layout.fsdp is not None:
-            return None
-        kwargs = dict(bucket_size=ddp.bucket_size, average_in_collective=ddp.average_in_collective,
-                      backend=self.backend, group=self.dp_group)
-        if self.layout.ep > 1:
-            edp = self.mesh.get_group(EDP) if self.dp_size > self.layout.ep else None
-            return ExpertParallelReducer(grads, self.dp_size, edp, **kwargs)
-        if ddp.overlap_grad_reduce:
-            return OverlappedGradReducer(grads, self.dp_size, **kwargs)
-        return GradReducer(grads.flat, self.dp_size, **kwargs)
-
+    # ---- loss reduction (the gradients': parallel/data_parallel.py) ---------------
     def loss_reducer(self) -> Callable[[torch.Tensor], None] | None:
         return self.mean_ if self.dp_size > 1 else None  # tensor-parallel ranks compute the same loss
 
@@ -204,11 +197,11 @@ def init_data_parallel(cfg: Config, settings: CudaGraphSettings, *,
     if dist.is_available() and dist.is_initialized():  # the caller made the group: use it, leave it
         world = dist.get_world_size()
         dp = DataParallel(rank=dist.get_rank(), world_size=world, local_rank=int(env.get("LOCAL_RANK", 0)),
-                          backend=dist.get_backend(), layout=Layout.from_config(cfg, world))
+                          backend=dist.get_backend(), layout=ParallelDims.from_config(cfg, world))
         _check_ddp(cfg, dp)
         return _finish(dp, settings, device_id=None)
     world_size = _int_env(env, "WORLD_SIZE", 1)
-    layout = Layout.from_config(cfg, world_size)
+    layout = ParallelDims.from_config(cfg, world_size)  # the one read of the layout
     if world_size <= 1:
         return _one_rank(cfg, layout) if layout.needs_mesh else DataParallel()
     if not dist.is_available():
@@ -234,7 +227,7 @@ def init_data_parallel(cfg: Config, settings: CudaGraphSettings, *,
     return _finish(dp, settings, device_id)
 
 
-def _one_rank(cfg: Config, layout: Layout) -> DataParallel:
+def _one_rank(cfg: Config, layout: ParallelDims) -> DataParallel:
     """One process with a layout that needs a device mesh (FSDP2 on one rank): a one-rank process group."""
     use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"

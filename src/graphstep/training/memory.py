@@ -2,7 +2,7 @@
 
 ``estimate_memory(cfg, device, layout)`` counts the parameters exactly by
 building the model on PyTorch's ``meta`` device (shapes only, no storage),
-then adds what one rank of the run's layout (training/parallel.py: ``dp``
+then adds what one rank of the run's layout (parallel/dims.py: ``dp``
 data-parallel x ``tp`` tensor-parallel ranks, FSDP2 or not) keeps per
 parameter and what one micro-batch keeps for its backward. ``layout=None``
 is one unsharded replica. With ``P`` parameters, ``B`` buffer elements and
@@ -82,7 +82,7 @@ from ..converters import lora
 from ..models import build_model, resolve_dtype
 from ..models.hybrid import layer_kinds
 from ..models.transformer import recompute_runs
-from .parallel import Layout
+from ..parallel.dims import ParallelDims
 from .rundir import RunSetupError
 
 log = logging.getLogger("graphstep")
@@ -117,7 +117,7 @@ class MemoryEstimate:
     optimizer: int
     activations_per_sample: int
     micro_batch_size: int
-    layout: Layout = Layout()
+    layout: ParallelDims = ParallelDims()
 
     @property
     def static(self) -> int:
@@ -173,12 +173,12 @@ def element_size(cfg: Config, device: torch.device) -> int:
     return resolve_dtype(cfg.model.params_dtype, device).itemsize
 
 
-def estimate_memory(cfg: Config, device: torch.device, layout: Layout | None = None) -> MemoryEstimate:
+def estimate_memory(cfg: Config, device: torch.device, layout: ParallelDims | None = None) -> MemoryEstimate:
     """The memory ``cfg`` needs on one rank of ``layout`` on ``device`` (None: one unsharded replica)."""
-    return _estimate(cfg, device, layout or Layout(), parameter_counts(cfg))
+    return _estimate(cfg, device, layout or ParallelDims(), parameter_counts(cfg))
 
 
-def _estimate(cfg: Config, device: torch.device, layout: Layout, counts: ParameterCounts) -> MemoryEstimate:
+def _estimate(cfg: Config, device: torch.device, layout: ParallelDims, counts: ParameterCounts) -> MemoryEstimate:
     e = element_size(cfg, device)
     if layout.ep > 1:  # each rank holds its share of the routed experts
         local = counts.parameters - counts.experts + _split(counts.experts, layout.ep)
@@ -196,7 +196,7 @@ def _estimate(cfg: Config, device: torch.device, layout: Layout, counts: Paramet
     )
 
 
-def static_bytes(counts: ParameterCounts, e: int, layout: Layout) -> tuple[int, int, int]:
+def static_bytes(counts: ParameterCounts, e: int, layout: ParallelDims) -> tuple[int, int, int]:
     """``(weights, gradients, optimizer)`` bytes on one rank of ``layout`` (the table of the module docstring)."""
     tp = layout.tp
     buffers = counts.buffers * e
@@ -211,9 +211,9 @@ def static_bytes(counts: ParameterCounts, e: int, layout: Layout) -> tuple[int, 
     return shard * 4 + _split(gathered, tp) * e + buffers, shard * 4, shard * 8
 
 
-def activation_bytes_per_sample(cfg: Config, e: int, device: torch.device, layout: Layout | None = None) -> int:
+def activation_bytes_per_sample(cfg: Config, e: int, device: torch.device, layout: ParallelDims | None = None) -> int:
     """Bytes one sample keeps for its backward on one rank of ``layout`` (the block terms of the module docstring)."""
-    layout = layout or Layout()
+    layout = layout or ParallelDims()
     m = cfg.model
     blocks = _block_terms(cfg, e, device)
     tp, sp = layout.tp, layout.sequence_parallel and layout.tp > 1
@@ -271,7 +271,7 @@ def available_memory(device: torch.device) -> int:
 
 
 def check_memory_fits(cfg: Config, device: torch.device, *, replicas: int = 1,
-                      layout: Layout | None = None) -> MemoryEstimate | None:
+                      layout: ParallelDims | None = None) -> MemoryEstimate | None:
     """Raise ``RunSetupError`` when one rank's estimate clearly exceeds the device's free memory.
 
     ``replicas``: ranks sharing this device's memory (CPU ranks of one host); each gets an equal share.
@@ -279,7 +279,7 @@ def check_memory_fits(cfg: Config, device: torch.device, *, replicas: int = 1,
     """
     if os.environ.get(SKIP_ENV) == "1":
         return None
-    layout = layout or Layout()
+    layout = layout or ParallelDims()
     try:
         counts = parameter_counts(cfg)
         estimate = _estimate(cfg, device, layout, counts)
@@ -316,7 +316,7 @@ def _what_fits(cfg: Config, device: torch.device, estimate: MemoryEstimate, budg
     return f"{why}; {_layout_advice(cfg, device, budget, counts)}"
 
 
-def candidate_layouts(cfg: Config) -> list[Layout]:
+def candidate_layouts(cfg: Config) -> list[ParallelDims]:
     """FSDP2 ZeRO-3 layouts the model takes (rule R25), fewest ranks first, then fewest tensor-parallel ranks.
 
     ``dp`` >= 2 data-parallel ranks; ``tp`` must divide the heads, query
@@ -329,8 +329,8 @@ def candidate_layouts(cfg: Config) -> list[Layout]:
     out = []
     ranks = 2
     while ranks <= MAX_RANKS:
-        out += [Layout(dp=ranks // tp, tp=tp, sequence_parallel=tp > 1 and m.seq_length % tp == 0, fsdp=ZERO3)
-                for tp in tps if ranks // tp >= 2]
+        out += [ParallelDims(dp_shard=ranks // tp, tp=tp, sequence_parallel=tp > 1 and m.seq_length % tp == 0,
+                             fsdp=ZERO3) for tp in tps if ranks // tp >= 2]
         ranks *= 2
     return out
 
@@ -341,7 +341,7 @@ def shardable(cfg: Config) -> bool:
 
 
 def suggest_layout(cfg: Config, device: torch.device, budget: float,
-                   counts: ParameterCounts | None = None) -> tuple[Layout, MemoryEstimate] | None:
+                   counts: ParameterCounts | None = None) -> tuple[ParallelDims, MemoryEstimate] | None:
     """The first of ``candidate_layouts`` whose per-rank estimate fits ``budget`` bytes, with that estimate.
 
     None for MoE and hybrid models, which FSDP2 and tensor parallel do not take yet (rule R27).
@@ -359,7 +359,7 @@ def suggest_layout(cfg: Config, device: torch.device, budget: float,
     return None
 
 
-def layout_overrides(cfg: Config, layout: Layout) -> list[str]:
+def layout_overrides(cfg: Config, layout: ParallelDims) -> list[str]:
     """The overrides that ask for ``layout`` (an FSDP2 ZeRO-3 layout from ``candidate_layouts``)."""
     out = ZERO3_OVERRIDES.split()
     if layout.tp > 1:

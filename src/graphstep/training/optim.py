@@ -30,13 +30,14 @@ from torch.distributed.tensor import DTensor
 from ..cuda_graph.graphed_module import MAIN_GRAD_HOOK_FLAG
 from ..cuda_graph.torch_compat import (foreach_add_, foreach_addcmul_, foreach_copy_, foreach_div, foreach_div_,
                                       foreach_lerp_, foreach_mul_, foreach_norm, foreach_sqrt, fused_adamw_)
-from .parallel import counted_here, is_expert_parameter, local_tensor
+from ..parallel.dims import counted_here, local_tensor
+from ..parallel.expert_parallel import is_expert_parameter
 
 
 class GradBuffers:
     """Persistent fp32 gradient buffers (``param.main_grad``) in one flat tensor.
 
-    With tensor parallelism or FSDP2 (training/parallel.py) a parameter is a
+    With tensor parallelism or FSDP2 (parallel/) a parameter is a
     DTensor: the buffer holds this rank's part of each gradient, ``main_grad``
     is a DTensor over that part (so accumulating a sharded or partial gradient
     into it is DTensor's business, e.g. the all-reduce of a sequence-parallel
@@ -46,7 +47,7 @@ class GradBuffers:
     """
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh | None = None) -> None:
-        # expert-parallel experts last: their gradients are reduced over other ranks (grad_reduce.py)
+        # expert-parallel experts last: their gradients are reduced over other ranks (parallel/data_parallel.py)
         self.params = sorted((p for p in model.parameters() if p.requires_grad), key=is_expert_parameter)
         self.dense_numel = sum(local_tensor(p).numel() for p in self.params if not is_expert_parameter(p))
         self.locals = [local_tensor(p) for p in self.params]

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..parallel.pipeline import Pipeline
 from .optim import GradBuffers
 
 Batch = dict[str, torch.Tensor]
@@ -33,7 +34,7 @@ class TrainStep:
         grads: the persistent fp32 gradient buffers (zeroed at the start of the step).
         reduce_grads: the data-parallel hook, called after the last backward
             (inside the full-iteration graph when there is one); one with an
-            ``arm()`` (training/grad_reduce.py) is armed before the last backward,
+            ``arm()`` (parallel/data_parallel.py) is armed before the last backward,
             during which it starts reducing.
         reduce_loss: averages the step's loss over data-parallel ranks in place
             (a device all-reduce, inside the graph too), so the logged loss and
@@ -101,7 +102,7 @@ class EvalStep:
 
     ``release``: called after the last forward, to free what a forward keeps
     for a backward that never comes -- FSDP2's unsharded parameters
-    (training/parallel.py), so every step, graphed or not, ends with the
+    (parallel/fsdp.py), so every step, graphed or not, ends with the
     parameters sharded, as a training step does.
     """
 
@@ -129,3 +130,41 @@ class EvalStep:
 
     def _mean(self, total: torch.Tensor, n: int) -> torch.Tensor:
         return total / n
+
+
+# --------------------------------------------------------------------------
+# over a pipeline stage (parallel/pipeline.py)
+
+
+class PipelineTrainStep(TrainStep):
+    """TrainStep over a pipeline: the schedule runs every forward and backward, and the loss is the
+    last stage's, shared with every stage. Takes TrainStep's keyword arguments but ``retain_graph`` (R29)."""
+
+    def __init__(self, pipeline: Pipeline, grads: GradBuffers, **kwargs: Any) -> None:
+        super().__init__(pipeline.model, grads, **kwargs)
+        self.pipeline = pipeline
+
+    def _accumulate(self, batches: list[Batch], total: torch.Tensor) -> None:
+        self.pipeline.run(self.pipeline.train_schedule, batches, total, train=True)
+
+    def _mean(self, total: torch.Tensor, n: int) -> torch.Tensor:
+        mean = total / n
+        self.pipeline.share_(mean)
+        return mean
+
+
+class PipelineEvalStep(EvalStep):
+    """EvalStep over a pipeline: forwards only, the mean loss on every stage."""
+
+    def __init__(self, pipeline: Pipeline, device: torch.device,
+                 reduce_loss: Callable[[torch.Tensor], Any] | None = None) -> None:
+        super().__init__(pipeline.model, device, reduce_loss=reduce_loss)
+        self.pipeline = pipeline
+
+    def _accumulate(self, batches: list[Batch], total: torch.Tensor) -> None:
+        self.pipeline.run(self.pipeline.eval_schedule(len(batches)), batches, total, train=False)
+
+    def _mean(self, total: torch.Tensor, n: int) -> torch.Tensor:
+        mean = total / n
+        self.pipeline.share_(mean)
+        return mean

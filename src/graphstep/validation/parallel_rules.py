@@ -3,7 +3,7 @@
 Same shape as graph_rules.py (``_rN(view) -> list[Violation]``). The layout
 itself -- which ranks form the data-parallel and tensor-parallel dimensions of
 the device mesh, what each sharding strategy means -- is
-training/parallel.py; these rules say which configurations it takes:
+parallel/; these rules say which configurations it takes:
 
 * R25 -- the layout fits the model and the world: the world size is a
   multiple of ``tensor_model_parallel_size``; heads, query groups, the MLP
@@ -20,7 +20,7 @@ training/parallel.py; these rules say which configurations it takes:
   over the stages (Megatron Bridge's ``num_layers_in_first/last_pipeline_stage``),
   1F1B has at least as many micro-batches per step as stages, the schedule is
   one graphstep runs, and what is not implemented (interleaved schedules,
-  another activation dtype, tied embeddings across stages) is refused;
+  another activation dtype, tied embeddings across more than 2 stages) is refused;
 * R29 -- what pipeline parallelism does not combine with yet (tensor
   parallelism, FSDP2, MoE and hybrid models, ...);
 * R30 -- context parallelism is not implemented;
@@ -205,11 +205,11 @@ def _r28(v: View) -> list[Violation]:
         out.append(_v("R28", ["model.pipeline_dtype", "model.params_dtype"], f"model.pipeline_dtype="
                       f"{_fmt(m.pipeline_dtype)} differs from model.params_dtype={_fmt(m.params_dtype)}: stages "
                       "send the activations they compute, in the parameter dtype.", "set model.pipeline_dtype=null."))
-    if m.share_embeddings_and_output_weights is True:
+    if m.share_embeddings_and_output_weights is True and pp > 2:
         out.append(_v("R28", ["model.share_embeddings_and_output_weights", "model.pipeline_model_parallel_size"],
-                      "model.share_embeddings_and_output_weights=true ties the first stage's embedding to the last "
-                      "stage's output layer, which is not implemented across pipeline stages.",
-                      "set model.share_embeddings_and_output_weights=false."))
+                      f"model.share_embeddings_and_output_weights=true ties the first stage's embedding to the last "
+                      f"stage's output layer, which is implemented for 2 pipeline stages, not {pp}.",
+                      "set model.pipeline_model_parallel_size=2, or model.share_embeddings_and_output_weights=false."))
     mbs, gbs = _int(t.micro_batch_size), _int(t.global_batch_size)
     if schedule == "1f1b" and mbs and gbs and mbs > 0:
         per_step = gbs // (mbs * data_parallel_size(v.cfg, world))

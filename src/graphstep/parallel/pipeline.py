@@ -1,20 +1,20 @@
-"""Pipeline parallel on ``torch.distributed.pipelining``: stages, schedules and the steps graphs capture.
+"""Pipeline parallel on ``torch.distributed.pipelining``: stages and their schedules.
 
 ``model.pipeline_model_parallel_size`` stages split the decoder layers over
-the ``pp`` dimension of the device mesh (training/parallel.py): the first
+the ``pp`` dimension of the device mesh (parallel/dims.py): the first
 stage holds the embedding, the last the final norm, the output layer and the
 loss, and the layers are spread as Megatron Bridge spreads them
 (:func:`stage_layers`: ``num_layers_in_first/last_pipeline_stage``, the rest
 evenly). Every rank builds the whole model from the same seed and keeps its
-stage (:func:`keep_stage`), so a pipelined run starts from the weights a
+stage (:func:`split_stage`), so a pipelined run starts from the weights a
 one-stage run has; layer names stay those of the whole model (``layers.5``
 on the stage that holds layer 5), so checkpoints name parameters the same
 at every layout.
 
 The schedule is torch's own -- ``Schedule1F1B`` (Megatron's non-interleaved
 schedule) or ``ScheduleGPipe`` (``model.pipeline_schedule``) -- over one
-:class:`~torch.distributed.pipelining.PipelineStage` per rank.
-:class:`PipelineTrainStep` is the training step the full-iteration graph
+:class:`~torch.distributed.pipelining.PipelineStage` per rank (:class:`Pipeline`).
+training/step.py's ``PipelineTrainStep`` is the training step the full-iteration graph
 captures: the schedule's forwards, backwards, sends and receives of every
 micro-batch, then the data-parallel gradient all-reduce and the loss, which
 the last stage computes and the others receive (an all-reduce over the
@@ -27,6 +27,19 @@ The first step is eager (rule R29): it is when the stages exchange the
 shapes of what they send, on the host. Evaluation runs a forward-only GPipe
 pass over a stage of its own (its own receive buffers, for its own number
 of micro-batches).
+
+Tied embeddings (``share_embeddings_and_output_weights``, two stages: rule
+R28 refuses more): the first stage embeds the tokens with the embedding's
+weight, the last computes the logits with it. Each holds a copy, named
+``embedding.weight`` on both (so checkpoints name it the same at every
+layout; the last stage's :class:`TiedOutputEmbedding` only lends the weight
+to the logits), equal at the start (every rank builds the model from one
+seed) and kept equal as Megatron keeps them: after the backward, the two
+copies' gradients are summed over the two stages
+(:class:`TiedEmbeddingReducer`, an all-reduce over the stage group, inside
+the full-iteration graph), so both take the gradient one process computes
+and the same optimizer step. The gradient norm counts the first stage's copy
+only (:func:`is_tied_copy`).
 
 That first step's set-up draws no random numbers (:func:`_setup_draws_nothing`):
 torch 2.13 infers the shapes by running the stage's forward and backward
@@ -45,13 +58,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import ModelConfig
 from ..cuda_graph.rng import get_rng_tracker
-from ..models.transformer import token_loss
-from .optim import GradBuffers
-from .step import Batch, EvalStep, TrainStep
 from ..engines_compat import forward_only_step, view_base, wrap_stage_setup
+from ..models.transformer import token_loss
 
 SCHEDULES = ("1f1b", "gpipe")
+Batch = dict[str, torch.Tensor]  # a micro-batch: tokens, labels, loss mask (training/step.py)
 
 
 def stage_layers(num_layers: int, stages: int, first: int | None = None, last: int | None = None) -> list[range]:
@@ -76,16 +89,43 @@ def stage_layers(num_layers: int, stages: int, first: int | None = None, last: i
     return out
 
 
+class TiedOutputEmbedding(nn.Module):
+    """The last stage's copy of a tied embedding: GPTModel computes the logits with its ``weight``; its forward
+    passes the hidden state the stage received on unchanged (the first stage embedded the tokens)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+        weight.tied_copy = True  # counted once in the gradient norm: on the first stage (is_tied_copy)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+def is_tied_copy(p: torch.Tensor) -> bool:
+    """Whether ``p`` is the last stage's copy of a tied embedding (its gradient is the first stage's too)."""
+    return getattr(p, "tied_copy", False)
+
+
 def keep_stage(model: nn.Module, layers: range, *, first: bool, last: bool) -> nn.Module:
-    """Keep in ``model`` (a GPTModel) what one stage holds; layer names keep their whole-model index."""
+    """Keep in ``model`` (a GPTModel) what one stage holds; layer names keep their whole-model index. With tied
+    embeddings the last stage keeps the embedding's weight for its logits (:class:`TiedOutputEmbedding`)."""
     kept = nn.ModuleDict({str(i): model.layers[i] for i in layers})
     model.layers = kept
+    tied = model.output_layer is None  # the logits use the embedding's weight
     if not first:
-        model.embedding = None
+        model.embedding = TiedOutputEmbedding(model.embedding.weight) if last and tied else None
     if not last:
         model.final_layernorm = None
         model.output_layer = None
     return model
+
+
+def split_stage(model: nn.Module, m: ModelConfig, stages: int, stage: int) -> nn.Module:
+    """Keep in ``model`` (the whole GPTModel) what stage ``stage`` of ``stages`` holds, as ``m`` splits the layers."""
+    layers = stage_layers(m.num_layers, stages, m.num_layers_in_first_pipeline_stage,
+                          m.num_layers_in_last_pipeline_stage)[stage]
+    return keep_stage(model, layers, first=stage == 0, last=stage == stages - 1)
 
 
 class _StageModule(nn.Module):
@@ -174,11 +214,36 @@ class Pipeline:
         if self.is_last and self.loss.index != len(batches):  # never a silently uncounted loss
             raise RuntimeError(f"the pipeline's last stage counted {self.loss.index} of {len(batches)} micro-batch "
                                "losses: this torch's schedule hands the loss function labels that are not slices of "
-                               "the step's label tensor (training/pipeline.py, _StageLoss)")
+                               "the step's label tensor (parallel/pipeline.py, _StageLoss)")
 
     def share_(self, t: torch.Tensor) -> None:
         """The last stage's ``t`` on every stage, in place (others hold zeros): a device all-reduce."""
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+
+
+class TiedEmbeddingReducer:
+    """The training step's gradient reduction with tied embeddings over two stages: ``then`` (the data-parallel
+    reduction, or None), then the tied copies' gradients summed over the stage group, as Megatron does."""
+
+    def __init__(self, grad: torch.Tensor, group: Any, then: Callable[[], None] | None = None) -> None:
+        self.grad, self.group, self.then = grad, group, then
+
+    def __call__(self) -> None:
+        if self.then is not None:
+            self.then()
+        dist.all_reduce(self.grad, op=dist.ReduceOp.SUM, group=self.group)
+
+    def describe(self) -> str:
+        inner = getattr(self.then, "describe", None)
+        return (f"{inner()}; " if inner is not None else "") + "tied embedding gradients summed over the two stages"
+
+
+def tied_embedding_grad(model: nn.Module, *, tied: bool, first: bool, last: bool) -> torch.Tensor | None:
+    """The gradient buffer (``main_grad``) of the stage's copy of the tied embedding; None on a middle stage, without
+    tied embeddings, on one stage, or when the embedding is frozen (its copies stay equal without gradients)."""
+    if not tied or first == last:
+        return None
+    return getattr(model.embedding.weight, "main_grad", None)
 
 
 def _setup_draws_nothing(schedule: Any) -> Any:
@@ -205,37 +270,3 @@ def _setup_draws_nothing(schedule: Any) -> Any:
 def _forward_only(schedule: Any, args: tuple, target: torch.Tensor | None, kwargs: dict) -> None:
     """Forwards only, the loss on the last stage: ``schedule.eval`` where torch has it."""
     forward_only_step(schedule, *args, target=target, **kwargs)
-
-
-class PipelineTrainStep(TrainStep):
-    """TrainStep (step.py) over a pipeline: the schedule runs every forward and backward, and the loss is the
-    last stage's, shared with every stage. Takes TrainStep's keyword arguments but ``retain_graph`` (R29)."""
-
-    def __init__(self, pipeline: Pipeline, grads: GradBuffers, **kwargs: Any) -> None:
-        super().__init__(pipeline.model, grads, **kwargs)
-        self.pipeline = pipeline
-
-    def _accumulate(self, batches: list[Batch], total: torch.Tensor) -> None:
-        self.pipeline.run(self.pipeline.train_schedule, batches, total, train=True)
-
-    def _mean(self, total: torch.Tensor, n: int) -> torch.Tensor:
-        mean = total / n
-        self.pipeline.share_(mean)
-        return mean
-
-
-class PipelineEvalStep(EvalStep):
-    """EvalStep over a pipeline: forwards only, the mean loss on every stage."""
-
-    def __init__(self, pipeline: Pipeline, device: torch.device,
-                 reduce_loss: Callable[[torch.Tensor], Any] | None = None) -> None:
-        super().__init__(pipeline.model, device, reduce_loss=reduce_loss)
-        self.pipeline = pipeline
-
-    def _accumulate(self, batches: list[Batch], total: torch.Tensor) -> None:
-        self.pipeline.run(self.pipeline.eval_schedule(len(batches)), batches, total, train=False)
-
-    def _mean(self, total: torch.Tensor, n: int) -> torch.Tensor:
-        mean = total / n
-        self.pipeline.share_(mean)
-        return mean

@@ -1,4 +1,10 @@
-"""Gradient reduction over data-parallel replicas: the bucketed all-reduce, with or without overlap.
+"""Data-parallel replicas: the bucketed all-reduce of the flat gradient buffer, with or without overlap.
+
+:func:`grad_reducer` picks the reducer a layout needs (none with one
+replica, or with FSDP2, which reduce-scatters in the backward); the
+training step calls it after the last backward (training/step.py): inside
+the full-iteration graph when there is one, eagerly after the backward
+graphs with per-layer graphs.
 
 :class:`GradReducer` averages the flat fp32 gradient buffer after the last
 backward; :class:`OverlappedGradReducer` (``ddp.overlap_grad_reduce``)
@@ -36,7 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .optim import GradBuffers
+from ..config import DDPConfig
+from .dims import DP, EDP, ParallelDims, WorldMesh
 
 log = logging.getLogger("graphstep")
 
@@ -90,7 +97,7 @@ class ExpertParallelReducer:
     that the dense gradients get.
     """
 
-    def __init__(self, grads: GradBuffers, world_size: int, edp_group: Any, **kwargs: Any) -> None:
+    def __init__(self, grads: Any, world_size: int, edp_group: Any, **kwargs: Any) -> None:
         n = grads.dense_numel
         self.dense = GradReducer(grads.flat[:n], world_size, **kwargs)
         self.expert_grads, self.world_size = grads.flat[n:], world_size
@@ -113,7 +120,7 @@ class ExpertParallelReducer:
 class OverlappedGradReducer(GradReducer):
     """A :class:`GradReducer` whose buckets start during the last backward (see the module docstring)."""
 
-    def __init__(self, grads: GradBuffers, world_size: int, **kwargs: Any) -> None:
+    def __init__(self, grads: Any, world_size: int, **kwargs: Any) -> None:
         super().__init__(grads.flat, world_size, **kwargs)
         starts = [b.storage_offset() - grads.flat.storage_offset() for b in self.buckets]
         ends = [s + b.numel() for s, b in zip(starts, self.buckets)]
@@ -165,3 +172,25 @@ class OverlappedGradReducer(GradReducer):
 
     def describe(self) -> str:
         return super().describe() + ", overlapped with the last backward"
+
+
+def grad_reducer(grads: Any, ddp: DDPConfig, dims: ParallelDims, mesh: WorldMesh | None,
+                 backend: str | None) -> GradReducer | ExpertParallelReducer | None:
+    """The reduction of ``grads`` (the trainer's GradBuffers) over the data-parallel replicas of ``dims``: None
+    with one replica, or with FSDP2, which reduce-scatters in the backward."""
+    if dims.dp <= 1 or dims.fsdp is not None:
+        return None
+    kwargs = dict(bucket_size=ddp.bucket_size, average_in_collective=ddp.average_in_collective, backend=backend,
+                  group=dp_group(dims, mesh))
+    if dims.ep > 1:
+        edp = mesh.group(EDP) if dims.dp > dims.ep else None
+        return ExpertParallelReducer(grads, dims.dp, edp, **kwargs)
+    if ddp.overlap_grad_reduce:
+        return OverlappedGradReducer(grads, dims.dp, **kwargs)
+    return GradReducer(grads.flat, dims.dp, **kwargs)
+
+
+def dp_group(dims: ParallelDims, mesh: WorldMesh | None) -> Any:
+    """The data-parallel ranks of this rank's stage and tensor-parallel rank: the mesh's ``dp`` group, or None
+    (the default group) when they are the whole world."""
+    return mesh.group(DP) if mesh is not None and dims.dp < dims.ranks else None

@@ -1,0 +1,220 @@
+"""The run's layout: how many ranks each way of splitting the work takes, and the one device mesh over them.
+
+:class:`ParallelDims` is the world split into ``pp`` pipeline stages x
+``dp_replicate`` replicated and ``dp_shard`` sharded (FSDP2) data-parallel
+ranks x ``cp`` context-parallel x ``tp`` tensor-parallel ranks; ``ep``
+expert-parallel ranks borrow from the data-parallel ones, as Megatron's do
+(each holds ``num_moe_experts / ep`` experts; the ranks holding the same
+experts form the ``edp`` dimension). It is made once per start from the
+validated config (:meth:`ParallelDims.from_config`: rules R25-R31 decide
+which layouts a config may ask for) and says nothing about this rank.
+
+:class:`WorldMesh` is the run's one :class:`DeviceMesh`, built once from the
+layout (:func:`build_mesh`), with the dimensions outermost first:
+``(pp, dp_replicate, dp_shard, cp, tp)``, or ``(pp, edp, ep, dp_shard, cp,
+tp)`` with expert parallel -- torchrun's ranks in that order, so the
+tensor-parallel ranks of one replica are neighbours (one node's NVLink), and
+so are the expert-parallel ranks that exchange tokens. The data-parallel
+ranks seen as one dimension (``dp``: FSDP2's mesh, the gradient all-reduce's
+group; and ``dp_replicate`` over ``(edp, ep)``) are flattened views of it,
+kept here. Every rank index and process group of a run is read from this
+mesh (``mesh.local_rank("tp")``, ``mesh["dp"].get_group()``); nothing derives
+them from the rank number. Without a mesh (plain data parallel, or a test
+placing a rank) :meth:`ParallelDims.coordinate` reads the same rank grid the
+mesh would be built on.
+
+Context parallel is a dimension of the layout and of the mesh, of size 1:
+rule R30 refuses ``model.context_parallel_size`` > 1 and :func:`parallelize`
+has no step for it yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ..config import Config
+from ..engines_compat import dtensor_local, flatten_mesh
+from .pipeline import is_tied_copy
+
+PP, DP_REPLICATE, DP_SHARD, CP, TP = "pp", "dp_replicate", "dp_shard", "cp", "tp"
+EDP, EP = "edp", "ep"  # expert parallel: the replicas as (expert-data-parallel, expert-parallel) ranks
+DP = "dp"  # every data-parallel rank, replicated or sharded: a flattened view
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How many ranks each dimension of the layout takes, and how the data-parallel ones hold the model.
+
+    ``dp_replicate`` and ``dp_shard`` are not both above 1 (hybrid sharding
+    is not implemented); ``dp_shard`` > 1 needs ``fsdp``, and ``fsdp`` on one
+    rank (``dp_shard`` 1) is FSDP2 over a one-rank mesh. ``ep`` divides
+    ``dp_replicate`` (rule R31 refuses expert parallel with FSDP2).
+    """
+
+    pp: int = 1  # pipeline stages (parallel/pipeline.py)
+    dp_replicate: int = 1  # data-parallel replicas: gradients all-reduced (parallel/data_parallel.py)
+    dp_shard: int = 1  # FSDP2-sharded data-parallel ranks (parallel/fsdp.py)
+    cp: int = 1  # context-parallel ranks: 1 (R30)
+    tp: int = 1  # tensor-parallel ranks (parallel/tensor_parallel.py)
+    ep: int = 1  # expert-parallel ranks among the data-parallel ones (parallel/expert_parallel.py)
+    sequence_parallel: bool = False
+    fsdp: str | None = None  # None (replicated), "optim_grads" (ZeRO-2) or "optim_grads_params" (ZeRO-3)
+    prefetch: bool = False  # FSDP2 explicit forward prefetch (ddp.overlap_param_gather)
+
+    def __post_init__(self) -> None:
+        sizes = dict(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
+                     ep=self.ep)
+        bad = [f"{k}={v}" for k, v in sizes.items() if not isinstance(v, int) or v < 1]
+        if bad:
+            raise ValueError(f"parallel dimensions are positive integers: {', '.join(bad)}")
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            raise ValueError(f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}: hybrid sharding is not "
+                             "implemented; shard over every data-parallel rank or replicate over them")
+        if self.dp_shard > 1 and self.fsdp is None:
+            raise ValueError(f"dp_shard={self.dp_shard} without an FSDP2 strategy (fsdp=None): use dp_replicate")
+        if self.fsdp is not None and self.dp_replicate > 1:
+            raise ValueError(f"fsdp={self.fsdp} with dp_replicate={self.dp_replicate}: FSDP2 shards over dp_shard")
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
+        """The layout of a validated config (R25-R31) on ``world_size`` ranks: called once per start."""
+        d, m = cfg.ddp, cfg.model
+        tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+        if d.use_megatron_fsdp:
+            fsdp = None if d.data_parallel_sharding_strategy == "no_shard" else d.data_parallel_sharding_strategy
+        else:
+            fsdp = "optim_grads" if d.use_distributed_optimizer or cfg.optimizer.use_distributed_optimizer else None
+        dp = max(1, world_size // (tp * pp * cp))
+        return cls(pp=pp, dp_replicate=1 if fsdp else dp, dp_shard=dp if fsdp else 1, cp=cp, tp=tp,
+                   ep=m.expert_model_parallel_size, sequence_parallel=m.sequence_parallel, fsdp=fsdp,
+                   prefetch=d.overlap_param_gather)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks, replicated or sharded: each reads its own share of the data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def ranks(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def needs_mesh(self) -> bool:
+        """Tensor, pipeline, context or expert parallel, or FSDP2: ranks are placed on a device mesh (even one)."""
+        return self.tp > 1 or self.fsdp is not None or self.pp > 1 or self.ep > 1 or self.cp > 1
+
+    def describe(self) -> str:
+        """e.g. ``4 data-parallel (FSDP2 optim_grads_params) x 2 tensor-parallel + sequence-parallel ranks``."""
+        parts = [f"{self.pp} pipeline-stage"] if self.pp > 1 else []
+        parts.append(f"{self.dp} data-parallel" + (f" (FSDP2 {self.fsdp})" if self.fsdp else "")
+                     + (f" ({self.ep} expert-parallel)" if self.ep > 1 else ""))
+        if self.cp > 1:
+            parts.append(f"{self.cp} context-parallel")
+        if self.tp > 1:
+            parts.append(f"{self.tp} tensor-parallel" + (" + sequence-parallel" if self.sequence_parallel else ""))
+        return " x ".join(parts) + (" rank" if self.ranks == 1 else " ranks")
+
+    # ---- the rank grid the mesh is built on -------------------------------------
+    def mesh_dims(self) -> list[tuple[str, int]]:
+        """The mesh's dimensions and sizes, outermost first (see the module docstring)."""
+        if self.ep > 1 and self.dp_replicate % self.ep:
+            raise ValueError(f"ep={self.ep} expert-parallel ranks do not divide dp_replicate={self.dp_replicate} "
+                             "data-parallel replicas (rule R31)")
+        replicas = [(EDP, self.dp_replicate // self.ep), (EP, self.ep)] if self.ep > 1 \
+            else [(DP_REPLICATE, self.dp_replicate)]
+        return [(PP, self.pp), *replicas, (DP_SHARD, self.dp_shard), (CP, self.cp), (TP, self.tp)]
+
+    def flattened(self) -> dict[str, tuple[str, ...]]:
+        """The mesh's one-dimensional views over several of its dimensions: name -> the dimensions it spans."""
+        replicas = (EDP, EP) if self.ep > 1 else (DP_REPLICATE,)
+        views = {DP: (*replicas, DP_SHARD)}
+        if self.ep > 1:
+            views[DP_REPLICATE] = replicas
+        return views
+
+    def rank_grid(self) -> torch.Tensor:
+        """torchrun's ranks laid out over :meth:`mesh_dims`: the mesh's rank tensor."""
+        return torch.arange(self.ranks).view(*(size for _, size in self.mesh_dims()))
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """``rank``'s index along every dimension and flattened view, read from :meth:`rank_grid`."""
+        if not 0 <= rank < self.ranks:
+            raise ValueError(f"rank {rank} is not one of the {self.ranks} ranks of the layout {self.describe()}")
+        grid, names = self.rank_grid(), [name for name, _ in self.mesh_dims()]
+        where = [int(i) for i in (grid == rank).nonzero()[0]]
+        out = dict(zip(names, where))
+        for view, spans in self.flattened().items():  # the rank's place in the ranks that differ only there
+            index = tuple(slice(None) if name in spans else where[i] for i, name in enumerate(names))
+            out[view] = grid[index].flatten().tolist().index(rank)
+        return out
+
+
+class WorldMesh:
+    """The run's one DeviceMesh (``root``) and its flattened views; ``mesh[name]`` is either, as a DeviceMesh."""
+
+    def __init__(self, dims: ParallelDims, device_type: str) -> None:
+        world = dist.get_world_size()
+        if dims.ranks != world:
+            raise RuntimeError(f"the layout {dims.describe()} needs {dims.ranks} ranks, the process group has {world}")
+        self.dims = dims
+        self.root = DeviceMesh(device_type, dims.rank_grid(), mesh_dim_names=tuple(n for n, _ in dims.mesh_dims()))
+        self.views = {name: flatten_mesh(self.root[spans], name) for name, spans in dims.flattened().items()}
+
+    def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(name, str) and name in self.views:
+            return self.views[name]
+        return self.root[name]
+
+    def local_rank(self, name: str) -> int:
+        return self[name].get_local_rank()
+
+    def size(self, name: str) -> int:
+        return self[name].size()
+
+    def group(self, name: str) -> Any:
+        return self[name].get_group()
+
+    def spans(self, name: str) -> tuple[str, ...]:
+        """The root dimensions ``name`` covers (itself for a root dimension)."""
+        return self.dims.flattened().get(name, (name,))
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> WorldMesh:
+    """The run's mesh over the default process group: built once per run."""
+    return WorldMesh(dims, device_type)
+
+
+# --------------------------------------------------------------------------
+# what the optimizer needs of a sharded parameter
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The part of ``p`` this rank holds (``p`` itself when it is not a DTensor); shares its storage."""
+    return dtensor_local(p) if isinstance(p, DTensor) else p
+
+
+def counted_here(p: torch.Tensor, mesh: WorldMesh | None) -> bool:
+    """Whether this rank counts ``p``'s local gradient in the global norm: each element once over the mesh.
+
+    A gradient replicated over a mesh dimension (a replicated parameter, or any
+    parameter over replicated data-parallel ranks) is counted on that
+    dimension's rank 0 only; a sharded one on every rank (and every pipeline
+    stage counts its own parameters, but the last stage's copy of a tied
+    embedding, whose gradient is the first stage's).
+    """
+    if mesh is None:
+        return True
+    if is_tied_copy(p):
+        return False
+    sharded: set[str] = {PP}  # each pipeline stage holds other parameters
+    if isinstance(p, DTensor):  # a parameter is replicated or sharded (Shard, or FSDP2's _StridedShard) per dimension
+        for name, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements):
+            if not placement.is_replicate():
+                sharded.update(mesh.spans(name))
+    return all(mesh.local_rank(name) == 0 for name, _ in mesh.dims.mesh_dims() if name not in sharded)

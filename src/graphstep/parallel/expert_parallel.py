@@ -1,0 +1,45 @@
+"""Expert parallel: each rank holds ``num_moe_experts / ep`` experts of every MoE block.
+
+The ``ep`` ranks of one ``edp`` index share their tokens (the exchanges are
+the block's, models/moe_parallel.py); the ``edp`` ranks hold the same experts
+and sum their gradients (parallel/data_parallel.py, ``ExpertParallelReducer``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .dims import EP
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Give each rank ``num_moe_experts / ep`` experts of every MoE block, in place (``mesh``: (edp, ep)).
+
+    Every rank built all experts from the same seed; it keeps its slice of
+    the stacked expert weights as a DTensor sharded over ``ep`` and replicated
+    over ``edp`` (the ranks holding the same experts), so the optimizer, the
+    gradient norm and checkpoints treat them as any sharded parameter. The
+    block all-gathers its expert-parallel ranks' tokens (models/moe.py).
+    """
+    from ..models.moe import ExpertParallel, MoEBlock
+
+    ep_mesh = mesh[EP]
+    place = ExpertParallel(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=ep_mesh.size())
+    for block in model.modules():
+        if not isinstance(block, MoEBlock):
+            continue
+        block.expert_parallel = place
+        for linear in (block.experts.experts.linear_fc1, block.experts.experts.linear_fc2):
+            w = linear.weight
+            local = w.detach().chunk(place.size, dim=0)[place.rank].contiguous()
+            dt = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False, shape=w.shape,
+                                    stride=w.stride())
+            linear.weight = nn.Parameter(dt, requires_grad=w.requires_grad)
+            linear.weight.expert_parallel = True  # its gradient is reduced over its edp group (data_parallel.py)
+
+
+def is_expert_parameter(p: torch.Tensor) -> bool:
+    return getattr(p, "expert_parallel", False)

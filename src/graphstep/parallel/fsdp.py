@@ -1,0 +1,49 @@
+"""FSDP2: ``fully_shard`` on the ``dp`` view of the mesh (``ddp.use_megatron_fsdp`` with a sharding strategy,
+or ``ddp.use_distributed_optimizer``).
+
+Every decoder layer, then the model. Parameters stay fp32 shards -- the
+optimizer's main weights, updated in place -- and FSDP2 casts them to the
+model dtype when it all-gathers (``MixedPrecisionPolicy``); gradients are
+reduce-scattered in fp32. ``optim_grads_params`` reshards a layer's
+parameters after its forward (ZeRO-3) -- every layer but the last, whose
+backward comes right after --, ``optim_grads`` keeps them to the backward
+(ZeRO-2); the root module is never resharded after forward (its parameters
+are the first used by backward). Per-layer graphs over FSDP2 modules keep the
+gathered parameters in place (cuda_graph/fsdp.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype, *,
+               prefetch: bool = False) -> None:
+    """``fully_shard`` every decoder layer, then the model, on ``mesh`` (the dp dimension), in place.
+
+    ``prefetch`` (``ddp.overlap_param_gather``): each layer starts the next layer's all-gather before its own
+    forward, instead of FSDP2's implicit prefetch.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    layers = [layer for _, layer in model.layers.named_children()]
+    for i, layer in enumerate(layers):
+        # ZeRO-3 reshards a layer after its forward -- but not the last, whose backward comes next (torchtitan's choice)
+        reshard = strategy == "optim_grads_params" and i < len(layers) - 1
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    if prefetch:
+        for layer, following in zip(layers, layers[1:]):
+            layer.set_modules_to_forward_prefetch([following])
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every FSDP2 module's unsharded parameters (after a forward-only step; backward does it itself)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,0 +1,66 @@
+"""``parallelize(model, dims, mesh, cfg, ...)``: every parallel engine applied to a built model, in one order.
+
+The model comes in whole (a pipeline stage already cut from it:
+parallel/pipeline.py ``split_stage``), converted (converters/: FP8, LoRA) and
+on its device; it leaves with its parameters as the layout holds them and is
+returned as the module the training steps call. Each step is an ``apply_*``
+function of its own module; the order, and why, is in :func:`parallelize`.
+Everything here runs eagerly before any graph exists; a full-iteration graph
+then captures the collectives DTensor and FSDP2 issue (on the CPU replay
+backend too: cuda_graph/replay.py records the plain-tensor work under the
+DTensor wrappers and FSDP2's storage resizes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import Config
+from ..cuda_graph.settings import CudaGraphSettings
+from .compile import apply_compile, compile_mode_of
+from .dims import DP, EDP, EP, TP, ParallelDims, WorldMesh
+from .expert_parallel import apply_expert_parallel
+from .fsdp import apply_fsdp
+from .tensor_parallel import apply_tensor_parallel
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cfg: Config, *,
+                param_dtype: torch.dtype, settings: CudaGraphSettings, compile_mode: str | None = None) -> nn.Module:
+    """Apply ``dims`` to ``model`` in place over ``mesh`` (None: one rank, or plain data parallel) and compile it
+    as ``cfg.compile`` says (``compile_mode``: the bench's mode instead). Returns the module the steps call:
+    ``model``, or its compiled wrapper.
+
+    The rules (validation/parallel_rules.py, R25-R31) admit only the combinations that work today, so at most
+    one of tensor and expert parallel applies, and compile comes with neither nor with FSDP2.
+    """
+    if mesh is None and dims.needs_mesh:
+        raise RuntimeError(f"the layout {dims.describe()} needs a device mesh (parallel/dims.py build_mesh)")
+    if dims.cp > 1:
+        raise RuntimeError(f"context parallel ({dims.cp} ranks) is not implemented: rule R30 refuses "
+                           "model.context_parallel_size > 1")
+    # The order, and why:
+    # 1. Tensor (and sequence) parallel first: it rewrites the projections into DTensors sharded over tp and the
+    #    attention's head counts, so every later step sees the model as each rank runs it.
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh[TP], sequence_parallel=dims.sequence_parallel)
+    # 2. Context parallel (not yet, R30) would come next: it splits the sequence the tensor-parallel attention sees.
+    # 3. Expert parallel: each rank keeps its experts, sharded over ep (after tensor parallel, as Megatron's expert
+    #    tensor parallel would shard the experts it keeps).
+    if dims.ep > 1:
+        apply_expert_parallel(model, mesh[(EDP, EP)])
+    # 4. Activation recompute is built into the model's layers (models/transformer.py reads
+    #    model.recompute_granularity when it builds them), so it already wraps the sharded layers here: a
+    #    recomputed forward re-runs their collectives too.
+    # 5. Compile after recompute (Dynamo traces the checkpointed layers) and before FSDP2 (which would shard the
+    #    compiled modules: torchtitan's order; R27 refuses compile with FSDP2 and tensor parallel, R29 with
+    #    pipeline stages, R31 with expert parallel, so today the compiled model is the model as built).
+    mode = compile_mode_of(cfg, compile_mode)
+    step_model = apply_compile(model, mode, settings) if mode is not None else model
+    # 6. FSDP2 last: it wraps the modules as they will run and turns every parameter into its shard over the
+    #    data-parallel ranks (a tensor-parallel one into a (dp, tp) DTensor). Replicated data parallel has no
+    #    step here: the training step all-reduces the flat gradient buffer (parallel/data_parallel.py), which
+    #    exists only once the parameters are final.
+    if dims.fsdp is not None:
+        apply_fsdp(model, mesh[DP], dims.fsdp, param_dtype, prefetch=dims.prefetch)
+    return step_model

@@ -1,0 +1,91 @@
+"""Tensor and sequence parallel: DTensor's ``parallelize_module`` on the ``tp`` dimension, Megatron's plan.
+
+* attention: ``linear_qkv`` colwise, ``linear_proj`` rowwise; each rank runs
+  ``heads / tp`` query heads and ``groups / tp`` key/value groups;
+* MLP: ``linear_fc1`` colwise, ``linear_fc2`` rowwise;
+* embedding: rowwise over the vocabulary; the output layer colwise over it
+  (with tied embeddings, the same vocabulary-sharded weight: GPTModel.logits);
+* ``sequence_parallel``: the norms, dropout and residual stream run on
+  sequence shards (``SequenceParallel``; the projections all-gather and
+  reduce-scatter the sequence), and hidden dropout draws from the tracker's
+  model-parallel stream, which differs per tensor-parallel rank; without it
+  the residual stream is replicated and draws from the data-parallel stream.
+
+``linear_qkv`` and ``linear_fc1`` are *fused*: rows of q, k and v, or of gate
+and up. Colwise sharding gives each rank its slice of every part
+(:class:`FusedColwiseParallel`), so the local matmul yields the rank's own
+q/k/v heads and gate/up columns. The DTensor's rows are then ordered per
+rank; :func:`fused_parts` says how to read them back part by part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+)
+
+from ..cuda_graph.rng import MODEL_PARALLEL_RNG
+from ..engines_compat import colwise_with_partition
+
+
+def fused_parts(module: nn.Module) -> tuple[int, ...] | None:
+    """The row counts of the parts a fused projection concatenates (q, k, v or gate, up); None if not fused."""
+    return getattr(module, "fused_parts", None)
+
+
+class FusedColwiseParallel(colwise_with_partition()):
+    """Colwise sharding of a fused projection: each rank takes its slice of every part, not a block of rows.
+
+    The module's ``fused_parts`` lists the parts' row counts; every part
+    divides evenly over the mesh (rule R25). All ranks hold the same full
+    weight at this point (the same seed, or rank 0's broadcast), so each
+    slices its rows locally without communication.
+    """
+
+    def partition_linear(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        parts = fused_parts(module)
+        if parts is None:
+            return super().partition_linear(name, module, device_mesh)
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        for pname, param in list(module.named_parameters(recurse=False)):
+            local = torch.cat([chunk.chunk(size, dim=0)[rank] for chunk in param.detach().split(list(parts), dim=0)])
+            dt = DTensor.from_local(local.contiguous(), device_mesh, [Shard(0)], run_check=False,
+                                    shape=param.shape, stride=param.stride())
+            module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
+    """Shard a GPTModel's layers, embedding and output over ``mesh`` (1-D, the tp dimension), in place."""
+    tp = mesh.size()
+    seq = Shard(1) if sequence_parallel else Replicate()
+    norm = SequenceParallel(use_local_output=True) if sequence_parallel else None
+    plan: dict[str, Any] = {
+        "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+    }
+    if norm is not None:
+        plan["final_layernorm"] = norm
+    if getattr(model, "output_layer", None) is not None:
+        plan["output_layer"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    for i, layer in model.layers.named_children():  # a ModuleList, or a pipeline stage's ModuleDict
+        attn, mlp = layer.blocks["attn"], layer.blocks["mlp"]
+        prefix = f"layers.{i}.blocks"
+        plan[f"{prefix}.attn.self_attention.linear_qkv"] = FusedColwiseParallel(input_layouts=seq)
+        plan[f"{prefix}.attn.self_attention.linear_proj"] = RowwiseParallel(output_layouts=seq)
+        plan[f"{prefix}.mlp.mlp.linear_fc1"] = FusedColwiseParallel(input_layouts=seq)
+        plan[f"{prefix}.mlp.mlp.linear_fc2"] = RowwiseParallel(output_layouts=seq)
+        if norm is not None:
+            plan[f"{prefix}.attn.input_layernorm"] = norm
+            plan[f"{prefix}.mlp.pre_mlp_layernorm"] = norm
+            attn.dropout_rng = mlp.dropout_rng = MODEL_PARALLEL_RNG  # sequence shards differ per rank
+        sa = attn.self_attention
+        sa.linear_qkv.fused_parts = tuple(n * sa.head_dim for n in (sa.heads, sa.groups, sa.groups))
+        sa.heads, sa.groups = sa.heads // tp, sa.groups // tp
+        mlp.mlp.linear_fc1.fused_parts = (mlp.mlp.linear_fc1.out_features // 2,) * 2
+    model.hidden_placement = seq  # what GPTModel.logits reads the final hidden state as
+    parallelize_module(model, mesh, plan)

@@ -1,0 +1,85 @@
+"""The layout object (parallel/dims.py): where each rank sits, read from one rank grid; the mesh built on it; the
+layouts it refuses to describe; and parallelize's refusals (the ``cuda`` twin builds the mesh over NCCL)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphstep.parallel.dims import ParallelDims
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def test_every_rank_of_a_three_dimensional_layout_has_one_place():
+    """pp2 x dp2 x tp2 on 8 ranks: tensor-parallel ranks are neighbours, then replicas, then stages -- and every
+    (pp, dp, tp) place is taken by exactly one rank."""
+    dims = ParallelDims(pp=2, dp_replicate=2, tp=2)
+    places = [dims.coordinate(r) for r in range(8)]
+    assert [(c["pp"], c["dp"], c["tp"]) for c in places] == [(p, d, t) for p in (0, 1) for d in (0, 1) for t in (0, 1)]
+    assert all(c["dp_replicate"] == c["dp"] and c["dp_shard"] == 0 and c["cp"] == 0 for c in places)
+
+
+def test_expert_parallel_ranks_are_neighbours_within_the_replicas():
+    """dp4 with ep2: ranks 0,1 and 2,3 exchange tokens (ep); 0,2 and 1,3 hold the same experts (edp)."""
+    dims = ParallelDims(dp_replicate=4, ep=2)
+    assert [(dims.coordinate(r)["edp"], dims.coordinate(r)["ep"], dims.coordinate(r)["dp"]) for r in range(4)] == \
+        [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+    assert [name for name, _ in dims.mesh_dims()] == ["pp", "edp", "ep", "dp_shard", "cp", "tp"]
+
+
+def test_fsdp_shards_over_dp_shard_and_from_config_says_so():
+    from helpers.runs import tiny_config
+
+    dims = ParallelDims.from_config(tiny_config("ddp.use_distributed_optimizer=true",
+                                                "model.tensor_model_parallel_size=2"), 8)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp, dims.ranks) == (1, 4, 2, 4, 8)
+    plain = ParallelDims.from_config(tiny_config(), 4)
+    assert (plain.dp_replicate, plain.dp_shard, plain.needs_mesh) == (4, 1, False)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(dp_replicate=2, dp_shard=2, fsdp="optim_grads"), "hybrid sharding is not implemented"),
+    (dict(dp_shard=2), "without an FSDP2 strategy"),
+    (dict(dp_replicate=2, fsdp="optim_grads"), "FSDP2 shards over dp_shard"),
+    (dict(tp=0), "positive integers: tp=0"),
+])
+def test_a_layout_it_cannot_run_is_a_one_line_error(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        ParallelDims(**kwargs)
+
+
+def test_expert_parallel_ranks_must_divide_the_replicas():
+    with pytest.raises(ValueError, match="do not divide dp_replicate=3"):
+        ParallelDims(dp_replicate=3, ep=2).mesh_dims()
+    with pytest.raises(ValueError, match="rank 4 is not one of the 4 ranks"):
+        ParallelDims(dp_replicate=4).coordinate(4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_mesh_on_one_rank_has_every_dimension_and_the_flattened_dp(one_rank_group, device):
+    """FSDP2 on one rank (the trainer's one-rank mesh): every named dimension is there, ``dp`` is a view of the
+    same root, and ranks read from the mesh are those of the grid."""
+    from graphstep.parallel.dims import build_mesh, counted_here
+
+    dims = ParallelDims(fsdp="optim_grads_params")
+    mesh = build_mesh(dims, device)
+    assert mesh.root.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert mesh["dp"].mesh_dim_names == ("dp",) and mesh.size("dp") == 1 and mesh.spans("dp") == ("dp_replicate",
+                                                                                                   "dp_shard")
+    assert all(mesh.local_rank(name) == index for name, index in dims.coordinate(0).items())
+    assert counted_here(torch.zeros(2), mesh)
+
+
+def test_parallelize_refuses_a_layout_without_its_mesh_and_context_parallel():
+    from graphstep.parallel.parallelize import parallelize
+    from graphstep.validation import resolve_cuda_graph_settings
+    from helpers.runs import tiny_config
+
+    model, cfg = torch.nn.Linear(2, 2), tiny_config()
+    settings = resolve_cuda_graph_settings(cfg)
+    with pytest.raises(RuntimeError, match="needs a device mesh"):
+        parallelize(model, ParallelDims(tp=2), None, cfg, param_dtype=torch.float32, settings=settings)
+    with pytest.raises(RuntimeError, match="rule R30 refuses"):
+        parallelize(model, ParallelDims(cp=2), object(), cfg, param_dtype=torch.float32, settings=settings)
