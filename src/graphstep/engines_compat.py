@@ -56,6 +56,29 @@ def probe_tensor_internals() -> None:
 
 
 # --------------------------------------------------------------------------
+# FP8 matmul (converters/fp8_delayed.py)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
+              fast_accum: bool = False) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` of FP8 ``a`` (row-major) and ``b`` (column-major) in ``out_dtype``, the
+    scales fp32 scalars (``torch._scaled_mm``; on the CPU too from torch 2.13)."""
+    try:
+        mm = torch._scaled_mm
+    except AttributeError as e:
+        raise PROBES["probe_scaled_mm"].error(str(e)) from e
+    return mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+@probe("torch._scaled_mm", purpose="FP8 matmuls of delayed scaling (fp8_recipe=delayed)", verified=(CPU_2_13,))
+def probe_scaled_mm() -> None:
+    a = torch.tensor([[1.0, 2.0] * 8] * 16).to(torch.float8_e4m3fn)
+    b = torch.ones(16, 16).to(torch.float8_e5m2).t().contiguous().t()
+    out = scaled_mm(a, b, torch.tensor(0.5), torch.tensor(2.0), torch.float32)
+    expect(out.shape == (16, 16) and bool((out == 24.0).all()), "sum of 8 x (1 + 2), scaled by 0.5 x 2")
+
+
+# --------------------------------------------------------------------------
 # tensor parallel: a colwise style that partitions its own way
 
 

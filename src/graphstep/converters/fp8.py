@@ -6,6 +6,10 @@ Megatron Bridge's FP8 recipes run Transformer Engine's FP8 linear layers; graphs
 * ``fp8_recipe=tensorwise`` is Bridge's current scaling: each operand is scaled by its own amax, computed on the
   device in the same step (no history, no host sync), so a graph replays it exactly; ``fp8=hybrid`` casts the
   forward operands to e4m3 and the gradients to e5m2 (torchao's default), ``fp8=e4m3`` all of them to e4m3;
+* ``fp8_recipe=delayed`` is Bridge's delayed scaling (Transformer Engine's ``DelayedScaling``: an amax history per
+  tensor, ``fp8_amax_history_len`` rows, ``fp8_amax_compute_algo``, ``fp8_margin``), which torchao dropped:
+  graphstep's own :class:`~graphstep.converters.fp8_delayed.DelayedFloat8Linear`, whose histories and scales are
+  module buffers updated inside the step (converters/fp8_delayed.py);
 * ``rowwise`` and ``rowwise_with_gw_hp`` are torchao's row-wise scalings (a graphstep extension; all e4m3, the
   second keeps the weight-gradient matmul in high precision);
 * ``first_last_layers_bf16`` keeps ``num_layers_at_start_in_bf16`` leading and ``num_layers_at_end_in_bf16``
@@ -29,8 +33,10 @@ import torch
 from torch import nn
 
 from ..models.transformer import decoder_layer_of
+from . import fp8_delayed
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+RECIPES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp")
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FORMATS = ("e4m3", "hybrid")
 ALIGN = 16  # torch._scaled_mm takes operands whose dimensions are multiples of 16
 
@@ -42,10 +48,15 @@ class FP8Plan:
     recipe: str
     format: str
     bf16_layers: frozenset[int]
+    margin: int = 0  # delayed scaling only: fp8_margin, fp8_amax_history_len, fp8_amax_compute_algo
+    history_len: int = 1
+    amax_algo: str = "most_recent"
 
     def describe(self, converted: int, total: int) -> str:
         kept = f"; decoder layers {sorted(self.bf16_layers)} kept in bf16" if self.bf16_layers else ""
-        return (f"FP8 (torchao float8, {self.recipe} scaling, {self.format}): {converted} of {total} linear layers"
+        engine = "torchao float8" if self.recipe in TORCHAO_RECIPES else (
+            f"graphstep, amax history {self.history_len} ({self.amax_algo}), margin {self.margin}")
+        return (f"FP8 ({engine}, {self.recipe} scaling, {self.format}): {converted} of {total} linear layers"
                 f"{kept}; the embedding, the output layer and layers off the 16-multiple shapes in high precision")
 
 
@@ -58,7 +69,18 @@ def plan_from(mixed_precision: Any, num_layers: int) -> FP8Plan | None:
     if mp.first_last_layers_bf16:
         bf16 |= set(range(min(num_layers, mp.num_layers_at_start_in_bf16)))
         bf16 |= set(range(max(0, num_layers - mp.num_layers_at_end_in_bf16), num_layers))
-    return FP8Plan(recipe=str(mp.fp8_recipe), format=str(mp.fp8), bf16_layers=frozenset(bf16))
+    return FP8Plan(recipe=str(mp.fp8_recipe), format=str(mp.fp8), bf16_layers=frozenset(bf16),
+                   margin=int(mp.fp8_margin), history_len=int(mp.fp8_amax_history_len),
+                   amax_algo=str(mp.fp8_amax_compute_algo))
+
+
+def delayed_scaling(model: nn.Module, plan: FP8Plan, reduce: Any = None) -> fp8_delayed.DelayedScaling | None:
+    """The once-per-step scale update of a model converted with ``fp8_recipe=delayed`` (None otherwise, or without
+    converted layers); ``reduce``: max-reduces the amaxes over data-parallel replicas in place."""
+    modules = fp8_delayed.delayed_modules(model)
+    if plan.recipe != "delayed" or not modules:
+        return None
+    return fp8_delayed.DelayedScaling(modules, margin=plan.margin, algo=plan.amax_algo, reduce=reduce)
 
 
 def import_torchao() -> Any:
@@ -94,10 +116,15 @@ def _eligible(plan: FP8Plan, module: nn.Module, name: str) -> bool:
 
 
 def convert(model: nn.Module, plan: FP8Plan) -> tuple[list[str], int]:
-    """Swap the eligible ``nn.Linear`` of ``model`` for torchao's ``Float8Linear``, in place, before anything holds
-    on to the modules (tensor parallel, FSDP2, graphs). Returns the converted names and the number of linears."""
-    float8 = import_torchao()
+    """Swap the eligible ``nn.Linear`` of ``model`` for torchao's ``Float8Linear`` (delayed scaling: graphstep's
+    ``DelayedFloat8Linear``), in place, before anything holds on to the modules (tensor parallel, FSDP2, graphs).
+    Returns the converted names and the number of linears."""
     total = sum(1 for m in model.modules() if type(m) is nn.Linear)
+    if plan.recipe == "delayed":
+        names = fp8_delayed.convert(model, lambda module, name: _eligible(plan, module, name),
+                                    history_len=plan.history_len, fmt=plan.format)
+        return names, total
+    float8 = import_torchao()
     converted: list[str] = []
 
     def take(module: nn.Module, name: str) -> bool:

@@ -30,6 +30,7 @@ from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import Config, ConfigError
@@ -237,14 +238,30 @@ def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, ste
     hooks = dict(reduce_grads=dp.grad_reducer(grads, cfg.ddp), reduce_loss=dp.loss_reducer(),
                  before_step=moe.before_step if moe.enabled else None,
                  check_nonfinite=cfg.train.check_for_nan_on_device)
-    if dp.layout.pp > 1:  # the schedule runs forward and backward (training/pipeline.py)
+    if dp.layout.pp > 1:  # R32: no FP8 on pipeline stages  # the schedule runs forward and backward (training/pipeline.py)
         pipeline = Pipeline(model, stage_index=dp.pp_rank, stages=dp.layout.pp, group=dp.pp_group, device=device,
                             schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
         return PipelineTrainStep(pipeline, grads, **hooks), PipelineEvalStep(pipeline, device, dp.loss_reducer())
-    train_step = TrainStep(step_model, grads, retain_graph=settings.retain_backward_graph, **hooks)
+    train_step = TrainStep(step_model, grads, retain_graph=settings.retain_backward_graph,
+                           after_backward=_fp8_scaling_update(cfg, model, dp), **hooks)
     eval_step = EvalStep(step_model, device, reduce_loss=dp.loss_reducer(),
                          release=partial(reshard_all, model) if dp.layout.fsdp is not None else None)
     return train_step, eval_step
+
+
+def _fp8_scaling_update(cfg: Config, model: nn.Module, dp: DataParallel) -> Callable[[], None] | None:
+    """FP8 delayed scaling's end-of-step update (converters/fp8_delayed.py; None for the other recipes): the
+    replicas' amaxes max-reduced in one device all-reduce, then the scales and histories, inside the step."""
+    plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers)
+    if plan is None:
+        return None
+    group = dp.dp_group
+
+    def max_over_replicas(t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+    scaling = fp8.delayed_scaling(model, plan, reduce=max_over_replicas if dp.dp_size > 1 else None)
+    return scaling.update if scaling is not None else None
 
 
 def _run_backend(settings: CudaGraphSettings, backend: GraphBackend | None, device: torch.device, *,
