@@ -53,7 +53,8 @@ def cast_to_fp8(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
 def _record(history: torch.Tensor, column: int, hp: torch.Tensor) -> None:
     """Row 0 of ``history`` at ``column`` becomes ``max(itself, amax(hp))``, in place."""
     slot = history[0, column]
-    torch.maximum(slot, hp.detach().abs().amax().float(), out=slot)
+    amax = torch.linalg.vector_norm(hp.detach(), float("inf"))  # max |hp| in one reduction (exact: no rounding)
+    torch.maximum(slot, amax.float(), out=slot)
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
