@@ -243,6 +243,48 @@ def train(cfg):
 
 
 # --------------------------------------------------------------------------
+# the FP8 bench rows (graphstep bench, scripts/gpu-check): they resolve and validate on the bench shapes
+
+
+@pytest.mark.parametrize("recipe", ["small_dense_bench", "dense_1b_bench", "llama3_8b_stack_bench"])
+def test_fp8_bench_rows_resolve_validate_and_face_their_bf16_rows(recipe):
+    from graphstep.bench.harness import peer_of
+    from graphstep.bench.run import FP8_ROWS, plan_row
+    from graphstep.recipes import get_recipe
+
+    base = get_recipe(recipe)
+    for name in FP8_ROWS:
+        plan = plan_row(base, name)
+        assert plan.graphstep and plan.refusal is None, name
+        mp, compiled = plan.cfg.mixed_precision, name.startswith("compile+")
+        assert plan.cfg.compile.enable is compiled, name
+        if "fp8_" not in name:
+            assert mp.fp8 is None, name
+            continue
+        assert (mp.fp8, mp.fp8_recipe) == ("hybrid", "delayed" if "fp8_delayed_" in name else "tensorwise"), name
+        # on an H100 (compute capability 9.0), as the bench runs it: train.device=cuda, the CUDA graph backend
+        cfg = plan.cfg
+        cfg.train.device = "cuda"
+        found = validate_config(cfg, env={}, device_capability=(9, 0))
+        assert found == [], (name, [str(v) for v in found])
+        peer = peer_of(name, set(FP8_ROWS))
+        assert peer == name.replace("fp8_delayed_", "").replace("fp8_", ""), name
+        peer_cfg = plan_row(base, peer).cfg
+        assert (peer_cfg.model.cuda_graph_impl, peer_cfg.model.cuda_graph_modules, peer_cfg.compile.enable) == \
+            (cfg.model.cuda_graph_impl, cfg.model.cuda_graph_modules, cfg.compile.enable), name
+
+
+def test_the_llama3_8b_stack_bench_has_the_8b_layer_shapes():
+    from graphstep.recipes import get_recipe
+
+    m, t = (cfg := get_recipe("llama3_8b_stack_bench")).model, cfg.train
+    assert (m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups, m.vocab_size) == \
+        (4096, 14336, 32, 8, 128256)
+    assert 2 <= m.num_layers <= 4 and m.seq_length == 8192 and m.params_dtype == "bf16"
+    assert t.micro_batch_size == t.global_batch_size == 1
+
+
+# --------------------------------------------------------------------------
 # what acts and what R32 refuses
 
 
