@@ -119,8 +119,9 @@ class MixedPrecisionConfig:
                           "fp8_margin); rowwise or rowwise_with_gw_hp (torchao's, a graphstep extension); "
                           "blockwise and mxfp8 are R32.")
     fp8_param: bool | None = refused(None, "FP8 parameters.", "R32", allowed=(None, False))
-    fp8_param_gather: bool = opt(False, "FP8 parameter all-gather: nothing to do where the ranks hold whole "
-                                 "replicas (no parameter all-gather); with FSDP2 or the distributed optimizer R32.")
+    fp8_param_gather: bool = opt(False, "FP8 parameter all-gather: with FSDP2 (use_megatron_fsdp or the distributed "
+                                 "optimizer) and fp8_recipe=tensorwise, torchao's FP8 all-gather of the weights (R32 "
+                                 "for the other recipes); nothing to do where the ranks hold whole replicas.")
     fp8_dot_product_attention: bool = refused(False, "FP8 attention.", "R32")
     fp8_multi_head_attention: bool = refused(False, "FP8 multi-head attention.", "R32")
     fp8_wgrad: bool = refused(True, "FP8 weight gradients (false: not implemented; fp8_recipe=rowwise_with_gw_hp "

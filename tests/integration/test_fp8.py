@@ -340,11 +340,16 @@ REFUSED = {
     "rowwise_hybrid": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=rowwise"], "cast the gradients"),
     "tensor_parallel": (["mixed_precision.fp8=hybrid", "model.tensor_model_parallel_size=2"], "tensor parallel"),
     "pipeline": (["mixed_precision.fp8=hybrid", "model.pipeline_model_parallel_size=2"], "pipeline stages"),
-    "fsdp2": (["mixed_precision.fp8=hybrid", "ddp.use_megatron_fsdp=true"], "FSDP2"),
+    "fsdp2_per_layer": (["mixed_precision.fp8=hybrid", "ddp.use_megatron_fsdp=true",
+                         "ddp.data_parallel_sharding_strategy=optim_grads", "model.cuda_graph_impl=local",
+                         "model.cuda_graph_modules=[attn,mlp]"], "per-layer graphs"),
+    "fsdp2_rowwise": (["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=rowwise", "ddp.use_megatron_fsdp=true"],
+                      "not yet with fp8_recipe=rowwise"),
     "compile_per_layer": (["mixed_precision.fp8=hybrid", "compile.enable=true", "model.cuda_graph_impl=local",
                            "model.cuda_graph_modules=[attn,mlp]"], "torch.compile of per-layer graphs"),
-    "param_gather_sharded": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_param_gather=true",
-                              "ddp.use_distributed_optimizer=true"], "FP8 parameter all-gather"),
+    "param_gather_sharded_rowwise": (["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=rowwise",
+                                      "mixed_precision.fp8_param_gather=true", "ddp.use_distributed_optimizer=true"],
+                                     "FP8 parameter all-gather is implemented for fp8_recipe=tensorwise"),
     "fp8_wgrad_off": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_wgrad=false"], "not implemented"),
     "fp8_params": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_param=true"], "not implemented"),
 }
@@ -362,6 +367,20 @@ def test_fp8_needs_fp8_tensor_cores_on_a_gpu():
                for rule, m in _rules("mixed_precision.fp8=hybrid", capability=(8, 0)))
     assert not _rules("mixed_precision.fp8=hybrid", capability=(9, 0))
     assert not _rules("mixed_precision=bf16_with_fp8_current_scaling_mixed")
+
+
+def test_fp8_on_fsdp2_is_accepted_for_tensorwise_with_whole_step_graphs_and_says_it_gathers_in_fp8():
+    from graphstep.validation import resolve_cuda_graph_settings
+
+    # the runs: tests/distributed/test_fp8_data_parallel.py
+    for sharding in (["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+                     ["ddp.use_distributed_optimizer=true"]):
+        overrides = ["mixed_precision=bf16_with_fp8_current_scaling_mixed", *sharding,
+                     "model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+        assert not _rules(*overrides), _rules(*overrides)
+        cfg = tiny_config(*overrides)
+        resolve_cuda_graph_settings(cfg)  # the preset sets fp8_param_gather=true
+        assert any("all-gathers the decoder layers' FP8 weights in FP8" in n for n in accepted_notes(cfg))
 
 
 def test_fp8_without_torchao_is_v21(monkeypatch):

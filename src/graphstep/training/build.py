@@ -141,6 +141,7 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     grads = GradBuffers(model, dp.mesh)
     optimizer = build_optimizer(cfg, model, grads)
     start = options.restore(model, optimizer) if options.restore is not None else 0
+    fp8_gather = _fp8_gather_scales(cfg, model, dp)  # FSDP2's FP8 all-gather: scales of the weights as loaded
     # 4. torch.compile (compile.enable, or the bench's compile_mode) of the module the steps will call, as
     #    parallelize left it. torchtitan compiles each block between tensor parallel (Dynamo traces the DTensor
     #    modules) and FSDP2 (which shards the compiled blocks); graphstep refuses compile with tensor parallel or
@@ -186,7 +187,8 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
             graphs = [train, layers]
     # 8. The optimizer graph last: it reads the training step's outputs (the non-finite flag) and is captured
     #    after the training graph, into the same pool.
-    optimizer_step = _optimizer_step(optimizer, skip_on_nonfinite=tr.skip_step_on_nan)
+    optimizer_step = _optimizer_step(optimizer, skip_on_nonfinite=tr.skip_step_on_nan,
+                                     after=fp8_gather.update if fp8_gather is not None else None)
     if settings.optimizer_graph and settings.enabled:
         optimizer_step = GraphedStep(optimizer_step, backend, capture, name="optimizer")
         graphs.append(optimizer_step)
@@ -211,7 +213,7 @@ def _build_model(cfg: Config, device: torch.device, dp: DataParallel, dtype: tor
         load_hf_weights(model, cfg.model.hf_path, cfg.model)  # in place, before the optimizer copies the weights
     if cfg.checkpoint.pretrained_checkpoint:  # the same, from a graphstep checkpoint (R33: not with hf_path)
         load_pretrained(cfg.checkpoint.pretrained_checkpoint, model, dp, cfg)
-    plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers)
+    plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers, fsdp=_fp8_all_gather(cfg, dp))
     if plan is not None:  # torchao's Float8Linear in place of the layers' nn.Linear: before anything holds them
         converted, total = fp8.convert(model, plan)
         log.info("%s", plan.describe(len(converted), total))
@@ -264,6 +266,29 @@ def _fp8_scaling_update(cfg: Config, model: nn.Module, dp: DataParallel) -> Call
     return scaling.update if scaling is not None else None
 
 
+def _fp8_all_gather(cfg: Config, dp: DataParallel) -> bool:
+    """FSDP2 with fp8_param_gather (Bridge's FP8 presets set it): the weights are all-gathered in FP8."""
+    gather = cfg.mixed_precision.fp8_param_gather is True or cfg.model.fp8_param_gather is True
+    return dp.layout.fsdp is not None and gather
+
+
+def _fp8_gather_scales(cfg: Config, model: nn.Module, dp: DataParallel) -> fp8.FsdpWeightScales | None:
+    """The FP8 all-gather's weight scales (converters/fp8.py), computed now from the weights as built or loaded,
+    then after every optimizer step; None without FSDP2's FP8 all-gather."""
+    plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers, fsdp=_fp8_all_gather(cfg, dp))
+    if plan is None:
+        return None
+    group = dp.dp_group
+
+    def max_over_shards(t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+    scales = fp8.fsdp_weight_scales(model, plan, max_over_shards)
+    if scales is not None:
+        scales.update()
+    return scales
+
+
 def _run_backend(settings: CudaGraphSettings, backend: GraphBackend | None, device: torch.device, *,
                  compiled: bool) -> RunBackend | None:
     """The run's view of the backend that captures its graphs (default: the process's for ``device``); None
@@ -293,9 +318,14 @@ def _full_iteration_graphs(train_step: Any, eval_step: Any, backend: RunBackend,
     return over_micro_batches(train_graph, num_micro_batches), eval_graph, [train_graph, eval_graph]
 
 
-def _optimizer_step(optimizer: AdamW, *, skip_on_nonfinite: bool) -> Callable[[dict[str, torch.Tensor]], Any]:
+def _optimizer_step(optimizer: AdamW, *, skip_on_nonfinite: bool, after: Callable[[], None] | None = None,
+                    ) -> Callable[[dict[str, torch.Tensor]], Any]:
+    """The optimizer step; ``after``: device work on the new weights, in the same step (and graph)."""
     def opt_fn(train_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return optimizer.step(train_out.get("nonfinite") if skip_on_nonfinite else None)
+        out = optimizer.step(train_out.get("nonfinite") if skip_on_nonfinite else None)
+        if after is not None:
+            after()
+        return out
 
     return opt_fn
 
