@@ -279,24 +279,26 @@ def _r32(v: View) -> list[Violation]:
     d = cfg.ddp
     sharded = d.use_megatron_fsdp is True or d.use_distributed_optimizer is True \
         or cfg.optimizer.use_distributed_optimizer is True
-    # FSDP2 with FP8: torchao's tensorwise scaling (its FP8 all-gather with fp8_param_gather), whole-step graphs
-    fsdp_fp8 = recipe == "tensorwise" and not v.per_layer
+    # FSDP2 with FP8: tensorwise (with fp8_param_gather: torchao's FP8 all-gather) or delayed scaling (the weights
+    # gathered in bf16), with whole-step graphs or none
+    fsdp_fp8 = recipe in ("tensorwise", "delayed") and not v.per_layer
+    fp8_gather = recipe == "tensorwise" and not v.per_layer
     others = [(key, what) for key, what in _beyond_replicas(cfg) if not (key == "ddp.use_megatron_fsdp" and fsdp_fp8)]
     if cfg.compile.enable is True and v.per_layer:
         others.append(("compile.enable", "torch.compile of per-layer graphs (compile.enable=true)"))
     for key, what in others:
         if key == "ddp.use_megatron_fsdp":
             out.append(_v("R32", ["mixed_precision.fp8", "mixed_precision.fp8_recipe", key], f"mixed_precision.fp8="
-                          f"{fmt} with {what}: implemented for fp8_recipe=tensorwise (torchao's FP8 all-gather) with "
-                          f"full_iteration graphs or none, not yet with fp8_recipe={recipe}"
-                          f"{' and per-layer graphs' if v.per_layer else ''}.", "set mixed_precision.fp8_recipe="
-                          "tensorwise and model.cuda_graph_impl=full_iteration (or none), or drop FSDP2."))
+                          f"{fmt} with {what}: implemented for fp8_recipe=tensorwise or delayed with full_iteration graphs "
+                          f"or none, not yet with {'per-layer graphs' if v.per_layer else f'fp8_recipe={recipe}'}.",
+                          "set mixed_precision.fp8_recipe=tensorwise (or delayed) and model.cuda_graph_impl="
+                          "full_iteration (or none), or drop FSDP2."))
             continue
         out.append(_v("R32", ["mixed_precision.fp8", key], f"mixed_precision.fp8={fmt} with {what} is not "
                       "implemented yet: graphstep's FP8 runs on data-parallel replicas and FSDP2.",
                       f"set mixed_precision.fp8=null (bf16), or drop {what.split(' (')[0]}."))
     for key in ("mixed_precision.fp8_param_gather", "model.fp8_param_gather"):
-        if _get_field(cfg, key) is True and sharded and not fsdp_fp8:
+        if _get_field(cfg, key) is True and sharded and not fp8_gather:
             out.append(_v("R32", [key], f"{key}=true with sharded parameters or optimizer state: the FP8 parameter "
                           "all-gather is implemented for fp8_recipe=tensorwise (torchao's) without per-layer graphs.",
                           f"set {key}=false, or mixed_precision.fp8_recipe=tensorwise and "
