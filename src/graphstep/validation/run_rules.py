@@ -109,7 +109,7 @@ REFUSED_REASONS = {
     "R18": ("graphstep does not implement this value", ""),
     "R32": ("this FP8/FP4 feature is not implemented: graphstep's FP8 is current (tensorwise) or row-wise scaling "
             "of the decoder layers' linear layers on torchao, or delayed scaling on graphstep's own FP8 linear, "
-            "with bf16 parameters",
+            "with bf16 parameters (no FP8 parameters, attention or FP4)",
             "; for FP8 write mixed_precision=bf16_with_fp8_current_scaling_mixed"),
     "R33": ("not implemented yet: graphstep's LoRA keeps its adapters in the model's dtype (model.params_dtype) "
             "and has no expert all-to-all adapters", ""),
@@ -236,7 +236,8 @@ def _beyond_replicas(cfg: Any) -> list[tuple[str, str]]:
 
 def _r32(v: View) -> list[Violation]:
     """FP8 as graphstep implements it (converters/fp8.py): current or row-wise scaling on torchao, delayed scaling
-    on graphstep's own linear (converters/fp8_delayed.py), alone on data parallel; the presets and fields it does
+    on graphstep's own linear (converters/fp8_delayed.py), on data-parallel replicas, and on FSDP2 for current
+    (with torchao's FP8 all-gather) and delayed scaling with whole-step graphs; the presets and fields it does
     not implement."""
     out = _refused(v, "R32")
     cfg, mp = v.cfg, v.cfg.mixed_precision
