@@ -393,6 +393,7 @@ def test_fp8_without_torchao_is_v21(monkeypatch):
     monkeypatch.setattr(values, "_installed", lambda module: module != "torchao")
     found = [(rule, m) for rule, m in _rules("mixed_precision.fp8=hybrid") if rule == "V21"]
     assert found and "torchao" in found[0][1], found
+    assert not _rules("mixed_precision=bf16_with_fp8_delayed_scaling_mixed")  # graphstep's own FP8 linear
 
 
 @pytest.mark.parametrize("recipe", ["current_scaling_preset", "delayed_preset"])
