@@ -141,7 +141,9 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     grads = GradBuffers(model, dp.mesh)
     optimizer = build_optimizer(cfg, model, grads)
     start = options.restore(model, optimizer) if options.restore is not None else 0
-    fp8_gather = _fp8_gather_scales(cfg, model, dp)  # FSDP2's FP8 all-gather: scales of the weights as loaded
+    # FSDP2's FP8 all-gather (fp8_param_gather): the weights' scales, from the weights as built or loaded, then
+    # rewritten after every optimizer step (step 8, inside the optimizer graph when there is one)
+    fp8_gather = _fp8_gather_scales(cfg, model, dp)
     # 4. torch.compile (compile.enable, or the bench's compile_mode) of the module the steps will call, as
     #    parallelize left it. torchtitan compiles each block between tensor parallel (Dynamo traces the DTensor
     #    modules) and FSDP2 (which shards the compiled blocks); graphstep refuses compile with tensor parallel or
@@ -152,7 +154,8 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     compile_mode = options.compile_mode if options.compile_mode is not None else \
         (cfg.compile.mode if cfg.compile.enable else None)
     step_model = apply_compile(model, compile_mode, settings) if compile_mode is not None else model
-    # 5. The training and evaluation steps: data-parallel reducers, MoE hooks, the non-finite flag.
+    # 5. The training and evaluation steps: data-parallel reducers, MoE hooks, the non-finite flag, and FP8 delayed
+    #    scaling's end-of-step update of the amax histories and scales (inside the full-iteration graph).
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.dp_size)  # per pipeline too
     moe = MoEHooks(model, num_mb)
     train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb)
@@ -240,7 +243,7 @@ def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, ste
     hooks = dict(reduce_grads=dp.grad_reducer(grads, cfg.ddp), reduce_loss=dp.loss_reducer(),
                  before_step=moe.before_step if moe.enabled else None,
                  check_nonfinite=cfg.train.check_for_nan_on_device)
-    if dp.layout.pp > 1:  # R32: no FP8 on pipeline stages  # the schedule runs forward and backward (training/pipeline.py)
+    if dp.layout.pp > 1:  # the schedule runs forward and backward (training/pipeline.py); R32: no FP8 there
         pipeline = Pipeline(model, stage_index=dp.pp_rank, stages=dp.layout.pp, group=dp.pp_group, device=device,
                             schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
         return PipelineTrainStep(pipeline, grads, **hooks), PipelineEvalStep(pipeline, device, dp.loss_reducer())
@@ -257,13 +260,19 @@ def _fp8_scaling_update(cfg: Config, model: nn.Module, dp: DataParallel) -> Call
     plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers)
     if plan is None:
         return None
+    scaling = fp8.delayed_scaling(model, plan, reduce=_max_over_data_parallel(dp) if dp.dp_size > 1 else None)
+    return scaling.update if scaling is not None else None
+
+
+def _max_over_data_parallel(dp: DataParallel) -> Callable[[torch.Tensor], None]:
+    """An in-place MAX all-reduce over the data-parallel ranks (replicas or FSDP2 shards): a device collective,
+    capturable, no host read."""
     group = dp.dp_group
 
-    def max_over_replicas(t: torch.Tensor) -> None:
+    def reduce(t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
 
-    scaling = fp8.delayed_scaling(model, plan, reduce=max_over_replicas if dp.dp_size > 1 else None)
-    return scaling.update if scaling is not None else None
+    return reduce
 
 
 def _fp8_all_gather(cfg: Config, dp: DataParallel) -> bool:
@@ -278,12 +287,7 @@ def _fp8_gather_scales(cfg: Config, model: nn.Module, dp: DataParallel) -> fp8.F
     plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers, fsdp=_fp8_all_gather(cfg, dp))
     if plan is None:
         return None
-    group = dp.dp_group
-
-    def max_over_shards(t: torch.Tensor) -> None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-
-    scales = fp8.fsdp_weight_scales(model, plan, max_over_shards)
+    scales = fp8.fsdp_weight_scales(model, plan, _max_over_data_parallel(dp))
     if scales is not None:
         scales.update()
     return scales
