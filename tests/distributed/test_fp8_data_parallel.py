@@ -52,8 +52,10 @@ RUNS = {
     "zero3_resume": [*ZERO3, *GATHER, *FULL, "model.cuda_graph_warmup_steps=1", f"checkpoint.load={CKPT}"],
 }
 DELAYED_RUNS = ("eager", "full_iteration", "attn_mlp", "zero3_delayed_full", "zero2_delayed_full")
-FSDP_PAIRS = [("zero3_fp8_gather_eager", "zero3_fp8_gather_full"), ("zero3_bf16_gather_eager", "zero3_bf16_gather_full"),
-              ("zero2_fp8_gather_eager", "zero2_fp8_gather_full"), ("zero3_delayed_eager", "zero3_delayed_full"),
+FSDP_PAIRS = [("zero3_fp8_gather_eager", "zero3_fp8_gather_full"),
+              ("zero3_bf16_gather_eager", "zero3_bf16_gather_full"),
+              ("zero2_fp8_gather_eager", "zero2_fp8_gather_full"),
+              ("zero3_delayed_eager", "zero3_delayed_full"),
               ("zero3_delayed_eager", "zero2_delayed_full")]
 
 

@@ -156,7 +156,8 @@ def _delayed_run(graphed: bool, algo: str, margin: int, length: int, fmt: str, o
     per step: every module's history and scale (and, with ``observe``, what hooks saw: the amaxes and the first
     layer's input and output)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.GELU(), nn.Linear(64, 32, bias=False)).to(device, torch.bfloat16)
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.GELU(), nn.Linear(64, 32, bias=False))
+    model.to(device, torch.bfloat16)
     fp8_delayed.convert(model, lambda m, name: type(m) is nn.Linear, history_len=length, fmt=fmt)
     mods = fp8_delayed.delayed_modules(model)
     scaling = fp8_delayed.DelayedScaling(mods, margin=margin, algo=algo)
@@ -212,9 +213,10 @@ def test_delayed_scaling_history_and_scales_follow_a_step_by_step_reference(algo
                 if kind == "x":  # this step's input, cast with the scale the previous steps' history gave
                     x = value
                 elif kind == "w":
-                    expect = scaled_mm(fp8_delayed.cast_to_fp8(x, x_scale, torch.float8_e4m3fn),
-                                                   fp8_delayed.cast_to_fp8(value, w_scale, torch.float8_e4m3fn).t(),
-                                                   x_scale.reciprocal(), w_scale.reciprocal(), torch.bfloat16)
+                    x8 = fp8_delayed.cast_to_fp8(x, x_scale, torch.float8_e4m3fn)
+                    w8 = fp8_delayed.cast_to_fp8(value, w_scale, torch.float8_e4m3fn)
+                    expect = scaled_mm(x8, w8.t(), x_scale.reciprocal(), w_scale.reciprocal(), torch.bfloat16,
+                                       fast_accum=True)  # as the forward (fast accumulation on a GPU)
                 elif kind == "out":
                     assert torch.equal(value, expect), (step, i)
                 if amax is not None:

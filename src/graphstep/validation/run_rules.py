@@ -290,8 +290,8 @@ def _r32(v: View) -> list[Violation]:
     for key, what in others:
         if key == "ddp.use_megatron_fsdp":
             out.append(_v("R32", ["mixed_precision.fp8", "mixed_precision.fp8_recipe", key], f"mixed_precision.fp8="
-                          f"{fmt} with {what}: implemented for fp8_recipe=tensorwise or delayed with full_iteration graphs "
-                          f"or none, not yet with {'per-layer graphs' if v.per_layer else f'fp8_recipe={recipe}'}.",
+                          f"{fmt} with {what}: implemented for fp8_recipe=tensorwise or delayed with full_iteration "
+                          f"graphs or none, not yet with {'per-layer graphs' if v.per_layer else f'fp8_recipe={recipe}'}.",
                           "set mixed_precision.fp8_recipe=tensorwise (or delayed) and model.cuda_graph_impl="
                           "full_iteration (or none), or drop FSDP2."))
             continue
