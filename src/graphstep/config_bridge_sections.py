@@ -94,13 +94,15 @@ class MixedPrecisionConfig:
 
     bf16 acts (bf16 parameters, fp32 master weights and gradient reduction: graphstep's bf16 training);
     FP8 acts with current (tensorwise) scaling -- and torchao's rowwise scalings -- on torchao's float8
-    training (converters/fp8.py); delayed, blockwise, MXFP8 and FP4 are R32; fp16 with loss scaling is R18.
+    training (converters/fp8.py), and with delayed scaling (an amax history) on graphstep's own FP8 linear
+    (converters/fp8_delayed.py); blockwise, MXFP8 and FP4 are R32; fp16 with loss scaling is R18.
     """
 
     preset: str | None = opt(
         None, "Bridge's preset name, written mixed_precision=NAME: bf16_mixed (acts: model.params_dtype=bf16 "
-        "unless you set it); bf16_with_fp8_current_scaling_mixed (acts: bf16 and the FP8 fields as Bridge sets "
-        "them, each unless you set it); the other fp8/mxfp8/nvfp4 presets are R32, the fp16 ones R18.")
+        "unless you set it); bf16_with_fp8_current_scaling_mixed and bf16_with_fp8_delayed_scaling_mixed (act: "
+        "bf16 and the FP8 fields as Bridge sets them, each unless you set it); the other fp8/mxfp8/nvfp4 presets "
+        "are R32, the fp16 ones R18.")
     bf16: bool = opt(False, "bf16 training: model.params_dtype=bf16 unless you set it.")
     fp16: bool = refused(False, "fp16 with loss scaling.", "R18")
     fp32: bool = opt(False, "fp32 training: model.params_dtype=fp32 unless you set it.")
@@ -113,21 +115,24 @@ class MixedPrecisionConfig:
     fp8: str | None = opt(None, "FP8 training of the decoder layers' linear layers (torchao float8): e4m3 "
                           "(gradients too) or hybrid (e4m3 forward, e5m2 gradients); null: no FP8 (R32).")
     fp8_recipe: str = opt("tensorwise", "FP8 scaling with fp8 set: tensorwise (current scaling, Bridge's); "
-                          "rowwise or rowwise_with_gw_hp (torchao's, a graphstep extension); delayed, blockwise "
-                          "and mxfp8 are R32.")
+                          "delayed (an amax history per tensor: fp8_amax_history_len, fp8_amax_compute_algo, "
+                          "fp8_margin); rowwise or rowwise_with_gw_hp (torchao's, a graphstep extension); "
+                          "blockwise and mxfp8 are R32.")
     fp8_param: bool | None = refused(None, "FP8 parameters.", "R32", allowed=(None, False))
-    fp8_param_gather: bool = opt(False, "FP8 parameter all-gather: nothing to do where the ranks hold whole "
-                                 "replicas (no parameter all-gather); with FSDP2 or the distributed optimizer R32.")
+    fp8_param_gather: bool = opt(False, "FP8 parameter all-gather: with FSDP2 (use_megatron_fsdp or the distributed "
+                                 "optimizer) and fp8_recipe=tensorwise, torchao's FP8 all-gather of the weights (R32 "
+                                 "for the other recipes); nothing to do where the ranks hold whole replicas.")
     fp8_dot_product_attention: bool = refused(False, "FP8 attention.", "R32")
     fp8_multi_head_attention: bool = refused(False, "FP8 multi-head attention.", "R32")
     fp8_wgrad: bool = refused(True, "FP8 weight gradients (false: not implemented; fp8_recipe=rowwise_with_gw_hp "
                               "keeps the weight-gradient matmul in bf16).", "R32")
-    fp8_margin: int = noop(0, "FP8 scaling margin of delayed scaling.", "current scaling has no margin (delayed "
-                           "scaling, which reads it, is R32)")
-    fp8_amax_history_len: int = noop(1, "FP8 amax history of delayed scaling.", "current scaling reads each "
-                                     "tensor's own amax (delayed scaling is R32)")
-    fp8_amax_compute_algo: str = noop("most_recent", "FP8 amax algorithm of delayed scaling.",
-                                      "current scaling reads each tensor's own amax (delayed scaling is R32)")
+    fp8_margin: int = opt(0, "With fp8_recipe=delayed: scale = fp8_max / amax / 2**fp8_margin (an integer >= 0); "
+                          "the other recipes have no margin and do not read it.")
+    fp8_amax_history_len: int = opt(1, "With fp8_recipe=delayed: steps of amax history per tensor (>= 1); the other "
+                                    "recipes read each tensor's own amax and do not read it.")
+    fp8_amax_compute_algo: str = opt("most_recent", "With fp8_recipe=delayed: the amax a scale comes from, max (over "
+                                     "the history) or most_recent (the last step's); the other recipes do not read "
+                                     "it.")
     first_last_layers_bf16: bool = opt(False, "With fp8: keep num_layers_at_start_in_bf16 leading and "
                                        "num_layers_at_end_in_bf16 trailing decoder layers in bf16.")
     num_layers_at_start_in_bf16: int = opt(0, "With fp8 and first_last_layers_bf16: leading decoder layers in bf16.")

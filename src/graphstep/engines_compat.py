@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 from types import ModuleType
 from typing import Any, Callable
@@ -53,6 +54,81 @@ def probe_tensor_internals() -> None:
     local = torch.ones(2)
     dt = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
     expect(dtensor_local(dt).data_ptr() == local.data_ptr(), "the local tensor shares the storage")
+
+
+# --------------------------------------------------------------------------
+# FP8 matmul (converters/fp8_delayed.py)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
+              fast_accum: bool = False) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` of FP8 ``a`` (row-major) and ``b`` (column-major) in ``out_dtype``, the
+    scales fp32 scalars (``torch._scaled_mm``; on the CPU too from torch 2.13)."""
+    try:
+        mm = torch._scaled_mm
+    except AttributeError as e:
+        raise PROBES["probe_scaled_mm"].error(str(e)) from e
+    return mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+@probe("torch._scaled_mm", purpose="FP8 matmuls of delayed scaling (fp8_recipe=delayed)", verified=(CPU_2_13,))
+def probe_scaled_mm() -> None:
+    a = torch.tensor([[1.0, 2.0] * 8] * 16).to(torch.float8_e4m3fn)
+    b = torch.ones(16, 16).to(torch.float8_e5m2).t().contiguous().t()
+    out = scaled_mm(a, b, torch.tensor(0.5), torch.tensor(2.0), torch.float32)
+    expect(out.shape == (16, 16) and bool((out == 24.0).all()), "sum of 8 x (1 + 2), scaled by 0.5 x 2")
+
+
+# --------------------------------------------------------------------------
+# torchao's FP8 all-gather under FSDP2 (converters/fp8.py FsdpWeightScales)
+
+TORCHAO_VERIFIED = ("0.18.0",)
+
+
+def fsdp_float8_weight(local: torch.Tensor) -> bool:
+    """Whether ``local`` (a sharded parameter's local tensor) all-gathers in FP8 under FSDP2: torchao's
+    ``WeightWithDynamicFloat8CastTensor`` (``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``)."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return isinstance(local, WeightWithDynamicFloat8CastTensor)
+
+
+def set_fsdp_float8_scale(local: torch.Tensor, scale: torch.Tensor) -> None:
+    """Make FSDP2's pre-all-gather cast of ``local`` to FP8 use ``scale`` (a 0-d fp32 tensor, read at each gather)
+    instead of computing it with an all-reduce (torchao's ``_precomputed_scale``, which
+    ``precompute_float8_dynamic_scale_for_fsdp`` assigns anew each step)."""
+    try:
+        local._precomputed_scale = scale
+    except AttributeError as e:
+        raise PROBES["probe_fsdp_float8_scale"].error(str(e)) from e
+
+
+def fsdp_float8_scale(local: torch.Tensor) -> torch.Tensor | None:
+    """The scale :func:`set_fsdp_float8_scale` gave ``local`` (None: torchao computes it at each gather)."""
+    return getattr(local, "_precomputed_scale", None)
+
+
+@probe("torchao WeightWithDynamicFloat8CastTensor._precomputed_scale", purpose="keep the FP8 all-gather's "
+       "weight scales in graph-owned tensors updated inside the optimizer step (FSDP2 with FP8)",
+       verified=TORCHAO_VERIFIED, library="torchao")
+def probe_fsdp_float8_scale() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return  # FP8 is not used without torchao (rule V21)
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")  # as converters/fp8.py imports it
+    from torchao.float8 import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    local = WeightWithDynamicFloat8CastTensor(torch.ones(2, 2), LinearMMConfig(), torch.float8_e4m3fn)
+    expect(fsdp_float8_weight(local) and not fsdp_float8_weight(torch.ones(1)), "the wrapper is recognised")
+    expect(fsdp_float8_scale(local) is None, "no scale before one is set")
+    scale = torch.tensor(2.0)
+    set_fsdp_float8_scale(local, scale)
+    expect(fsdp_float8_scale(local) is scale, "the scale is the tensor set, not a copy")
+    (data,), (used,) = local.fsdp_pre_all_gather(None)
+    expect(used is scale or bool(used == scale), "the pre-all-gather cast uses the scale set")
+    expect(data.dtype == torch.float8_e4m3fn and bool((data.float() == 2.0).all()), "ones x 2 in e4m3")
 
 
 # --------------------------------------------------------------------------

@@ -1,5 +1,7 @@
-"""FP8 training on torchao's float8 (mixed_precision.fp8, converters/fp8.py): graphed equals the same FP8 program run
-eagerly, bit for bit; the FP8 loss tracks bf16; Megatron Bridge's presets and fields act or are refused by R32.
+"""FP8 training on torchao's float8 and on graphstep's delayed scaling (mixed_precision.fp8, converters/fp8.py,
+converters/fp8_delayed.py): graphed equals the same FP8 program run eagerly, bit for bit, amax histories and scales
+included; delayed scaling's histories follow a step-by-step reference; the FP8 loss tracks bf16; Megatron Bridge's
+presets and fields act or are refused by R32.
 
 The CPU runs use the replay backend (``torch._scaled_mm`` runs on the CPU); the ``cuda`` ones run the same
 comparison with CUDA graphs (scripts/gpu-check).
@@ -7,12 +9,14 @@ comparison with CUDA graphs (scripts/gpu-check).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import graphstep
-from graphstep.converters import fp8
+from graphstep.converters import fp8, fp8_delayed
+from graphstep.engines_compat import scaled_mm
 from graphstep.validation import accepted_notes, validate_config
 
 from helpers.runs import assert_same_run, eager, tiny_config
@@ -36,6 +40,8 @@ RECIPES = {
     "tensorwise_e4m3_all_layers": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=tensorwise"],
     "rowwise": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=rowwise"],
     "rowwise_with_gw_hp": ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=rowwise_with_gw_hp"],
+    # Bridge's preset (hybrid, history 1024, max), with a short history so that it rolls over within the run
+    "delayed_preset": ["mixed_precision=bf16_with_fp8_delayed_scaling_mixed", "mixed_precision.fp8_amax_history_len=3"],
 }
 GRAPHS = {
     "full_iteration+optimizer": ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
@@ -46,7 +52,13 @@ GRAPHS = {
 def _fp8_layers(model: nn.Module) -> list[str]:
     from torchao.float8.float8_linear import Float8Linear
 
-    return sorted(name for name, m in model.named_modules() if isinstance(m, Float8Linear))
+    kinds = (Float8Linear, fp8_delayed.DelayedFloat8Linear)
+    return sorted(name for name, m in model.named_modules() if isinstance(m, kinds))
+
+
+def _scaling_state(model: nn.Module) -> list[torch.Tensor]:
+    """Every delayed-scaling history and scale of ``model`` (empty for the torchao recipes)."""
+    return [t.clone() for m in fp8_delayed.delayed_modules(model) for t in (m.fp8_amax_history, m.fp8_scale)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -61,10 +73,16 @@ def test_fp8_graphed_equals_eager_fp8_bit_for_bit(recipe, device):
         assert {name.split(".")[1] for name in fp8_layers} == {"0", "1", "2"}, fp8_layers
     bf16 = train(eager(tiny_config(*BASE, f"train.device={device}")))
     assert ref.rows[-1]["loss"] != bf16.rows[-1]["loss"]  # the FP8 layers change the numbers
+    state = _scaling_state(ref.model)
+    assert bool(recipe.startswith("delayed")) == bool(state)
+    if state:  # the scales moved off their start (1) within the run
+        assert all(not torch.equal(scale, torch.ones(3, device=scale.device)) for scale in state[1::2])
     for name, graphs in GRAPHS.items():
         graphed = train(tiny_config(*overrides, *graphs))
         assert _fp8_layers(graphed.model) == fp8_layers, name
         assert_same_run(ref, graphed)
+        after = _scaling_state(graphed.model)
+        assert len(after) == len(state) and all(torch.equal(a, b) for a, b in zip(state, after)), name
 
 
 @pytest.mark.cuda
@@ -119,10 +137,153 @@ def test_graph_step_over_a_model_the_user_converted_with_torchao():
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
 
 
+def _reference_update(history: list[list[float]], scale: list[float], algo: str, scaled_max: list[float]) -> None:
+    """Transformer Engine's amax_and_scale_update in numpy float32, in place: amax over the history (max) or its
+    row 0 (most_recent); scale = scaled_max / amax where amax is finite and > 0; roll one row, zero row 0."""
+    rows = np.array(history, dtype=np.float32)
+    amax = rows.max(axis=0) if algo == "max" else rows[0]
+    for i in range(3):
+        if np.isfinite(amax[i]) and amax[i] > 0:
+            scale[i] = np.float32(scaled_max[i]) / amax[i]
+    rolled = np.roll(rows, -1, axis=0)
+    rolled[0] = 0
+    history[:] = rolled.tolist()
+
+
+def _delayed_run(graphed: bool, algo: str, margin: int, length: int, fmt: str, observe: bool,
+                 device: str = "cpu") -> dict:
+    """A two-layer bf16 model in delayed FP8, two micro-batches a step, the update at the end of the step;
+    per step: every module's history and scale (and, with ``observe``, what hooks saw: the amaxes and the first
+    layer's input and output)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.GELU(), nn.Linear(64, 32, bias=False))
+    model.to(device, torch.bfloat16)
+    fp8_delayed.convert(model, lambda m, name: type(m) is nn.Linear, history_len=length, fmt=fmt)
+    mods = fp8_delayed.delayed_modules(model)
+    scaling = fp8_delayed.DelayedScaling(mods, margin=margin, algo=algo)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    seen: list[dict] = []
+    if observe:  # plain hooks, eager only: amax(x), amax(w), amax(grad_output) per module and micro-batch
+        for i, m in enumerate(mods):
+            def fwd(m, args, out, i=i):
+                x = args[0].detach()
+                seen[-1].setdefault(i, []).append(("x", x.abs().max().float(), x.clone()))
+                w = m.weight.detach()
+                seen[-1][i].append(("w", w.abs().max().float(), w.clone()))
+                seen[-1][i].append(("out", None, out.detach().clone()))
+                out.register_hook(lambda g: seen[-1][i].append(("g", g.abs().max().float(), None)))
+            m.register_forward_hook(fwd)
+
+    def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        total = torch.zeros((), device=device)
+        for x in (a, b):
+            loss = model(x).float().pow(2).mean() * 100  # * 100: the gradients' amaxes are not tiny
+            (loss / 2).backward()
+            total += loss.detach()
+        scaling.update()
+        opt.step()
+        return total
+
+    fn = graphstep.graph_step(step, warmup_steps=1, device=device, modules=[model]) if graphed else step
+    g = torch.Generator().manual_seed(1)
+    states = []
+    for _ in range(6):
+        seen.append({})
+        fn(*(torch.randn(16, 32, generator=g).to(device, torch.bfloat16) for _ in range(2)))
+        states.append([(m.fp8_amax_history.clone(), m.fp8_scale.clone()) for m in mods])
+    if graphed:
+        assert fn.state == "replayed"
+        graphstep.close_all()
+    return {"states": states, "seen": seen}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo,margin,length,fmt", [("max", 0, 3, "hybrid"), ("most_recent", 1, 2, "e4m3")])
+def test_delayed_scaling_history_and_scales_follow_a_step_by_step_reference(algo, margin, length, fmt, device):
+    run = _delayed_run(False, algo, margin, length, fmt, observe=True, device=device)
+    # e4m3's largest value for the input and the weight; the gradient's: e5m2's (hybrid) or e4m3's
+    scaled_max = [m * 2.0 ** -margin for m in (448.0, 448.0, 57344.0 if fmt == "hybrid" else 448.0)]
+    histories = [[[0.0] * 3 for _ in range(length)] for _ in range(2)]
+    scales = [[1.0] * 3 for _ in range(2)]
+    for step, (seen, state) in enumerate(zip(run["seen"], run["states"])):
+        for i in range(2):
+            x_scale, w_scale = (torch.tensor(scales[i][k], dtype=torch.float32, device=device) for k in range(2))
+            for kind, amax, value in seen[i]:
+                if kind == "x":  # this step's input, cast with the scale the previous steps' history gave
+                    x = value
+                elif kind == "w":
+                    x8 = fp8_delayed.cast_to_fp8(x, x_scale, torch.float8_e4m3fn)
+                    w8 = fp8_delayed.cast_to_fp8(value, w_scale, torch.float8_e4m3fn)
+                    expect = scaled_mm(x8, w8.t(), x_scale.reciprocal(), w_scale.reciprocal(), torch.bfloat16,
+                                       fast_accum=True)  # as the forward (fast accumulation on a GPU)
+                elif kind == "out":
+                    assert torch.equal(value, expect), (step, i)
+                if amax is not None:
+                    column = {"x": 0, "w": 1, "g": 2}[kind]
+                    histories[i][0][column] = max(histories[i][0][column], float(amax))  # a host read: eager only
+            _reference_update(histories[i], scales[i], algo, scaled_max)
+            history, scale = state[i]
+            assert torch.equal(history.cpu(), torch.tensor(histories[i])), (step, i, history, histories[i])
+            assert torch.equal(scale.cpu(), torch.tensor(scales[i])), (step, i, scale, scales[i])
+    assert all(0 < s != 1.0 for s in scales[0])  # every scale moved
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_scaling_graphed_step_equals_eager_step_by_step(device):
+    eager_run, graphed_run = (_delayed_run(graphed, "max", 0, 3, "hybrid", observe=False, device=device)
+                              for graphed in (False, True))
+    for eager_state, graphed_state in zip(eager_run["states"], graphed_run["states"]):
+        for (h1, s1), (h2, s2) in zip(eager_state, graphed_state):
+            assert torch.equal(h1, h2) and torch.equal(s1, s2)
+
+
 def train(cfg):
     from graphstep.training.loop import train as run
 
     return run(cfg, keep_model=True)
+
+
+# --------------------------------------------------------------------------
+# the FP8 bench rows (graphstep bench, scripts/gpu-check): they resolve and validate on the bench shapes
+
+
+@pytest.mark.parametrize("recipe", ["small_dense_bench", "dense_1b_bench", "llama3_8b_stack_bench"])
+def test_fp8_bench_rows_resolve_validate_and_face_their_bf16_rows(recipe):
+    from graphstep.bench.harness import peer_of
+    from graphstep.bench.run import FP8_ROWS, plan_row
+    from graphstep.recipes import get_recipe
+
+    base = get_recipe(recipe)
+    for name in FP8_ROWS:
+        plan = plan_row(base, name)
+        assert plan.graphstep and plan.refusal is None, name
+        mp, compiled = plan.cfg.mixed_precision, name.startswith("compile+")
+        assert plan.cfg.compile.enable is compiled, name
+        if "fp8_" not in name:
+            assert mp.fp8 is None, name
+            continue
+        assert (mp.fp8, mp.fp8_recipe) == ("hybrid", "delayed" if "fp8_delayed_" in name else "tensorwise"), name
+        # on an H100 (compute capability 9.0), as the bench runs it: train.device=cuda, the CUDA graph backend
+        cfg = plan.cfg
+        cfg.train.device = "cuda"
+        found = validate_config(cfg, env={}, device_capability=(9, 0))
+        assert found == [], (name, [str(v) for v in found])
+        peer = peer_of(name, set(FP8_ROWS))
+        assert peer == name.replace("fp8_delayed_", "").replace("fp8_", ""), name
+        peer_cfg = plan_row(base, peer).cfg
+        assert (peer_cfg.model.cuda_graph_impl, peer_cfg.model.cuda_graph_modules, peer_cfg.compile.enable) == \
+            (cfg.model.cuda_graph_impl, cfg.model.cuda_graph_modules, cfg.compile.enable), name
+
+
+def test_the_llama3_8b_stack_bench_has_the_8b_layer_shapes():
+    from graphstep.recipes import get_recipe
+
+    m, t = (cfg := get_recipe("llama3_8b_stack_bench")).model, cfg.train
+    assert (m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups, m.vocab_size) == \
+        (4096, 14336, 32, 8, 128256)
+    assert 2 <= m.num_layers <= 4 and m.seq_length == 8192 and m.params_dtype == "bf16"
+    assert t.micro_batch_size == t.global_batch_size == 1
 
 
 # --------------------------------------------------------------------------
@@ -148,23 +309,53 @@ def test_the_current_scaling_preset_sets_bridge_fields_and_a_field_you_set_wins(
     assert alias.mixed_precision.fp8 == "e4m3"
 
 
+def test_the_delayed_scaling_preset_sets_bridge_fields():
+    from graphstep.validation import resolve_cuda_graph_settings
+
+    cfg = tiny_config("mixed_precision=bf16_with_fp8_delayed_scaling_mixed", "mixed_precision.fp8_margin=2")
+    resolve_cuda_graph_settings(cfg)
+    mp = cfg.mixed_precision
+    assert (mp.fp8, mp.fp8_recipe, mp.fp8_amax_history_len, mp.fp8_amax_compute_algo, mp.fp8_margin) == \
+        ("hybrid", "delayed", 1024, "max", 2)
+    assert mp.first_last_layers_bf16 is False and cfg.model.params_dtype == "bf16"
+    assert not _rules("mixed_precision=bf16_with_fp8_delayed_scaling_mixed")
+    plan = fp8.plan_from(mp, 2)
+    assert (plan.recipe, plan.history_len, plan.amax_algo, plan.margin) == ("delayed", 1024, "max", 2)
+
+
 REFUSED = {
-    "delayed_preset": (["mixed_precision=bf16_with_fp8_delayed_scaling_mixed"], "delayed scaling"),
     "subchannel_preset": (["mixed_precision=bf16_with_fp8_subchannel_scaling_mixed"], "blockwise"),
     "mxfp8_preset": (["mixed_precision=bf16_with_mxfp8_mixed"], "Blackwell"),
     "nvfp4_preset": (["mixed_precision=bf16_with_nvfp4_mixed"], "Blackwell"),
     "model_variant_preset": (["mixed_precision=nemotron_h_bf16_with_fp8_current_scaling_mixed"], "model-specific"),
-    "delayed_recipe": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=delayed"], "delayed scaling"),
+    "delayed_history_len": (["mixed_precision=bf16_with_fp8_delayed_scaling_mixed",
+                             "mixed_precision.fp8_amax_history_len=0"], "at least 1"),
+    "delayed_margin": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=delayed",
+                        "mixed_precision.fp8_margin=-1"], "0 or more"),
+    "delayed_algo": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=delayed",
+                      "mixed_precision.fp8_amax_compute_algo=mean"], "not an amax algorithm"),
+    "delayed_compiled": (["mixed_precision=bf16_with_fp8_delayed_scaling_mixed", "compile.enable=true"],
+                         "not tested yet"),
+    "delayed_fsdp2_fp8_gather": (["mixed_precision=bf16_with_fp8_delayed_scaling_mixed", "ddp.use_megatron_fsdp=true"],
+                                 "FP8 parameter all-gather is implemented for fp8_recipe=tensorwise"),
+    "delayed_fsdp2_per_layer": (["mixed_precision=bf16_with_fp8_delayed_scaling_mixed", "ddp.use_megatron_fsdp=true",
+                                 "ddp.data_parallel_sharding_strategy=optim_grads", "model.cuda_graph_impl=local",
+                                 "model.cuda_graph_modules=[attn,mlp]"], "per-layer graphs"),
     "blockwise_recipe": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=blockwise"], "blockwise"),
     "unknown_format": (["mixed_precision.fp8=e5m2"], "not an FP8 format"),
     "rowwise_hybrid": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=rowwise"], "cast the gradients"),
     "tensor_parallel": (["mixed_precision.fp8=hybrid", "model.tensor_model_parallel_size=2"], "tensor parallel"),
     "pipeline": (["mixed_precision.fp8=hybrid", "model.pipeline_model_parallel_size=2"], "pipeline stages"),
-    "fsdp2": (["mixed_precision.fp8=hybrid", "ddp.use_megatron_fsdp=true"], "FSDP2"),
+    "fsdp2_per_layer": (["mixed_precision.fp8=hybrid", "ddp.use_megatron_fsdp=true",
+                         "ddp.data_parallel_sharding_strategy=optim_grads", "model.cuda_graph_impl=local",
+                         "model.cuda_graph_modules=[attn,mlp]"], "per-layer graphs"),
+    "fsdp2_rowwise": (["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=rowwise", "ddp.use_megatron_fsdp=true"],
+                      "not yet with fp8_recipe=rowwise"),
     "compile_per_layer": (["mixed_precision.fp8=hybrid", "compile.enable=true", "model.cuda_graph_impl=local",
                            "model.cuda_graph_modules=[attn,mlp]"], "torch.compile of per-layer graphs"),
-    "param_gather_sharded": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_param_gather=true",
-                              "ddp.use_distributed_optimizer=true"], "FP8 parameter all-gather"),
+    "param_gather_sharded_rowwise": (["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=rowwise",
+                                      "mixed_precision.fp8_param_gather=true", "ddp.use_distributed_optimizer=true"],
+                                     "FP8 parameter all-gather is implemented for fp8_recipe=tensorwise"),
     "fp8_wgrad_off": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_wgrad=false"], "not implemented"),
     "fp8_params": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_param=true"], "not implemented"),
 }
@@ -184,18 +375,34 @@ def test_fp8_needs_fp8_tensor_cores_on_a_gpu():
     assert not _rules("mixed_precision=bf16_with_fp8_current_scaling_mixed")
 
 
+def test_fp8_on_fsdp2_is_accepted_for_tensorwise_with_whole_step_graphs_and_says_it_gathers_in_fp8():
+    from graphstep.validation import resolve_cuda_graph_settings
+
+    # the runs: tests/distributed/test_fp8_data_parallel.py
+    for sharding in (["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+                     ["ddp.use_distributed_optimizer=true"]):
+        overrides = ["mixed_precision=bf16_with_fp8_current_scaling_mixed", *sharding,
+                     "model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+        assert not _rules(*overrides), _rules(*overrides)
+        cfg = tiny_config(*overrides)
+        resolve_cuda_graph_settings(cfg)  # the preset sets fp8_param_gather=true
+        assert any("all-gathers the decoder layers' FP8 weights in FP8" in n for n in accepted_notes(cfg))
+
+
 def test_fp8_without_torchao_is_v21(monkeypatch):
     from graphstep.validation import values
 
     monkeypatch.setattr(values, "_installed", lambda module: module != "torchao")
     found = [(rule, m) for rule, m in _rules("mixed_precision.fp8=hybrid") if rule == "V21"]
     assert found and "torchao" in found[0][1], found
+    assert not _rules("mixed_precision=bf16_with_fp8_delayed_scaling_mixed")  # graphstep's own FP8 linear
 
 
-def test_fp8_resume_from_a_checkpoint_is_exact(tmp_path):
-    # Float8Linear keeps nn.Linear's parameters: the checkpoint is the bf16 one, the resumed FP8 run continues exactly
-    fp8_run = [*BASE, *RECIPES["current_scaling_preset"], "model.cuda_graph_impl=full_iteration",
-               "model.cuda_graph_warmup_steps=1"]
+@pytest.mark.parametrize("recipe", ["current_scaling_preset", "delayed_preset"])
+def test_fp8_resume_from_a_checkpoint_is_exact(recipe, tmp_path):
+    # Float8Linear keeps nn.Linear's parameters: the checkpoint is the bf16 one, the resumed FP8 run continues exactly;
+    # delayed scaling's histories and scales are module buffers, saved and loaded with the parameters
+    fp8_run = [*BASE, *RECIPES[recipe], "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1"]
     whole = train(tiny_config(*fp8_run))
     ckpt = tmp_path / "ckpt"
     train(tiny_config(*fp8_run, "train.train_iters=4", f"checkpoint.save={ckpt}", "checkpoint.save_interval=4"))
@@ -203,3 +410,5 @@ def test_fp8_resume_from_a_checkpoint_is_exact(tmp_path):
     assert [r["iteration"] for r in resumed.rows] == [5, 6, 7, 8]
     assert [r["loss"] for r in resumed.rows] == [r["loss"] for r in whole.rows[4:]]
     assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), resumed.model.parameters()))
+    state, after = _scaling_state(whole.model), _scaling_state(resumed.model)
+    assert len(state) == len(after) and all(torch.equal(a, b) for a, b in zip(state, after))

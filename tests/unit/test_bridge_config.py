@@ -97,7 +97,7 @@ def test_mixed_precision_in_yaml_as_a_name_or_a_mapping(tmp_path):
 
 
 @pytest.mark.parametrize("preset, why", [("bf16_with_mxfp8_mixed", "Blackwell"), ("bf16_with_nvfp4_mixed", "Blackwell"),
-                                         ("bf16-with-fp8-delayed-scaling-mixed", "delayed scaling")])
+                                         ("bf16-with-fp8-subchannel-scaling-mixed", "blockwise")])
 def test_fp8_presets_graphstep_lacks_are_r32(preset, why):
     cfg = apply_overrides(Config(), [f"mixed_precision={preset}"])
     (v,) = validate_config(cfg, env={})
@@ -108,6 +108,7 @@ def test_fp8_presets_graphstep_lacks_are_r32(preset, why):
 def test_the_fp8_current_scaling_preset_and_fields_act_and_unknown_values_are_r32():
     # the FP8 runs themselves: tests/integration/test_fp8.py
     assert not _rules(apply_overrides(Config(), ["mixed_precision=bf16_with_fp8_current_scaling_mixed"]))
+    assert not _rules(apply_overrides(Config(), ["mixed_precision=bf16-with-fp8-delayed-scaling-mixed"]))
     assert not _rules(apply_overrides(Config(), ["mixed_precision.fp8=hybrid"]))
     assert _rules(apply_overrides(Config(), ["mixed_precision.fp8=e5m2"]))["R32"] == [("mixed_precision.fp8",)]
     assert "R32" in _rules(apply_overrides(Config(), ["mixed_precision=bf17_mixed"]))

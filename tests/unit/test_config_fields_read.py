@@ -60,10 +60,12 @@ REFUSED_OTHERWISE = {
     "model.virtual_pipeline_model_parallel_size": ("R28", ["model.virtual_pipeline_model_parallel_size=2"]),
     "model.pipeline_dtype": ("R28", ["model.pipeline_dtype=fp32", "model.params_dtype=bf16",
                                      "model.pipeline_model_parallel_size=2"]),
-    "mixed_precision.fp8_param_gather": ("R32", ["mixed_precision.fp8=hybrid", "ddp.use_megatron_fsdp=true",
-                                                 "mixed_precision.fp8_param_gather=true"]),
+    # FP8 all-gather under FSDP2: torchao's tensorwise scaling with whole-step graphs only
+    "mixed_precision.fp8_param_gather": ("R32", ["mixed_precision.fp8=e4m3", "mixed_precision.fp8_recipe=rowwise",
+                                                 "ddp.use_megatron_fsdp=true", "mixed_precision.fp8_param_gather=true"]),
     "model.fp8_param_gather": ("R32", ["mixed_precision.fp8=hybrid", "ddp.use_distributed_optimizer=true",
-                                       "model.fp8_param_gather=true"]),
+                                       "model.fp8_param_gather=true", "model.cuda_graph_impl=local",
+                                       "model.cuda_graph_modules=[attn,mlp]"]),
     "model.expert_tensor_parallel_size": ("R31", ["model.expert_tensor_parallel_size=2"]),
     # a declaration about the data (the data source decides the widths): refused with graphs and no buckets
     "model.variable_seq_lengths": ("R17", ["model.variable_seq_lengths=true", "model.cuda_graph_impl=full_iteration",

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -362,12 +363,14 @@ def combine_rounds(rounds: list[Row]) -> Row:
 def peer_of(name: str, names: set[str]) -> str | None:
     """The row of another library doing ``name``'s job, when the run measured it: per-layer graphs against
     ``torch.cuda.make_graphed_callables``, a whole-step graph against a hand-written ``torch.cuda.graph``
-    step, compile + graphs against ``torch.compile(mode="reduce-overhead")``, an ``fp8_`` row against the same
-    row in bf16, a ``lora_`` row against the same row fine-tuning every weight."""
-    if name.startswith(("fp8_", "lora_")):  # FP8 against bf16; LoRA against full fine-tuning
-        peer = name.split("_", 1)[1]
-    elif name.startswith("compile+fp8_"):  # compiled FP8 against the same compiled row in bf16
-        peer = "compile+" + name[len("compile+fp8_"):]
+    step, compile + graphs against ``torch.compile(mode="reduce-overhead")``, an FP8 row (``fp8_``,
+    ``fp8_delayed_``, ``compile+fp8_``) against the same row in bf16, a ``lora_`` row against the same row
+    fine-tuning every weight."""
+    fp8 = re.match(r"(compile\+)?(fp8_delayed_|fp8_)", name)
+    if fp8:  # an FP8 row against the same row in bf16
+        peer = (fp8.group(1) or "") + name[fp8.end():]
+    elif name.startswith("lora_"):  # LoRA against full fine-tuning
+        peer = name[len("lora_"):]
     elif name.startswith("compile+"):
         peer = "compile[reduce-overhead]"
     elif name.startswith(("local[", "te[")):

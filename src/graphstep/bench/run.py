@@ -11,7 +11,10 @@ weight: its step time and peak memory beside it) and ``fp8_<row>``; peers ``manu
 ``megatron_full_cuda_graph@VERSION`` (bench/megatron_peer.py; what each peer
 captures: ``CAPTURES``), and ``compile+full_iteration``:
 graphstep's full-iteration graph around ``torch.compile(model)`` (Inductor's
-fused kernels, default mode, and no launch overhead).
+fused kernels, default mode, and no launch overhead). ``fp8_<row>`` is the row
+with the decoder layers' linear layers in FP8 (torchao, current scaling), and
+``fp8_delayed_<row>`` with delayed scaling (converters/fp8_delayed.py); each
+faces the same row in bf16 (``compile+fp8_full_iteration``: ``compile+full_iteration``).
 
 Layout prefixes (bench/layouts.py) run a graphstep row over every rank of
 the world: ``fsdp_`` and ``zero2_`` (also on one GPU, a one-rank mesh), and under torchrun
@@ -53,13 +56,20 @@ MOE_ROWS = [
     "local[moe_router]", "local[attn,moe]", "manual_graph",
 ]
 HYBRID_ROWS = ["eager", "full_iteration", "full_iteration+optimizer", "local[attn,mamba]", "local[]", "manual_graph"]
-# fp8_<row>: the row with the decoder layers' linear layers in FP8 (current scaling; e4m3 forward, e5m2 gradients)
+# fp8_<row>: the row with the decoder layers' linear layers in FP8 (current scaling; e4m3 forward, e5m2 gradients);
+# fp8_delayed_<row>: the same with delayed scaling (Bridge's delayed preset: an amax history of 1024 steps, max)
 FP8_PREFIX = "fp8_"
 FP8_OVERRIDES = ["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=tensorwise"]
 # lora_<row>: the row fine-tuning LoRA adapters (Bridge's defaults: rank 32 on linear_qkv, linear_proj, linear_fc1,
 # linear_fc2) on the frozen model: converters/lora.py; its peer is the row fine-tuning every weight
 LORA_PREFIX = "lora_"
 LORA_OVERRIDES = ["peft=lora"]
+FP8_DELAYED_PREFIX = "fp8_delayed_"
+FP8_DELAYED_OVERRIDES = ["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=delayed",
+                         "mixed_precision.fp8_amax_history_len=1024", "mixed_precision.fp8_amax_compute_algo=max"]
+# the FP8 rows beside their bf16 rows (scripts/gpu-check runs them on dense_1b_bench and llama3_8b_stack_bench)
+FP8_ROWS = ["eager", "full_iteration", "local[attn,mlp]", "compile+full_iteration", "fp8_eager", "fp8_full_iteration",
+            "fp8_local[attn,mlp]", "compile+fp8_full_iteration", "fp8_delayed_full_iteration"]
 NO_GRAPH = ["model.cuda_graph_impl=none", "model.cuda_graph_modules=[]", "optimizer.optimizer_cuda_graph=false"]
 REFUSED = "refused"  # the note of a row the config rules refused (not built)
 # What each peer row captures, so a comparison with graphstep's rows is read fairly (shown under the tables).
@@ -105,6 +115,9 @@ def row_overrides(name: str, world_size: int = 1) -> list[str] | None:
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration"]
     if name == "full_iteration+optimizer":
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+    if name.startswith(FP8_DELAYED_PREFIX):  # the row in FP8 with delayed scaling: converters/fp8_delayed.py
+        inner = row_overrides(name[len(FP8_DELAYED_PREFIX):], world_size)
+        return None if inner is None else inner + FP8_DELAYED_OVERRIDES
     if name.startswith(FP8_PREFIX):  # the row in FP8 (torchao float8, tensorwise, every decoder layer): converters/fp8.py
         inner = row_overrides(name[len(FP8_PREFIX):], world_size)
         return None if inner is None else inner + FP8_OVERRIDES

@@ -6,6 +6,10 @@ Megatron Bridge's FP8 recipes run Transformer Engine's FP8 linear layers; graphs
 * ``fp8_recipe=tensorwise`` is Bridge's current scaling: each operand is scaled by its own amax, computed on the
   device in the same step (no history, no host sync), so a graph replays it exactly; ``fp8=hybrid`` casts the
   forward operands to e4m3 and the gradients to e5m2 (torchao's default), ``fp8=e4m3`` all of them to e4m3;
+* ``fp8_recipe=delayed`` is Bridge's delayed scaling (Transformer Engine's ``DelayedScaling``: an amax history per
+  tensor, ``fp8_amax_history_len`` rows, ``fp8_amax_compute_algo``, ``fp8_margin``), which torchao dropped:
+  graphstep's own :class:`~graphstep.converters.fp8_delayed.DelayedFloat8Linear`, whose histories and scales are
+  module buffers updated inside the step (converters/fp8_delayed.py);
 * ``rowwise`` and ``rowwise_with_gw_hp`` are torchao's row-wise scalings (a graphstep extension; all e4m3, the
   second keeps the weight-gradient matmul in high precision);
 * ``first_last_layers_bf16`` keeps ``num_layers_at_start_in_bf16`` leading and ``num_layers_at_end_in_bf16``
@@ -28,9 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engines_compat import dtensor_local, fsdp_float8_scale, fsdp_float8_weight, set_fsdp_float8_scale
 from ..models.transformer import decoder_layer_of
+from . import fp8_delayed
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+RECIPES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp")
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FORMATS = ("e4m3", "hybrid")
 ALIGN = 16  # torch._scaled_mm takes operands whose dimensions are multiples of 16
 
@@ -42,15 +49,22 @@ class FP8Plan:
     recipe: str
     format: str
     bf16_layers: frozenset[int]
+    fsdp_all_gather: bool = False  # FSDP2 with fp8_param_gather: torchao's FP8 all-gather of the weights
+    margin: int = 0  # delayed scaling only: fp8_margin, fp8_amax_history_len, fp8_amax_compute_algo
+    history_len: int = 1
+    amax_algo: str = "most_recent"
 
     def describe(self, converted: int, total: int) -> str:
         kept = f"; decoder layers {sorted(self.bf16_layers)} kept in bf16" if self.bf16_layers else ""
-        return (f"FP8 (torchao float8, {self.recipe} scaling, {self.format}): {converted} of {total} linear layers"
+        engine = "torchao float8" if self.recipe in TORCHAO_RECIPES else (
+            f"graphstep, amax history {self.history_len} ({self.amax_algo}), margin {self.margin}")
+        return (f"FP8 ({engine}, {self.recipe} scaling, {self.format}): {converted} of {total} linear layers"
                 f"{kept}; the embedding, the output layer and layers off the 16-multiple shapes in high precision")
 
 
-def plan_from(mixed_precision: Any, num_layers: int) -> FP8Plan | None:
-    """The plan of a validated config's ``mixed_precision`` section (None without ``fp8``)."""
+def plan_from(mixed_precision: Any, num_layers: int, fsdp: bool = False) -> FP8Plan | None:
+    """The plan of a validated config's ``mixed_precision`` section (None without ``fp8``); ``fsdp``: the run
+    shards its parameters with FSDP2 and asks for ``fp8_param_gather`` (torchao's FP8 all-gather)."""
     mp = mixed_precision
     if mp.fp8 is None:
         return None
@@ -58,7 +72,76 @@ def plan_from(mixed_precision: Any, num_layers: int) -> FP8Plan | None:
     if mp.first_last_layers_bf16:
         bf16 |= set(range(min(num_layers, mp.num_layers_at_start_in_bf16)))
         bf16 |= set(range(max(0, num_layers - mp.num_layers_at_end_in_bf16), num_layers))
-    return FP8Plan(recipe=str(mp.fp8_recipe), format=str(mp.fp8), bf16_layers=frozenset(bf16))
+    return FP8Plan(recipe=str(mp.fp8_recipe), format=str(mp.fp8), bf16_layers=frozenset(bf16), fsdp_all_gather=fsdp,
+                   margin=int(mp.fp8_margin), history_len=int(mp.fp8_amax_history_len),
+                   amax_algo=str(mp.fp8_amax_compute_algo))
+
+
+def delayed_scaling(model: nn.Module, plan: FP8Plan, reduce: Any = None) -> fp8_delayed.DelayedScaling | None:
+    """The once-per-step scale update of a model converted with ``fp8_recipe=delayed`` (None otherwise, or without
+    converted layers); ``reduce``: max-reduces the amaxes over data-parallel replicas in place."""
+    modules = fp8_delayed.delayed_modules(model)
+    if plan.recipe != "delayed" or not modules:
+        return None
+    return fp8_delayed.DelayedScaling(modules, margin=plan.margin, algo=plan.amax_algo, reduce=reduce)
+
+
+class FsdpWeightScales:
+    """The FP8 all-gather's weight scales under FSDP2, computed once per step inside the optimizer step.
+
+    With FSDP2 and ``fp8_param_gather``, torchao's ``Float8Linear`` weights are sharded as
+    ``WeightWithDynamicFloat8CastTensor``: FSDP2 casts each shard to FP8 before the all-gather, with a scale from
+    the whole weight's amax -- an all-reduce per weight and gather, unless a scale was precomputed
+    (torchao's ``precompute_float8_dynamic_scale_for_fsdp``, which assigns new tensors every step: a graph
+    captured earlier would keep reading the old ones). Here the scales live in one persistent fp32 tensor,
+    handed to the weights once (``set_fsdp_float8_scale``), and :meth:`update` -- after every optimizer step,
+    inside the optimizer graph when there is one, and once when the run is built -- rewrites it in place from
+    the new weights with one MAX all-reduce of their shards' amaxes, with torchao's arithmetic
+    (``fp8_max / max(amax, EPS)`` in float64, then fp32), so the gathered FP8 weights are the ones torchao's own
+    per-gather scaling would give.
+    """
+
+    def __init__(self, model: nn.Module, reduce: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        import_torchao()
+        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_utils import EPS
+
+        self.eps = EPS
+        self.locals = [dtensor_local(m.weight) for m in model.modules()
+                       if isinstance(m, Float8Linear) and isinstance(m.weight, DTensor)
+                       and fsdp_float8_weight(dtensor_local(m.weight))]
+        self.reduce = reduce
+        self.fp8_max = float(torch.finfo(torch.float8_e4m3fn).max)
+        device = self.locals[0].device if self.locals else torch.device("cpu")
+        self.scales = torch.ones(len(self.locals), dtype=torch.float32, device=device)
+        for i, local in enumerate(self.locals):
+            set_fsdp_float8_scale(local, self.scales[i])
+
+    def __len__(self) -> int:
+        return len(self.locals)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """The scales of the current weights: tensor ops and one all-reduce, no host sync."""
+        amax = torch.stack([torch.linalg.vector_norm(local, float("inf")).float() for local in self.locals])
+        self.reduce(amax)  # the whole weights' amaxes from the shards'
+        scale = self.fp8_max / torch.clamp(amax.to(torch.float64), min=self.eps)
+        self.scales.copy_(scale.to(torch.float32))
+
+    def installed(self) -> bool:
+        """Whether every weight still reads its scale from :attr:`scales` (FSDP2 kept the shards' tensors)."""
+        return all(fsdp_float8_scale(local) is not None and fsdp_float8_scale(local).data_ptr()
+                   == self.scales[i].data_ptr() for i, local in enumerate(self.locals))
+
+
+def fsdp_weight_scales(model: nn.Module, plan: FP8Plan, reduce: Any) -> FsdpWeightScales | None:
+    """The per-step weight scales of FSDP2's FP8 all-gather (None without it, or without FP8 weights)."""
+    if not plan.fsdp_all_gather:
+        return None
+    scales = FsdpWeightScales(model, reduce)
+    return scales if len(scales) else None
 
 
 def import_torchao() -> Any:
@@ -70,7 +153,7 @@ def import_torchao() -> Any:
     return float8
 
 
-def float8_config(recipe: str, fmt: str) -> Any:
+def float8_config(recipe: str, fmt: str, fsdp_all_gather: bool = False) -> Any:
     """torchao's ``Float8LinearConfig`` for ``recipe`` and ``fmt`` (e4m3: the gradients in e4m3 too)."""
     float8 = import_torchao()
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
@@ -81,6 +164,8 @@ def float8_config(recipe: str, fmt: str) -> Any:
             cast_config_grad_output=dataclasses.replace(config.cast_config_grad_output, target_dtype=e4m3),
             cast_config_grad_output_for_grad_weight=dataclasses.replace(
                 config.cast_config_grad_output_for_grad_weight, target_dtype=e4m3))
+    if fsdp_all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     return config
 
 
@@ -94,10 +179,15 @@ def _eligible(plan: FP8Plan, module: nn.Module, name: str) -> bool:
 
 
 def convert(model: nn.Module, plan: FP8Plan) -> tuple[list[str], int]:
-    """Swap the eligible ``nn.Linear`` of ``model`` for torchao's ``Float8Linear``, in place, before anything holds
-    on to the modules (tensor parallel, FSDP2, graphs). Returns the converted names and the number of linears."""
-    float8 = import_torchao()
+    """Swap the eligible ``nn.Linear`` of ``model`` for torchao's ``Float8Linear`` (delayed scaling: graphstep's
+    ``DelayedFloat8Linear``), in place, before anything holds on to the modules (tensor parallel, FSDP2, graphs).
+    Returns the converted names and the number of linears."""
     total = sum(1 for m in model.modules() if type(m) is nn.Linear)
+    if plan.recipe == "delayed":
+        names = fp8_delayed.convert(model, lambda module, name: _eligible(plan, module, name),
+                                    history_len=plan.history_len, fmt=plan.format)
+        return names, total
+    float8 = import_torchao()
     converted: list[str] = []
 
     def take(module: nn.Module, name: str) -> bool:
@@ -107,5 +197,5 @@ def convert(model: nn.Module, plan: FP8Plan) -> tuple[list[str], int]:
         return False
 
     float8.convert_to_float8_training(model, module_filter_fn=take,
-                                      config=float8_config(plan.recipe, plan.format))
+                                      config=float8_config(plan.recipe, plan.format, plan.fsdp_all_gather))
     return converted, total

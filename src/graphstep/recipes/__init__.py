@@ -9,7 +9,16 @@ from __future__ import annotations
 from typing import Callable
 
 from ..config import Config, ConfigError
-from .llama import dense_1b_bench, gpt_124m_bench, llama3_8b, llama3_70b, llama3_tiny, llama32_1b, small_dense_bench
+from .llama import (
+    dense_1b_bench,
+    gpt_124m_bench,
+    llama3_8b,
+    llama3_8b_stack_bench,
+    llama3_70b,
+    llama3_tiny,
+    llama32_1b,
+    small_dense_bench,
+)
 from .moe import (
     gpt_oss_20b,
     hybrid_launch_bound_bench,
@@ -26,6 +35,7 @@ RECIPES: dict[str, Callable[[], Config]] = {
     "llama3_70b": llama3_70b,
     "small_dense_bench": small_dense_bench,
     "dense_1b_bench": dense_1b_bench,
+    "llama3_8b_stack_bench": llama3_8b_stack_bench,
     "gpt_124m_bench": gpt_124m_bench,
     "qwen3_moe_tiny": qwen3_moe_tiny,
     "nemotron_h_tiny": nemotron_h_tiny,

@@ -113,3 +113,19 @@ def dense_1b_bench() -> Config:
     cfg.train.micro_batch_size, cfg.train.global_batch_size = 2, 2
     cfg.train.train_iters = 50
     return cfg
+
+
+def llama3_8b_stack_bench() -> Config:
+    """Llama 3 8B's real shapes in a 4-layer stack for ``graphstep bench``: d=4096, SwiGLU 14336, 32 heads /
+    8 KV heads, vocabulary 128256, sequence 8192, micro-batch 1, bf16 parameters, mock data.
+
+    The layers are the 8B model's, the depth is not: one H100 holds the stack with its fp32 master weights
+    and Adam moments (about 1.9B parameters, the 128k-vocabulary embedding and output layer included), and
+    the matmuls run at the sizes FP8 is meant for (the ``fp8_`` bench rows against the same rows in bf16).
+    """
+    cfg = llama3_8b()
+    cfg.model.num_layers = 4
+    cfg.model.params_dtype = "bf16"
+    cfg.train.micro_batch_size = cfg.train.global_batch_size = 1
+    cfg.train.train_iters = 50
+    return cfg

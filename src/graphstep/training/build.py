@@ -30,6 +30,7 @@ from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import Config, ConfigError
@@ -148,7 +149,11 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     grads = GradBuffers(model, dp.mesh)
     optimizer = build_optimizer(cfg, model, grads)
     start = options.restore(model, optimizer) if options.restore is not None else 0
-    # 4. The training and evaluation steps: data-parallel reducers, MoE hooks, the non-finite flag.
+    # FSDP2's FP8 all-gather (fp8_param_gather): the weights' scales, from the weights as built or loaded, then
+    # rewritten after every optimizer step (step 7, inside the optimizer graph when there is one)
+    fp8_gather = _fp8_gather_scales(cfg, model, dp)
+    # 4. The training and evaluation steps: data-parallel reducers, MoE hooks, the non-finite flag, and FP8 delayed
+    #    scaling's end-of-step update of the amax histories and scales (inside the full-iteration graph).
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.dp_size)  # per pipeline too
     moe = MoEHooks(model, num_mb)
     train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb)
@@ -183,7 +188,8 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
             graphs = [train, layers]
     # 7. The optimizer graph last: it reads the training step's outputs (the non-finite flag) and is captured
     #    after the training graph, into the same pool.
-    optimizer_step = _optimizer_step(optimizer, skip_on_nonfinite=tr.skip_step_on_nan)
+    optimizer_step = _optimizer_step(optimizer, skip_on_nonfinite=tr.skip_step_on_nan,
+                                     after=fp8_gather.update if fp8_gather is not None else None)
     if settings.optimizer_graph and settings.enabled:
         optimizer_step = GraphedStep(optimizer_step, backend, capture, name="optimizer")
         graphs.append(optimizer_step)
@@ -208,7 +214,7 @@ def _build_model(cfg: Config, device: torch.device, dp: DataParallel, dtype: tor
         load_hf_weights(model, cfg.model.hf_path, cfg.model)  # in place, before the optimizer copies the weights
     if cfg.checkpoint.pretrained_checkpoint:  # the same, from a graphstep checkpoint (R33: not with hf_path)
         load_pretrained(cfg.checkpoint.pretrained_checkpoint, model, dp, cfg)
-    plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers)
+    plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers, fsdp=_fp8_all_gather(cfg, dp))
     if plan is not None:  # torchao's Float8Linear in place of the layers' nn.Linear: before anything holds them
         converted, total = fp8.convert(model, plan)
         log.info("%s", plan.describe(len(converted), total))
@@ -240,14 +246,54 @@ def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, ste
     hooks = dict(reduce_grads=reduce_grads, reduce_loss=dp.loss_reducer(),
                  before_step=moe.before_step if moe.enabled else None,
                  check_nonfinite=cfg.train.check_for_nan_on_device)
-    if dp.layout.pp > 1:  # the schedule runs forward and backward (parallel/pipeline.py)
+    if dp.layout.pp > 1:  # the schedule runs forward and backward (parallel/pipeline.py); R32: no FP8 there
         pipeline = Pipeline(model, stage_index=dp.pp_rank, stages=dp.layout.pp, group=dp.pp_group, device=device,
                             schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
         return PipelineTrainStep(pipeline, grads, **hooks), PipelineEvalStep(pipeline, device, dp.loss_reducer())
-    train_step = TrainStep(step_model, grads, retain_graph=settings.retain_backward_graph, **hooks)
+    train_step = TrainStep(step_model, grads, retain_graph=settings.retain_backward_graph,
+                           after_backward=_fp8_scaling_update(cfg, model, dp), **hooks)
     eval_step = EvalStep(step_model, device, reduce_loss=dp.loss_reducer(),
                          release=partial(reshard_all, model) if dp.layout.fsdp is not None else None)
     return train_step, eval_step
+
+
+def _fp8_scaling_update(cfg: Config, model: nn.Module, dp: DataParallel) -> Callable[[], None] | None:
+    """FP8 delayed scaling's end-of-step update (converters/fp8_delayed.py; None for the other recipes): the
+    replicas' amaxes max-reduced in one device all-reduce, then the scales and histories, inside the step."""
+    plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers)
+    if plan is None:
+        return None
+    scaling = fp8.delayed_scaling(model, plan, reduce=_max_over_data_parallel(dp) if dp.dp_size > 1 else None)
+    return scaling.update if scaling is not None else None
+
+
+def _max_over_data_parallel(dp: DataParallel) -> Callable[[torch.Tensor], None]:
+    """An in-place MAX all-reduce over the data-parallel ranks (replicas or FSDP2 shards): a device collective,
+    capturable, no host read."""
+    group = dp.dp_group
+
+    def reduce(t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+    return reduce
+
+
+def _fp8_all_gather(cfg: Config, dp: DataParallel) -> bool:
+    """FSDP2 with fp8_param_gather (Bridge's FP8 presets set it): the weights are all-gathered in FP8."""
+    gather = cfg.mixed_precision.fp8_param_gather is True or cfg.model.fp8_param_gather is True
+    return dp.layout.fsdp is not None and gather
+
+
+def _fp8_gather_scales(cfg: Config, model: nn.Module, dp: DataParallel) -> fp8.FsdpWeightScales | None:
+    """The FP8 all-gather's weight scales (converters/fp8.py), computed now from the weights as built or loaded,
+    then after every optimizer step; None without FSDP2's FP8 all-gather."""
+    plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers, fsdp=_fp8_all_gather(cfg, dp))
+    if plan is None:
+        return None
+    scales = fp8.fsdp_weight_scales(model, plan, _max_over_data_parallel(dp))
+    if scales is not None:
+        scales.update()
+    return scales
 
 
 def _run_backend(settings: CudaGraphSettings, backend: GraphBackend | None, device: torch.device, *,
@@ -279,9 +325,14 @@ def _full_iteration_graphs(train_step: Any, eval_step: Any, backend: RunBackend,
     return over_micro_batches(train_graph, num_micro_batches), eval_graph, [train_graph, eval_graph]
 
 
-def _optimizer_step(optimizer: AdamW, *, skip_on_nonfinite: bool) -> Callable[[dict[str, torch.Tensor]], Any]:
+def _optimizer_step(optimizer: AdamW, *, skip_on_nonfinite: bool, after: Callable[[], None] | None = None,
+                    ) -> Callable[[dict[str, torch.Tensor]], Any]:
+    """The optimizer step; ``after``: device work on the new weights, in the same step (and graph)."""
     def opt_fn(train_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return optimizer.step(train_out.get("nonfinite") if skip_on_nonfinite else None)
+        out = optimizer.step(train_out.get("nonfinite") if skip_on_nonfinite else None)
+        if after is not None:
+            after()
+        return out
 
     return opt_fn
 

@@ -40,6 +40,8 @@ class TrainStep:
             (a device all-reduce, inside the graph too), so the logged loss and
             the non-finite flag are the same on every rank.
         before_step: model state reset at the start of every step (e.g. MoE statistics).
+        after_backward: model state updated at the end of every step, after the gradient reduction
+            (FP8 delayed scaling's amax histories and scales, converters/fp8_delayed.py); device ops only.
         retain_graph: ``model.cuda_graph_retain_backward_graph``.
         check_nonfinite: ``train.check_for_nan_on_device``: also return ``nonfinite``, a device
             flag of the loss (graph-safe: no host read).
@@ -53,6 +55,7 @@ class TrainStep:
         reduce_grads: Callable[[], None] | None = None,
         reduce_loss: Callable[[torch.Tensor], None] | None = None,
         before_step: Callable[[], None] | None = None,
+        after_backward: Callable[[], None] | None = None,
         retain_graph: bool = False,
         check_nonfinite: bool = True,
     ) -> None:
@@ -61,6 +64,7 @@ class TrainStep:
         self.reduce_grads = reduce_grads
         self.reduce_loss = reduce_loss
         self.before_step = before_step
+        self.after_backward = after_backward
         self.retain_graph = retain_graph
         self.check_nonfinite = check_nonfinite
 
@@ -73,6 +77,8 @@ class TrainStep:
         self._accumulate(batches, total)
         if self.reduce_grads is not None:
             self.reduce_grads()
+        if self.after_backward is not None:
+            self.after_backward()
         mean = self._mean(total, n)
         if self.reduce_loss is not None:
             self.reduce_loss(mean)

@@ -145,8 +145,14 @@ def accepted_notes(cfg: Config) -> list[str]:
     if sharding is not None:
         out.append(sharding)
     if cfg.mixed_precision.fp8 is not None:
+        d = cfg.ddp
+        sharded = d.use_megatron_fsdp is True or d.use_distributed_optimizer is True \
+            or cfg.optimizer.use_distributed_optimizer is True
         for key in ("mixed_precision.fp8_param_gather", "model.fp8_param_gather"):
-            if get(cfg, key) is True:  # R32 refuses it with sharded parameters
+            if get(cfg, key) is True and sharded:  # R32 accepts it with FSDP2 for torchao's tensorwise scaling
+                out.append(f"{key}=true: FSDP2 all-gathers the decoder layers' FP8 weights in FP8 (torchao), their "
+                           "scales computed once per step in the optimizer step")
+            elif get(cfg, key) is True:
                 out.append(f"{key}=true: nothing to gather in FP8, the data-parallel ranks hold whole replicas")
     m = cfg.model
     modules = [str(x) for x in m.cuda_graph_modules] if isinstance(m.cuda_graph_modules, list) else []

@@ -150,20 +150,24 @@ def _lower(value: Any) -> str | None:
     return text.lower() if text is not None else None
 
 
-# What Megatron Bridge's FP8 current-scaling preset sets, beyond bf16 (its mixed_precision presets)
+# What Megatron Bridge's FP8 current-scaling and delayed-scaling presets set, beyond bf16 (its mixed_precision presets)
 FP8_CURRENT_SCALING = {"fp8": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True,
                        "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1, "fp8_param_gather": True}
 FP8_CURRENT_SCALING_PRESET = "bf16_with_fp8_current_scaling_mixed"
+FP8_DELAYED_SCALING = {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_margin": 0, "fp8_amax_history_len": 1024,
+                       "fp8_amax_compute_algo": "max", "fp8_param_gather": True}
+FP8_DELAYED_SCALING_PRESET = "bf16_with_fp8_delayed_scaling_mixed"
+FP8_PRESETS = {FP8_CURRENT_SCALING_PRESET: FP8_CURRENT_SCALING, FP8_DELAYED_SCALING_PRESET: FP8_DELAYED_SCALING}
 
 
 def _precision(cfg: Config, explicit: frozenset[str]) -> list[str]:
     """Bridge's mixed_precision onto model.params_dtype and ddp.grad_reduce_in_fp32 (a value you set wins); its FP8
-    current-scaling preset onto the FP8 fields; model.fp8 (Megatron Core's spelling) onto mixed_precision.fp8."""
+    current- and delayed-scaling presets onto the FP8 fields; model.fp8 (Megatron Core's spelling) onto mixed_precision.fp8."""
     mp, notes = cfg.mixed_precision, []
     preset = _lower(mp.preset)
     preset = preset.replace("-", "_") if preset is not None else None
-    if preset == FP8_CURRENT_SCALING_PRESET:
-        for name, value in FP8_CURRENT_SCALING.items():
+    if preset in FP8_PRESETS:
+        for name, value in FP8_PRESETS[preset].items():
             if f"mixed_precision.{name}" not in explicit and getattr(mp, name) != value:
                 setattr(mp, name, value)
                 notes.append(f"mixed_precision.{name}={fmt(value)} from mixed_precision={preset}")
@@ -172,7 +176,7 @@ def _precision(cfg: Config, explicit: frozenset[str]) -> list[str]:
         notes.append(f"mixed_precision.fp8={fmt(mp.fp8)} from model.fp8")
     dtype = _lower(mp.params_dtype)
     want = ("bf16" if dtype in _BF16 else "fp32" if dtype in _FP32 else None)
-    if want is None and (mp.bf16 is True or preset in ("bf16_mixed", FP8_CURRENT_SCALING_PRESET)):
+    if want is None and (mp.bf16 is True or preset in ("bf16_mixed", *FP8_PRESETS)):
         want = "bf16"
     if want is None and mp.fp32 is True:
         want = "fp32"

@@ -23,11 +23,11 @@ from typing import Any
 
 from graphstep.config import PRECISION_PRESETS, explicit_keys, field_kind, iter_fields, refused_values
 
-from graphstep.converters import fp8, lora
+from graphstep.converters import fp8, fp8_delayed, lora
 from graphstep.data import packing
 
 from .graph_rules import View, _impl_f
-from .migrations import FP8_CURRENT_SCALING_PRESET
+from .migrations import FP8_CURRENT_SCALING_PRESET, FP8_PRESETS
 from .report import Violation, as_num as _num, as_str as _str, fmt as _fmt, names as _names
 from .report import violation as _v
 
@@ -109,7 +109,8 @@ def _accepted(value: Any, allowed: tuple[Any, ...]) -> bool:
 REFUSED_REASONS = {
     "R18": ("graphstep does not implement this value", ""),
     "R32": ("this FP8/FP4 feature is not implemented: graphstep's FP8 is current (tensorwise) or row-wise scaling "
-            "of the decoder layers' linear layers on torchao, with bf16 parameters",
+            "of the decoder layers' linear layers on torchao, or delayed scaling on graphstep's own FP8 linear, "
+            "with bf16 parameters (no FP8 parameters, attention or FP4)",
             "; for FP8 write mixed_precision=bf16_with_fp8_current_scaling_mixed"),
     "R33": ("not implemented yet: graphstep's LoRA keeps its adapters in the model's dtype (model.params_dtype) "
             "and has no expert all-to-all adapters", ""),
@@ -185,20 +186,41 @@ def _refused(v: View, rule: str) -> list[Violation]:
 
 # Megatron Bridge's FP8/FP4 presets graphstep does not implement, by what tells them apart in the name
 _PRESET_WHY = (
-    ("delayed", "delayed scaling (an amax history per tensor) is not implemented: torchao dropped it, and "
-                "graphstep has no in-graph version of it yet"),
     ("subchannel", "blockwise (sub-channel) FP8 scaling is not implemented"),
     ("mxfp8", "MXFP8 needs Blackwell tensor cores and is not implemented"),
     ("nvfp4", "NVFP4 needs Blackwell tensor cores and is not implemented"),
     ("current_scaling", "only the general current-scaling preset is implemented (its first and last layers in "
                         "bf16), not this model-specific variant"),
+    ("delayed", "only the bf16 delayed-scaling preset is implemented"),
 )
 _RECIPE_WHY = {
-    "delayed": "delayed scaling (an amax history per tensor) is not implemented: torchao dropped it, and graphstep "
-               "has no in-graph version of it yet",
     "blockwise": "blockwise (sub-channel) FP8 scaling is not implemented",
     "mxfp8": "MXFP8 needs Blackwell tensor cores and is not implemented",
 }
+
+
+def _delayed_fields(cfg: Any) -> list[Violation]:
+    """fp8_recipe=delayed: its three fields hold values Transformer Engine's DelayedScaling takes; not compiled."""
+    mp, out = cfg.mixed_precision, []
+    length, margin = mp.fp8_amax_history_len, mp.fp8_margin
+    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+        out.append(_v("R32", ["mixed_precision.fp8_amax_history_len"], f"mixed_precision.fp8_amax_history_len="
+                      f"{_fmt(length)}: the amax history holds a whole number of steps, at least 1.",
+                      "set mixed_precision.fp8_amax_history_len=1024 (Bridge's delayed preset) or 1."))
+    if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
+        out.append(_v("R32", ["mixed_precision.fp8_margin"], f"mixed_precision.fp8_margin={_fmt(margin)}: the "
+                      "margin is a whole number of binades (scale = fp8_max / amax / 2**margin), 0 or more.",
+                      "set mixed_precision.fp8_margin=0."))
+    if _str(mp.fp8_amax_compute_algo) not in fp8_delayed.ALGOS:
+        out.append(_v("R32", ["mixed_precision.fp8_amax_compute_algo"], "mixed_precision.fp8_amax_compute_algo="
+                      f"{_fmt(mp.fp8_amax_compute_algo)} is not an amax algorithm ({', '.join(fp8_delayed.ALGOS)}).",
+                      "set mixed_precision.fp8_amax_compute_algo=max (or most_recent)."))
+    if cfg.compile.enable is True:
+        out.append(_v("R32", ["mixed_precision.fp8_recipe", "compile.enable"], "mixed_precision.fp8_recipe=delayed "
+                      "with compile.enable=true: torch.compile of delayed scaling's in-place history updates is "
+                      "not tested yet.", "set compile.enable=false, or mixed_precision.fp8_recipe=tensorwise to "
+                      "compile FP8."))
+    return out
 
 
 def _beyond_replicas(cfg: Any) -> list[tuple[str, str]]:
@@ -214,8 +236,10 @@ def _beyond_replicas(cfg: Any) -> list[tuple[str, str]]:
 
 
 def _r32(v: View) -> list[Violation]:
-    """FP8 as graphstep implements it (converters/fp8.py): current or row-wise scaling on torchao, alone on data
-    parallel; the presets and fields it does not implement."""
+    """FP8 as graphstep implements it (converters/fp8.py): current or row-wise scaling on torchao, delayed scaling
+    on graphstep's own linear (converters/fp8_delayed.py), on data-parallel replicas, and on FSDP2 for current
+    (with torchao's FP8 all-gather) and delayed scaling with whole-step graphs; the presets and fields it does
+    not implement."""
     out = _refused(v, "R32")
     cfg, mp = v.cfg, v.cfg.mixed_precision
     preset, name = mp.preset, _str(mp.preset)
@@ -229,7 +253,7 @@ def _r32(v: View) -> list[Violation]:
             out.append(_v("R18", ["mixed_precision.preset"], f"mixed_precision={name}: fp16 with loss scaling is not "
                           "implemented by graphstep.", "write mixed_precision=bf16_mixed (or "
                           "bf16_with_fp8_current_scaling_mixed for FP8)."))
-        elif name not in ("bf16_mixed", FP8_CURRENT_SCALING_PRESET):
+        elif name not in ("bf16_mixed", *FP8_PRESETS):
             why = next((why for tag, why in _PRESET_WHY if tag in name), "this precision preset is not implemented")
             out.append(_v("R32", ["mixed_precision.preset"], f"mixed_precision={name}: {why}.",
                           f"write mixed_precision={FP8_CURRENT_SCALING_PRESET} (FP8 current scaling) or "
@@ -248,24 +272,39 @@ def _r32(v: View) -> list[Violation]:
         out.append(_v("R32", ["mixed_precision.fp8_recipe"], f"mixed_precision.fp8_recipe={_fmt(mp.fp8_recipe)} is "
                       f"not an FP8 scaling graphstep implements ({', '.join(fp8.RECIPES)}).",
                       "set mixed_precision.fp8_recipe=tensorwise (current scaling)."))
-    elif recipe != "tensorwise" and fmt == "hybrid":
+    elif recipe in ("rowwise", "rowwise_with_gw_hp") and fmt == "hybrid":
         out.append(_v("R32", ["mixed_precision.fp8_recipe", "mixed_precision.fp8"], f"mixed_precision.fp8_recipe="
                       f"{recipe} with mixed_precision.fp8=hybrid: torchao's row-wise scalings cast the gradients to "
                       "e4m3, not e5m2.", "set mixed_precision.fp8=e4m3, or mixed_precision.fp8_recipe=tensorwise."))
+    if recipe == "delayed":
+        out += _delayed_fields(cfg)
     d = cfg.ddp
     sharded = d.use_megatron_fsdp is True or d.use_distributed_optimizer is True \
         or cfg.optimizer.use_distributed_optimizer is True
-    others = _beyond_replicas(cfg)
+    # FSDP2 with FP8: tensorwise (with fp8_param_gather: torchao's FP8 all-gather) or delayed scaling (the weights
+    # gathered in bf16), with whole-step graphs or none
+    fsdp_fp8 = recipe in ("tensorwise", "delayed") and not v.per_layer
+    fp8_gather = recipe == "tensorwise" and not v.per_layer
+    others = [(key, what) for key, what in _beyond_replicas(cfg) if not (key == "ddp.use_megatron_fsdp" and fsdp_fp8)]
     if cfg.compile.enable is True and v.per_layer:
         others.append(("compile.enable", "torch.compile of per-layer graphs (compile.enable=true)"))
     for key, what in others:
+        if key == "ddp.use_megatron_fsdp":
+            out.append(_v("R32", ["mixed_precision.fp8", "mixed_precision.fp8_recipe", key], f"mixed_precision.fp8="
+                          f"{fmt} with {what}: implemented for fp8_recipe=tensorwise or delayed with full_iteration "
+                          f"graphs or none, not yet with {'per-layer graphs' if v.per_layer else f'fp8_recipe={recipe}'}.",
+                          "set mixed_precision.fp8_recipe=tensorwise (or delayed) and model.cuda_graph_impl="
+                          "full_iteration (or none), or drop FSDP2."))
+            continue
         out.append(_v("R32", ["mixed_precision.fp8", key], f"mixed_precision.fp8={fmt} with {what} is not "
-                      "implemented yet: graphstep's FP8 runs on data-parallel replicas.",
+                      "implemented yet: graphstep's FP8 runs on data-parallel replicas and FSDP2.",
                       f"set mixed_precision.fp8=null (bf16), or drop {what.split(' (')[0]}."))
     for key in ("mixed_precision.fp8_param_gather", "model.fp8_param_gather"):
-        if _get_field(cfg, key) is True and sharded:
+        if _get_field(cfg, key) is True and sharded and not fp8_gather:
             out.append(_v("R32", [key], f"{key}=true with sharded parameters or optimizer state: the FP8 parameter "
-                          "all-gather is not implemented.", f"set {key}=false."))
+                          "all-gather is implemented for fp8_recipe=tensorwise (torchao's) without per-layer graphs.",
+                          f"set {key}=false, or mixed_precision.fp8_recipe=tensorwise and "
+                          "model.cuda_graph_impl=full_iteration."))
     if v.capability is not None and tuple(v.capability) < (8, 9):
         major, minor = v.capability
         out.append(_v("R32", ["mixed_precision.fp8"], f"mixed_precision.fp8={fmt} on a GPU of compute capability "

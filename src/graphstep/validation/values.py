@@ -436,6 +436,8 @@ def _extra_violations(cfg: Config) -> list[Violation]:
     out = []
     for key, (module, extra) in _EXTRAS.items():
         value = _get(cfg, key)
+        if key == "mixed_precision.fp8" and _get(cfg, "mixed_precision.fp8_recipe") == "delayed":
+            continue  # delayed scaling is graphstep's own FP8 linear (converters/fp8_delayed.py): no torchao
         if isinstance(value, str) and value and not _installed(module):
             out.append(_v("V21", [key], f"{key}={_fmt(value)} needs the {module} package, which is not installed.",
                           f"pip install 'graphstep[{extra}]', or set {key}=null."))

@@ -1,0 +1,193 @@
+"""FP8 delayed scaling (``fp8_recipe=delayed``): an amax history per tensor, updated inside the step, on the device.
+
+Transformer Engine's ``DelayedScaling`` recipe, which torchao dropped, in plain PyTorch over ``torch._scaled_mm``
+(engines_compat.scaled_mm). :class:`DelayedFloat8Linear` replaces a decoder layer's ``nn.Linear`` (the same
+``weight`` parameter) and owns two persistent buffers on the weight's device:
+
+* ``fp8_amax_history`` -- ``(fp8_amax_history_len, 3)`` fp32, columns input, weight, grad_output. Row 0 is the
+  current step's: every training forward takes ``max(row 0, amax(x))`` and ``max(row 0, amax(w))``, every
+  backward ``max(row 0, amax(grad_output))`` (so micro-batches, and a recomputed forward, add nothing new);
+* ``fp8_scale`` -- ``(3,)`` fp32, the scales the casts use: ``fp8 = saturate(hp * scale)``, and the matmul
+  multiplies by ``1 / scale``. They start at 1.
+
+:meth:`DelayedScaling.update` runs once at the end of every training step (training/step.py's ``after_backward``:
+inside the full-iteration graph when there is one) with tensor ops only -- no ``.item()``, no host sync:
+
+1. with data-parallel replicas, row 0 of every history is all-reduced with MAX in one collective (TE's
+   ``reduce_amax``), so every replica casts with the same scales;
+2. ``amax`` = the maximum over the whole history (``fp8_amax_compute_algo=max``) or row 0 (``most_recent``);
+3. ``scale = fp8_max / amax / 2**fp8_margin`` (fp8_max 448 for e4m3, 57344 for e5m2), kept as it was where
+   ``amax`` is 0 or not finite;
+4. the history rolls one row (row 0 moves to the end, the oldest row is dropped) and row 0 is zeroed.
+
+This is TE's ``amax_and_scale_update``: the scales of step ``t`` come from the amaxes of the steps before it.
+``fp8=hybrid`` casts input and weight to e4m3 and grad_output to e5m2; ``fp8=e4m3`` all three to e4m3.
+Evaluation forwards (``model.eval()`` or no grad) record nothing. The histories and scales are module
+buffers, so checkpoints save and restore them (the resumed run continues exactly).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..engines_compat import scaled_mm
+
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+ALGOS = ("max", "most_recent")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)  # 448 (e4m3), 57344 (e5m2): TE's fp8_dtype_max
+
+
+def cast_to_fp8(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(hp * scale)`` in ``dtype`` (the multiply in fp32, as torchao's and TE's casts)."""
+    limit = fp8_max(dtype)
+    return (hp.float() * scale).clamp(min=-limit, max=limit).to(dtype)
+
+
+def _record(history: torch.Tensor, column: int, hp: torch.Tensor) -> None:
+    """Row 0 of ``history`` at ``column`` becomes ``max(itself, amax(hp))``, in place."""
+    slot = history[0, column]
+    amax = torch.linalg.vector_norm(hp.detach(), float("inf"))  # max |hp| in one reduction (exact: no rounding)
+    torch.maximum(slot, amax.float(), out=slot)
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+class _DelayedMatmul(torch.autograd.Function):
+    """``x @ w.t()`` with x, w and grad_output cast to FP8 by the module's current scales."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: DelayedFloat8Linear,
+                record: bool) -> torch.Tensor:
+        history, scale = module.fp8_amax_history, module.fp8_scale
+        x2 = x.reshape(-1, x.shape[-1])
+        if record:
+            _record(history, INPUT, x2)
+            _record(history, WEIGHT, weight)
+        x_scale, w_scale = scale[INPUT].clone(), scale[WEIGHT].clone()  # this step's, for the backward too
+        x8 = cast_to_fp8(x2, x_scale, module.forward_dtype)
+        w8 = cast_to_fp8(weight, w_scale, module.forward_dtype)
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+        out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, fast_accum=True)
+        ctx.save_for_backward(x8, w8, x_inv, w_inv)
+        ctx.module, ctx.record, ctx.x_shape, ctx.dtypes = module, record, x.shape, (x.dtype, weight.dtype)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x8, w8, x_inv, w_inv = ctx.saved_tensors
+        module: DelayedFloat8Linear = ctx.module
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.record:
+            _record(module.fp8_amax_history, GRAD_OUTPUT, g2)
+        g_scale = module.fp8_scale[GRAD_OUTPUT].clone()
+        g8 = cast_to_fp8(g2, g_scale, module.backward_dtype)
+        g_inv = g_scale.reciprocal()
+        x_dtype, w_dtype = ctx.dtypes
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = scaled_mm(g8, _column_major(w8), g_inv, w_inv, x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = scaled_mm(g8.t().contiguous(), _column_major(x8), g_inv, x_inv, w_dtype)
+        return grad_x, grad_w, None, None
+
+
+class DelayedFloat8Linear(nn.Linear):
+    """An ``nn.Linear`` whose matmuls run in FP8 with delayed scaling (see the module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, history_len: int, fmt: str,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.fmt = fmt
+        self.forward_dtype = E4M3
+        self.backward_dtype = E5M2 if fmt == "hybrid" else E4M3
+        buf_device = self.weight.device
+        self.register_buffer("fp8_amax_history", torch.zeros(history_len, 3, dtype=torch.float32, device=buf_device))
+        self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=buf_device))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, history_len: int, fmt: str) -> DelayedFloat8Linear:
+        """A module over ``linear``'s own parameters (the same objects: the optimizer and checkpoints see no
+        difference), its buffers on the weight's device."""
+        new = cls(linear.in_features, linear.out_features, bias=False, history_len=history_len, fmt=fmt,
+                  device="meta", dtype=linear.weight.dtype)
+        new.weight, new.bias = linear.weight, linear.bias
+        device = linear.weight.device
+        new.fp8_amax_history = torch.zeros(history_len, 3, dtype=torch.float32, device=device)
+        new.fp8_scale = torch.ones(3, dtype=torch.float32, device=device)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        record = self.training and torch.is_grad_enabled()
+        out = _DelayedMatmul.apply(x, self.weight, self, record)
+        return out + self.bias if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.fmt}, delayed scaling, history={self.fp8_amax_history.shape[0]}"
+
+
+class DelayedScaling:
+    """The once-per-step update of every :class:`DelayedFloat8Linear` of a model (see the module docstring).
+
+    Args:
+        modules: the converted modules, in a fixed order (the order of the stacked histories).
+        margin: ``fp8_margin``; algo: ``fp8_amax_compute_algo`` (max or most_recent).
+        reduce: max-reduces a tensor in place over the data-parallel replicas (a device all-reduce), so
+            they share their amaxes; None: one replica.
+    """
+
+    def __init__(self, modules: list[DelayedFloat8Linear], *, margin: int, algo: str,
+                 reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+        if algo not in ALGOS:
+            raise ValueError(f"fp8_amax_compute_algo={algo!r}: one of {', '.join(ALGOS)}")
+        self.modules = modules
+        self.algo = algo
+        self.reduce = reduce
+        self.margin = margin
+        first = modules[0]
+        # the largest scaled value per column (input, weight in the forward format; grad_output in the backward's)
+        self.scaled_max = torch.tensor([fp8_max(first.forward_dtype), fp8_max(first.forward_dtype),
+                                        fp8_max(first.backward_dtype)], dtype=torch.float32,
+                                       device=first.fp8_scale.device) * (2.0 ** -margin)
+
+    def update(self) -> None:
+        """Reduce, compute the next scales from the histories, roll: tensor ops only (no host sync)."""
+        with torch.no_grad():
+            history = torch.stack([m.fp8_amax_history for m in self.modules], dim=1)  # (len, modules, 3)
+            scale = torch.stack([m.fp8_scale for m in self.modules])  # (modules, 3)
+            if self.reduce is not None:
+                self.reduce(history[0])
+            amax = history.amax(dim=0) if self.algo == "max" else history[0]
+            usable = (amax > 0) & torch.isfinite(amax)
+            scale = torch.where(usable, self.scaled_max / amax, scale)
+            history = history.roll(-1, dims=0)
+            history[0].zero_()
+            for i, m in enumerate(self.modules):
+                m.fp8_amax_history.copy_(history[:, i])
+                m.fp8_scale.copy_(scale[i])
+
+
+def convert(model: nn.Module, eligible: Any, *, history_len: int, fmt: str) -> list[str]:
+    """Swap every ``nn.Linear`` for which ``eligible(module, name)`` holds for a :class:`DelayedFloat8Linear`,
+    in place. Returns the converted names."""
+    converted: list[str] = []
+    for name, module in list(model.named_modules()):
+        if not eligible(module, name):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, DelayedFloat8Linear.from_linear(module, history_len=history_len, fmt=fmt))
+        converted.append(name)
+    return converted
+
+
+def delayed_modules(model: nn.Module) -> list[DelayedFloat8Linear]:
+    return [m for m in model.modules() if isinstance(m, DelayedFloat8Linear)]
