@@ -1,4 +1,4 @@
-"""``graphstep train | config show | config validate | config fields``, and the subcommands that bench/,
+"""``graphstep train | export | config show | config validate | config fields``, and the subcommands that bench/,
 doctor/ and data/ add (``add_bench``, ``add_doctor``, ``add_preprocess``).
 
 Every command resolves a config the same way: the recipe (``--recipe``,
@@ -38,6 +38,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     result = train(cfg, hooks=RunHooks(on_capture_error=capture_error_hook))  # the doctor names a failed capture's line
     return 130 if result.stopped_by_signal else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .training.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.format, args.out, base=args.base)
+    print(f"exported {args.checkpoint} as --format {args.format} to {out}")
+    return 0
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -107,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a recipe (default: llama3_tiny on the embedded corpus)")
     add_config_args(p)
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("export", help="write a run's trained model as a Hugging Face model (--format hf, adapters "
+                       "merged) or its LoRA/DoRA adapters in HF peft's format (--format peft)")
+    p.add_argument("checkpoint", help="a run's checkpoint.save folder (its newest intact checkpoint) or one "
+                   "iter_NNNNNNN folder in it")
+    p.add_argument("--format", required=True, choices=("hf", "peft"),
+                   help="hf: config.json + model.safetensors, adapters merged; peft: adapter_config.json + "
+                   "adapter_model.safetensors (a LoRA/DoRA run only)")
+    p.add_argument("--out", required=True, help="a new or empty folder to write into")
+    p.add_argument("--base", help="where an adapter-only checkpoint's base weights are now (the graphstep "
+                   "checkpoint or Hugging Face folder its meta.base names, moved)")
+    p.set_defaults(fn=cmd_export)
 
     pc = sub.add_parser("config", help="show or validate a resolved config")
     csub = pc.add_subparsers(dest="config_command", required=True)

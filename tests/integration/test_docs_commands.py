@@ -27,7 +27,7 @@ from graphstep.validation import validate_config
 from helpers.launch import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SUBCOMMANDS = ("train", "config", "doctor", "bench", "preprocess")
+SUBCOMMANDS = ("train", "config", "doctor", "bench", "preprocess", "export")
 USER_PATH_FIELDS = {"model.hf_path", "data.tokenizer"}  # paths on the user's machine, absent here
 CLEAN_EXPECTED = ("train", "doctor", "bench")
 
@@ -101,7 +101,7 @@ def test_documented_command_works(doc: str, line: str) -> None:
     except SystemExit as exc:
         pytest.fail(f"{doc}: `{line}` does not parse (exit {exc.code})")
     if not hasattr(ns, "overrides"):
-        return  # preprocess: parsed; its inputs are the user's files
+        return  # preprocess, export: parsed; their inputs are the user's files
     ns.overrides = [o for o in ns.overrides if not o.split(":", 1)[0].endswith(".py")]  # doctor script targets
     cfg = config_from_args(ns)
     violations = validate_config(cfg, env={}, world_size=_world_size(line))

@@ -223,7 +223,9 @@ def test_bridge_lora_fields_are_accepted_with_their_defaults():
      "pipeline stages"),
     (["peft=lora", "ddp.use_megatron_fsdp=true"], ("peft.scheme", "ddp.use_megatron_fsdp"), "FSDP2"),
     (["peft=lora", "mixed_precision.fp8=hybrid"], ("peft.scheme", "mixed_precision.fp8"), "FP8"),
-    (["peft=lora", "compile.enable=true"], ("peft.scheme", "compile.enable"), "torch.compile"),
+    (["peft=lora", "compile.enable=true", "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]",
+      "train.device=cuda"], ("peft.scheme", "compile.enable", "model.cuda_graph_impl"),
+     "torch.compile of per-layer graphs"),
     (["peft=lora", "checkpoint.pretrained_checkpoint=/ckpt", "model.hf_path=/hf"],
      ("checkpoint.pretrained_checkpoint", "model.hf_path"), "two sources"),
     (["peft=lora", "peft.dropout=0.1", "model.recompute_granularity=full"],
@@ -234,6 +236,14 @@ def test_r33_refuses_what_lora_does_not_implement_in_one_line(overrides, fields,
     assert [f for f, _ in found] == [fields], found
     message = found[0][1]
     assert words in message and "\n" not in message and "Fix:" in message
+
+
+@pytest.mark.parametrize("graphs", [["train.device=cpu"], ["train.device=cuda", "model.cuda_graph_impl=full_iteration",
+                                                          "optimizer.optimizer_cuda_graph=true"]],
+                         ids=["no_graphs", "full_iteration+optimizer"])
+def test_r33_accepts_lora_compiled_whole_model(graphs):
+    for scheme in ("lora", "dora"):
+        assert not _r33(f"peft={scheme}", "compile.enable=true", *graphs)
 
 
 def test_dora_takes_bridges_alpha_default_unless_alpha_is_given():
@@ -574,3 +584,57 @@ def test_an_adapter_trained_by_hf_peft_on_unfused_projections_loads_with_the_sam
         want = adapted(tokens).logits
         torch.testing.assert_close(ours(tokens), want, atol=1e-4, rtol=0)
         assert (base(tokens) - want).abs().max() > 1e-2
+
+
+# --------------------------------------------------------------------------
+# torch.compile of a LoRA/DoRA model (whole-model: without graphs, or under full_iteration; R33 refuses it with
+# per-layer graphs, and R20 compiled graphs on the CPU replay backend)
+
+COMPILED = [*BASE, "peft.dropout=0.1", "model.num_layers=1", "train.train_iters=4", "compile.enable=true"]
+
+
+@pytest.mark.slow  # Inductor compiles the CPU kernels (tens of seconds)
+@pytest.mark.skipif(not any(map(__import__("shutil").which, ("g++", "gcc", "clang++"))),
+                    reason="Inductor's CPU backend needs a C++ compiler")
+@pytest.mark.parametrize("scheme", ["lora", "dora"])
+def test_compiled_lora_trains_the_adapters_within_rounding_of_uncompiled_with_the_base_frozen(scheme, caplog):
+    import logging
+
+    overrides = [*COMPILED, f"peft={scheme}"]
+    start = _initial(eager(tiny_config(*overrides)))
+    torch._dynamo.reset()
+    try:
+        with caplog.at_level(logging.INFO, logger="graphstep"):
+            compiled = train(eager(tiny_config(*overrides)))
+    finally:
+        torch._dynamo.reset()
+    assert any(r.getMessage().startswith("torch.compile of the model, mode=default: compiled in")
+               for r in caplog.records)
+    uncompiled = train(eager(tiny_config(*overrides, "compile.enable=false")))
+    assert _adapted(compiled.model) == _adapted(uncompiled.model) != []
+    for a, b in zip(compiled.rows, uncompiled.rows):  # compiled differs by rounding only
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+    params = dict(uncompiled.model.named_parameters())
+    for name, p in compiled.model.named_parameters():
+        if ".lora_" in name:
+            assert p.requires_grad and not torch.equal(p, start[name]), f"adapter {name} did not train"
+            torch.testing.assert_close(p, params[name], rtol=1e-3, atol=1e-5)
+        else:
+            assert not p.requires_grad and torch.equal(p, start[name]), f"frozen {name} changed"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("scheme", ["lora", "dora"])
+def test_compiled_lora_graphed_equals_compiled_lora_eager_on_a_gpu(scheme):
+    overrides = [*BASE, f"peft={scheme}", "peft.dropout=0.1", "train.device=cuda", "model.params_dtype=bf16",
+                 "train.train_iters=12", "compile.enable=true"]
+    torch._dynamo.reset()
+    ref = train(eager(tiny_config(*overrides)))
+    torch._dynamo.reset()
+    graphed = train(tiny_config(*overrides, *GRAPHS["full_iteration+optimizer"]))
+    torch._dynamo.reset()
+    assert [r["state"] for r in graphed.rows][3:5] == ["captured", "replayed"]
+    assert_same_run(ref, graphed)
+    frozen = {n: p for n, p in graphed.model.named_parameters() if ".lora_" not in n}
+    assert frozen and not any(p.requires_grad for p in frozen.values())

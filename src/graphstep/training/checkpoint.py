@@ -550,11 +550,12 @@ def check_model_matches(path: Path, model: nn.Module, dp: DataParallel, config: 
                           f"{fix}")
 
 
-def load_pretrained(load: str | Path, model: nn.Module, dp: DataParallel, config: Config | None = None) -> Path:
+def load_pretrained(load: str | Path, model: nn.Module, dp: DataParallel, config: Config | None = None, *,
+                    key: str = "checkpoint.pretrained_checkpoint") -> Path:
     """``checkpoint.pretrained_checkpoint``: the model weights of a graphstep checkpoint, loaded in place into the
     model as built -- before adapters, parallelism or the optimizer exist (training/build.py). Every rank loads
-    the same folder: its newest intact checkpoint, or the ``iter_NNNNNNN`` folder named."""
-    key = "checkpoint.pretrained_checkpoint"
+    the same folder: its newest intact checkpoint, or the ``iter_NNNNNNN`` folder named. ``key`` names the
+    setting in errors (``graphstep export`` loads a checkpoint's weights here too: training/export.py)."""
     try:
         path = choose_checkpoint(load)
     except CheckpointError as exc:

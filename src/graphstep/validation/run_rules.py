@@ -382,12 +382,16 @@ def _r33_combinations(v: View, dropout: float) -> list[Violation]:
         others.append(("model.num_moe_experts", f"an MoE model (num_moe_experts={_fmt(m.num_moe_experts)})"))
     if m.hybrid_override_pattern:
         others.append(("model.hybrid_override_pattern", "a hybrid Mamba model (hybrid_override_pattern set)"))
-    if v.cfg.compile.enable is True:
-        others.append(("compile.enable", "torch.compile (compile.enable=true)"))
     for key, what in others:
         out.append(_v("R33", ["peft.scheme", key], f"peft={_fmt(v.cfg.peft.scheme)} with {what} is not implemented "
                       "yet: graphstep's adapters run on data-parallel replicas of a dense transformer.",
                       f"drop {what.split(' (')[0]}, or write peft=null."))
+    if v.cfg.compile.enable is True and v.per_layer:  # as FP8 (R32): compiled whole-model only, for now
+        out.append(_v("R33", ["peft.scheme", "compile.enable", "model.cuda_graph_impl"], f"peft="
+                      f"{_fmt(v.cfg.peft.scheme)} with torch.compile of per-layer graphs (compile.enable=true, "
+                      f"model.cuda_graph_impl={v.impl}) is not implemented yet: compiled adapters are tested "
+                      "whole-model, without graphs and under full_iteration.", "set model.cuda_graph_impl="
+                      "full_iteration (or none) to compile the adapters, or compile.enable=false."))
     recomputed = _names(m.recompute_modules) or []
     if dropout > 0 and (m.recompute_granularity == "full" or
                         (m.recompute_granularity == "selective" and "mlp" in recomputed)):
