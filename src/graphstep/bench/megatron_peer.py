@@ -41,9 +41,6 @@ FETCH = "run scripts/fetch-megatron-core [VERSION]"
 _loaded_root: Path | None = None  # the unpacked wheel megatron is imported from in this process
 
 
-_first_line = first_line
-
-
 def find_wheel(version: str | None = None) -> Path:
     """The megatron-core wheel to use (of ``version`` when given); RuntimeError naming where it looked."""
     return find_wheel_of("megatron_core", WHEEL_ENV, FETCH, version)
@@ -93,7 +90,7 @@ def load_megatron(version: str | None = None) -> types.SimpleNamespace:
         if isinstance(exc, ImportError) and exc.name and not exc.name.startswith("megatron"):
             reason = f"missing dependency {exc.name!r}"
         else:
-            reason = _first_line(exc)
+            reason = first_line(exc)
         raise RuntimeError(f"megatron-core import failed: {reason} (from {origin})") from exc
     version = getattr(mcore, "__version__", "?")
     for cls, attrs in ((FullCudaGraphWrapper, ("cuda_graph", "curr_iteration", "result")),
@@ -366,5 +363,5 @@ def megatron_full_graph(cfg, device: torch.device, version: str | None = None
     except Exception as exc:
         stage = row.stage
         row.close()
-        raise RuntimeError(f"megatron-core {mc.version} setup failed at {stage}: {_first_line(exc)}") from exc
+        raise RuntimeError(f"megatron-core {mc.version} setup failed at {stage}: {first_line(exc)}") from exc
     return row.step, row.data(), row.capture_seconds, row
