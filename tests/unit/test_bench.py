@@ -192,6 +192,33 @@ def test_host_sync_counter_counts_synchronizing_calls_not_the_prototype_notice(m
     assert harness.count_host_syncs(lambda data: None, iter(())) == 0
 
 
+def _busy_host_work(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def test_host_profile_names_the_functions_a_step_spends_its_host_time_in():
+    """``--host-profile``: per-iteration calls and times of the step's own functions, heaviest first."""
+    from graphstep.bench import harness
+
+    def step(data):
+        _busy_host_work(next(data))
+        _busy_host_work(next(data))
+
+    profile = harness.host_profile(step, iter([20_000] * 6), iters=3, top=5, device=torch.device("cpu"))
+    assert len(profile) == 5
+    own = [p["self_ms"] for p in profile]
+    assert own == sorted(own, reverse=True)
+    mine = [p for p in profile if p["function"].endswith("(_busy_host_work)")]
+    assert mine and mine[0]["calls"] == 2 and mine[0]["total_ms"] >= mine[0]["self_ms"] > 0
+    assert mine[0]["function"].startswith("test_bench.py:")
+    doc = _doc()
+    doc["rows"][1]["host_profile"] = profile
+    md = markdown_table(doc)
+    assert f"Host profile of {doc['rows'][1]['name']} (cProfile" in md
+    assert f"| `{mine[0]['function']}` | 2 |" in md
+    assert harness._short_path("/x/src/graphstep/cuda_graph/replay.py") == "graphstep/cuda_graph/replay.py"
+
+
 def test_bench_rows_as_tensorboard_scalars_side_by_side(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -389,7 +416,7 @@ def test_run_bench_under_torchrun_measures_in_lockstep_and_reports_refused_rows(
         def close(self) -> None:
             self.closed = True
 
-    def fake_measure(name, build, *, warmup, iters, profile_iters, device, lockstep):
+    def fake_measure(name, build, *, warmup, iters, profile_iters, device, lockstep, host_top=0):
         measured.append((name, lockstep))
         return Row(name, step_ms={"dp_eager": 10.0, "dp_full_iteration": 5.0}[name], peak_allocated_gib=1.0)
 
@@ -525,7 +552,7 @@ def test_rounds_interleave_the_rows_and_compare_each_with_its_peer_round_by_roun
     times = {"eager": [20.0, 21.0, 30.0], "local[attn,mlp]": [5.0, 7.0, 4.0],
              "make_graphed_callables": [6.0, 6.5, 5.0], "te[attn,mlp]": [5.5, 6.0, 4.5]}
 
-    def fake_measure(name, build, *, warmup, iters, profile_iters, device, lockstep):
+    def fake_measure(name, build, *, warmup, iters, profile_iters, device, lockstep, host_top=0):
         k = sum(n == name for n in order)
         order.append(name)
         if name == "te[attn,mlp]" and k == 1:

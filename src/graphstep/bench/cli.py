@@ -35,7 +35,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _need_gpu()
     if rank_from_env() != 0:  # the other ranks measure in lockstep; rank 0 reports
         run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup, world_size=world,
-                  rounds=args.rounds)
+                  rounds=args.rounds, host_top=args.host_profile)
         return 0
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -46,7 +46,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             bar.update(task, completed=done, description=f"{args.recipe}: {escape(name)}")
 
         doc = run_bench(cfg, rows, recipe=args.recipe, iters=args.iters, warmup=args.warmup, progress=progress,
-                        world_size=world, rounds=args.rounds)
+                        world_size=world, rounds=args.rounds, host_top=args.host_profile)
         bar.update(task, completed=len(rows) * args.rounds, description=f"{args.recipe}: done")
     if doc is None:
         raise RuntimeError("RANK=0 but the process group gave this process another rank: no result document")
@@ -75,6 +75,16 @@ def _rounds(text: str) -> int:
     return n
 
 
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of functions (a whole number, 0 or more)")
+    return n
+
+
 def _need_gpu() -> None:
     import torch
 
@@ -96,6 +106,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=_rounds, default=1,
                    help="measure every row this many times, the rows interleaved round by round (A B C A B C): "
                    "step = the median over rounds, the spread shown, each row's ratio to its peer per round")
+    p.add_argument("--host-profile", type=_count, default=0, metavar="N",
+                   help="also profile each row's host side (cProfile, after its timed steps): its N Python "
+                   "functions with the most own time, in the JSON and under the table")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON results")
     p.add_argument("--json", action="store_true", help="also print the result document")
     p.add_argument("--tensorboard-dir", help="also write the rows as TensorBoard scalars (a run folder under it)")

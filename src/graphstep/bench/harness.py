@@ -91,6 +91,7 @@ class Row:
     global_batch: int | None = None  # sequences per iteration over all ranks (None: the recipe's)
     tokens_per_step: int | None = None  # tokens per iteration over all ranks (None: the recipe's)
     step_ms_rounds: list[float] = field(default_factory=list)  # each round's median (``--rounds``)
+    host_profile: list[dict[str, Any]] = field(default_factory=list)  # ``--host-profile``: :func:`host_profile`
     # filled in by finish()
     host_ms: float | None = None
     peer: str | None = None  # the row of another library doing the same job (:func:`peer_of`)
@@ -254,6 +255,43 @@ def count_host_syncs(step: Callable[[Iterator[Any]], Any], data: Iterator[Any]) 
     return sum(SYNC_WARNING in str(w.message) for w in caught)
 
 
+def host_profile(step: Callable[[Iterator[Any]], Any], data: Iterator[Any], *, iters: int, top: int,
+                 device: torch.device) -> list[dict[str, Any]]:
+    """Where the host spends a step: ``top`` Python functions by own time under cProfile, per iteration.
+
+    Each entry: ``function`` (``path:line(name)``, the path from its package root), ``calls``, ``self_ms``
+    (time in the function itself) and ``total_ms`` (with what it calls). cProfile slows the host, so these
+    times are larger than the row's host column; they say where the host time goes, not how much there is.
+    """
+    import cProfile
+    import pstats
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _: None)
+    sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        for _ in range(iters):
+            step(data)
+        sync(device)  # the host waits for the device here: that wait is the step's too
+    finally:
+        prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, total s, callers)}
+    ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [{"function": f"{_short_path(file)}:{line}({name})", "calls": calls / iters,
+             "self_ms": own * 1e3 / iters, "total_ms": total * 1e3 / iters}
+            for (file, line, name), (_, calls, own, total, _) in ranked]
+
+
+def _short_path(file: str) -> str:
+    """``graphstep/cuda_graph/replay.py`` for ``/.../src/graphstep/cuda_graph/replay.py``; builtins as given."""
+    parts = file.replace("\\", "/").split("/")
+    for root in ("graphstep", "torch", "megatron", "torchtitan", "torchao"):
+        if root in parts:
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(root):])
+    return parts[-1]
+
+
 def free_row() -> None:
     close_all_backends()
     reset_dynamo()  # compiled rows: their graphs (and CUDA graph trees) go with them
@@ -276,10 +314,11 @@ class Lockstep(Protocol):
 
 def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callable[[], float] | None, Any]],
             *, warmup: int, iters: int, profile_iters: int, device: torch.device,
-            lockstep: Lockstep | None = None) -> Row:
+            lockstep: Lockstep | None = None, host_top: int = 0) -> Row:
     """Build a row (returns step, data, capture-seconds getter, owner), time it, free it.
 
     ``lockstep`` (torchrun): every rank calls this for the same row; the times are this rank's.
+    ``host_top`` > 0: also the row's :func:`host_profile` (that many functions), after the timed steps.
     """
     free_row()
     row = Row(name, start_allocated_gib=torch.cuda.memory_allocated(device) / GiB)
@@ -303,6 +342,8 @@ def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callab
         row.peak_reserved_gib = torch.cuda.max_memory_reserved(device) / GiB
         row.busy_ms, row.kernels = busy_time(step, data, iters=profile_iters, device=device)
         row.host_syncs = count_host_syncs(step, data)
+        if host_top > 0:
+            row.host_profile = host_profile(step, data, iters=profile_iters, top=host_top, device=device)
     except Exception as exc:  # a row that fails is a result, not the end of the run
         row.error = f"{type(exc).__name__}: {exc}"[:2000]
     finally:

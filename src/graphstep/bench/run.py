@@ -243,13 +243,14 @@ def _version(package: str) -> str | None:
 
 def run_bench(cfg: Config, rows: list[str], *, recipe: str, iters: int = 50, warmup: int = 8,
               profile_iters: int = 5, progress: Callable[[int, str], None] | None = None,
-              world_size: int | None = None, rounds: int = 1) -> dict[str, Any] | None:
+              world_size: int | None = None, rounds: int = 1, host_top: int = 0) -> dict[str, Any] | None:
     """Measure every row on this process's GPU; returns the result document.
 
     ``world_size`` (default: torchrun's ``WORLD_SIZE``, 1 without torchrun): with more than one rank
     every rank measures every row in lockstep (bench/ranks.py), and only rank 0 gets the document (the
     others None). ``rounds``: every row is measured that many times, the rows interleaved round by round
-    (bench/harness.py). ``progress(rows_done, name)`` is called before each row of each round.
+    (bench/harness.py). ``progress(rows_done, name)`` is called before each row of each round. ``host_top``
+    > 0: each row's host profile (that many Python functions by own time, first round only).
     """
     world = world_size_from_env() if world_size is None else world_size
     if rounds < 1:
@@ -261,7 +262,7 @@ def run_bench(cfg: Config, rows: list[str], *, recipe: str, iters: int = 50, war
     ranks = Ranks.join(plan_row(cfg, "dp_eager", world).cfg, world) if world > 1 else None  # cuda:LOCAL_RANK
     try:
         doc = _measure_rows(cfg, plans, recipe=recipe, iters=iters, warmup=warmup, profile_iters=profile_iters,
-                            progress=progress, ranks=ranks, rounds=rounds)
+                            progress=progress, ranks=ranks, rounds=rounds, host_top=host_top)
     finally:
         if ranks is not None:
             ranks.close()  # after every row was freed
@@ -269,8 +270,8 @@ def run_bench(cfg: Config, rows: list[str], *, recipe: str, iters: int = 50, war
 
 
 def _measure_rows(cfg: Config, plans: list[RowPlan], *, recipe: str, iters: int, warmup: int, profile_iters: int,
-                  progress: Callable[[int, str], None] | None, ranks: Ranks | None, rounds: int = 1
-                  ) -> dict[str, Any]:
+                  progress: Callable[[int, str], None] | None, ranks: Ranks | None, rounds: int = 1,
+                  host_top: int = 0) -> dict[str, Any]:
     world = 1 if ranks is None else ranks.world_size
     device = normalize_device("cuda")
     peak = matmul_tflops(device)
@@ -288,7 +289,8 @@ def _measure_rows(cfg: Config, plans: list[RowPlan], *, recipe: str, iters: int,
                     measured[k].append(Row(plan.name, error=plan.refusal, note=REFUSED))
                 continue
             measured[k].append(measure(plan.name, _plan_builder(plan, device, world), warmup=warmup, iters=iters,
-                                       profile_iters=profile_iters, device=device, lockstep=ranks))
+                                       profile_iters=profile_iters, device=device, lockstep=ranks,
+                                       host_top=host_top if round_ == 0 else 0))
     results = [combine_rounds(rows) for rows in measured]
     for plan, row in zip(plans, results):
         plan.describe(row)
@@ -468,7 +470,19 @@ def markdown_table(doc: dict[str, Any]) -> str:
         )
     said = [f"- {r['name']}: {captures(r['name'])}" for r in doc["rows"] if captures(r["name"])]
     said += [f"- {r['name']}: {r['note']}" for r in doc["rows"] if r.get("note") and r["note"] != REFUSED]
-    return head + "\n".join(lines) + "\n" + ("\nPeers and notes:\n" + "\n".join(said) + "\n" if said else "")
+    return (head + "\n".join(lines) + "\n" + ("\nPeers and notes:\n" + "\n".join(said) + "\n" if said else "")
+            + "".join(map(_host_profile_md, doc["rows"])))
+
+
+def _host_profile_md(r: dict[str, Any]) -> str:
+    """A row's host profile (``--host-profile``) as a small table; empty without one."""
+    if not r.get("host_profile"):
+        return ""
+    lines = [f"\nHost profile of {r['name']} (cProfile, per iteration; its overhead inflates the times):\n",
+             "| function | calls | own ms | with callees ms |", "|---|---|---|---|"]
+    lines += [f"| `{p['function']}` | {p['calls']:.0f} | {p['self_ms']:.3f} | {p['total_ms']:.3f} |"
+              for p in r["host_profile"]]
+    return "\n".join(lines) + "\n"
 
 
 def _layout(r: dict[str, Any]) -> str:
