@@ -219,6 +219,25 @@ def test_host_profile_names_the_functions_a_step_spends_its_host_time_in():
     assert harness._short_path("/x/src/graphstep/cuda_graph/replay.py") == "graphstep/cuda_graph/replay.py"
 
 
+def test_host_ops_sees_the_backward_of_every_thread():
+    """The operator table counts each step's matmuls, the backward's too, per iteration."""
+    from graphstep.bench import harness
+
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def step(data):
+        (next(data) @ w).sum().backward()
+
+    ops = harness.host_ops(step, iter([torch.randn(32, 64)] * 4), iters=2, top=40, device=torch.device("cpu"))
+    by_name = {o["op"]: o for o in ops}
+    assert by_name["aten::mm"]["calls"] == 2  # forward x @ w and the backward's x^T @ grad (no input grad)
+    assert any("MmBackward" in name for name in by_name)
+    assert all(o["total_ms"] >= o["self_ms"] >= 0 for o in ops)
+    doc = _doc()
+    doc["rows"][1]["host_ops"] = ops
+    assert "| `aten::mm` | 2 |" in markdown_table(doc)
+
+
 def test_bench_rows_as_tensorboard_scalars_side_by_side(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

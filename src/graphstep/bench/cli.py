@@ -107,8 +107,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="measure every row this many times, the rows interleaved round by round (A B C A B C): "
                    "step = the median over rounds, the spread shown, each row's ratio to its peer per round")
     p.add_argument("--host-profile", type=_count, default=0, metavar="N",
-                   help="also profile each row's host side (cProfile, after its timed steps): its N Python "
-                   "functions with the most own time, in the JSON and under the table")
+                   help="also profile each row's host side after its timed steps: its N Python functions "
+                   "with the most own time (cProfile) and N torch operators with the most host time (every "
+                   "thread), in the JSON and under the table")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON results")
     p.add_argument("--json", action="store_true", help="also print the result document")
     p.add_argument("--tensorboard-dir", help="also write the rows as TensorBoard scalars (a run folder under it)")

@@ -92,6 +92,7 @@ class Row:
     tokens_per_step: int | None = None  # tokens per iteration over all ranks (None: the recipe's)
     step_ms_rounds: list[float] = field(default_factory=list)  # each round's median (``--rounds``)
     host_profile: list[dict[str, Any]] = field(default_factory=list)  # ``--host-profile``: :func:`host_profile`
+    host_ops: list[dict[str, Any]] = field(default_factory=list)  # ``--host-profile``: :func:`host_ops`
     # filled in by finish()
     host_ms: float | None = None
     peer: str | None = None  # the row of another library doing the same job (:func:`peer_of`)
@@ -283,6 +284,27 @@ def host_profile(step: Callable[[Iterator[Any]], Any], data: Iterator[Any], *, i
             for (file, line, name), (_, calls, own, total, _) in ranked]
 
 
+def host_ops(step: Callable[[Iterator[Any]], Any], data: Iterator[Any], *, iters: int, top: int,
+             device: torch.device) -> list[dict[str, Any]]:
+    """The host time of a step's torch operators on every thread: ``top`` of them by own CPU time, per iteration.
+
+    cProfile (:func:`host_profile`) sees only the calling thread; autograd runs a CUDA backward on its own
+    device thread, whose nodes (``autograd::engine::evaluate_function: ...Backward``, a graphed module's
+    backward replay among them) this table shows. Each entry: ``op``, ``calls``, ``self_ms``, ``total_ms``.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _: None)
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            step(data)
+        sync(device)
+    ranked = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"op": e.key, "calls": e.count / iters, "self_ms": e.self_cpu_time_total / 1e3 / iters,
+             "total_ms": e.cpu_time_total / 1e3 / iters} for e in ranked]
+
+
 def _short_path(file: str) -> str:
     """``graphstep/cuda_graph/replay.py`` for ``/.../src/graphstep/cuda_graph/replay.py``; builtins as given."""
     parts = file.replace("\\", "/").split("/")
@@ -344,6 +366,7 @@ def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callab
         row.host_syncs = count_host_syncs(step, data)
         if host_top > 0:
             row.host_profile = host_profile(step, data, iters=profile_iters, top=host_top, device=device)
+            row.host_ops = host_ops(step, data, iters=profile_iters, top=host_top, device=device)
     except Exception as exc:  # a row that fails is a result, not the end of the run
         row.error = f"{type(exc).__name__}: {exc}"[:2000]
     finally:

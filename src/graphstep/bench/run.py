@@ -476,13 +476,18 @@ def markdown_table(doc: dict[str, Any]) -> str:
 
 def _host_profile_md(r: dict[str, Any]) -> str:
     """A row's host profile (``--host-profile``) as a small table; empty without one."""
-    if not r.get("host_profile"):
-        return ""
-    lines = [f"\nHost profile of {r['name']} (cProfile, per iteration; its overhead inflates the times):\n",
-             "| function | calls | own ms | with callees ms |", "|---|---|---|---|"]
-    lines += [f"| `{p['function']}` | {p['calls']:.0f} | {p['self_ms']:.3f} | {p['total_ms']:.3f} |"
-              for p in r["host_profile"]]
-    return "\n".join(lines) + "\n"
+    lines = []
+    if r.get("host_profile"):
+        lines += [f"\nHost profile of {r['name']} (cProfile, the calling thread, per iteration; its overhead "
+                  "inflates the times):\n", "| function | calls | own ms | with callees ms |", "|---|---|---|---|"]
+        lines += [f"| `{p['function']}` | {p['calls']:.0f} | {p['self_ms']:.3f} | {p['total_ms']:.3f} |"
+                  for p in r["host_profile"]]
+    if r.get("host_ops"):
+        lines += [f"\nHost time of {r['name']}'s torch operators (torch.profiler, every thread -- the backward's "
+                  "too --, per iteration):\n", "| operator | calls | own ms | with callees ms |", "|---|---|---|---|"]
+        lines += [f"| `{p['op']}` | {p['calls']:.0f} | {p['self_ms']:.3f} | {p['total_ms']:.3f} |"
+                  for p in r["host_ops"]]
+    return "\n".join(lines) + ("\n" if lines else "")
 
 
 def _layout(r: dict[str, Any]) -> str:
