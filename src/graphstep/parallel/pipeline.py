@@ -57,10 +57,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import ModelConfig
 from ..cuda_graph.rng import get_rng_tracker
-from ..engines_compat import forward_only_step, view_base, wrap_stage_setup
+from ..engines_compat import dtensor_local, forward_only_step, view_base, wrap_stage_setup
 from ..models.transformer import token_loss
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -129,14 +130,19 @@ def split_stage(model: nn.Module, m: ModelConfig, stages: int, stage: int) -> nn
 
 
 class _StageModule(nn.Module):
-    """What ``PipelineStage`` runs: the stage's part of the model, input to output (GPTModel.stage_forward)."""
+    """What ``PipelineStage`` runs: the stage's part of the model, input to output (GPTModel.stage_forward).
+
+    It calls the model itself (``model(x)``: without labels, GPTModel returns what ``stage_forward`` returns),
+    not ``stage_forward``, so the hooks on the model's own call run: FSDP2's root module gathers its
+    parameters (the embedding, the final norm, the output layer) there and initialises itself on the first call.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.stage_forward(x)
+        return self.model(x)
 
 
 class _StageLoss:
@@ -243,7 +249,8 @@ def tied_embedding_grad(model: nn.Module, *, tied: bool, first: bool, last: bool
     tied embeddings, on one stage, or when the embedding is frozen (its copies stay equal without gradients)."""
     if not tied or first == last:
         return None
-    return getattr(model.embedding.weight, "main_grad", None)
+    grad = getattr(model.embedding.weight, "main_grad", None)
+    return dtensor_local(grad) if isinstance(grad, DTensor) else grad  # tensor parallel: this rank's rows
 
 
 def _setup_draws_nothing(schedule: Any) -> Any:

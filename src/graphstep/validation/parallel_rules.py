@@ -254,12 +254,6 @@ def _r29(v: View) -> list[Violation]:
         out.append(_v("R29", [*fields, "model.pipeline_model_parallel_size"], f"model.pipeline_model_parallel_size="
                       f"{pp} with {value} is not implemented.", fix))
 
-    if tensor_parallel_size(cfg) > 1:
-        refuse(["model.tensor_model_parallel_size"], f"model.tensor_model_parallel_size={tensor_parallel_size(cfg)}",
-               "use pipeline stages with data parallel, or tensor parallel without pipeline stages.")
-    if shards_data_parallel(cfg):
-        refuse(_fsdp_fields(cfg), f"FSDP2 ({_fsdp_f(cfg)})", "use replicated data parallel across pipelines "
-               "(the default ddp settings).")
     if m.num_moe_experts is not None:
         refuse(["model.num_moe_experts"], "an MoE model", "train MoE models without pipeline stages.")
     if m.hybrid_override_pattern is not None:
