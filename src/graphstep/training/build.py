@@ -155,7 +155,9 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     # 4. The training and evaluation steps: data-parallel reducers, MoE hooks, the non-finite flag, and FP8 delayed
     #    scaling's end-of-step update of the amax histories and scales (inside the full-iteration graph).
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.dp_size)  # per pipeline too
-    moe = MoEHooks(model, num_mb)
+    # the expert-bias update sums the token counts over the data-parallel ranks of this stage (each stage holds
+    # other MoE layers; without stages they are the whole world, the default group)
+    moe = MoEHooks(model, num_mb, group=dp.dp_group if dp.layout.pp > 1 else None)
     train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb)
     if compile_mode is not None:
         train_step = CompileTimeReport(train_step, describe_compile(compile_mode, settings))

@@ -254,10 +254,6 @@ def _r29(v: View) -> list[Violation]:
         out.append(_v("R29", [*fields, "model.pipeline_model_parallel_size"], f"model.pipeline_model_parallel_size="
                       f"{pp} with {value} is not implemented.", fix))
 
-    if m.num_moe_experts is not None:
-        refuse(["model.num_moe_experts"], "an MoE model", "train MoE models without pipeline stages.")
-    if m.hybrid_override_pattern is not None:
-        refuse(["model.hybrid_override_pattern"], "a hybrid (Mamba) model", "train hybrid models without pipeline stages.")
     warmup = _int(m.cuda_graph_warmup_steps)
     if v.impl == "full_iteration" and warmup == 0:
         refuse(["model.cuda_graph_warmup_steps"], "model.cuda_graph_warmup_steps=0 (the first step infers the shapes "
