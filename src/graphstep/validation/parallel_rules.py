@@ -266,9 +266,6 @@ def _r29(v: View) -> list[Violation]:
                "set model.cuda_graph_warmup_steps=2 or more.")
     if cfg.compile.enable is True:
         refuse(["compile.enable"], "compile.enable=true", "set compile.enable=false.")
-    if m.recompute_granularity is not None:
-        refuse(["model.recompute_granularity"], f"model.recompute_granularity={_fmt(m.recompute_granularity)}",
-               "set model.recompute_granularity=null.")
     if cfg.ddp.overlap_grad_reduce is True:
         refuse(["ddp.overlap_grad_reduce"], "ddp.overlap_grad_reduce=true (the schedule runs the backward)",
                "set ddp.overlap_grad_reduce=false.")
