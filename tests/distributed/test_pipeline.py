@@ -48,9 +48,45 @@ PER_LAYER = {"pp2_1f1b": ["model.cuda_graph_impl=local", "model.cuda_graph_modul
 # embedding and the last stage's copy (for the logits) take the sum of their gradients
 TIED = {"pp2_tied": ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2",
                      "model.share_embeddings_and_output_weights=true"]}
-# 4 ranks: 2 pipelines of 2 stages, the gradients all-reduced over each stage's data-parallel group
-LAYOUTS_4 = {"pp2_dp2": ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2",
-                         "train.global_batch_size=16", "train.train_iters=4"]}  # 4 processes on CI's 2 cores
+# 4 ranks, one launch, 4 iterations each (4 processes on CI's 2 cores): 2 pipelines of 2 stages (the gradients
+# all-reduced over each stage's data-parallel group), and the stages combined with tensor + sequence parallel,
+# FSDP2, MoE and hybrid models and activation recompute
+PP2 = ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2", "train.train_iters=4"]
+DP2 = ["train.global_batch_size=16"]  # 2 data-parallel ranks x 4 micro-batches of 2
+MOE = ["train.micro_batch_size=2", "model.hidden_dropout=0.1", "model.moe_router_enable_expert_bias=true",
+       "model.moe_router_bias_update_rate=0.01", "model.moe_router_score_function=sigmoid",
+       "data.corpus_max_bytes=300000", "data.split=90,10,0"]
+LAYOUTS_4 = {
+    "pp2_dp2": [*PP2, *DP2],
+    # 2 stages x 2 tensor-parallel ranks, the stages exchanging sequence shards; tied embeddings: the last stage's
+    # copy is sharded over the vocabulary as the first stage's embedding
+    "pp2_tp2_sp": [*PP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
+                   "model.share_embeddings_and_output_weights=true"],
+    "pp2_zero2": [*PP2, *DP2, "ddp.use_distributed_optimizer=true"],
+    "pp2_zero3": [*PP2, *DP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    "pp2_moe": [*PP2, *DP2, *MOE],  # 3 MoE layers (qwen3_moe_tiny), 2 + 1
+    "pp2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4"],  # nemotron_h_tiny's M-*E: M- on the first stage, *E last
+    "pp2_recompute": [*PP2, *DP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
+                      "model.attention_dropout=0.0"],
+    "pp2_full_recompute": [*PP2, *DP2, "model.recompute_granularity=full", *NO_DROPOUT],
+}
+RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}  # the others: llama3_tiny
+# the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
+MODES_4 = {
+    "pp2_tp2_sp": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+                   "nodrop": [*NO_DROPOUT, *EAGER]},
+    "pp2_zero2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]},
+    "pp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
+    "pp2_moe": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"],
+                "nodrop": [*NO_DROPOUT, *EAGER]},
+    "pp2_hybrid": {"layers": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[mamba,attn,moe]"]},
+}
+# 8 ranks: the 3-D layout, 2 stages x 2 data-parallel x 2 tensor-parallel ranks, data parallel replicated or FSDP2
+LAYOUTS_8 = {
+    "pp2_dp2_tp2": [*PP2, *DP2, "model.tensor_model_parallel_size=2"],
+    "pp2_zero3_tp2_sp": [*PP2, *DP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
+                         "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+}
 
 
 def layouts_worker(out: str, device: str, which: str) -> None:
@@ -59,21 +95,28 @@ def layouts_worker(out: str, device: str, which: str) -> None:
     from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
+    from graphstep.parallel.dims import local_tensor
+
     layouts = globals()[which]
-    runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
+    runs = {f"{name}/{mode}": (name, [*layout, *(GRAPHED if mode == "graphed" else EAGER)])
             for name, layout in layouts.items() for mode in ("eager", "graphed")}
     if which == "LAYOUTS":
-        runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT, *EAGER] for name, layout in layouts.items()})
-        runs.update({f"{name}/layers": [*layouts[name], *graphs] for name, graphs in PER_LAYER.items()})
-        runs.update({f"{name}/{mode}": [*layout, *extra] for name, layout in TIED.items()
+        runs.update({f"{name}/nodrop": (name, [*layout, *NO_DROPOUT, *EAGER]) for name, layout in layouts.items()})
+        runs.update({f"{name}/layers": (name, [*layouts[name], *graphs]) for name, graphs in PER_LAYER.items()})
+        runs.update({f"{name}/{mode}": (name, [*layout, *extra]) for name, layout in TIED.items()
                      for mode, extra in (("eager", EAGER), ("graphed", GRAPHED), ("nodrop", [*NO_DROPOUT, *EAGER]))})
+    if which == "LAYOUTS_4":
+        runs.update({f"{name}/{mode}": (name, [*layouts[name], *extra]) for name, modes in MODES_4.items()
+                     for mode, extra in modes.items()})
 
-    def run(overrides: list[str]) -> dict:
-        result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
+    def run(spec: tuple[str, list[str]]) -> dict:
+        name, overrides = spec
+        cfg = tiny_config(*COMMON, f"train.device={device}", *overrides, recipe=RECIPES.get(name, "llama3_tiny"))
+        result = train(cfg, keep_model=True)
         embedding = getattr(result.model, "embedding", None)
         return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()],
-                "embedding": None if embedding is None else  # the bits of this stage's embedding weight
-                hashlib.sha256(embedding.weight.detach().float().cpu().numpy().tobytes()).hexdigest()}
+                "embedding": None if embedding is None else  # the bits of this stage's (part of the) embedding
+                hashlib.sha256(local_tensor(embedding.weight).detach().float().cpu().numpy().tobytes()).hexdigest()}
 
     report_runs(Path(out), device, runs, run)
 
@@ -181,18 +224,87 @@ def test_pipeline_computes_what_one_process_computes(reports, one_process, layou
         torch.testing.assert_close(two, one, rtol=2e-5, atol=0)
 
 
+def _assert_graphed_runs_equal_eager(reports: list[dict], layouts: dict, modes: dict) -> None:
+    """Every layout's graphed run, and its per-layer one, equal its eager run on every rank, bit for bit."""
+    for layout in layouts:
+        for rank, report in enumerate(reports):
+            eager = report[f"{layout}/eager"]
+            assert set(eager["states"]) == {"eager"} and eager["losses"][-1] < eager["losses"][0], layout
+            for mode in ("graphed", *(m for m in modes.get(layout, {}) if m == "layers")):
+                graphed = report[f"{layout}/{mode}"]
+                assert graphed["states"][1:4] == ["eager", "captured", "replayed"], (layout, mode, rank)
+                assert graphed["graphs"] > 0
+                assert graphed["losses"] == eager["losses"], (layout, mode, rank)
+                assert graphed["eval"] == eager["eval"], (layout, mode, rank)
+                assert graphed["shard"] == eager["shard"], (layout, mode, rank)
+            # every stage and rank logs the same loss
+            assert all(r[f"{layout}/eager"]["losses"] == eager["losses"] for r in reports), layout
+
+
+@pytest.fixture(scope="module")
+def reports_4(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("pipeline4"), "cpu", timeout=600, nproc=4, layouts="LAYOUTS_4")
+
+
 @pytest.mark.ranks4
-def test_two_pipelines_on_four_ranks_equal_eager(tmp_path):
-    """pp2 x dp2: each stage's gradients are all-reduced over its data-parallel group, inside the graph."""
-    reports = run_layouts(tmp_path, "cpu", timeout=600, nproc=4, layouts="LAYOUTS_4")
-    for report in reports:
-        eager, graphed = report["pp2_dp2/eager"], report["pp2_dp2/graphed"]
-        assert set(eager["states"]) == {"eager"} and graphed["states"][1:4] == ["eager", "captured", "replayed"]
-        assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"]
-        assert graphed["shard"] == eager["shard"]
-    assert all(r["pp2_dp2/eager"]["losses"] == reports[0]["pp2_dp2/eager"]["losses"] for r in reports)
-    shards = [r["pp2_dp2/eager"]["shard"] for r in reports]  # (pp, dp) = (0,0), (0,1), (1,0), (1,1)
+def test_pipelines_on_four_ranks_equal_eager(reports_4):
+    """pp2 x dp2 (each stage's gradients all-reduced over its data-parallel group, inside the graph), pp2 x tp2
+    with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and ZeRO-3, MoE and hybrid models and
+    recompute over 2 stages: the whole-schedule graphs and the per-layer graphs equal eager bit for bit."""
+    _assert_graphed_runs_equal_eager(reports_4, LAYOUTS_4, MODES_4)
+    shards = [r["pp2_dp2/eager"]["shard"] for r in reports_4]  # (pp, dp) = (0,0), (0,1), (1,0), (1,1)
     assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
+    shards = [r["pp2_zero3/eager"]["shard"] for r in reports_4]  # FSDP2: each data-parallel rank its own shard
+    assert len(set(shards)) == 4
+
+
+@pytest.mark.ranks4
+def test_tensor_parallel_stages_shard_their_layers_and_keep_the_tied_copies_equal(reports_4):
+    """(pp, tp) = (0,0), (0,1), (1,0), (1,1): each rank holds its own shards; the last stage's copy of the tied
+    embedding holds the same rows, bit for bit, as the first stage's embedding on the same tensor-parallel rank."""
+    for mode in ("eager", "graphed", "nodrop"):
+        runs = [r[f"pp2_tp2_sp/{mode}"] for r in reports_4]
+        assert len({run["shard"] for run in runs}) == 4, mode
+        copies = [run["embedding"] for run in runs]
+        assert copies[0] == copies[2] and copies[1] == copies[3] and copies[0] != copies[1], mode
+    first, last = reports_4[0]["pp2_tp2_sp/eager"]["names"], reports_4[2]["pp2_tp2_sp/eager"]["names"]
+    assert first[0] == last[0] == "embedding.weight" and "output_layer.weight" not in first + last
+
+
+def _one_process(layout: str, *overrides: str):
+    from helpers.runs import tiny_config
+    from graphstep.training.loop import train
+
+    single = [o for o in LAYOUTS_4[layout] if not o.startswith(("model.pipeline_model_parallel_size",
+                                                                 "model.num_layers_in_first", "model.tensor_model",
+                                                                 "model.sequence_parallel", "ddp."))]
+    return train(tiny_config(*COMMON, "train.device=cpu", *single, *overrides, *NO_DROPOUT, *EAGER,
+                             recipe=RECIPES.get(layout, "llama3_tiny")))
+
+
+@pytest.mark.ranks4
+@pytest.mark.parametrize("layout", [name for name, modes in MODES_4.items() if "nodrop" in modes])
+def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, layout):
+    """Dropout off: 2 stages over tensor parallel (tied), FSDP2 or an MoE model (whose expert biases move with the
+    token counts of each stage's data-parallel ranks) compute what one process computes with the same global batch,
+    to float tolerance."""
+    one = torch.tensor(_one_process(layout).losses, dtype=torch.float64)
+    for report in reports_4:
+        four = torch.tensor(report[f"{layout}/nodrop"]["losses"], dtype=torch.float64)
+        assert four.shape == one.shape == (4,)
+        torch.testing.assert_close(four, one, rtol=2e-5, atol=0)
+
+
+@pytest.mark.ranks8
+def test_three_dimensional_layout_on_eight_ranks_equals_eager(tmp_path):
+    """pp2 x dp2 x tp2: 2 stages, each 2 data-parallel (replicated, or FSDP2 ZeRO-3) x 2 tensor-parallel ranks
+    (sequence parallel with FSDP2); the whole schedule graphed equals eager bit for bit on every rank."""
+    reports = run_layouts(tmp_path, "cpu", timeout=600, nproc=8, layouts="LAYOUTS_8")
+    _assert_graphed_runs_equal_eager(reports, LAYOUTS_8, {})
+    # rank = 4 pp + 2 dp + tp: replicated data-parallel ranks hold the same shards, FSDP2's each its own
+    shards = [r["pp2_dp2_tp2/eager"]["shard"] for r in reports]
+    assert shards[0] == shards[2] and shards[1] == shards[3] and len(set(shards)) == 4
+    assert len({r["pp2_zero3_tp2_sp/eager"]["shard"] for r in reports}) == 8
 
 
 @pytest.mark.cuda

@@ -46,11 +46,13 @@ def test_the_70b_recipe_has_llama3_70bs_shape():
             m.vocab_size, m.seq_length) == (80, 8192, 28672, 64, 8, 128256, 8192)
 
 
-def test_bridges_tensor_by_pipeline_70b_layout_is_refused_by_a_rule_not_an_unknown_key(monkeypatch):
+def test_bridges_tensor_by_pipeline_70b_layout_is_refused_only_for_its_overlapped_gradient_reduction(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "16")
-    cfg = config("--recipe", "llama3_70b", *overrides("llama3_70b"), "model.tensor_model_parallel_size=4",
-                 "model.pipeline_model_parallel_size=4", "model.pipeline_dtype=bf16")
-    assert {v.rule for v in validate_config(cfg)} == {"R29"}
+    layout = ("model.tensor_model_parallel_size=4", "model.pipeline_model_parallel_size=4", "model.pipeline_dtype=bf16")
+    found = validate_config(config("--recipe", "llama3_70b", *overrides("llama3_70b"), *layout))
+    assert [v.rule for v in found] == ["R29"] and "ddp.overlap_grad_reduce=true" in found[0].message
+    assert validate_config(config("--recipe", "llama3_70b", *overrides("llama3_70b"), *layout,
+                                  "ddp.overlap_grad_reduce=false")) == []
 
 
 def test_the_pretrain_yaml_validates(capsys):

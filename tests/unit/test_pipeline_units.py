@@ -70,8 +70,7 @@ def _rules(*overrides: str, world: int = 2) -> list:
      "pipeline_dtype"),
     (["model.pipeline_model_parallel_size=2", "train.global_batch_size=2"], 2, "R28", "1F1B"),
     (["model.pipeline_schedule=zb"], 1, "R28", "not a schedule"),
-    (["model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2"], 4, "R29", "tensor_model"),
-    (["model.pipeline_model_parallel_size=2", "ddp.use_distributed_optimizer=true"], 2, "R29", "FSDP2"),
+    (["model.pipeline_model_parallel_size=2", "compile.enable=true"], 2, "R29", "compile.enable"),
     (["model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=full_iteration", "model.use_te_rng_tracker=true",
       "model.cuda_graph_warmup_steps=0"], 2, "R29", "shapes"),
     (["model.pipeline_model_parallel_size=2", "ddp.overlap_grad_reduce=true"], 2, "R29", "overlap_grad_reduce"),
@@ -96,6 +95,23 @@ def test_accepted_pipeline_layouts_break_no_rule():
                   "model.cuda_graph_modules=[attn,mlp]") == []
     assert _rules("model.pipeline_model_parallel_size=3", "model.num_layers=5", "model.num_layers_in_first_pipeline_"
                   "stage=1", "model.num_layers_in_last_pipeline_stage=2", world=3) == []
+
+
+@pytest.mark.parametrize("overrides,world", [
+    (["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"], 4),
+    (["model.tensor_model_parallel_size=2", "model.share_embeddings_and_output_weights=true"], 4),
+    (["ddp.use_distributed_optimizer=true"], 4),
+    (["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"], 4),
+    (["model.tensor_model_parallel_size=2", "ddp.use_megatron_fsdp=true",
+      "ddp.data_parallel_sharding_strategy=optim_grads_params", "train.global_batch_size=16"], 8),
+    (["model.num_moe_experts=4", "model.moe_router_topk=2"], 2),
+    (["model.hybrid_override_pattern=M-*-"], 2),
+    (["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]", "model.attention_dropout=0.0"], 2),
+    (["model.recompute_granularity=full", "model.attention_dropout=0.0", "model.hidden_dropout=0.0"], 2),
+])
+def test_pipeline_stages_combine_with_tensor_parallel_fsdp2_moe_hybrid_and_recompute(overrides, world):
+    """No layout rule refuses these (the graphed runs are in tests/distributed/test_pipeline.py)."""
+    assert _rules("model.pipeline_model_parallel_size=2", *overrides, world=world) == []
 
 
 @pytest.mark.parametrize("world,rank,expected", [(2, 1, (1, 0, 0)), (4, 1, (0, 1, 0)), (4, 2, (1, 0, 0)),

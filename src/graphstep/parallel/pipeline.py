@@ -41,12 +41,16 @@ the full-iteration graph), so both take the gradient one process computes
 and the same optimizer step. The gradient norm counts the first stage's copy
 only (:func:`is_tied_copy`).
 
-That first step's set-up draws no random numbers (:func:`_setup_draws_nothing`):
+That first step's set-up leaves no trace (:func:`_setup_leaves_no_trace`):
 torch 2.13 infers the shapes by running the stage's forward and backward
 once, with dropout, and shields only torch's default generators from it, not
 the RNG tracker's streams that dropout draws from. A resumed run sets its
 stages up again, so without this its dropout masks would be shifted from the
-uninterrupted run's from the resume on.
+uninterrupted run's from the resume on. A stage after the first runs that
+forward on uninitialised inputs (``torch.empty`` of the received shapes), so
+what the forward accumulates in the model's buffers -- an MoE router's
+load-balancing statistics and token counts for the expert-bias update --
+would be garbage: the set-up restores every buffer of the stage too.
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import ModelConfig
 from ..cuda_graph.rng import get_rng_tracker
-from ..engines_compat import forward_only_step, view_base, wrap_stage_setup
+from ..engines_compat import dtensor_local, forward_only_step, view_base, wrap_stage_setup
 from ..models.transformer import token_loss
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -129,14 +134,19 @@ def split_stage(model: nn.Module, m: ModelConfig, stages: int, stage: int) -> nn
 
 
 class _StageModule(nn.Module):
-    """What ``PipelineStage`` runs: the stage's part of the model, input to output (GPTModel.stage_forward)."""
+    """What ``PipelineStage`` runs: the stage's part of the model, input to output (GPTModel.stage_forward).
+
+    It calls the model itself (``model(x)``: without labels, GPTModel returns what ``stage_forward`` returns),
+    not ``stage_forward``, so the hooks on the model's own call run: FSDP2's root module gathers its
+    parameters (the embedding, the final norm, the output layer) there and initialises itself on the first call.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.stage_forward(x)
+        return self.model(x)
 
 
 class _StageLoss:
@@ -187,7 +197,8 @@ class Pipeline:
         stage = PipelineStage(self.module, stage_index, stages, device, group=group)
         kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         # scale_grads=False: the loss function divides by the micro-batch count, as TrainStep does
-        self.train_schedule = _setup_draws_nothing(kind(stage, num_micro_batches, loss_fn=self.loss, scale_grads=False))
+        self.train_schedule = _setup_leaves_no_trace(
+            kind(stage, num_micro_batches, loss_fn=self.loss, scale_grads=False), model)
         self._eval: dict[int, Any] = {}
         # no merged last-stage outputs where torch can skip them (a copy of every micro-batch's logits)
         self._step_kwargs = {"return_outputs": False} if "return_outputs" in inspect.signature(kind.step).parameters \
@@ -199,7 +210,8 @@ class Pipeline:
             from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
             stage = PipelineStage(self.module, self.stage_index, self.stages, self.device, group=self.group)
-            self._eval[n] = _setup_draws_nothing(ScheduleGPipe(stage, n, loss_fn=self.loss, scale_grads=False))
+            self._eval[n] = _setup_leaves_no_trace(ScheduleGPipe(stage, n, loss_fn=self.loss, scale_grads=False),
+                                                  self.model)
         return self._eval[n]
 
     def run(self, schedule: Any, batches: list[Batch], total: torch.Tensor, *, train: bool) -> None:
@@ -243,23 +255,35 @@ def tied_embedding_grad(model: nn.Module, *, tied: bool, first: bool, last: bool
     tied embeddings, on one stage, or when the embedding is frozen (its copies stay equal without gradients)."""
     if not tied or first == last:
         return None
-    return getattr(model.embedding.weight, "main_grad", None)
+    grad = getattr(model.embedding.weight, "main_grad", None)
+    return dtensor_local(grad) if isinstance(grad, DTensor) else grad  # tensor parallel: this rank's rows
 
 
-def _setup_draws_nothing(schedule: Any) -> Any:
-    """``schedule`` with its stage set-up leaving every RNG stream where it was (see the module docstring).
+def _setup_leaves_no_trace(schedule: Any, model: nn.Module) -> Any:
+    """``schedule`` with its stage set-up leaving every RNG stream where it was and every buffer of ``model``
+    as it was (see the module docstring).
 
     A single-stage schedule calls ``_initialize_stage`` at the start of every step, and it sets the stage up
     on the first (torch 2.13 infers the shapes there with a real forward and backward of the first
     micro-batch, forking only torch's default generators). The wrapper keeps the tracker's streams and the
-    default generators around it in eager steps; a captured step comes after the eager first one (R29).
+    default generators around it in eager steps, and puts the buffers back after it when it set the stage up;
+    a captured step comes after the eager first one (R29).
     """
+    calls = [0]  # a schedule sets its stage up on its first step (each schedule runs one mode: train or eval)
+
     def wrap(init: Callable[..., Any]) -> Callable[..., Any]:
         def initialize(*args: Any, **kwargs: Any) -> Any:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # set up already (R29)
                 return init(*args, **kwargs)
+            calls[0] += 1
+            buffers = list(model.buffers()) if calls[0] == 1 else []
+            saved = [b.detach().clone() for b in buffers]
             with get_rng_tracker().preserved():
-                return init(*args, **kwargs)
+                out = init(*args, **kwargs)
+            with torch.no_grad():
+                for b, before in zip(buffers, saved):
+                    b.copy_(before)
+            return out
 
         return initialize
 

@@ -65,10 +65,16 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
     tp = mesh.size()
     seq = Shard(1) if sequence_parallel else Replicate()
     norm = SequenceParallel(use_local_output=True) if sequence_parallel else None
-    plan: dict[str, Any] = {
-        "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-    }
-    if norm is not None:
+    plan: dict[str, Any] = {}
+    # a pipeline stage holds the embedding on the first stage only, the final norm and output layer on the last
+    # (parallel/pipeline.py); the last stage's copy of a tied embedding is sharded over the vocabulary as the
+    # first stage's embedding is, so both stages' copies hold the same rows on each tensor-parallel rank
+    embedding = getattr(model, "embedding", None)
+    if isinstance(embedding, nn.Embedding):
+        plan["embedding"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    elif embedding is not None:
+        _shard_rows(embedding, "weight", mesh)
+    if norm is not None and getattr(model, "final_layernorm", None) is not None:
         plan["final_layernorm"] = norm
     if getattr(model, "output_layer", None) is not None:
         plan["output_layer"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
@@ -89,3 +95,14 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
         mlp.mlp.linear_fc1.fused_parts = (mlp.mlp.linear_fc1.out_features // 2,) * 2
     model.hidden_placement = seq  # what GPTModel.logits reads the final hidden state as
     parallelize_module(model, mesh, plan)
+
+
+def _shard_rows(module: nn.Module, name: str, mesh: DeviceMesh) -> None:
+    """Replace parameter ``name`` of ``module`` by this rank's block of its rows (a DTensor ``Shard(0)``), sliced
+    locally: every rank holds the same full weight (one seed). Attributes set on the parameter are kept."""
+    param = getattr(module, name)
+    local = param.detach().chunk(mesh.size(), dim=0)[mesh.get_local_rank()].contiguous()
+    dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
+    sharded = nn.Parameter(dt, requires_grad=param.requires_grad)
+    sharded.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})
+    module.register_parameter(name, sharded)

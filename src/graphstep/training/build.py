@@ -155,7 +155,9 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     # 4. The training and evaluation steps: data-parallel reducers, MoE hooks, the non-finite flag, and FP8 delayed
     #    scaling's end-of-step update of the amax histories and scales (inside the full-iteration graph).
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.dp_size)  # per pipeline too
-    moe = MoEHooks(model, num_mb)
+    # the expert-bias update sums the token counts over the data-parallel ranks of this stage (each stage holds
+    # other MoE layers; without stages they are the whole world, the default group)
+    moe = MoEHooks(model, num_mb, group=dp.dp_group if dp.layout.pp > 1 else None)
     train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb)
     if compile_mode is not None:
         train_step = CompileTimeReport(train_step, describe_compile(compile_mode, settings))
@@ -246,14 +248,16 @@ def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, ste
     hooks = dict(reduce_grads=reduce_grads, reduce_loss=dp.loss_reducer(),
                  before_step=moe.before_step if moe.enabled else None,
                  check_nonfinite=cfg.train.check_for_nan_on_device)
+    # FSDP2: an evaluation step reshards what its forwards gathered, so every step ends with the parameters sharded
+    release = partial(reshard_all, model) if dp.layout.fsdp is not None else None
     if dp.layout.pp > 1:  # the schedule runs forward and backward (parallel/pipeline.py); R32: no FP8 there
         pipeline = Pipeline(model, stage_index=dp.pp_rank, stages=dp.layout.pp, group=dp.pp_group, device=device,
                             schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
-        return PipelineTrainStep(pipeline, grads, **hooks), PipelineEvalStep(pipeline, device, dp.loss_reducer())
+        return (PipelineTrainStep(pipeline, grads, **hooks),
+                PipelineEvalStep(pipeline, device, dp.loss_reducer(), release=release))
     train_step = TrainStep(step_model, grads, retain_graph=settings.retain_backward_graph,
                            after_backward=_fp8_scaling_update(cfg, model, dp), **hooks)
-    eval_step = EvalStep(step_model, device, reduce_loss=dp.loss_reducer(),
-                         release=partial(reshard_all, model) if dp.layout.fsdp is not None else None)
+    eval_step = EvalStep(step_model, device, reduce_loss=dp.loss_reducer(), release=release)
     return train_step, eval_step
 
 

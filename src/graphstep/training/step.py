@@ -163,8 +163,9 @@ class PipelineEvalStep(EvalStep):
     """EvalStep over a pipeline: forwards only, the mean loss on every stage."""
 
     def __init__(self, pipeline: Pipeline, device: torch.device,
-                 reduce_loss: Callable[[torch.Tensor], Any] | None = None) -> None:
-        super().__init__(pipeline.model, device, reduce_loss=reduce_loss)
+                 reduce_loss: Callable[[torch.Tensor], Any] | None = None,
+                 release: Callable[[], None] | None = None) -> None:
+        super().__init__(pipeline.model, device, reduce_loss=reduce_loss, release=release)
         self.pipeline = pipeline
 
     def _accumulate(self, batches: list[Batch], total: torch.Tensor) -> None:

@@ -254,16 +254,6 @@ def _r29(v: View) -> list[Violation]:
         out.append(_v("R29", [*fields, "model.pipeline_model_parallel_size"], f"model.pipeline_model_parallel_size="
                       f"{pp} with {value} is not implemented.", fix))
 
-    if tensor_parallel_size(cfg) > 1:
-        refuse(["model.tensor_model_parallel_size"], f"model.tensor_model_parallel_size={tensor_parallel_size(cfg)}",
-               "use pipeline stages with data parallel, or tensor parallel without pipeline stages.")
-    if shards_data_parallel(cfg):
-        refuse(_fsdp_fields(cfg), f"FSDP2 ({_fsdp_f(cfg)})", "use replicated data parallel across pipelines "
-               "(the default ddp settings).")
-    if m.num_moe_experts is not None:
-        refuse(["model.num_moe_experts"], "an MoE model", "train MoE models without pipeline stages.")
-    if m.hybrid_override_pattern is not None:
-        refuse(["model.hybrid_override_pattern"], "a hybrid (Mamba) model", "train hybrid models without pipeline stages.")
     warmup = _int(m.cuda_graph_warmup_steps)
     if v.impl == "full_iteration" and warmup == 0:
         refuse(["model.cuda_graph_warmup_steps"], "model.cuda_graph_warmup_steps=0 (the first step infers the shapes "
@@ -276,9 +266,6 @@ def _r29(v: View) -> list[Violation]:
                "set model.cuda_graph_warmup_steps=2 or more.")
     if cfg.compile.enable is True:
         refuse(["compile.enable"], "compile.enable=true", "set compile.enable=false.")
-    if m.recompute_granularity is not None:
-        refuse(["model.recompute_granularity"], f"model.recompute_granularity={_fmt(m.recompute_granularity)}",
-               "set model.recompute_granularity=null.")
     if cfg.ddp.overlap_grad_reduce is True:
         refuse(["ddp.overlap_grad_reduce"], "ddp.overlap_grad_reduce=true (the schedule runs the backward)",
                "set ddp.overlap_grad_reduce=false.")
