@@ -135,32 +135,53 @@ def probe_fsdp_float8_scale() -> None:
 # tensor parallel: a colwise style that partitions its own way
 
 
-@functools.cache
-def colwise_with_partition() -> type:
-    """``ColwiseWithPartition``, made on first use: importing tensor parallel costs every process about a
-    second, and only tensor-parallel runs need it (this module is imported by every ``import graphstep``)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
+def _with_partition(style: type, name: str) -> type:
+    """``style`` (ColwiseParallel or RowwiseParallel) with a public :meth:`partition_linear` its subclasses
+    override; torch calls it through the style's ``_partition_linear_fn``, the per-module partition its ``_apply``
+    hands to ``distribute_module``; a torch without that name is an error when the style is made, never a style
+    whose override is silently not called."""
+    probe_name = f"probe_{name}_partition"
 
-    class ColwiseWithPartition(ColwiseParallel):
-        """A ``ColwiseParallel`` whose subclasses say how a Linear is partitioned by overriding
-        :meth:`partition_linear`; the default is ColwiseParallel's own. torch calls it through
-        ``ColwiseParallel._partition_linear_fn``, the per-module partition its ``_apply`` hands to
-        ``distribute_module``; a torch without that name is an error when the style is made, never a style
-        whose override is silently not called."""
-
+    class WithPartition(style):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            if not callable(getattr(ColwiseParallel, "_partition_linear_fn", None)):
-                raise PROBES["probe_colwise_partition"].error()
+            if not callable(getattr(style, "_partition_linear_fn", None)):
+                raise PROBES[probe_name].error()
             super().__init__(*args, **kwargs)
 
         def partition_linear(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-            """Shard ``module``'s parameters over ``device_mesh`` (ColwiseParallel's own partition)."""
+            """Shard ``module``'s parameters over ``device_mesh`` (the style's own partition)."""
             return super()._partition_linear_fn(name, module, device_mesh)
 
         def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
             return self.partition_linear(name, module, device_mesh)
 
-    return ColwiseWithPartition
+    WithPartition.__name__ = WithPartition.__qualname__ = f"{style.__name__.replace('Parallel', '')}WithPartition"
+    return WithPartition
+
+
+@functools.cache
+def colwise_with_partition() -> type:
+    """``ColwiseWithPartition``, made on first use: importing tensor parallel costs every process about a
+    second, and only tensor-parallel runs need it (this module is imported by every ``import graphstep``).
+    A ``ColwiseParallel`` whose subclasses say how a Linear is partitioned by overriding ``partition_linear``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return _with_partition(ColwiseParallel, "colwise")
+
+
+@functools.cache
+def rowwise_with_partition() -> type:
+    """``RowwiseWithPartition``: the same for ``RowwiseParallel`` (made on first use, as above)."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    return _with_partition(RowwiseParallel, "rowwise")
+
+
+def _probe_partition(style: type, made: Callable[[], type]) -> None:
+    made()()
+    params = list(inspect.signature(style._partition_linear_fn).parameters)
+    expect(params == ["self", "name", "module", "device_mesh"], f"signature {params}")
+    expect("_partition_linear_fn" in inspect.getsource(style._apply), "_apply partitions with it")
 
 
 @probe("ColwiseParallel._partition_linear_fn", purpose="shard fused projections (qkv, gate+up) part by part",
@@ -168,10 +189,15 @@ def colwise_with_partition() -> type:
 def probe_colwise_partition() -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    colwise_with_partition()()
-    params = list(inspect.signature(ColwiseParallel._partition_linear_fn).parameters)
-    expect(params == ["self", "name", "module", "device_mesh"], f"signature {params}")
-    expect("_partition_linear_fn" in inspect.getsource(ColwiseParallel._apply), "_apply partitions with it")
+    _probe_partition(ColwiseParallel, colwise_with_partition)
+
+
+@probe("RowwiseParallel._partition_linear_fn", purpose="shard LoRA adapters of rowwise projections (lora_A "
+       "rowwise, lora_B replicated)", verified=(CPU_2_13,))
+def probe_rowwise_partition() -> None:
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    _probe_partition(RowwiseParallel, rowwise_with_partition)
 
 
 # --------------------------------------------------------------------------

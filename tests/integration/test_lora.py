@@ -203,8 +203,6 @@ def test_bridge_lora_fields_are_accepted_with_their_defaults():
 
 @pytest.mark.parametrize("overrides, fields, words", [
     (["peft=dora", "peft.dropout_position=post"], ("peft.scheme", "peft.dropout_position"), "DoRA drops"),
-    (["peft=dora", "model.tensor_model_parallel_size=2"], ("peft.scheme", "model.tensor_model_parallel_size"),
-     "peft=dora with tensor parallel"),
     (["peft=qlora"], ("peft.scheme",), "not a PEFT scheme"),
     (["peft.dim=8"], ("peft.dim",), "without a scheme"),
     (["peft=lora", "peft.lora_dtype=fp32"], ("peft.lora_dtype",), "model's dtype"),
@@ -217,11 +215,10 @@ def test_bridge_lora_fields_are_accepted_with_their_defaults():
     (["peft=lora", "peft.dropout_position=middle"], ("peft.dropout_position",), "pre, post"),
     (["peft=lora", "peft.lora_A_init_method=normal"], ("peft.lora_A_init_method",), "xavier, uniform"),
     (["peft=lora", "peft.lora_B_init_method=xavier"], ("peft.lora_B_init_method",), "zero"),
-    (["peft=lora", "model.tensor_model_parallel_size=2"], ("peft.scheme", "model.tensor_model_parallel_size"),
-     "tensor parallel"),
     (["peft=lora", "model.pipeline_model_parallel_size=2"], ("peft.scheme", "model.pipeline_model_parallel_size"),
      "pipeline stages"),
-    (["peft=lora", "ddp.use_megatron_fsdp=true"], ("peft.scheme", "ddp.use_megatron_fsdp"), "FSDP2"),
+    (["peft=dora", "model.context_parallel_size=2"], ("peft.scheme", "model.context_parallel_size"),
+     "peft=dora with context parallel"),
     (["peft=lora", "mixed_precision.fp8=hybrid"], ("peft.scheme", "mixed_precision.fp8"), "FP8"),
     (["peft=lora", "compile.enable=true", "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]",
       "train.device=cuda"], ("peft.scheme", "compile.enable", "model.cuda_graph_impl"),
@@ -236,6 +233,19 @@ def test_r33_refuses_what_lora_does_not_implement_in_one_line(overrides, fields,
     assert [f for f, _ in found] == [fields], found
     message = found[0][1]
     assert words in message and "\n" not in message and "Fix:" in message
+
+
+@pytest.mark.parametrize("layout", [
+    ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
+    ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    ["model.tensor_model_parallel_size=2", "ddp.use_megatron_fsdp=true",
+     "ddp.data_parallel_sharding_strategy=optim_grads", "model.cuda_graph_impl=local",
+     "model.cuda_graph_modules=[attn,mlp]"],
+], ids=["tp2_sp", "fsdp_zero3", "tp2_zero2_layers"])
+def test_r33_accepts_lora_and_dora_over_tensor_parallel_and_fsdp2(layout):
+    """tests/distributed/test_lora_parallel.py runs them (parallel/tensor_parallel.py shards the adapters)."""
+    for scheme in ("lora", "dora"):
+        assert not _r33(f"peft={scheme}", *layout)
 
 
 @pytest.mark.parametrize("graphs", [["train.device=cpu"], ["train.device=cuda", "model.cuda_graph_impl=full_iteration",

@@ -27,9 +27,20 @@ With adapter dropout (``pre`` only, as Bridge) the base output of the dropped in
 do: ``y = x W^T + (m/n - 1) x_d W^T + (m/n) s B(A(x_d)) + b``. The bias is added after the rescaling (the paper and
 peft; Bridge's fused ``linear_qkv`` would rescale a q/k/v bias too).
 
+Under tensor parallel (parallel/tensor_parallel.py) the base weight and the adapters are DTensors sharded as
+Megatron shards them -- colwise base: ``lora_A`` replicated, ``lora_B`` (and DoRA's magnitude) by output rows;
+rowwise base: ``lora_A`` by input columns, ``lora_B`` and the magnitude replicated -- and the forward above runs
+on them unchanged: DTensor's ops put the collectives where the math needs them. DoRA's row norm of a rowwise
+weight, whose rows are split over the ranks, is the norm of the whole row (the ranks' partial sums of squares
+all-reduced). Adapter dropout drops each rank's local part: a sharded one (a rowwise adapter's input) from the
+model-parallel stream, which differs per tensor-parallel rank, a replicated or partial one from the data-parallel
+stream, the same on every tensor-parallel rank, so the ranks' parts stay one tensor. Under FSDP2 the frozen base
+weights are sharded and gathered like the adapters but take no gradient, so only the adapters' gradients are
+reduce-scattered.
+
 ``merged_state_dict`` folds the adapters into the base weights (``export_hf`` writes that merged model).
-What does not combine (lora_dtype, DoRA's post dropout, tensor/pipeline/expert parallel, FSDP2, FP8, MoE and
-hybrid models) is refused by rule R33 (docs/rules.md).
+What does not combine (lora_dtype, DoRA's post dropout, pipeline or expert parallel, FP8, MoE and hybrid models)
+is refused by rule R33 (docs/rules.md).
 """
 
 from __future__ import annotations
@@ -41,7 +52,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from ..cuda_graph.rng import DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG
 from ..models.transformer import decoder_layer_of, hidden_dropout
 
 SCHEMES = ("lora", "dora")
@@ -84,6 +97,15 @@ def plan_from(peft: Any) -> LoRAPlan | None:
                     a_init=str(peft.lora_A_init_method), b_init=str(peft.lora_B_init_method))
 
 
+def adapter_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Adapter dropout (the model's hidden dropout, module docstring); of a DTensor, on this rank's part."""
+    if p == 0.0 or not training or not isinstance(x, DTensor):
+        return hidden_dropout(x, p, training)
+    sharded = any(placement.is_shard() for placement in x.placements)
+    local = hidden_dropout(x.to_local(), p, training, MODEL_PARALLEL_RNG if sharded else DATA_PARALLEL_RNG)
+    return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+
+
 class LoRALinear(nn.Linear):
     """A frozen ``nn.Linear`` plus a trainable low-rank update ``(alpha / dim) * B A``.
 
@@ -112,10 +134,10 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         pre = self.dropout_position == "pre"
-        a = hidden_dropout(x, self.dropout, self.training) if pre else x
+        a = adapter_dropout(x, self.dropout, self.training) if pre else x
         update = self.lora_B(self.lora_A(a))
         if not pre:
-            update = hidden_dropout(update, self.dropout, self.training)
+            update = adapter_dropout(update, self.dropout, self.training)
         return y + update * self.scale
 
     @torch.no_grad()
@@ -147,7 +169,7 @@ class DoRALinear(LoRALinear):
         rescale = self.lora_magnitude / self.weight_norm()
         y = F.linear(x, self.weight)
         if self.dropout > 0.0 and self.training:  # Bridge's and peft's correction for the dropped input
-            dropped = hidden_dropout(x, self.dropout, self.training)
+            dropped = adapter_dropout(x, self.dropout, self.training)
             y = y + (rescale - 1) * F.linear(dropped, self.weight) + rescale * (self.lora_B(self.lora_A(dropped))
                                                                                 * self.scale)
         else:

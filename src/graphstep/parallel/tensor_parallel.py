@@ -16,6 +16,20 @@ and up. Colwise sharding gives each rank its slice of every part
 (:class:`FusedColwiseParallel`), so the local matmul yields the rank's own
 q/k/v heads and gate/up columns. The DTensor's rows are then ordered per
 rank; :func:`fused_parts` says how to read them back part by part.
+
+LoRA/DoRA adapters (converters/lora.py, ``peft``) are sharded as Megatron
+shards them, each with its base projection's style: under a colwise base,
+``lora_A`` is replicated and ``lora_B`` sharded by output rows -- part by
+part for a fused projection, as the base weight -- and DoRA's magnitude (one
+per output row) with them; under a rowwise base, ``lora_A`` is sharded by
+input columns and ``lora_B`` and the magnitude replicated. The adapter then
+runs on the same DTensors as the base: a colwise one on the gathered input,
+adding its shard of output columns; a rowwise one on the input shard, its
+``lora_A`` output a partial sum that ``lora_B`` keeps partial, so the base's
+one all-reduce (or reduce-scatter with sequence parallel) sums base and
+adapter together. ``lora_A``'s gradient under a colwise base, ``lora_B``'s
+under a rowwise one, are partial sums, all-reduced when they are accumulated
+(training/optim.py), as a sequence-parallel norm's.
 """
 
 from __future__ import annotations
@@ -31,7 +45,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..cuda_graph.rng import MODEL_PARALLEL_RNG
-from ..engines_compat import colwise_with_partition
+from ..engines_compat import colwise_with_partition, rowwise_with_partition
+
+# the adapter submodules' names (converters/lora.py LoRALinear)
+ADAPTER_IN, ADAPTER_OUT = "lora_A", "lora_B"
 
 
 def fused_parts(module: nn.Module) -> tuple[int, ...] | None:
@@ -49,15 +66,28 @@ class FusedColwiseParallel(colwise_with_partition()):
     """
 
     def partition_linear(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if name == ADAPTER_IN:  # a LoRA adapter's lora_A: replicated (distribute_module replicates what is left)
+            return
         parts = fused_parts(module)
         if parts is None:
             return super().partition_linear(name, module, device_mesh)
         rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        # the weight (and bias), a DoRA magnitude and an adapter's lora_B: all are rows of the fused parts
         for pname, param in list(module.named_parameters(recurse=False)):
             local = torch.cat([chunk.chunk(size, dim=0)[rank] for chunk in param.detach().split(list(parts), dim=0)])
             dt = DTensor.from_local(local.contiguous(), device_mesh, [Shard(0)], run_check=False,
                                     shape=param.shape, stride=param.stride())
             module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+class AdaptedRowwiseParallel(rowwise_with_partition()):
+    """``RowwiseParallel`` that leaves a LoRA adapter's ``lora_B`` (and a DoRA magnitude) replicated; the
+    weight and an adapter's ``lora_A`` are sharded by input columns as RowwiseParallel shards a weight."""
+
+    def partition_linear(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if name == ADAPTER_OUT:  # replicated by distribute_module, as everything no partition takes
+            return
+        return super().partition_linear(name, module, device_mesh)
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
@@ -82,9 +112,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
         attn, mlp = layer.blocks["attn"], layer.blocks["mlp"]
         prefix = f"layers.{i}.blocks"
         plan[f"{prefix}.attn.self_attention.linear_qkv"] = FusedColwiseParallel(input_layouts=seq)
-        plan[f"{prefix}.attn.self_attention.linear_proj"] = RowwiseParallel(output_layouts=seq)
+        plan[f"{prefix}.attn.self_attention.linear_proj"] = AdaptedRowwiseParallel(output_layouts=seq)
         plan[f"{prefix}.mlp.mlp.linear_fc1"] = FusedColwiseParallel(input_layouts=seq)
-        plan[f"{prefix}.mlp.mlp.linear_fc2"] = RowwiseParallel(output_layouts=seq)
+        plan[f"{prefix}.mlp.mlp.linear_fc2"] = AdaptedRowwiseParallel(output_layouts=seq)
         if norm is not None:
             plan[f"{prefix}.attn.input_layernorm"] = norm
             plan[f"{prefix}.mlp.pre_mlp_layernorm"] = norm
@@ -93,8 +123,18 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
         sa.linear_qkv.fused_parts = tuple(n * sa.head_dim for n in (sa.heads, sa.groups, sa.groups))
         sa.heads, sa.groups = sa.heads // tp, sa.groups // tp
         mlp.mlp.linear_fc1.fused_parts = (mlp.mlp.linear_fc1.out_features // 2,) * 2
+        for fused in (sa.linear_qkv, mlp.mlp.linear_fc1):
+            adapter = getattr(fused, ADAPTER_OUT, None)
+            if adapter is not None:  # lora_B's rows are the projection's: sharded (and checkpointed) part by part
+                adapter.fused_parts = fused.fused_parts
     model.hidden_placement = seq  # what GPTModel.logits reads the final hidden state as
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, mesh, plan)
+    # SequenceParallel (and distribute_module's replication) make new parameters that require a gradient; a
+    # frozen one (a LoRA run's base weights, norms included) stays frozen
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
 
 
 def _shard_rows(module: nn.Module, name: str, mesh: DeviceMesh) -> None:

@@ -372,10 +372,12 @@ def _r33(v: View) -> list[Violation]:
 
 
 def _r33_combinations(v: View, dropout: float) -> list[Violation]:
-    """What LoRA does not combine with yet: sharded or staged models, FP8, MoE and hybrid models, and
-    adapter dropout inside recomputed regions."""
+    """What LoRA does not combine with yet: pipeline stages, expert and context parallel, FP8, MoE and hybrid
+    models, and adapter dropout inside recomputed regions. Tensor parallel and FSDP2 act
+    (parallel/tensor_parallel.py shards the adapters as Megatron does)."""
     m, out = v.cfg.model, []
-    others = _beyond_replicas(v.cfg)
+    others = [(key, what) for key, what in _beyond_replicas(v.cfg)
+              if key not in ("model.tensor_model_parallel_size", "ddp.use_megatron_fsdp")]
     if v.cfg.mixed_precision.fp8 is not None:
         others.append(("mixed_precision.fp8", f"FP8 (mixed_precision.fp8={_fmt(v.cfg.mixed_precision.fp8)})"))
     if m.num_moe_experts is not None:
@@ -384,7 +386,8 @@ def _r33_combinations(v: View, dropout: float) -> list[Violation]:
         others.append(("model.hybrid_override_pattern", "a hybrid Mamba model (hybrid_override_pattern set)"))
     for key, what in others:
         out.append(_v("R33", ["peft.scheme", key], f"peft={_fmt(v.cfg.peft.scheme)} with {what} is not implemented "
-                      "yet: graphstep's adapters run on data-parallel replicas of a dense transformer.",
+                      "yet: graphstep's adapters run on data-parallel replicas, tensor parallel and FSDP2 of a "
+                      "dense transformer.",
                       f"drop {what.split(' (')[0]}, or write peft=null."))
     if v.cfg.compile.enable is True and v.per_layer:  # as FP8 (R32): compiled whole-model only, for now
         out.append(_v("R33", ["peft.scheme", "compile.enable", "model.cuda_graph_impl"], f"peft="
