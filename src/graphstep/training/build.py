@@ -155,7 +155,7 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     # 4. The training and evaluation steps: data-parallel reducers, MoE hooks, the non-finite flag, and FP8 delayed
     #    scaling's end-of-step update of the amax histories and scales (inside the full-iteration graph).
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.dp_size)  # per pipeline too
-    moe = MoEHooks(model, num_mb)
+    moe = MoEHooks(model, num_mb, token_shares=dp.layout.tp)  # a MoE block's tokens are split over tp
     train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb)
     if compile_mode is not None:
         train_step = CompileTimeReport(train_step, describe_compile(compile_mode, settings))

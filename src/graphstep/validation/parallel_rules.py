@@ -100,6 +100,10 @@ def _r25(v: View) -> list[Violation]:
     if m.sequence_parallel is True and seq is not None and seq % tp:
         out.append(_v("R25", ["model.seq_length", "model.sequence_parallel"], f"model.seq_length={seq} does not divide "
                       f"over {tp} sequence-parallel ranks.", f"set model.seq_length to a multiple of {tp}."))
+    elif m.num_moe_experts is not None and seq is not None and seq % tp:
+        out.append(_v("R25", ["model.seq_length", "model.num_moe_experts"], f"model.seq_length={seq} does not divide "
+                      f"over {tp} tensor-parallel ranks: each runs the MoE blocks on its share of the sequence.",
+                      f"set model.seq_length to a multiple of {tp}."))
     return out
 
 
@@ -133,9 +137,15 @@ def _r27(v: View) -> list[Violation]:
     def refuse(field: str, value: str, fix: str) -> None:
         out.append(_v("R27", [field, *fields], f"{what} with {value} is not implemented.", fix))
 
-    if m.num_moe_experts is not None:
+    ep = _int(m.expert_model_parallel_size) or 1
+    if m.num_moe_experts is not None and tp > 1 and fsdp:
         refuse("model.num_moe_experts", f"model.num_moe_experts={_fmt(m.num_moe_experts)} (an MoE model)",
-               "train MoE models with replicated data parallel (the default ddp settings, tensor_model_parallel_size=1).")
+               "train MoE models with tensor parallel over replicated data parallel (the default ddp settings), or "
+               "with FSDP2 and model.tensor_model_parallel_size=1.")
+    elif m.num_moe_experts is not None and fsdp and ep == 1:
+        refuse("model.num_moe_experts", f"model.num_moe_experts={_fmt(m.num_moe_experts)} (an MoE model) and "
+               "model.expert_model_parallel_size=1", "set model.expert_model_parallel_size=2 or more (FSDP2 shards "
+               "the experts over the ranks holding the same ones), or train with replicated data parallel.")
     if m.hybrid_override_pattern is not None:
         refuse("model.hybrid_override_pattern", "a hybrid (Mamba) model", "train hybrid models with replicated data "
                "parallel (the default ddp settings, tensor_model_parallel_size=1).")
@@ -340,15 +350,18 @@ def _r31(v: View) -> list[Violation]:
         refuse(["model.moe_sync_free"], "model.moe_sync_free=false is not implemented with expert parallel: "
                "allgather runs the sync-free grouped GEMM only, alltoall picks its GEMM from the sizes it reads.",
                "set model.moe_sync_free=true.")
-    others = [(tensor_parallel_size(cfg) > 1, "model.tensor_model_parallel_size", "tensor parallel"),
-              (pipeline_parallel_size(cfg) > 1, "model.pipeline_model_parallel_size", "pipeline stages"),
+    others = [(pipeline_parallel_size(cfg) > 1, "model.pipeline_model_parallel_size", "pipeline stages"),
               (m.hybrid_override_pattern is not None, "model.hybrid_override_pattern", "a hybrid (Mamba) model")]
     for on, name, what in others:
         if on:
             refuse([name], f"{what} with expert parallel is not implemented.", f"set {name} to its default.")
-    if shards_data_parallel(cfg):
-        refuse(_fsdp_fields(cfg), f"FSDP2 ({_fsdp_f(cfg)}) with expert parallel is not implemented.",
-               "use replicated data parallel (the default ddp settings).")
+    tp, fsdp = tensor_parallel_size(cfg), shards_data_parallel(cfg)
+    if dispatcher == "alltoall" and (tp > 1 or fsdp):
+        with_what = f"model.tensor_model_parallel_size={tp}" if tp > 1 else f"FSDP2 ({_fsdp_f(cfg)})"
+        refuse(["model.moe_token_dispatcher_type", *(["model.tensor_model_parallel_size"] if tp > 1
+                                                      else _fsdp_fields(cfg))],
+               f"the alltoall dispatcher with {with_what} is not implemented.",
+               "set model.moe_token_dispatcher_type=allgather (the default).")
     if dispatcher == "allgather" and v.per_layer and ({"moe_router", "moe_preprocess"} & set(v.names or ())):
         refuse([*v.cov, "model.moe_token_dispatcher_type"], "the moe_router and moe_preprocess scopes are not "
                "implemented with the allgather dispatcher: its block runs router, dispatch, experts and combine "
