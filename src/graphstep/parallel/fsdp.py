@@ -41,6 +41,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
         for experts in expert_modules(layer) if experts_mesh is not None else ():
             fully_shard(experts, mesh=experts_mesh, reshard_after_forward=reshard, mp_policy=mp)
             experts.set_gradient_divide_factor(float(mesh.size()))
+            experts.set_force_sum_reduction_for_comms(True)  # a sum, then the division: gloo has no PREMUL_SUM
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     if prefetch:

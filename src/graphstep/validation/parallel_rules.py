@@ -10,8 +10,8 @@ parallel/; these rules say which configurations it takes:
   width and the vocabulary divide over the tensor-parallel ranks;
   ``sequence_parallel`` needs tensor parallelism;
 * R26 -- the data-parallel sharding strategy is one FSDP2 implements;
-* R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE and
-  hybrid (Mamba) models, per-layer graphs with FSDP2 ZeRO-3 (their gathered
+* R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE
+  models with both, or with FSDP2 without expert parallel; hybrid (Mamba) models, per-layer graphs with FSDP2 ZeRO-3 (their gathered
   parameters stay allocated), torch.compile and activation recompute; and a
   capture of the very first iteration (no warm-up step).
   Each is refused by name, never ignored;
@@ -27,8 +27,9 @@ parallel/; these rules say which configurations it takes:
 * R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
   divide over the expert-parallel ranks, dispatched the ways graphstep
   implements (``allgather``: all-gather, dropless and sync-free; ``alltoall``:
-  Megatron's all-to-all, whose host sync R11 keeps out of graphs), and what it
-  does not combine with yet.
+  Megatron's all-to-all, whose host sync R11 keeps out of graphs), with
+  tensor parallel or FSDP2 (``allgather``), and what it does not combine with
+  yet.
 
 docs/rules.md describes every rule with an example override and its fix.
 """
@@ -362,6 +363,11 @@ def _r31(v: View) -> list[Violation]:
                                                       else _fsdp_fields(cfg))],
                f"the alltoall dispatcher with {with_what} is not implemented.",
                "set model.moe_token_dispatcher_type=allgather (the default).")
+    if fsdp and v.covers("moe"):
+        refuse([*v.cov, *_fsdp_fields(cfg)], f"per-layer graphs of the MoE block ({_impl_f(v)}) with FSDP2 "
+               f"({_fsdp_f(cfg)}) are not implemented: the experts are an FSDP2 module of their own, sharded over "
+               "the ranks holding them, whose all-gathers would not run when the block's graph replays.",
+               "graph the attention only (model.cuda_graph_modules=[attn]), or model.cuda_graph_impl=full_iteration.")
     if dispatcher == "allgather" and v.per_layer and ({"moe_router", "moe_preprocess"} & set(v.names or ())):
         refuse([*v.cov, "model.moe_token_dispatcher_type"], "the moe_router and moe_preprocess scopes are not "
                "implemented with the allgather dispatcher: its block runs router, dispatch, experts and combine "
@@ -373,9 +379,6 @@ def _r31(v: View) -> list[Violation]:
                "set ddp.overlap_grad_reduce=false.")
     if cfg.compile.enable is True:
         refuse(["compile.enable"], "compile.enable with expert parallel is not implemented.", "set compile.enable=false.")
-    if m.recompute_granularity is not None:
-        refuse(["model.recompute_granularity"], "activation recompute with expert parallel is not implemented.",
-               "set model.recompute_granularity=null.")
     return out
 
 
