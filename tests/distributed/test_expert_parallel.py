@@ -22,6 +22,7 @@ parallel to float tolerance.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,27 @@ MODES_4 = ("eager", "graphed", "nodrop", "plain")  # 4 processes on CI's 2 cores
 STATS = ("aux_loss_sum", "z_loss_sum", "tokens_per_expert")  # per-rank router statistics (bias_tokens_per_expert too)
 # the same runs with every expert on every rank (plain data parallel)
 PLAIN = {"ep2": ["train.global_batch_size=8"], "ep2_edp2": ["train.global_batch_size=16", f"train.train_iters={ITERS_4}"]}
+# 4 ranks: expert parallel with tensor parallel (each tensor-parallel rank runs the MoE blocks on its share of the
+# tokens), with FSDP2 (the experts sharded over their expert-data-parallel ranks) and with activation recompute
+EP2 = ["model.expert_model_parallel_size=2", "train.global_batch_size=8", f"train.train_iters={ITERS_4}"]
+TP2 = [*EP2, "model.tensor_model_parallel_size=2"]
+FSDP = [*EP2, "ddp.use_megatron_fsdp=true"]
+LAYOUTS_X = {
+    "ep2_tp2": TP2,
+    "ep2_tp2_sp": [*TP2, "model.sequence_parallel=true"],
+    "ep2_zero3": [*FSDP, "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    "ep2_zero2": [*FSDP, "ddp.data_parallel_sharding_strategy=optim_grads"],
+    "ep2_recompute": [*EP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"],
+}
+MODES_X = {"ep2_tp2": ("eager", "graphed", "nodrop"), "ep2_tp2_sp": ("eager", "graphed", "layers"),
+           "ep2_zero3": ("eager", "graphed", "nodrop"), "ep2_zero2": ("eager", "graphed", "attn"),
+           "ep2_recompute": ("eager", "graphed", "nodrop", "full")}
+# full recompute (no dropout: R35) graphed, against the same layout's eager run without recompute ("nodrop")
+FULL_RECOMPUTE = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1",
+                  "model.recompute_modules=null"]
+# dropout and the load-balancing loss off (under tensor parallel each rank's is that of its share of the tokens):
+# what plain data parallel over the 4 ranks computes, to float tolerance
+NO_AUX = ["model.moe_aux_loss_coeff=0.0"]
 
 
 def layouts_worker(out: str, device: str, which: str) -> None:
@@ -64,8 +86,8 @@ def layouts_worker(out: str, device: str, which: str) -> None:
     from graphstep.training.loop import train
 
     layouts, out = globals()[which], Path(out)
-    runs = {}
-    for name, layout in layouts.items():
+    runs = combined_runs() if layouts is LAYOUTS_X else {}
+    for name, layout in layouts.items() if layouts is not LAYOUTS_X else ():
         runs[f"{name}/eager"] = [*layout, *DROPOUT, *EAGER]
         runs[f"{name}/graphed"] = [*layout, *DROPOUT, *GRAPHED]
         runs[f"{name}/layers"] = [*layout, *DROPOUT, *LAYERS]
@@ -73,7 +95,7 @@ def layouts_worker(out: str, device: str, which: str) -> None:
         runs[f"{name}/plain"] = [*PLAIN[name], *EAGER]
     if layouts is LAYOUTS_4:
         runs = {k: v for k, v in runs.items() if k.split("/")[1] in MODES_4}
-    else:  # the alltoall dispatcher; checkpoints: saved at 5 and 10, resumed at 5 (graphed, dropout on)
+    elif layouts is LAYOUTS:  # the alltoall dispatcher; checkpoints: saved at 5 and 10, resumed at 5 (graphed, dropout on)
         runs["ep2/a2a_eager"] = [*LAYOUTS["ep2"], *ALLTOALL, *DROPOUT, *EAGER]
         runs["ep2/a2a_layers"] = [*LAYOUTS["ep2"], *ALLTOALL, *DROPOUT, *MEGATRON]
         runs["ep2/a2a_nodrop"] = [*LAYOUTS["ep2"], *ALLTOALL, *EAGER]
@@ -92,9 +114,30 @@ def layouts_worker(out: str, device: str, which: str) -> None:
             "dispatch": sorted({"alltoall" if m.experts.expert_parallel is not None else "allgather"
                                 for m in result.model.modules() if isinstance(m, MoEBlock)}),
             "digest": natural_digests(result.model),
+            "experts": local_digest([p for n, p in result.model.named_parameters() if ".experts.experts." in n]),
         }
 
     report_runs(out, device, runs, run)
+
+
+def local_digest(params: list[torch.Tensor]) -> str:
+    """The part of ``params`` this rank holds (a DTensor's local tensor), hashed."""
+    from graphstep.parallel.dims import local_tensor
+
+    h = hashlib.sha256()
+    for p in params:
+        h.update(local_tensor(p).detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def combined_runs() -> dict[str, list[str]]:
+    """LAYOUTS_X in one launch: the modes of MODES_X, and one plain data-parallel run all are compared with."""
+    modes = {"eager": [*DROPOUT, *EAGER], "graphed": [*DROPOUT, *GRAPHED], "layers": [*DROPOUT, *LAYERS],
+             "attn": [*DROPOUT, "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn]"],
+             "nodrop": [*EAGER, *NO_AUX], "full": [*FULL_RECOMPUTE, *GRAPHED, *NO_AUX]}
+    runs = {f"{name}/{mode}": [*layout, *modes[mode]] for name, layout in LAYOUTS_X.items() for mode in MODES_X[name]}
+    runs["plain"] = [*EP2[1:], *EAGER, *NO_AUX]
+    return runs
 
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
@@ -203,6 +246,47 @@ def test_expert_parallel_groups_on_four_ranks(tmp_path):
     check_layout(reports, "ep2_edp2", iters=ITERS_4)
     shards = [r["ep2_edp2/eager"]["shard"] for r in reports]  # (edp, ep) = (0,0), (0,1), (1,0), (1,1)
     assert shards[0] == shards[2] and shards[1] == shards[3] and shards[0] != shards[1]
+
+
+@pytest.mark.ranks4
+def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(tmp_path):
+    """ep2 x tp2 (with and without sequence parallel), ep2 x FSDP2 ZeRO-3 and ZeRO-2, ep2 x edp2 with selective and
+    full recompute: the full-iteration graphs and the per-layer graphs equal eager bit for bit -- losses, MoE
+    metrics, evaluation losses, each rank's parameter shards and the expert biases --, a graphed run with full
+    recompute equals the eager run without it bit for bit (the router counts its statistics once), and without
+    dropout and the load-balancing loss each layout equals plain data parallel over the 4 ranks to float tolerance."""
+    reports = run_layouts(tmp_path, "cpu", timeout=900, nproc=4, layouts="LAYOUTS_X")
+    for layout, modes in MODES_X.items():
+        for report in reports:
+            eager = report[f"{layout}/eager"]
+            assert len(eager["losses"]) == ITERS_4 and len(eager["eval"]) == ITERS_4 // 2, layout
+            assert set(eager["states"]) == {"eager"} and eager["losses"][-1] < eager["losses"][0], layout
+            assert any(b != 0.0 for bias in eager["bias"] for b in bias), layout  # the expert bias moved
+            for mode in set(modes) & {"graphed", "layers", "attn"}:
+                graphed = report[f"{layout}/{mode}"]
+                assert graphed["states"][1:4] == ["eager", "captured", "replayed"], (layout, mode)
+                assert graphed["losses"] == eager["losses"], (layout, mode)  # JSON floats: the exact bits
+                assert graphed["moe"] == eager["moe"] and graphed["eval"] == eager["eval"], (layout, mode)
+                assert graphed["shard"] == eager["shard"] and graphed["bias"] == eager["bias"], (layout, mode)
+            if "full" in modes:  # recomputed in the graph: the bits of the eager run without recompute
+                full, nodrop = report[f"{layout}/full"], report[f"{layout}/nodrop"]
+                assert full["states"][1:4] == ["eager", "captured", "replayed"], layout
+                assert full["losses"] == nodrop["losses"] and full["moe"] == nodrop["moe"], layout
+                assert full["shard"] == nodrop["shard"] and full["bias"] == nodrop["bias"], layout
+            if "nodrop" in modes:
+                torch.testing.assert_close(torch.tensor(report[f"{layout}/nodrop"]["losses"], dtype=torch.float64),
+                                           torch.tensor(report["plain"]["losses"], dtype=torch.float64),
+                                           rtol=2e-5, atol=0)
+        for mode in ("eager", "graphed"):  # every rank logs the same loss and applies the same bias update
+            assert all(r[f"{layout}/{mode}"]["losses"] == reports[0][f"{layout}/{mode}"]["losses"] for r in reports)
+            assert all(r[f"{layout}/{mode}"]["bias"] == reports[0][f"{layout}/{mode}"]["bias"] for r in reports)
+    # (edp, ep, tp) = (0,0,0), (0,0,1), (0,1,0), (0,1,1): the tensor-parallel ranks hold the same experts, the
+    # expert-parallel ranks other ones, and each rank its own attention shards
+    experts = [r["ep2_tp2/eager"]["experts"] for r in reports]
+    assert experts[0] == experts[1] and experts[2] == experts[3] and experts[0] != experts[2]
+    assert len({r["ep2_tp2/eager"]["shard"] for r in reports}) == 4
+    # FSDP2 (edp, ep) = (0,0), (0,1), (1,0), (1,1): each rank holds its own shard of everything
+    assert len({r["ep2_zero3/eager"]["shard"] for r in reports}) == 4
 
 
 @pytest.mark.cuda

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..cuda_graph.rng import DATA_PARALLEL_RNG
 from ..cuda_graph.torch_compat import foreach_zero_
 from .moe_dispatch import (
     GroupedExperts,
@@ -239,6 +240,7 @@ class CombineStage(nn.Module):
     def __init__(self, s: ModelShape, moe: MoEShape) -> None:
         super().__init__()
         self.dropout = s.hidden_dropout
+        self.dropout_rng = DATA_PARALLEL_RNG  # model-parallel under tensor parallel (each rank's tokens differ)
         self.drops = moe.capacity_factor is not None
 
     def forward(
@@ -251,7 +253,7 @@ class CombineStage(nn.Module):
         """The block's output from the experts' weighted sum ``y``: shared expert, dropout, residual."""
         if shared:
             y = y + shared[0]
-        return x + hidden_dropout(y.view_as(x), self.dropout, self.training)
+        return x + hidden_dropout(y.view_as(x), self.dropout, self.training, self.dropout_rng)
 
 
 def weighted_sum(expert_out: torch.Tensor, row: torch.Tensor, probs: torch.Tensor, drops: bool) -> torch.Tensor:
@@ -369,10 +371,8 @@ class MoEBlock(nn.Module):
         align = tile_size(idx_all.numel(), local) if self.gemm == "tiled" else 1
         row, _counts, offsets, rows = expert_parallel_layout(idx_all, ep.rank * local, local, align)
         expert_in = dispatch(normed_all, row, rows)
-        if self.gemm == "grouped_mm":
-            expert_out = self.experts.experts.grouped(expert_in, offsets)
-        else:
-            expert_out = self.experts.experts.tiled(expert_in, tile_owner(offsets, rows, align))
+        groups = offsets if self.gemm == "grouped_mm" else tile_owner(offsets, rows, align)
+        expert_out = self.experts.experts(expert_in, self.gemm, groups)
         mine = weighted_sum(expert_out, row, probs_all, drops=True)  # zero for pairs of other ranks' experts
         y = scatter_sums(mine, ep)
         return self.combine_stage.finish(x, y.to(x.dtype), *shared)

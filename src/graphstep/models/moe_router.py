@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cuda_graph.torch_compat import AfterApply, module_buffers
+from .transformer import is_recomputing
 
 
 def fp32_or_wider(t: torch.Tensor) -> torch.Tensor:
@@ -161,7 +162,8 @@ class TopKRouter(AfterApply):
         """x [N, hidden] -> (probs [N, k] fp32, expert indices [N, k] int64)."""
         moe = self.moe
         logits = F.linear(fp32_or_wider(x), fp32_or_wider(self.weight))
-        track = self.training and torch.is_grad_enabled()
+        # the statistics count each forward once: not again in a full recompute's second forward
+        track = self.training and torch.is_grad_enabled() and not is_recomputing()
         if moe.z_loss_coeff is not None:
             zl = z_loss(logits)
             logits = self._attach(logits, zl, moe.z_loss_coeff)

@@ -407,7 +407,7 @@ class GPTModel(nn.Module):
             if recomputed:
                 # Full recompute: only the run's input is kept; its backward re-runs the layers without replaying
                 # the RNG, which rule R35 makes safe (no dropout in a recomputed layer).
-                h = checkpoint(_run_layers, layers[start:stop], h, use_reentrant=False, preserve_rng_state=False)
+                h = checkpoint(_RecomputedRun(layers[start:stop]), h, use_reentrant=False, preserve_rng_state=False)
             else:
                 h = _run_layers(layers[start:stop], h)
         if self.final_layernorm is None:
@@ -441,6 +441,32 @@ def _run_layers(layers: list[nn.Module], h: torch.Tensor) -> torch.Tensor:
     for layer in layers:
         h = layer(h)
     return h
+
+
+_RECOMPUTING = [False]
+
+
+def is_recomputing() -> bool:
+    """Whether the layers running now are a full recompute's second forward (in the backward): state updated in
+    place during a forward -- the MoE router's statistics -- is updated by the first forward only."""
+    return _RECOMPUTING[0]
+
+
+class _RecomputedRun:
+    """A run of layers under full recompute: its first call is the forward, every later one the recompute."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers, self.calls = layers, 0
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            return _run_layers(self.layers, h)
+        _RECOMPUTING[0] = True
+        try:
+            return _run_layers(self.layers, h)
+        finally:
+            _RECOMPUTING[0] = False
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import DDPConfig
-from .dims import DP, EDP, ParallelDims, WorldMesh
+from .dims import DP, EDP, EXPERT_DP, TP, ParallelDims, WorldMesh
 
 log = logging.getLogger("graphstep")
 
@@ -117,6 +117,25 @@ class ExpertParallelReducer:
             self.expert_grads.div_(self.world_size)
 
 
+class TokenShareReducer:
+    """MoE blocks under tensor parallel: each tensor-parallel rank ran them on its own share of the tokens
+    (parallel/tensor_parallel.py), so the gradients of their non-expert parameters (router, norm, shared expert;
+    the experts too without expert parallel) are summed over the tensor-parallel ranks -- after ``then``, the
+    data-parallel reduction (None: one replica) -- as Megatron sums a sequence-parallel router's gradient."""
+
+    def __init__(self, shares: torch.Tensor, tp_group: Any, then: Any = None) -> None:
+        self.shares, self.group, self.then = shares, tp_group, then
+
+    def __call__(self) -> None:
+        if self.then is not None:
+            self.then()
+        dist.all_reduce(self.shares, group=self.group)
+
+    def describe(self) -> str:
+        first = f"{self.then.describe()}; " if self.then is not None else ""
+        return f"{first}MoE blocks: {self.shares.numel():,} fp32 elements summed over the tensor-parallel ranks"
+
+
 class OverlappedGradReducer(GradReducer):
     """A :class:`GradReducer` whose buckets start during the last backward (see the module docstring)."""
 
@@ -175,15 +194,28 @@ class OverlappedGradReducer(GradReducer):
 
 
 def grad_reducer(grads: Any, ddp: DDPConfig, dims: ParallelDims, mesh: WorldMesh | None,
-                 backend: str | None) -> GradReducer | ExpertParallelReducer | None:
-    """The reduction of ``grads`` (the trainer's GradBuffers) over the data-parallel replicas of ``dims``: None
-    with one replica, or with FSDP2, which reduce-scatters in the backward."""
+                 backend: str | None) -> GradReducer | ExpertParallelReducer | TokenShareReducer | None:
+    """The reduction of ``grads`` (the trainer's GradBuffers) over the data-parallel replicas of ``dims`` -- None
+    with one replica, or with FSDP2, which reduce-scatters in the backward -- and, under tensor parallel, of the
+    MoE blocks' gradients over the tensor-parallel ranks."""
+    reducer = _replica_reducer(grads, ddp, dims, mesh, backend)
+    shares = grads.flat[grads.token_shares]
+    if dims.tp > 1 and shares.numel():  # R27: not with FSDP2, which would hold these gradients as shards
+        return TokenShareReducer(shares, mesh.group(TP), then=reducer)
+    return reducer
+
+
+def _replica_reducer(grads: Any, ddp: DDPConfig, dims: ParallelDims, mesh: WorldMesh | None,
+                     backend: str | None) -> GradReducer | ExpertParallelReducer | None:
     if dims.dp <= 1 or dims.fsdp is not None:
         return None
     kwargs = dict(bucket_size=ddp.bucket_size, average_in_collective=ddp.average_in_collective, backend=backend,
                   group=dp_group(dims, mesh))
     if dims.ep > 1:
-        edp = mesh.group(EDP) if dims.dp > dims.ep else None
+        # the ranks holding the same experts: the edp ranks, and the tensor-parallel ranks, which ran the experts on
+        # their own share of the tokens (parallel/dims.py, expert_dp)
+        holders = EXPERT_DP if dims.tp > 1 else EDP
+        edp = mesh.group(holders) if dims.dp // dims.ep * dims.tp > 1 else None
         return ExpertParallelReducer(grads, dims.dp, edp, **kwargs)
     if ddp.overlap_grad_reduce:
         return OverlappedGradReducer(grads, dims.dp, **kwargs)

@@ -11,13 +11,20 @@ which layouts a config may ask for) and says nothing about this rank.
 
 :class:`WorldMesh` is the run's one :class:`DeviceMesh`, built once from the
 layout (:func:`build_mesh`), with the dimensions outermost first:
-``(pp, dp_replicate, dp_shard, cp, tp)``, or ``(pp, edp, ep, dp_shard, cp,
-tp)`` with expert parallel -- torchrun's ranks in that order, so the
-tensor-parallel ranks of one replica are neighbours (one node's NVLink), and
-so are the expert-parallel ranks that exchange tokens. The data-parallel
-ranks seen as one dimension (``dp``: FSDP2's mesh, the gradient all-reduce's
-group; and ``dp_replicate`` over ``(edp, ep)``) are flattened views of it,
-kept here. Every rank index and process group of a run is read from this
+``(pp, dp_replicate, dp_shard, cp, tp)``; with expert parallel the
+data-parallel ranks are ``(edp, ep)``: ``(pp, edp, ep, dp_shard, cp, tp)``
+over replicas, ``(pp, dp_replicate, edp, ep, cp, tp)`` under FSDP2 -- torchrun's
+ranks in that order, so the tensor-parallel ranks of one replica are
+neighbours (one node's NVLink), and so are the expert-parallel ranks that
+exchange tokens. The data-parallel ranks seen as one dimension (``dp``:
+FSDP2's mesh, the gradient all-reduce's group; and ``dp_replicate`` or
+``dp_shard`` over ``(edp, ep)``) are flattened views of it, kept here; so is
+``expert_dp`` = ``(edp, tp)`` with expert and tensor parallel: the experts are
+not split over the tensor-parallel ranks (``expert_tensor_parallel_size`` 1),
+each of those runs the MoE blocks on its own share of the tokens, so they hold
+the same experts as the ``edp`` ranks do and sum their gradients with them
+(Megatron's expert grid re-folds the tensor-parallel ranks into its expert
+dimensions too; it makes them expert-parallel, here they are expert-data-parallel). Every rank index and process group of a run is read from this
 mesh (``mesh.local_rank("tp")``, ``mesh["dp"].get_group()``); nothing derives
 them from the rank number. Without a mesh (plain data parallel, or a test
 placing a rank) :meth:`ParallelDims.coordinate` reads the same rank grid the
@@ -43,8 +50,9 @@ from ..engines_compat import dtensor_local, flatten_mesh
 from .pipeline import is_tied_copy
 
 PP, DP_REPLICATE, DP_SHARD, CP, TP = "pp", "dp_replicate", "dp_shard", "cp", "tp"
-EDP, EP = "edp", "ep"  # expert parallel: the replicas as (expert-data-parallel, expert-parallel) ranks
+EDP, EP = "edp", "ep"  # expert parallel: the data-parallel ranks as (expert-data-parallel, expert-parallel) ranks
 DP = "dp"  # every data-parallel rank, replicated or sharded: a flattened view
+EXPERT_DP = "expert_dp"  # expert x tensor parallel: every rank holding the same experts, (edp, tp): a flattened view
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ class ParallelDims:
     ``dp_replicate`` and ``dp_shard`` are not both above 1 (hybrid sharding
     is not implemented); ``dp_shard`` > 1 needs ``fsdp``, and ``fsdp`` on one
     rank (``dp_shard`` 1) is FSDP2 over a one-rank mesh. ``ep`` divides
-    ``dp_replicate`` (rule R31 refuses expert parallel with FSDP2).
+    the data-parallel ranks, replicated or sharded (rule R31).
     """
 
     pp: int = 1  # pipeline stages (parallel/pipeline.py)
@@ -123,19 +131,27 @@ class ParallelDims:
     # ---- the rank grid the mesh is built on -------------------------------------
     def mesh_dims(self) -> list[tuple[str, int]]:
         """The mesh's dimensions and sizes, outermost first (see the module docstring)."""
-        if self.ep > 1 and self.dp_replicate % self.ep:
-            raise ValueError(f"ep={self.ep} expert-parallel ranks do not divide dp_replicate={self.dp_replicate} "
-                             "data-parallel replicas (rule R31)")
-        replicas = [(EDP, self.dp_replicate // self.ep), (EP, self.ep)] if self.ep > 1 \
-            else [(DP_REPLICATE, self.dp_replicate)]
-        return [(PP, self.pp), *replicas, (DP_SHARD, self.dp_shard), (CP, self.cp), (TP, self.tp)]
+        if self.ep == 1:
+            return [(PP, self.pp), (DP_REPLICATE, self.dp_replicate), (DP_SHARD, self.dp_shard), (CP, self.cp),
+                    (TP, self.tp)]
+        if self.dp % self.ep:
+            kind = f"dp_shard={self.dp_shard}" if self.fsdp else f"dp_replicate={self.dp_replicate}"
+            raise ValueError(f"ep={self.ep} expert-parallel ranks do not divide {kind} data-parallel ranks (rule R31)")
+        experts = [(EDP, self.dp // self.ep), (EP, self.ep)]
+        if self.fsdp:  # the sharded data-parallel ranks are (edp, ep): FSDP2 shards the experts over edp
+            return [(PP, self.pp), (DP_REPLICATE, 1), *experts, (CP, self.cp), (TP, self.tp)]
+        return [(PP, self.pp), *experts, (DP_SHARD, 1), (CP, self.cp), (TP, self.tp)]
 
     def flattened(self) -> dict[str, tuple[str, ...]]:
         """The mesh's one-dimensional views over several of its dimensions: name -> the dimensions it spans."""
-        replicas = (EDP, EP) if self.ep > 1 else (DP_REPLICATE,)
-        views = {DP: (*replicas, DP_SHARD)}
-        if self.ep > 1:
-            views[DP_REPLICATE] = replicas
+        if self.ep == 1:
+            return {DP: (DP_REPLICATE, DP_SHARD)}
+        if self.fsdp:
+            views = {DP: (DP_REPLICATE, EDP, EP), DP_SHARD: (EDP, EP)}
+        else:
+            views = {DP: (EDP, EP, DP_SHARD), DP_REPLICATE: (EDP, EP)}
+        if self.tp > 1:  # a MoE block runs on each tensor-parallel rank's share of the tokens (tensor_parallel.py)
+            views[EXPERT_DP] = (EDP, TP)
         return views
 
     def rank_grid(self) -> torch.Tensor:

@@ -2,7 +2,12 @@
 
 The ``ep`` ranks of one ``edp`` index share their tokens (the exchanges are
 the block's, models/moe_parallel.py); the ``edp`` ranks hold the same experts
-and sum their gradients (parallel/data_parallel.py, ``ExpertParallelReducer``).
+and sum their gradients: over replicas in the training step
+(parallel/data_parallel.py, ``ExpertParallelReducer``, with the
+tensor-parallel ranks too under tensor parallel), under FSDP2 in its
+reduce-scatter, which shards each expert over the ``edp`` ranks
+(parallel/fsdp.py: torchtitan's FSDP of the experts over the data-parallel
+ranks outside the expert-parallel ones).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from .dims import EP
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Give each rank ``num_moe_experts / ep`` experts of every MoE block, in place (``mesh``: (edp, ep)).
+    """Give each rank ``num_moe_experts / ep`` experts of every MoE block, in place (``mesh``: (edp, ep), or (ep,)
+    when FSDP2 shards the experts over edp next).
 
     Every rank built all experts from the same seed; it keeps its slice of
     the stacked expert weights as a DTensor sharded over ``ep`` and replicated
@@ -35,10 +41,17 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         for linear in (block.experts.experts.linear_fc1, block.experts.experts.linear_fc2):
             w = linear.weight
             local = w.detach().chunk(place.size, dim=0)[place.rank].contiguous()
-            dt = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False, shape=w.shape,
-                                    stride=w.stride())
+            placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
+            dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=w.shape, stride=w.stride())
             linear.weight = nn.Parameter(dt, requires_grad=w.requires_grad)
             linear.weight.expert_parallel = True  # its gradient is reduced over its edp group (data_parallel.py)
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The expert-parallel experts of every MoE block (GroupedExperts), in layer order."""
+    from ..models.moe import MoEBlock
+
+    return [m.experts.experts for m in model.modules() if isinstance(m, MoEBlock) and m.expert_parallel is not None]
 
 
 def is_expert_parameter(p: torch.Tensor) -> bool:

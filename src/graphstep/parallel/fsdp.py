@@ -20,19 +20,28 @@ from torch.distributed.device_mesh import DeviceMesh
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype, *,
-               prefetch: bool = False) -> None:
+               prefetch: bool = False, experts_mesh: DeviceMesh | None = None) -> None:
     """``fully_shard`` every decoder layer, then the model, on ``mesh`` (the dp dimension), in place.
 
     ``prefetch`` (``ddp.overlap_param_gather``): each layer starts the next layer's all-gather before its own
-    forward, instead of FSDP2's implicit prefetch.
+    forward, instead of FSDP2's implicit prefetch. ``experts_mesh`` (the edp dimension, with expert parallel):
+    each layer's expert-parallel experts are their own FSDP2 module on it, sharded over the ranks holding the same
+    experts; their reduce-scatter divides by every data-parallel rank, as the other gradients' does (an expert's
+    gradient already sums the losses of its expert-parallel ranks): torchtitan's gradient divide factor.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .expert_parallel import expert_modules
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     layers = [layer for _, layer in model.layers.named_children()]
     for i, layer in enumerate(layers):
         # ZeRO-3 reshards a layer after its forward -- but not the last, whose backward comes next (torchtitan's choice)
         reshard = strategy == "optim_grads_params" and i < len(layers) - 1
+        for experts in expert_modules(layer) if experts_mesh is not None else ():
+            fully_shard(experts, mesh=experts_mesh, reshard_after_forward=reshard, mp_policy=mp)
+            experts.set_gradient_divide_factor(float(mesh.size()))
+            experts.set_force_sum_reduction_for_comms(True)  # a sum, then the division: gloo has no PREMUL_SUM
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     if prefetch:

@@ -31,8 +31,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     as ``cfg.compile`` says (``compile_mode``: the bench's mode instead). Returns the module the steps call:
     ``model``, or its compiled wrapper.
 
-    The rules (validation/parallel_rules.py, R25-R31) admit only the combinations that work today, so at most
-    one of tensor and expert parallel applies, and compile comes with neither nor with FSDP2.
+    The rules (validation/parallel_rules.py, R25-R31) admit only the combinations that work today: expert parallel
+    with tensor parallel or FSDP2 (not both), compile with neither tensor parallel nor FSDP2.
     """
     if mesh is None and dims.needs_mesh:
         raise RuntimeError(f"the layout {dims.describe()} needs a device mesh (parallel/dims.py build_mesh)")
@@ -48,7 +48,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     # 3. Expert parallel: each rank keeps its experts, sharded over ep (after tensor parallel, as Megatron's expert
     #    tensor parallel would shard the experts it keeps).
     if dims.ep > 1:
-        apply_expert_parallel(model, mesh[(EDP, EP)])
+        apply_expert_parallel(model, mesh[EP] if dims.fsdp is not None else mesh[(EDP, EP)])
     # 4. Activation recompute is built into the model's layers (models/transformer.py reads
     #    model.recompute_granularity when it builds them), so it already wraps the sharded layers here: a
     #    recomputed forward re-runs their collectives too.
@@ -61,6 +61,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     #    data-parallel ranks (a tensor-parallel one into a (dp, tp) DTensor). Replicated data parallel has no
     #    step here: the training step all-reduces the flat gradient buffer (parallel/data_parallel.py), which
     #    exists only once the parameters are final.
+    #    Expert-parallel experts are sharded over the edp ranks only (the other ranks hold other experts).
     if dims.fsdp is not None:
-        apply_fsdp(model, mesh[DP], dims.fsdp, param_dtype, prefetch=dims.prefetch)
+        apply_fsdp(model, mesh[DP], dims.fsdp, param_dtype, prefetch=dims.prefetch,
+                   experts_mesh=mesh[EDP] if dims.ep > 1 else None)
     return step_model

@@ -5,6 +5,16 @@
 * MLP: ``linear_fc1`` colwise, ``linear_fc2`` rowwise;
 * embedding: rowwise over the vocabulary; the output layer colwise over it
   (with tied embeddings, the same vocabulary-sharded weight: GPTModel.logits);
+* MoE blocks (``expert_tensor_parallel_size`` 1: the experts are not split):
+  each rank runs the block on its own share of the tokens -- its sequence
+  shard under sequence parallelism, else its slice of the replicated sequence,
+  taken on entry and all-gathered on exit (:func:`moe_on_token_shares`) --
+  so the tensor-parallel ranks hold the same experts and see other tokens, as
+  data-parallel ranks do. Every gradient of the block is then this rank's
+  share; the block's parameters are marked (:func:`is_token_share_parameter`)
+  and their gradients summed over the tensor-parallel ranks after the
+  backward (parallel/data_parallel.py), as Megatron sums a sequence-parallel
+  router's; expert-parallel experts with their expert-data-parallel ranks;
 * ``sequence_parallel``: the norms, dropout and residual stream run on
   sequence shards (``SequenceParallel``; the projections all-gather and
   reduce-scatter the sequence), and hidden dropout draws from the tracker's
@@ -41,7 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+    ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel, SequenceParallel, parallelize_module,
 )
 
 from ..cuda_graph.rng import MODEL_PARALLEL_RNG
@@ -109,24 +119,35 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
     if getattr(model, "output_layer", None) is not None:
         plan["output_layer"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
     for i, layer in model.layers.named_children():  # a ModuleList, or a pipeline stage's ModuleDict
-        attn, mlp = layer.blocks["attn"], layer.blocks["mlp"]
+        attn, mlp, moe = layer.blocks["attn"], layer.blocks["mlp"] if "mlp" in layer.blocks else None, \
+            layer.blocks["moe"] if "moe" in layer.blocks else None
         prefix = f"layers.{i}.blocks"
         plan[f"{prefix}.attn.self_attention.linear_qkv"] = FusedColwiseParallel(input_layouts=seq)
         plan[f"{prefix}.attn.self_attention.linear_proj"] = AdaptedRowwiseParallel(output_layouts=seq)
-        plan[f"{prefix}.mlp.mlp.linear_fc1"] = FusedColwiseParallel(input_layouts=seq)
-        plan[f"{prefix}.mlp.mlp.linear_fc2"] = AdaptedRowwiseParallel(output_layouts=seq)
+        if mlp is not None:
+            plan[f"{prefix}.mlp.mlp.linear_fc1"] = FusedColwiseParallel(input_layouts=seq)
+            plan[f"{prefix}.mlp.mlp.linear_fc2"] = AdaptedRowwiseParallel(output_layouts=seq)
+            mlp.mlp.linear_fc1.fused_parts = (mlp.mlp.linear_fc1.out_features // 2,) * 2
+        if moe is not None:
+            if not sequence_parallel:
+                plan[f"{prefix}.moe"] = moe_on_token_shares()
+            moe.combine_stage.dropout_rng = MODEL_PARALLEL_RNG  # each rank's share of the tokens is its own
+            for p in moe.parameters():
+                p.token_share = True
         if norm is not None:
             plan[f"{prefix}.attn.input_layernorm"] = norm
-            plan[f"{prefix}.mlp.pre_mlp_layernorm"] = norm
-            attn.dropout_rng = mlp.dropout_rng = MODEL_PARALLEL_RNG  # sequence shards differ per rank
+            attn.dropout_rng = MODEL_PARALLEL_RNG  # sequence shards differ per rank
+            if mlp is not None:
+                plan[f"{prefix}.mlp.pre_mlp_layernorm"] = norm
+                mlp.dropout_rng = MODEL_PARALLEL_RNG
         sa = attn.self_attention
         sa.linear_qkv.fused_parts = tuple(n * sa.head_dim for n in (sa.heads, sa.groups, sa.groups))
         sa.heads, sa.groups = sa.heads // tp, sa.groups // tp
-        mlp.mlp.linear_fc1.fused_parts = (mlp.mlp.linear_fc1.out_features // 2,) * 2
-        for fused in (sa.linear_qkv, mlp.mlp.linear_fc1):
-            adapter = getattr(fused, ADAPTER_OUT, None)
+        fused = [sa.linear_qkv] + ([mlp.mlp.linear_fc1] if mlp is not None else [])
+        for proj in fused:
+            adapter = getattr(proj, ADAPTER_OUT, None)
             if adapter is not None:  # lora_B's rows are the projection's: sharded (and checkpointed) part by part
-                adapter.fused_parts = fused.fused_parts
+                adapter.fused_parts = proj.fused_parts
     model.hidden_placement = seq  # what GPTModel.logits reads the final hidden state as
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, mesh, plan)
@@ -146,3 +167,18 @@ def _shard_rows(module: nn.Module, name: str, mesh: DeviceMesh) -> None:
     sharded = nn.Parameter(dt, requires_grad=param.requires_grad)
     sharded.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})
     module.register_parameter(name, sharded)
+
+
+def moe_on_token_shares() -> PrepareModuleInputOutput:
+    """A MoE block on this rank's slice of the replicated sequence (no sequence parallel): sliced on entry, whose
+    backward all-gathers the slices' gradients; all-gathered on exit, whose backward keeps this rank's slice of the
+    (replicated) gradient."""
+    return PrepareModuleInputOutput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                    use_local_input=True, output_layouts=(Shard(1),),
+                                    desired_output_layouts=(Replicate(),), use_local_output=True)
+
+
+def is_token_share_parameter(p: torch.Tensor) -> bool:
+    """A MoE block's parameter under tensor parallel: its gradient is this rank's share, summed over the
+    tensor-parallel ranks after the backward."""
+    return getattr(p, "token_share", False)

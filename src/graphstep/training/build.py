@@ -156,8 +156,9 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     #    scaling's end-of-step update of the amax histories and scales (inside the full-iteration graph).
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.dp_size)  # per pipeline too
     # the expert-bias update sums the token counts over the data-parallel ranks of this stage (each stage holds
-    # other MoE layers; without stages they are the whole world, the default group)
-    moe = MoEHooks(model, num_mb, group=dp.dp_group if dp.layout.pp > 1 else None)
+    # other MoE layers; without stages they are the whole world, the default group); a MoE block's tokens are
+    # split over tp
+    moe = MoEHooks(model, num_mb, group=dp.dp_group if dp.layout.pp > 1 else None, token_shares=dp.layout.tp)
     train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb)
     if compile_mode is not None:
         train_step = CompileTimeReport(train_step, describe_compile(compile_mode, settings))

@@ -1,7 +1,9 @@
 """The trainer's side of MoE layers: what happens around each step, and what is logged.
 
 * once: the aux-loss backward scale (1 / micro-batches, a device buffer the
-  captured backward reads);
+  captured backward reads; and 1 / tensor-parallel ranks under tensor parallel,
+  where each rank's loss is that of its share of the tokens and the router's
+  gradient is summed over the ranks: parallel/tensor_parallel.py);
 * at the start of every step, inside the full-iteration graph when there is
   one: the router statistics are zeroed in place;
 * after the optimizer step, eagerly: the aux-loss-free expert-bias update from
@@ -23,14 +25,14 @@ KEYS = ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance")
 
 
 class MoEHooks:
-    def __init__(self, model: nn.Module, num_micro_batches: int, group=None) -> None:
+    def __init__(self, model: nn.Module, num_micro_batches: int, group=None, token_shares: int = 1) -> None:
         self.model = model
         self.routers = moe_routers(model)  # found once: a walk over every module per step costs host time
         self.layers = len(self.routers)
         self.num_micro_batches = num_micro_batches
         self.group = group
         if self.layers:
-            set_aux_loss_scale(self.routers, 1.0 / num_micro_batches)
+            set_aux_loss_scale(self.routers, 1.0 / (num_micro_batches * token_shares))
 
     @property
     def enabled(self) -> bool:

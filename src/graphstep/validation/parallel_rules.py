@@ -10,8 +10,8 @@ parallel/; these rules say which configurations it takes:
   width and the vocabulary divide over the tensor-parallel ranks;
   ``sequence_parallel`` needs tensor parallelism;
 * R26 -- the data-parallel sharding strategy is one FSDP2 implements;
-* R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE and
-  hybrid (Mamba) models, per-layer graphs with FSDP2 ZeRO-3 (their gathered
+* R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE
+  models with both, or with FSDP2 without expert parallel; hybrid (Mamba) models, per-layer graphs with FSDP2 ZeRO-3 (their gathered
   parameters stay allocated), torch.compile and activation recompute; and a
   capture of the very first iteration (no warm-up step).
   Each is refused by name, never ignored;
@@ -27,8 +27,9 @@ parallel/; these rules say which configurations it takes:
 * R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
   divide over the expert-parallel ranks, dispatched the ways graphstep
   implements (``allgather``: all-gather, dropless and sync-free; ``alltoall``:
-  Megatron's all-to-all, whose host sync R11 keeps out of graphs), and what it
-  does not combine with yet.
+  Megatron's all-to-all, whose host sync R11 keeps out of graphs), with
+  tensor parallel or FSDP2 (``allgather``), and what it does not combine with
+  yet.
 
 docs/rules.md describes every rule with an example override and its fix.
 """
@@ -100,6 +101,10 @@ def _r25(v: View) -> list[Violation]:
     if m.sequence_parallel is True and seq is not None and seq % tp:
         out.append(_v("R25", ["model.seq_length", "model.sequence_parallel"], f"model.seq_length={seq} does not divide "
                       f"over {tp} sequence-parallel ranks.", f"set model.seq_length to a multiple of {tp}."))
+    elif m.num_moe_experts is not None and seq is not None and seq % tp:
+        out.append(_v("R25", ["model.seq_length", "model.num_moe_experts"], f"model.seq_length={seq} does not divide "
+                      f"over {tp} tensor-parallel ranks: each runs the MoE blocks on its share of the sequence.",
+                      f"set model.seq_length to a multiple of {tp}."))
     return out
 
 
@@ -133,9 +138,15 @@ def _r27(v: View) -> list[Violation]:
     def refuse(field: str, value: str, fix: str) -> None:
         out.append(_v("R27", [field, *fields], f"{what} with {value} is not implemented.", fix))
 
-    if m.num_moe_experts is not None:
+    ep = _int(m.expert_model_parallel_size) or 1
+    if m.num_moe_experts is not None and tp > 1 and fsdp:
         refuse("model.num_moe_experts", f"model.num_moe_experts={_fmt(m.num_moe_experts)} (an MoE model)",
-               "train MoE models with replicated data parallel (the default ddp settings, tensor_model_parallel_size=1).")
+               "train MoE models with tensor parallel over replicated data parallel (the default ddp settings), or "
+               "with FSDP2 and model.tensor_model_parallel_size=1.")
+    elif m.num_moe_experts is not None and fsdp and ep == 1:
+        refuse("model.num_moe_experts", f"model.num_moe_experts={_fmt(m.num_moe_experts)} (an MoE model) and "
+               "model.expert_model_parallel_size=1", "set model.expert_model_parallel_size=2 or more (FSDP2 shards "
+               "the experts over the ranks holding the same ones), or train with replicated data parallel.")
     if m.hybrid_override_pattern is not None:
         refuse("model.hybrid_override_pattern", "a hybrid (Mamba) model", "train hybrid models with replicated data "
                "parallel (the default ddp settings, tensor_model_parallel_size=1).")
@@ -327,15 +338,23 @@ def _r31(v: View) -> list[Violation]:
         refuse(["model.moe_sync_free"], "model.moe_sync_free=false is not implemented with expert parallel: "
                "allgather runs the sync-free grouped GEMM only, alltoall picks its GEMM from the sizes it reads.",
                "set model.moe_sync_free=true.")
-    others = [(tensor_parallel_size(cfg) > 1, "model.tensor_model_parallel_size", "tensor parallel"),
-              (pipeline_parallel_size(cfg) > 1, "model.pipeline_model_parallel_size", "pipeline stages"),
+    others = [(pipeline_parallel_size(cfg) > 1, "model.pipeline_model_parallel_size", "pipeline stages"),
               (m.hybrid_override_pattern is not None, "model.hybrid_override_pattern", "a hybrid (Mamba) model")]
     for on, name, what in others:
         if on:
             refuse([name], f"{what} with expert parallel is not implemented.", f"set {name} to its default.")
-    if shards_data_parallel(cfg):
-        refuse(_fsdp_fields(cfg), f"FSDP2 ({_fsdp_f(cfg)}) with expert parallel is not implemented.",
-               "use replicated data parallel (the default ddp settings).")
+    tp, fsdp = tensor_parallel_size(cfg), shards_data_parallel(cfg)
+    if dispatcher == "alltoall" and (tp > 1 or fsdp):
+        with_what = f"model.tensor_model_parallel_size={tp}" if tp > 1 else f"FSDP2 ({_fsdp_f(cfg)})"
+        refuse(["model.moe_token_dispatcher_type", *(["model.tensor_model_parallel_size"] if tp > 1
+                                                      else _fsdp_fields(cfg))],
+               f"the alltoall dispatcher with {with_what} is not implemented.",
+               "set model.moe_token_dispatcher_type=allgather (the default).")
+    if fsdp and v.covers("moe"):
+        refuse([*v.cov, *_fsdp_fields(cfg)], f"per-layer graphs of the MoE block ({_impl_f(v)}) with FSDP2 "
+               f"({_fsdp_f(cfg)}) are not implemented: the experts are an FSDP2 module of their own, sharded over "
+               "the ranks holding them, whose all-gathers would not run when the block's graph replays.",
+               "graph the attention only (model.cuda_graph_modules=[attn]), or model.cuda_graph_impl=full_iteration.")
     if dispatcher == "allgather" and v.per_layer and ({"moe_router", "moe_preprocess"} & set(v.names or ())):
         refuse([*v.cov, "model.moe_token_dispatcher_type"], "the moe_router and moe_preprocess scopes are not "
                "implemented with the allgather dispatcher: its block runs router, dispatch, experts and combine "
@@ -347,9 +366,6 @@ def _r31(v: View) -> list[Violation]:
                "set ddp.overlap_grad_reduce=false.")
     if cfg.compile.enable is True:
         refuse(["compile.enable"], "compile.enable with expert parallel is not implemented.", "set compile.enable=false.")
-    if m.recompute_granularity is not None:
-        refuse(["model.recompute_granularity"], "activation recompute with expert parallel is not implemented.",
-               "set model.recompute_granularity=null.")
     return out
 
 

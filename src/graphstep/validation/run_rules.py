@@ -603,7 +603,8 @@ def _r24(v: View) -> list[Violation]:
 
 def _r35(v: View) -> list[Violation]:
     """Activation recompute that graphstep cannot make exact: its recompute re-runs a region without replaying the
-    RNG, so a recomputed region must draw no dropout; and the MoE block's router statistics are updated in place."""
+    RNG, so a recomputed region must draw no dropout; and selective recompute of the MoE block is not implemented
+    (under full recompute its router counts its statistics in the first forward only: models/transformer.py)."""
     m, out = v.cfg.model, []
     layer_wise = [k for k in ("recompute_method", "recompute_num_layers") if getattr(m, k) is not None]
     if layer_wise and m.recompute_granularity != "full":
@@ -612,11 +613,6 @@ def _r35(v: View) -> list[Violation]:
                       f"model.recompute_granularity={_fmt(m.recompute_granularity)}: the layer-wise method is read "
                       "only with full recompute.", f"set model.recompute_granularity=full, or {keys[0]}=null."))
     if m.recompute_granularity == "full":
-        if m.num_moe_experts is not None:
-            out.append(_v("R35", ["model.recompute_granularity", "model.num_moe_experts"], "model.recompute_"
-                          "granularity=full on an MoE model: recomputing graphstep's MoE block would re-run the "
-                          "router's in-place statistics.", "set model.recompute_granularity=null, or selective "
-                          "recompute of core_attn or mlp."))
         dropouts = [k for k in ("attention_dropout", "hidden_dropout") if (_num(getattr(m, k)) or 0) > 0]
         if dropouts:
             out.append(_v("R35", ["model.recompute_granularity"] + [f"model.{k}" for k in dropouts],
