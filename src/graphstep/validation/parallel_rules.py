@@ -277,6 +277,11 @@ def _r29(v: View) -> list[Violation]:
                "set model.cuda_graph_warmup_steps=2 or more.")
     if cfg.compile.enable is True:
         refuse(["compile.enable"], "compile.enable=true", "set compile.enable=false.")
+    if m.num_moe_experts is not None and tensor_parallel_size(cfg) > 1:
+        refuse(["model.num_moe_experts", "model.tensor_model_parallel_size"], "an MoE model and "
+               f"model.tensor_model_parallel_size={tensor_parallel_size(cfg)} (the MoE blocks' token shares are "
+               "summed over the tensor-parallel ranks, which a stage's data-parallel group does not span)",
+               "train MoE models over pipeline stages with data parallel, or with tensor parallel without stages.")
     if cfg.ddp.overlap_grad_reduce is True:
         refuse(["ddp.overlap_grad_reduce"], "ddp.overlap_grad_reduce=true (the schedule runs the backward)",
                "set ddp.overlap_grad_reduce=false.")
