@@ -366,6 +366,51 @@ def test_default_multi_rank_rows_pass_the_rules_at_two_ranks(recipe):
         name: None for name in default_rows(base, 2)}
 
 
+@pytest.mark.parametrize("recipe, world, added", [
+    ("small_dense_bench", 4, ["pp_tp_eager", "pp_tp_full_iteration", "pp_fsdp_eager", "pp_fsdp_full_iteration"]),
+    ("small_dense_bench", 8, ["pp_tp_eager", "pp_tp_full_iteration", "pp_fsdp_eager", "pp_fsdp_full_iteration",
+                              "3d_eager", "3d_full_iteration"]),
+    ("moe_launch_bound_bench", 4, ["ep_tp_eager", "ep_tp_full_iteration"]),
+])
+def test_combined_layout_rows_from_four_ranks_pass_the_rules(recipe, world, added):
+    """From 4 ranks the default rows add the combined layouts (8: the 3-D one); each is valid there."""
+    from graphstep.bench.run import plan_row
+
+    base = get_recipe(recipe)
+    rows = default_rows(base, world)
+    assert rows == default_rows(base, 2) + added
+    assert {name: plan_row(base, name, world).refusal for name in added} == {name: None for name in added}
+
+
+@pytest.mark.parametrize("name, world, layout", [
+    ("pp_tp_full_iteration", 4, (2, 1, 2)),  # (pp, dp, tp)
+    ("pp_tp_full_iteration", 8, (2, 1, 4)),
+    ("pp_fsdp_eager", 8, (2, 4, 1)),
+    ("3d_full_iteration", 8, (2, 2, 2)),
+    ("3d_eager", 16, (2, 4, 2)),
+])
+def test_combined_layout_rows_split_the_world(name, world, layout):
+    from graphstep.bench.run import plan_row
+
+    dims = plan_row(get_recipe("small_dense_bench"), name, world).layout
+    assert (dims.pp, dims.dp, dims.tp) == layout
+    assert dims.fsdp == ("optim_grads_params" if "fsdp" in name or name.startswith("3d_") else None)
+
+
+def test_combined_layout_rows_name_the_ranks_they_need():
+    from graphstep.bench.layouts import layout_overrides, split_prefix
+    from graphstep.config import ConfigError
+
+    assert split_prefix("pp_tp_[attn,mlp]") == ("pp_tp_", "local[attn,mlp]")
+    assert split_prefix("ep_tp_full_iteration") == ("ep_tp_", "full_iteration")
+    with pytest.raises(ConfigError, match="multiple of 8 ranks, at least 8"):
+        layout_overrides("3d_", "full_iteration", 4)
+    with pytest.raises(ConfigError, match="multiple of 4 ranks, at least 4"):
+        layout_overrides("pp_tp_", "eager", 6)
+    ep_tp = layout_overrides("ep_tp_", "full_iteration", 4)
+    assert "model.expert_model_parallel_size=2" in ep_tp and "model.tensor_model_parallel_size=2" in ep_tp
+
+
 def test_multi_rank_rows_are_refused_at_world_size_one_with_the_torchrun_command(monkeypatch):
     from graphstep.config import ConfigError
 

@@ -15,7 +15,14 @@ prefix           layout                                                         
 ``tp_``          N tensor-parallel ranks with sequence parallel                     refused
 ``pp_``          N pipeline stages, 1F1B, embedding and output layer untied (R28)   refused
 ``ep_``          N expert-parallel ranks (MoE models)                               refused
+``pp_tp_``       2 pipeline stages x N/2 tensor-parallel ranks with sequence parallel refused
+``pp_fsdp_``     2 pipeline stages x FSDP2 ZeRO-3 over N/2 data-parallel ranks      refused
+``ep_tp_``       N/2 expert-parallel x 2 tensor-parallel ranks (MoE models)         refused
+``3d_``          2 pipeline stages x FSDP2 ZeRO-3 over N/4 x 2 tensor-parallel      refused
 ===============  =================================================================  =============
+
+The combined layouts need ``MIN_RANKS`` ranks (4, ``3d_`` 8) and a world size
+that divides as the table says; elsewhere a row is refused with the sizes it needs.
 
 ``tp_[attn,mlp]`` is short for ``tp_local[attn,mlp]`` (per-layer graphs).
 An ``ep_`` row that graphs Megatron's partial MoE scopes (``moe_router``,
@@ -40,8 +47,11 @@ from ..parallel.dims import ParallelDims
 
 FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
 ZERO2 = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads"]
-PREFIXES = ("fsdp_", "zero2_", "dp_overlap_", "dp_", "tp_", "pp_", "ep_")  # dp_overlap_ before dp_: the longest match
-TORCHRUN_ONLY = ("dp_overlap_", "dp_", "tp_", "pp_", "ep_")  # refused at world size 1
+# the longest match first: dp_overlap_ before dp_, pp_tp_ and pp_fsdp_ before pp_, ep_tp_ before ep_
+PREFIXES = ("fsdp_", "zero2_", "dp_overlap_", "dp_", "tp_", "pp_tp_", "pp_fsdp_", "pp_", "ep_tp_", "ep_", "3d_")
+TORCHRUN_ONLY = ("dp_overlap_", "dp_", "tp_", "pp_tp_", "pp_fsdp_", "pp_", "ep_tp_", "ep_", "3d_")  # refused at 1 rank
+# combined layouts: (the fewest ranks, the world size's divisor: a multiple of the fixed dimensions' product)
+MIN_RANKS = {"pp_tp_": (4, 4), "pp_fsdp_": (4, 4), "ep_tp_": (4, 4), "3d_": (8, 8)}
 ONE_RANK_MESH = ("fsdp_", "zero2_")  # at world size 1: FSDP2 on the trainer's one-rank mesh
 PARTIAL_MOE_SCOPES = {"moe_router", "moe_preprocess"}
 
@@ -50,6 +60,9 @@ FSDP_ROWS = ["fsdp_eager", "fsdp_full_iteration", "zero2_eager", "zero2_[attn,ml
 TP_ROWS = ["tp_eager", "tp_full_iteration", "tp_[attn,mlp]"]
 PP_ROWS = ["pp_eager", "pp_full_iteration", "pp_local[attn,mlp]"]
 EP_ROWS = ["ep_eager", "ep_full_iteration", "ep_[attn,moe]", "ep_[attn,moe_router,moe_preprocess]"]
+DENSE_COMBINED_ROWS = ["pp_tp_eager", "pp_tp_full_iteration", "pp_fsdp_eager", "pp_fsdp_full_iteration"]
+MOE_COMBINED_ROWS = ["ep_tp_eager", "ep_tp_full_iteration"]
+THREE_D_ROWS = ["3d_eager", "3d_full_iteration"]
 
 
 def split_prefix(name: str) -> tuple[str, str]:
@@ -69,6 +82,10 @@ def layout_overrides(prefix: str, inner: str, world_size: int) -> list[str]:
     """The overrides that put the one-process row ``inner`` on ``prefix``'s layout over ``world_size`` ranks."""
     if prefix in TORCHRUN_ONLY and world_size < 2:
         raise ConfigError(f"{prefix} rows need 2 or more ranks (torchrun), the world size is {world_size}")
+    least, divisor = MIN_RANKS.get(prefix, (1, 1))
+    if world_size < least or world_size % divisor:
+        raise ConfigError(f"{prefix} rows need a multiple of {divisor} ranks, at least {least} (torchrun "
+                          f"--nproc_per_node {least}); the world size is {world_size}")
     n = world_size
     if prefix == "fsdp_":
         return list(FSDP)
@@ -81,14 +98,27 @@ def layout_overrides(prefix: str, inner: str, world_size: int) -> list[str]:
     if prefix == "tp_":
         return [f"model.tensor_model_parallel_size={n}", "model.sequence_parallel=true"]
     if prefix == "pp_":
-        return [f"model.pipeline_model_parallel_size={n}", "model.pipeline_schedule=1f1b",
-                "model.share_embeddings_and_output_weights=false"]
+        return _stages(n)
+    if prefix == "pp_tp_":
+        return [*_stages(2), f"model.tensor_model_parallel_size={n // 2}", "model.sequence_parallel=true"]
+    if prefix == "pp_fsdp_":
+        return [*_stages(2), *FSDP]
+    if prefix == "3d_":
+        return [*_stages(2), *FSDP, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+    if prefix == "ep_tp_":
+        return [f"model.expert_model_parallel_size={n // 2}", "model.tensor_model_parallel_size=2"]
     if prefix == "ep_":
         scopes = re.fullmatch(r"(?:local|te)\[([a-z_,]*)\]", inner)
         partial = scopes is not None and bool(PARTIAL_MOE_SCOPES & set(scopes.group(1).split(",")))
         return [f"model.expert_model_parallel_size={n}"] + (["model.moe_token_dispatcher_type=alltoall"]
                                                             if partial else [])
     raise ValueError(f"unknown layout prefix {prefix!r}")
+
+
+def _stages(n: int) -> list[str]:
+    """``n`` pipeline stages under 1F1B, the embedding and output layer untied."""
+    return [f"model.pipeline_model_parallel_size={n}", "model.pipeline_schedule=1f1b",
+            "model.share_embeddings_and_output_weights=false"]
 
 
 def batch_overrides(cfg: Config, world_size: int) -> list[str]:
@@ -103,16 +133,22 @@ def batch_overrides(cfg: Config, world_size: int) -> list[str]:
     return [] if batch == t.global_batch_size else [f"train.global_batch_size={batch}"]
 
 
-def multi_rank_rows(cfg: Config) -> list[str]:
+def multi_rank_rows(cfg: Config, world_size: int = 2) -> list[str]:
     """The rows that fit the recipe under torchrun: replicated data parallel for every model; FSDP2, tensor
     and pipeline parallel for dense models; expert parallel for MoE models (hybrid models: the rules take
-    none of the others)."""
+    none of the others); from 4 ranks the combined layouts too, from 8 the 3-D one."""
     m = cfg.model
+
+    def fits(prefix: str) -> bool:
+        least, divisor = MIN_RANKS[prefix]
+        return world_size >= least and world_size % divisor == 0
+
     if m.hybrid_override_pattern:
         return list(DP_ROWS)
     if m.num_moe_experts:
-        return DP_ROWS + EP_ROWS
-    return DP_ROWS + FSDP_ROWS + TP_ROWS + PP_ROWS
+        return DP_ROWS + EP_ROWS + (MOE_COMBINED_ROWS if fits("ep_tp_") else [])
+    return (DP_ROWS + FSDP_ROWS + TP_ROWS + PP_ROWS + (DENSE_COMBINED_ROWS if fits("pp_tp_") else [])
+            + (THREE_D_ROWS if fits("3d_") else []))
 
 
 def check_world(rows: list[str], world_size: int, recipe: str) -> None:

@@ -93,7 +93,7 @@ def captures(name: str) -> str | None:
 
 def default_rows(cfg: Config, world_size: int = 1) -> list[str]:
     if world_size > 1:  # under torchrun: the layouts that fit the model (bench/layouts.py)
-        return multi_rank_rows(cfg)
+        return multi_rank_rows(cfg, world_size)
     if cfg.model.num_moe_experts:
         return MOE_ROWS
     if cfg.model.hybrid_override_pattern:
