@@ -60,7 +60,8 @@ def layouts_worker(out: str, device: str) -> None:
     runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT, *EAGER] for name, layout in SAME_MODEL.items()})
     posted: list[list] = []
     built: dict[str, str] = {}
-    batch_p2p, make_groups = schedules._batch_p2p, build.directed_p2p_groups
+    kinds: list[str] = []
+    batch_p2p, make_groups, make_pipeline = schedules._batch_p2p, build.directed_p2p_groups, build._pipeline
 
     def recording_batch_p2p(ops, desc=None):
         posted.extend(["send" if op.op is torch.distributed.isend else "recv", op.peer, op.group.group_name]
@@ -72,14 +73,21 @@ def layouts_worker(out: str, device: str) -> None:
         built.update({f"{src}->{dst}": g.group_name for (src, dst), g in groups.items()})
         return groups
 
+    def recording_pipeline(*args, **kwargs):
+        pipeline = make_pipeline(*args, **kwargs)
+        kinds.append(type(pipeline.train_schedule).__name__)
+        return pipeline
+
     schedules._batch_p2p, build.directed_p2p_groups = recording_batch_p2p, recording_groups
+    build._pipeline = recording_pipeline
 
     def run(overrides: list[str]) -> dict:
         posted.clear()
         built.clear()
+        kinds.clear()
         result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
         return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()],
-                "posted": list(posted), "directed": dict(built)}
+                "posted": list(posted), "directed": dict(built), "schedule": kinds[0]}
 
     report_runs(Path(out), device, runs, run)
 
@@ -103,6 +111,14 @@ def test_graphed_interleaved_pipeline_equals_eager_bit_for_bit(reports, layout):
         assert graphed["shard"] == eager["shard"]  # this rank's final parameters
         assert eager["losses"][-1] < eager["losses"][0]
     assert reports[0][f"{layout}/eager"]["losses"] == reports[1][f"{layout}/eager"]["losses"]
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "pp2"])
+def test_the_schedule_is_torchs_interleaved_one(reports, layout):
+    expected = {"vpp2_zero_bubble": "ScheduleInterleavedZeroBubble", "pp2": "Schedule1F1B"}
+    for report in reports:
+        run = report[f"{layout}/nodrop" if layout == "pp2" else f"{layout}/graphed"]
+        assert run["schedule"] == expected.get(layout, "ScheduleInterleaved1F1B")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -133,8 +149,10 @@ def test_every_send_and_receive_goes_on_the_group_of_its_direction(reports, layo
 
 
 def test_interleaved_computes_what_one_stage_per_rank_computes(reports):
-    """Dropout off, the same weights and batches: 4 chunks of 1 layer or 2 stages of 2 layers, the same model."""
-    interleaved = torch.tensor(reports[1]["vpp2/nodrop"]["losses"], dtype=torch.float64)
-    plain = torch.tensor(reports[1]["pp2/nodrop"]["losses"], dtype=torch.float64)
-    assert interleaved.shape == plain.shape == (ITERS,)
-    torch.testing.assert_close(interleaved, plain, rtol=2e-5, atol=0)
+    """Dropout off, the same weights and batches: 4 chunks of 1 layer or 2 stages of 2 layers, the same model.
+    Each layer, the loss and each parameter's gradient sum over the micro-batches are computed in the same order
+    in both, so on the CPU the losses are the same bits (allclose would be the claim where kernels differ)."""
+    for report in reports:
+        interleaved, plain = report["vpp2/nodrop"], report["pp2/nodrop"]
+        assert len(interleaved["losses"]) == ITERS and interleaved["losses"] != report["vpp2/eager"]["losses"]
+        assert interleaved["losses"] == plain["losses"] and interleaved["eval"] == plain["eval"]

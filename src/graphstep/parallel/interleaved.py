@@ -107,15 +107,16 @@ def directed_p2p_groups(mesh: WorldMesh) -> dict[Edge, Any]:
     return groups
 
 
+def edge_of(op: Any, me: int) -> Edge:
+    """The direction of ``op`` (torch's ``P2POp``, ``peer`` a global rank) posted by rank ``me``: a send to
+    ``peer`` is (me, peer), a receive from it (peer, me)."""
+    return (me, op.peer) if op.op is dist.isend else (op.peer, me)
+
+
 def directed(ops: list[Any], groups: dict[Edge, Any]) -> list[Any]:
-    """``ops`` (torch's ``P2POp``) posted on the group of their direction: a send to ``peer`` on this rank's
-    (me, peer) group, a receive from it on (peer, me)."""
+    """``ops`` posted on the group of their direction (:func:`edge_of`), tensors, peers and tags unchanged."""
     me = dist.get_rank()
-    out = []
-    for op in ops:
-        edge = (me, op.peer) if op.op is dist.isend else (op.peer, me)
-        out.append(dist.P2POp(op.op, op.tensor, op.peer, groups[edge], op.tag))
-    return out
+    return [dist.P2POp(op.op, op.tensor, op.peer, groups[edge_of(op, me)], op.tag) for op in ops]
 
 
 def _directed_stage_class() -> type:
