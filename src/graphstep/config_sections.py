@@ -247,7 +247,7 @@ class ModelConfig:
         None, "Megatron's explicit layer layout over the pipeline's pp x virtual stages, in data-flow order: a "
         "string such as \"Et*3|t*3|t*3|t*3L\" (E embedding, t decoder layer, L loss and output layer, | stage "
         "boundary, *n repeat, (...)*n group repeat) or a list of lists of embedding/decoder/loss; stage i runs on "
-        "pipeline rank i % pp. Sets the virtual stages; not with num_layers_in_first/last_pipeline_stage or "
+        "pipeline rank i mod pp. Sets the virtual stages; not with num_layers_in_first/last_pipeline_stage or "
         "account_for_*_in_pipeline_split (R28).")
     account_for_embedding_in_pipeline_split: bool = opt(
         False, "Count the embedding as one layer of the even split: the first stage holds one decoder layer fewer "
