@@ -167,6 +167,13 @@ class InterleavedPipeline(Pipeline):
         self._eval: dict[int, Any] = {}
         self._step_kwargs = {"return_outputs": False}  # the multi-stage schedules' step takes it (torch 2.13)
 
+    def describe(self) -> str:
+        """e.g. ``interleaved pipeline: chunks 0, 2 of 4 (layers 0, 2), ScheduleInterleaved1F1B, ...``."""
+        layers = ", ".join(str(i) for c in self.chunks for i in c.layers) or "none"
+        return (f"interleaved pipeline: chunks {', '.join(str(c.index) for c in self.chunks)} of {self.num_chunks} "
+                f"(layers {layers}), {type(self.train_schedule).__name__}, sends and receives on a process group "
+                f"per direction ({len(self.p2p_groups)} here)")
+
     def _stages(self) -> list[Any]:
         stage = _directed_stage_class()
         return [stage(module, c.index, self.num_chunks, self.device, group=self.group, p2p_groups=self.p2p_groups)

@@ -266,9 +266,11 @@ def _pipeline(cfg: Config, model: nn.Module, dp: DataParallel, device: torch.dev
     if len(mine) == 1:
         return Pipeline(model, stage_index=dp.pp_rank, stages=dp.layout.pp, group=dp.pp_group, device=device,
                         schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
-    return InterleavedPipeline(model, chunks=mine, num_chunks=len(chunks), group=dp.pp_group,
-                               p2p_groups=directed_p2p_groups(dp.mesh), device=device,
-                               schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
+    pipeline = InterleavedPipeline(model, chunks=mine, num_chunks=len(chunks), group=dp.pp_group,
+                                   p2p_groups=directed_p2p_groups(dp.mesh), device=device,
+                                   schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
+    log.info("%s", pipeline.describe())
+    return pipeline
 
 
 def _fp8_scaling_update(cfg: Config, model: nn.Module, dp: DataParallel) -> Callable[[], None] | None:
