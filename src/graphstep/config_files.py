@@ -136,6 +136,7 @@ def markdown_reference() -> str:
             section = sec
             out += ["", f"## `{sec}`", "", "| field | default | does | meaning |", "|---|---|---|---|"]
         text = help_text.replace(" Not implemented by graphstep: only the default is accepted.", "")
+        text = text.replace("|", "\\|")  # a vertical bar in a help text (a layout string) is not a column
         out.append(f"| `{sec}.{name}` | `{yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}` "
                    f"| {_kind_cell(sec, name)} | {text} |")
     return "\n".join(out) + "\n"

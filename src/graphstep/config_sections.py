@@ -156,21 +156,27 @@ class ModelConfig:
         "x tensor-parallel ranks (rules R28-R29)."
     )
     virtual_pipeline_model_parallel_size: int | None = opt(
-        None, "Model chunks per pipeline rank (interleaved 1F1B); only null or 1 is accepted (R28)."
+        None, "Model chunks (virtual stages) per pipeline rank: rank r holds chunks r, r+pp, r+2pp, ... and runs "
+        "an interleaved schedule (pipeline_schedule); null or 1 = one stage per rank (R28)."
     )
     pipeline_dtype: str | None = opt(
         None, "dtype of the activations sent between stages; null or the parameter dtype (stages send what "
         "they compute, R28)."
     )
     num_layers_in_first_pipeline_stage: int | None = opt(
-        None, "Decoder layers on the first stage; null = an even split (R28)."
+        None, "Decoder layers on the first pipeline rank (split evenly over its virtual stages); null = an even "
+        "split (R28)."
     )
     num_layers_in_last_pipeline_stage: int | None = opt(
-        None, "Decoder layers on the last stage; null = an even split (R28)."
+        None, "Decoder layers on the last pipeline rank (split evenly over its virtual stages); null = an even "
+        "split (R28)."
     )
     pipeline_schedule: str = opt(
         "1f1b", "Pipeline schedule (graphstep): 1f1b (torch's Schedule1F1B, Megatron's non-interleaved "
-        "schedule; needs micro-batches >= stages) or gpipe (ScheduleGPipe)."
+        "schedule; needs micro-batches >= stages; with virtual stages, ScheduleInterleaved1F1B), gpipe "
+        "(ScheduleGPipe), interleaved_1f1b (ScheduleInterleaved1F1B) or interleaved_zero_bubble "
+        "(ScheduleInterleavedZeroBubble); the interleaved ones need virtual stages and micro-batches per step a "
+        "multiple of the stages (R28)."
     )
     context_parallel_size: int = opt(1, "Context parallelism; only 1 is accepted (R30).")
     expert_model_parallel_size: int = opt(
@@ -237,11 +243,18 @@ class ModelConfig:
     moe_router_dtype: str | None = refused(
         None, "dtype of the router logits; graphstep's router computes them in fp32 (null and fp32 accepted).",
         "R18", allowed=FP32)
-    pipeline_model_parallel_layout: str | list[Any] | None = unsupported(
-        None, "Megatron's explicit layer layout over pipeline stages (num_layers_in_first/last_pipeline_stage "
-        "give graphstep's uneven splits).")
-    account_for_embedding_in_pipeline_split: bool = unsupported(False, "Count the embedding as a layer in the split.")
-    account_for_loss_in_pipeline_split: bool = unsupported(False, "Count the loss as a layer in the split.")
+    pipeline_model_parallel_layout: str | list[Any] | None = opt(
+        None, "Megatron's explicit layer layout over the pipeline's pp x virtual stages, in data-flow order: a "
+        "string such as \"Et*3|t*3|t*3|t*3L\" (E embedding, t decoder layer, L loss and output layer, | stage "
+        "boundary, *n repeat, (...)*n group repeat) or a list of lists of embedding/decoder/loss; stage i runs on "
+        "pipeline rank i mod pp. Sets the virtual stages; not with num_layers_in_first/last_pipeline_stage or "
+        "account_for_*_in_pipeline_split (R28).")
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False, "Count the embedding as one layer of the even split: the first stage holds one decoder layer fewer "
+        "(R28).")
+    account_for_loss_in_pipeline_split: bool = opt(
+        False, "Count the loss (final norm, output layer) as one layer of the even split: the last stage holds one "
+        "decoder layer fewer (R28).")
     calculate_per_token_loss: bool = unsupported(False, "Average the loss over all tokens of the step (not per micro-batch).")
     deterministic_mode: bool = unsupported(False, "Deterministic kernels throughout.")
     yarn_original_max_position_embeddings: int | None = unsupported(None, "YaRN RoPE scaling (graphstep: plain RoPE).")

@@ -3,7 +3,7 @@
 The companion of cuda_graph/torch_compat.py (which holds the mechanism's
 private accesses, the probe registry and :class:`TorchCompatError`): tensor
 parallel's partition hook, the device mesh's flattened views, the pipelining schedules' set-up and backward
-switch, DTensor's local tensor, a view's base, dynamo's compile callbacks and
+switch, a module's shallow view (an interleaved pipeline's chunks), DTensor's local tensor, a view's base, dynamo's compile callbacks and
 reset, and transformers' mask helpers. Each access is a small named function
 with a probe registered in the same ``PROBES``; a missing name raises a
 TorchCompatError naming the torch (or transformers) version when the feature is
@@ -12,6 +12,7 @@ used. docs/library.md lists them with the versions they were verified on.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
@@ -229,13 +230,39 @@ def probe_mesh_flatten() -> None:
 # pipelining: the stage set-up, forward-only steps
 
 
+def module_view(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` with submodule, parameter and buffer tables of its own (nn.Module's
+    ``_modules``, ``_parameters``, ``_buffers``): it holds the same objects, and setting a submodule on the copy
+    leaves ``module`` as it was (an interleaved pipeline's chunk views, parallel/interleaved.py)."""
+    view = copy.copy(module)
+    try:
+        view._modules, view._parameters = dict(module._modules), dict(module._parameters)
+        view._buffers = dict(module._buffers)
+    except AttributeError as e:
+        raise PROBES["probe_module_view"].error(str(e)) from e
+    return view
+
+
+@probe("nn.Module._modules", "nn.Module._parameters", "nn.Module._buffers", purpose="run one chunk of an "
+       "interleaved pipeline rank's model through a view holding only that chunk's layers", verified=(CPU_2_13,))
+def probe_module_view() -> None:
+    whole = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    view = module_view(whole)
+    view[1] = nn.Identity()
+    expect(isinstance(whole[1], nn.Linear) and view[0] is whole[0], "the copy's submodules are its own table")
+    expect(next(view.parameters()) is whole[0].weight, "the copy holds the same parameters")
+
+
 def wrap_stage_setup(schedule: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace ``schedule``'s stage set-up (``_initialize_stage``, called at the start of every step of a
-    single-stage schedule; it sets the stage up on the first) by ``wrap(original)`` on this instance."""
-    init = getattr(schedule, "_initialize_stage", None)
-    if init is None:
-        raise PROBES["probe_pipeline_schedules"].error(f"{type(schedule).__name__} has no _initialize_stage")
-    schedule._initialize_stage = wrap(init)
+    """Replace ``schedule``'s stage set-up (``_initialize_stage`` of a single-stage schedule, ``_initialize_stages``
+    of a multi-stage one; called at the start of every step, it sets the stages up on the first) by
+    ``wrap(original)`` on this instance."""
+    for name in ("_initialize_stage", "_initialize_stages"):
+        init = getattr(schedule, name, None)
+        if init is not None:
+            setattr(schedule, name, wrap(init))
+            return
+    raise PROBES["probe_pipeline_schedules"].error(f"{type(schedule).__name__} has no _initialize_stage(s)")
 
 
 def forward_only_step(schedule: Any, *args: Any, **kwargs: Any) -> None:
@@ -254,15 +281,20 @@ def forward_only_step(schedule: Any, *args: Any, **kwargs: Any) -> None:
         schedule._has_backward = had
 
 
-@probe("_PipelineScheduleSingle._initialize_stage", "PipelineSchedule.eval (2.13) / _has_backward (2.11)",
+@probe("_PipelineScheduleSingle._initialize_stage", "PipelineScheduleMulti._initialize_stages",
+       "PipelineSchedule.eval (2.13) / _has_backward (2.11)",
        purpose="keep a pipeline stage's set-up from drawing dropout masks, and run evaluation forward only",
        verified=(CPU_2_13, GPU_2_11))
 def probe_pipeline_schedules() -> None:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS
+
     for kind in (Schedule1F1B, ScheduleGPipe):
         expect(callable(getattr(kind, "_initialize_stage", None)), f"{kind.__name__}._initialize_stage")
+    for kind in (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS):
+        expect(callable(getattr(kind, "_initialize_stages", None)), f"{kind.__name__}._initialize_stages")
     has_eval = callable(getattr(ScheduleGPipe, "eval", None))
     expect(has_eval or "_has_backward" in inspect.getsource(_PipelineSchedule.__init__), "eval or _has_backward")
     if has_eval:

@@ -360,7 +360,7 @@ KNOWN_PRIVATE_NAMES = {
     # ops, generators, tensors, DTensor
     "_schema", "_cdata", "_base", "_local_tensor",
     # tensor parallel, pipelining, dynamo
-    "_partition_linear_fn", "_has_backward", "_initialize_stage", "callback_handler",
+    "_partition_linear_fn", "_has_backward", "_initialize_stage", "_initialize_stages", "callback_handler",
     # amp objects the doctor reads
     "_device", "_enabled", "_cache_enabled",
     # transformers' masking_utils

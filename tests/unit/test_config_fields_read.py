@@ -57,7 +57,6 @@ REFUSED_OTHERWISE = {
     "model.normalization": ("V", ["model.normalization=LayerNorm"]),
     "model.position_embedding_type": ("R40", ["model.position_embedding_type=learned_absolute"]),
     "compile.components": ("R20", ["compile.components=[loss]"]),
-    "model.virtual_pipeline_model_parallel_size": ("R28", ["model.virtual_pipeline_model_parallel_size=2"]),
     "model.pipeline_dtype": ("R28", ["model.pipeline_dtype=fp32", "model.params_dtype=bf16",
                                      "model.pipeline_model_parallel_size=2"]),
     # FP8 all-gather under FSDP2: torchao's tensorwise scaling with whole-step graphs only

@@ -64,7 +64,36 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.pipeline_model_parallel_size=2"], 3, "R28", "does not divide the world size 3"),
     (["model.pipeline_model_parallel_size=3"], 3, "R28", "do not split evenly"),
     (["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=0"], 2, "R28", "at least one"),
-    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2"], 2, "R28", "interleaved"),
+    (["model.virtual_pipeline_model_parallel_size=2"], 1, "R28", "at least 2 pipeline ranks"),
+    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=0"], 2, "R28",
+     "not a positive number"),
+    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
+      "model.pipeline_schedule=gpipe"], 2, "R28", "interleaved schedules are 1F1B and zero bubble"),
+    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
+      "train.global_batch_size=6"], 2, "R28", "not a multiple of 2"),
+    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
+      "model.share_embeddings_and_output_weights=true"], 2, "R28", "two chunks"),
+    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
+      "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true", "model.cuda_graph_warmup_steps=2"], 2, "R28",
+     "per-layer graphs"),
+    (["model.pipeline_model_parallel_size=2", "model.pipeline_schedule=interleaved_zero_bubble"], 2, "R28",
+     "each rank holds one stage"),
+    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
+      "model.tensor_model_parallel_size=2"], 4, "R28", "with tensor parallel is not implemented"),
+    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
+      "model.recompute_granularity=full"], 2, "R28", "with activation recompute is not implemented"),
+    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
+      "model.num_layers_in_first_pipeline_stage=1", "model.num_layers=3"], 2, "R28", "virtual stages"),
+    (["model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_layout=Ett|tL"], 2, "R28",
+     "places 3 decoder layers"),
+    (["model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_layout=Ett|ttL",
+      "model.num_layers_in_first_pipeline_stage=2"], 2, "R28", "must stay unset"),
+    (["model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_layout=Et|t|ttL"], 2, "R28",
+     "not a multiple"),
+    (["model.pipeline_model_parallel_size=2", "model.account_for_embedding_in_pipeline_split=true"], 2, "R28",
+     "do not split evenly"),
+    (["model.pipeline_model_parallel_size=2", "model.account_for_loss_in_pipeline_split=true",
+      "model.num_layers_in_last_pipeline_stage=1"], 2, "R28", "do not combine"),
     (["model.pipeline_model_parallel_size=4", "model.share_embeddings_and_output_weights=true"], 4, "R28", "ties"),
     (["model.pipeline_model_parallel_size=2", "model.pipeline_dtype=fp32", "model.params_dtype=bf16"], 2, "R28",
      "pipeline_dtype"),
@@ -97,6 +126,16 @@ def test_accepted_pipeline_layouts_break_no_rule():
                   "model.cuda_graph_modules=[attn,mlp]") == []
     assert _rules("model.pipeline_model_parallel_size=3", "model.num_layers=5", "model.num_layers_in_first_pipeline_"
                   "stage=1", "model.num_layers_in_last_pipeline_stage=2", world=3) == []
+    vpp = ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2"]
+    assert _rules(*vpp) == []
+    assert _rules(*vpp, "model.pipeline_schedule=interleaved_zero_bubble") == []
+    assert _rules(*vpp, "model.pipeline_schedule=interleaved_1f1b", "model.cuda_graph_impl=full_iteration",
+                  "model.use_te_rng_tracker=true") == []
+    assert _rules("model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_layout=Et|t|t|tL") == []
+    assert _rules("model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_layout=Ett|ttL") == []
+    assert _rules(*vpp, "model.num_layers=6", "model.account_for_embedding_in_pipeline_split=true",
+                  "model.account_for_loss_in_pipeline_split=true") == []
+    assert _rules("model.pipeline_model_parallel_layout=EttttL", world=1) == []
 
 
 @pytest.mark.parametrize("overrides,world", [

@@ -5,9 +5,10 @@ the ``pp`` dimension of the device mesh (parallel/dims.py): the first
 stage holds the embedding, the last the final norm, the output layer and the
 loss, and the layers are spread as Megatron Bridge spreads them
 (:func:`stage_layers`: ``num_layers_in_first/last_pipeline_stage``, the rest
-evenly). Every rank builds the whole model from the same seed and keeps its
-stage (:func:`split_stage`), so a pipelined run starts from the weights a
-one-stage run has; layer names stay those of the whole model (``layers.5``
+evenly; or ``pipeline_model_parallel_layout``, ``account_for_embedding/loss_in_pipeline_split``:
+:func:`model_chunks`, validation/stage_split.py). Every rank builds the whole model from the same seed and
+keeps its stage (:func:`split_stage`; with virtual stages the union of its chunks, run as parallel/interleaved.py
+says), so a pipelined run starts from the weights a one-stage run has; layer names stay those of the whole model (``layers.5``
 on the stage that holds layer 5), so checkpoints name parameters the same
 at every layout.
 
@@ -56,7 +57,7 @@ would be garbage: the set-up restores every buffer of the stage too.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,7 @@ from ..config import ModelConfig
 from ..cuda_graph.rng import get_rng_tracker
 from ..engines_compat import dtensor_local, forward_only_step, view_base, wrap_stage_setup
 from ..models.transformer import token_loss
+from ..validation.stage_split import Chunk, even_chunks, split_chunks
 
 SCHEDULES = ("1f1b", "gpipe")
 Batch = dict[str, torch.Tensor]  # a micro-batch: tokens, labels, loss mask (training/step.py)
@@ -77,21 +79,17 @@ def stage_layers(num_layers: int, stages: int, first: int | None = None, last: i
 
     A layout rule R28 refuses first has already refused; this raises for direct calls with a split that does not work.
     """
-    middle = stages - (first is not None) - (last is not None)
-    rest = num_layers - (first or 0) - (last or 0)
-    if middle < 0 or (middle == 0 and rest != 0) or (middle > 0 and (rest < middle or rest % middle)):
-        raise ValueError(f"{num_layers} layers do not split over {stages} stages "
-                         f"(first={first}, last={last}): the rest must divide evenly over the other stages")
-    counts = [rest // middle if middle else 0] * stages
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    out, start = [], 0
-    for n in counts:
-        out.append(range(start, start + n))
-        start += n
-    return out
+    return [c.layers for c in even_chunks(num_layers, stages, 1, first, last)]
+
+
+def model_chunks(m: ModelConfig, stages: int) -> list[Chunk]:
+    """The model chunks (virtual stages, in data-flow order) of ``m`` over ``stages`` pipeline ranks, as its split
+    fields say (validation/stage_split.py); chunk ``c`` runs on rank ``c % stages``."""
+    return split_chunks(m.num_layers, stages, vpp=m.virtual_pipeline_model_parallel_size,
+                        first=m.num_layers_in_first_pipeline_stage, last=m.num_layers_in_last_pipeline_stage,
+                        layout=m.pipeline_model_parallel_layout,
+                        account_for_embedding=m.account_for_embedding_in_pipeline_split is True,
+                        account_for_loss=m.account_for_loss_in_pipeline_split is True)
 
 
 class TiedOutputEmbedding(nn.Module):
@@ -112,7 +110,7 @@ def is_tied_copy(p: torch.Tensor) -> bool:
     return getattr(p, "tied_copy", False)
 
 
-def keep_stage(model: nn.Module, layers: range, *, first: bool, last: bool) -> nn.Module:
+def keep_stage(model: nn.Module, layers: Iterable[int], *, first: bool, last: bool) -> nn.Module:
     """Keep in ``model`` (a GPTModel) what one stage holds; layer names keep their whole-model index. With tied
     embeddings the last stage keeps the embedding's weight for its logits (:class:`TiedOutputEmbedding`)."""
     kept = nn.ModuleDict({str(i): model.layers[i] for i in layers})
@@ -127,10 +125,11 @@ def keep_stage(model: nn.Module, layers: range, *, first: bool, last: bool) -> n
 
 
 def split_stage(model: nn.Module, m: ModelConfig, stages: int, stage: int) -> nn.Module:
-    """Keep in ``model`` (the whole GPTModel) what stage ``stage`` of ``stages`` holds, as ``m`` splits the layers."""
-    layers = stage_layers(m.num_layers, stages, m.num_layers_in_first_pipeline_stage,
-                          m.num_layers_in_last_pipeline_stage)[stage]
-    return keep_stage(model, layers, first=stage == 0, last=stage == stages - 1)
+    """Keep in ``model`` (the whole GPTModel) what pipeline rank ``stage`` of ``stages`` holds, as ``m`` splits the
+    layers: its one stage, or with virtual stages the union of its chunks (parallel/interleaved.py)."""
+    mine = [c for c in model_chunks(m, stages) if c.index % stages == stage]
+    layers = [i for c in mine for i in c.layers]
+    return keep_stage(model, layers, first=any(c.embedding for c in mine), last=any(c.loss for c in mine))
 
 
 class _StageModule(nn.Module):

@@ -50,7 +50,8 @@ from ..parallel.compile import compile_mode_of, describe_compile
 from ..parallel.data_parallel import grad_reducer
 from ..parallel.fsdp import reshard_all
 from ..parallel.parallelize import parallelize
-from ..parallel.pipeline import Pipeline, TiedEmbeddingReducer, split_stage, tied_embedding_grad
+from ..parallel.interleaved import InterleavedPipeline, directed_p2p_groups
+from ..parallel.pipeline import Pipeline, TiedEmbeddingReducer, model_chunks, split_stage, tied_embedding_grad
 from .checkpoint import load_pretrained
 from .compile import CompileTimeReport
 from .distributed import DataParallel
@@ -252,14 +253,29 @@ def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, ste
     # FSDP2: an evaluation step reshards what its forwards gathered, so every step ends with the parameters sharded
     release = partial(reshard_all, model) if dp.layout.fsdp is not None else None
     if dp.layout.pp > 1:  # the schedule runs forward and backward (parallel/pipeline.py); R32: no FP8 there
-        pipeline = Pipeline(model, stage_index=dp.pp_rank, stages=dp.layout.pp, group=dp.pp_group, device=device,
-                            schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
+        pipeline = _pipeline(cfg, model, dp, device, num_micro_batches)
         return (PipelineTrainStep(pipeline, grads, **hooks),
                 PipelineEvalStep(pipeline, device, dp.loss_reducer(), release=release))
     train_step = TrainStep(step_model, grads, retain_graph=settings.retain_backward_graph,
                            after_backward=_fp8_scaling_update(cfg, model, dp), **hooks)
     eval_step = EvalStep(step_model, device, reduce_loss=dp.loss_reducer(), release=release)
     return train_step, eval_step
+
+
+def _pipeline(cfg: Config, model: nn.Module, dp: DataParallel, device: torch.device,
+              num_micro_batches: int) -> Pipeline:
+    """This rank's stage and schedules; with virtual stages its chunks, their interleaved schedule and a process
+    group per direction between neighbouring pipeline ranks (parallel/interleaved.py)."""
+    chunks = model_chunks(cfg.model, dp.layout.pp)
+    mine = [c for c in chunks if c.index % dp.layout.pp == dp.pp_rank]
+    if len(mine) == 1:
+        return Pipeline(model, stage_index=dp.pp_rank, stages=dp.layout.pp, group=dp.pp_group, device=device,
+                        schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
+    pipeline = InterleavedPipeline(model, chunks=mine, num_chunks=len(chunks), group=dp.pp_group,
+                                   p2p_groups=directed_p2p_groups(dp.mesh), device=device,
+                                   schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
+    log.info("%s", pipeline.describe())
+    return pipeline
 
 
 def _fp8_scaling_update(cfg: Config, model: nn.Module, dp: DataParallel) -> Callable[[], None] | None:

@@ -17,10 +17,14 @@ parallel/; these rules say which configurations it takes:
   Each is refused by name, never ignored;
 * R28 -- the pipeline layout fits the model and the world: the world size is
   a multiple of pipeline x tensor-parallel ranks, the decoder layers split
-  over the stages (Megatron Bridge's ``num_layers_in_first/last_pipeline_stage``),
-  1F1B has at least as many micro-batches per step as stages, the schedule is
-  one graphstep runs, and what is not implemented (interleaved schedules,
-  another activation dtype, tied embeddings across more than 2 stages) is refused;
+  over the stages (Megatron Bridge's ``num_layers_in_first/last_pipeline_stage``,
+  ``pipeline_model_parallel_layout``, ``account_for_embedding/loss_in_pipeline_split``:
+  validation/stage_split.py), 1F1B has at least as many micro-batches per step
+  as stages, the schedule is one graphstep runs, virtual stages (interleaved
+  schedules) have at least 2 pipeline ranks and micro-batches per step in
+  rounds of ``pp``, and what is not implemented (another activation dtype,
+  tied embeddings across more than 2 stages or with virtual stages, GPipe or
+  per-layer graphs with virtual stages) is refused;
 * R29 -- what pipeline parallelism does not combine with yet (tensor
   parallelism, FSDP2, MoE and hybrid models, ...);
 * R30 -- context parallelism is not implemented;
@@ -43,9 +47,11 @@ from graphstep.config import Config
 from .graph_rules import View, _impl_f
 from .report import Violation, as_int as _int, as_str as _str, fmt as _fmt
 from .report import violation as _v
+from .stage_split import StageSplitError, split_chunks, virtual_stages
 
 STRATEGIES = ("no_shard", "optim_grads", "optim_grads_params")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", *INTERLEAVED_SCHEDULES)
 
 
 def tensor_parallel_size(cfg: Config) -> int:
@@ -193,17 +199,21 @@ def _r28(v: View) -> list[Violation]:
                    "not a positive number of stages.", "set model.pipeline_model_parallel_size=1 or more.")]
     out = []
     vpp = _int(m.virtual_pipeline_model_parallel_size)
-    if m.virtual_pipeline_model_parallel_size is not None and vpp != 1:
+    if m.virtual_pipeline_model_parallel_size is not None and (vpp is None or vpp < 1):
         out.append(_v("R28", ["model.virtual_pipeline_model_parallel_size"], "model.virtual_pipeline_model_parallel_"
-                      f"size={_fmt(m.virtual_pipeline_model_parallel_size)} asks for an interleaved schedule, which "
-                      "is not implemented: capturing it needs a communicator per directed pair of ranks, which "
-                      "torch's pipelining does not set up.", "set model.virtual_pipeline_model_parallel_size=null."))
+                      f"size={_fmt(m.virtual_pipeline_model_parallel_size)} is not a positive number of stages per "
+                      "rank.", "set model.virtual_pipeline_model_parallel_size=null, or 2 or more."))
+        vpp = None
+    chunks = virtual_stages(m.pipeline_model_parallel_layout, vpp, pp)
     schedule = _str(m.pipeline_schedule)
     if schedule not in PIPELINE_SCHEDULES:
         out.append(_v("R28", ["model.pipeline_schedule"], f"model.pipeline_schedule={_fmt(schedule)} is not a "
                       f"schedule graphstep runs ({', '.join(PIPELINE_SCHEDULES)}).", "set model.pipeline_schedule=1f1b "
-                      "or gpipe."))
+                      "or gpipe" + (", or interleaved_zero_bubble" if chunks > 1 else "") + "."))
+    out += _interleaved_violations(v, pp, chunks, schedule)
     if pp == 1:
+        if m.pipeline_model_parallel_layout is not None:
+            out += _stage_split_violations(m, pp, vpp)
         return out
     tp, world = tensor_parallel_size(v.cfg), max(v.world_size, 1)
     if world % (pp * tp):
@@ -211,7 +221,7 @@ def _r28(v: View) -> list[Violation]:
                       + (f"x tensor_model_parallel_size={tp} " if tp > 1 else "") + f"does not divide the world "
                       f"size {world} (torchrun's WORLD_SIZE): the device mesh is pipeline x data-parallel x "
                       "tensor-parallel ranks.", f"launch a multiple of {pp * tp} processes."))
-    out += _stage_split_violations(m, pp)
+    out += _stage_split_violations(m, pp, vpp)
     if m.pipeline_dtype is not None and _str(m.pipeline_dtype) not in (_str(m.params_dtype), "auto"):
         out.append(_v("R28", ["model.pipeline_dtype", "model.params_dtype"], f"model.pipeline_dtype="
                       f"{_fmt(m.pipeline_dtype)} differs from model.params_dtype={_fmt(m.params_dtype)}: stages "
@@ -222,7 +232,7 @@ def _r28(v: View) -> list[Violation]:
                       f"stage's output layer, which is implemented for 2 pipeline stages, not {pp}.",
                       "set model.pipeline_model_parallel_size=2, or model.share_embeddings_and_output_weights=false."))
     mbs, gbs = _int(t.micro_batch_size), _int(t.global_batch_size)
-    if schedule == "1f1b" and mbs and gbs and mbs > 0:
+    if schedule == "1f1b" and chunks == 1 and mbs and gbs and mbs > 0:
         per_step = gbs // (mbs * data_parallel_size(v.cfg, world))
         if per_step < pp:
             out.append(_v("R28", ["model.pipeline_schedule", "train.global_batch_size", "train.micro_batch_size"],
@@ -232,26 +242,84 @@ def _r28(v: View) -> list[Violation]:
     return out
 
 
-def _stage_split_violations(m: Any, pp: int) -> list[Violation]:
+SPLIT_FIELDS = ("model.num_layers_in_first_pipeline_stage", "model.num_layers_in_last_pipeline_stage",
+                "model.pipeline_model_parallel_layout", "model.account_for_embedding_in_pipeline_split",
+                "model.account_for_loss_in_pipeline_split", "model.virtual_pipeline_model_parallel_size")
+
+
+def _stage_split_violations(m: Any, pp: int, vpp: int | None) -> list[Violation]:
+    """The decoder layers split over the pipeline's stages as the split fields say (validation/stage_split.py)."""
     layers = _int(m.num_layers)
-    first, last = _int(m.num_layers_in_first_pipeline_stage), _int(m.num_layers_in_last_pipeline_stage)
     if layers is None:
         return []
-    fields = ["model.num_layers", "model.pipeline_model_parallel_size"]
-    for name, n in (("model.num_layers_in_first_pipeline_stage", first), ("model.num_layers_in_last_pipeline_stage", last)):
-        if n is not None and n < 1:
-            return [_v("R28", [name], f"{name}={n}: every stage holds at least one decoder layer.",
-                       f"set {name}=1 or more, or null.")]
-    middle = pp - (first is not None) - (last is not None)
-    rest = layers - (first or 0) - (last or 0)
-    if middle == 0 and rest == 0 or middle > 0 and rest >= middle and rest % middle == 0:
-        return []
-    split = f"{layers} layers" + (f", {first} on the first stage" if first else "") + (f", {last} on the last" if last else "")
-    return [_v("R28", fields + [f for f, n in (("model.num_layers_in_first_pipeline_stage", first),
-                                               ("model.num_layers_in_last_pipeline_stage", last)) if n is not None],
-               f"{split}: the other {max(rest, 0)} do not split evenly over {middle} stage(s) of at least one layer.",
-               "choose model.num_layers, model.pipeline_model_parallel_size and num_layers_in_first/last_pipeline_"
-               "stage so the remaining layers divide evenly over the remaining stages.")]
+    first, last = _int(m.num_layers_in_first_pipeline_stage), _int(m.num_layers_in_last_pipeline_stage)
+    try:
+        split_chunks(layers, pp, vpp=vpp, first=first, last=last, layout=m.pipeline_model_parallel_layout,
+                     account_for_embedding=m.account_for_embedding_in_pipeline_split is True,
+                     account_for_loss=m.account_for_loss_in_pipeline_split is True)
+    except StageSplitError as e:
+        defaults = {"model.account_for_embedding_in_pipeline_split": False,
+                    "model.account_for_loss_in_pipeline_split": False}
+        set_fields = [f for f in SPLIT_FIELDS if getattr(m, f.split(".")[1]) not in (None, defaults.get(f))]
+        return [_v("R28", ["model.num_layers", "model.pipeline_model_parallel_size", *set_fields], f"{e}.",
+                   "choose model.num_layers, model.pipeline_model_parallel_size and the split fields (num_layers_in_"
+                   "first/last_pipeline_stage, pipeline_model_parallel_layout, account_for_*_in_pipeline_split, "
+                   "virtual_pipeline_model_parallel_size) so that every stage holds at least one layer and the "
+                   "layers divide as docs/parallel.md says; or leave them unset for an even split.")]
+    return []
+
+
+def _interleaved_violations(v: View, pp: int, chunks: int, schedule: str) -> list[Violation]:
+    """Virtual stages (interleaved schedules): what they need and what they do not combine with yet."""
+    m, t, out = v.cfg.model, v.cfg.train, []
+    vfield = ["model.virtual_pipeline_model_parallel_size"] if m.pipeline_model_parallel_layout is None \
+        else ["model.pipeline_model_parallel_layout"]
+    if chunks == 1:
+        if schedule in INTERLEAVED_SCHEDULES:
+            out.append(_v("R28", ["model.pipeline_schedule", *vfield], f"model.pipeline_schedule={schedule} "
+                          "interleaves the virtual stages of each rank, but each rank holds one stage.",
+                          "set model.virtual_pipeline_model_parallel_size=2 or more, or model.pipeline_schedule=1f1b."))
+        return out
+    what = f"{chunks} virtual stages per pipeline rank ({'='.join([vfield[0], _fmt(getattr(m, vfield[0][6:]))])})"
+    if pp == 1:
+        out.append(_v("R28", ["model.pipeline_model_parallel_size", *vfield], f"{what} with "
+                      "model.pipeline_model_parallel_size=1: interleaving needs at least 2 pipeline ranks.",
+                      "set model.pipeline_model_parallel_size=2 or more, or model.virtual_pipeline_model_parallel_"
+                      "size=null."))
+        return out
+    if schedule == "gpipe":
+        out.append(_v("R28", ["model.pipeline_schedule", *vfield], f"{what} with model.pipeline_schedule=gpipe is "
+                      "not implemented: the interleaved schedules are 1F1B and zero bubble.",
+                      "set model.pipeline_schedule=1f1b (interleaved 1F1B) or interleaved_zero_bubble."))
+    mbs, gbs = _int(t.micro_batch_size), _int(t.global_batch_size)
+    if mbs and gbs and mbs > 0:
+        dp = data_parallel_size(v.cfg, max(v.world_size, 1))
+        per_step = gbs // (mbs * dp)
+        if per_step % pp:
+            out.append(_v("R28", [*vfield, "train.global_batch_size", "train.micro_batch_size"], f"{what}: the "
+                          f"interleaved schedule runs the micro-batches in rounds of {pp} (one per pipeline rank), "
+                          f"and {per_step} micro-batches per step are not a multiple of {pp}.",
+                          f"set train.global_batch_size to a multiple of {pp * mbs * dp}."))
+    if m.share_embeddings_and_output_weights is True:
+        out.append(_v("R28", ["model.share_embeddings_and_output_weights", *vfield], f"{what} with "
+                      "model.share_embeddings_and_output_weights=true is not implemented (the tied copies live in "
+                      "two chunks).", "set model.share_embeddings_and_output_weights=false, or "
+                      "model.virtual_pipeline_model_parallel_size=null."))
+    others = [(tensor_parallel_size(v.cfg) > 1, ["model.tensor_model_parallel_size"], "tensor parallel"),
+              (shards_data_parallel(v.cfg), _fsdp_fields(v.cfg), "FSDP2"),
+              (m.num_moe_experts is not None, ["model.num_moe_experts"], "an MoE model"),
+              (m.hybrid_override_pattern is not None, ["model.hybrid_override_pattern"], "a hybrid (Mamba) model"),
+              (m.recompute_granularity is not None, ["model.recompute_granularity"], "activation recompute")]
+    for on, fields, name in others:
+        if on:  # each works over plain pipeline stages (R29), not yet over virtual ones
+            out.append(_v("R28", [*fields, *vfield], f"{what} with {name} is not implemented.",
+                          f"use {name} over plain pipeline stages (model.virtual_pipeline_model_parallel_size=null), "
+                          "or virtual stages over replicated data parallel."))
+    if v.per_layer:
+        out.append(_v("R28", ["model.cuda_graph_impl", *vfield], f"{what} with per-layer graphs ({_impl_f(v)}) is "
+                      "not implemented.", "set model.cuda_graph_impl=full_iteration (the whole interleaved schedule "
+                      "in one graph per rank), or model.virtual_pipeline_model_parallel_size=null."))
+    return out
 
 
 def _r29(v: View) -> list[Violation]:

@@ -1,0 +1,178 @@
+"""Interleaved pipelines (virtual stages) and Bridge's stage-split fields under torchrun: graphed equals eager.
+
+One torchrun launch of 2 gloo ranks runs ``layouts_worker``: each layout of
+``LAYOUTS`` eagerly and with the full-iteration graph (the whole interleaved
+schedule, sends and receives included, in one graph per rank; the optimizer
+and evaluation graphs too), and with dropout off the interleaved pipeline
+and the one-stage-per-rank pipeline of the same model. Each rank writes per
+run the per-iteration losses, the evaluation losses, a digest of the
+parameters it holds and their names, and every send and receive the
+schedules posted (``_batch_p2p``) with the process group it went on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.launch import report_runs, torchrun_reports
+from helpers.reports import assert_graphed_equals_eager, train_report
+
+pytestmark = pytest.mark.slow
+
+ITERS = 4
+COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
+          "train.eval_iters=2", "train.eval_interval=1", "model.use_te_rng_tracker=true",
+          "model.share_embeddings_and_output_weights=false", "model.pipeline_model_parallel_size=2"]
+GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+EAGER = ["model.cuda_graph_impl=none"]
+NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+LAYOUTS = {  # 2 ranks x 2 virtual stages = 4 chunks; rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3
+    "vpp2": ["model.num_layers=4", "model.virtual_pipeline_model_parallel_size=2"],
+    "vpp2_zero_bubble": ["model.num_layers=4", "model.virtual_pipeline_model_parallel_size=2",
+                         "model.pipeline_schedule=interleaved_zero_bubble"],
+    # Bridge's layout string: 4 stages (so 2 virtual stages per rank), the last holding only the loss
+    "layout": ["model.num_layers=4", "model.pipeline_model_parallel_layout=Ett|t|t|L"],
+    # 2 layers + the embedding + the loss counted as layers: one each over the 4 chunks
+    "account": ["model.num_layers=2", "model.virtual_pipeline_model_parallel_size=2",
+                "model.account_for_embedding_in_pipeline_split=true", "model.account_for_loss_in_pipeline_split=true"],
+}
+# which whole-model layers each rank holds
+HELD = {"vpp2": [{0, 2}, {1, 3}], "vpp2_zero_bubble": [{0, 2}, {1, 3}], "layout": [{0, 1, 3}, {2}],
+        "account": [{1}, {0}]}
+# dropout off: the interleaved pipeline and one stage per rank (layers 0-1 and 2-3) compute the same model
+SAME_MODEL = {name: LAYOUTS[name] for name in ("vpp2", "vpp2_zero_bubble")} | {"pp2": ["model.num_layers=4"]}
+
+
+def layouts_worker(out: str, device: str) -> None:
+    """The torchrun worker: every layout eager and graphed, then the dropout-free pair; each run's sends and
+    receives with their groups, and the directed groups the run built."""
+    import torch.distributed.pipelining.schedules as schedules
+
+    import graphstep.training.build as build
+    from helpers.runs import tiny_config
+    from graphstep.training.loop import train
+
+    runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
+            for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
+    runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT, *EAGER] for name, layout in SAME_MODEL.items()})
+    posted: list[list] = []
+    built: dict[str, str] = {}
+    kinds: list[str] = []
+    batch_p2p, make_groups, make_pipeline = schedules._batch_p2p, build.directed_p2p_groups, build._pipeline
+
+    def recording_batch_p2p(ops, desc=None):
+        posted.extend(["send" if op.op is torch.distributed.isend else "recv", op.peer, op.group.group_name]
+                      for op in ops)
+        return batch_p2p(ops, desc)
+
+    def recording_groups(mesh):
+        groups = make_groups(mesh)
+        built.update({f"{src}->{dst}": g.group_name for (src, dst), g in groups.items()})
+        return groups
+
+    def recording_pipeline(*args, **kwargs):
+        pipeline = make_pipeline(*args, **kwargs)
+        kinds.append(type(pipeline.train_schedule).__name__)
+        return pipeline
+
+    schedules._batch_p2p, build.directed_p2p_groups = recording_batch_p2p, recording_groups
+    build._pipeline = recording_pipeline
+
+    def run(overrides: list[str]) -> dict:
+        posted.clear()
+        built.clear()
+        kinds.clear()
+        result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
+        return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()],
+                "posted": list(posted), "directed": dict(built), "schedule": kinds[0]}
+
+    report_runs(Path(out), device, runs, run)
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return torchrun_reports(__file__, "layouts_worker", tmp_path_factory.mktemp("interleaved"), 2, "cpu",
+                            timeout=600)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_graphed_interleaved_pipeline_equals_eager_bit_for_bit(reports, layout):
+    for report in reports:
+        eager, graphed = report[f"{layout}/eager"], report[f"{layout}/graphed"]
+        assert len(eager["losses"]) == ITERS and len(eager["eval"]) == ITERS
+        assert set(eager["states"]) == {"eager"} and eager["graphs"] == 0
+        assert graphed["states"] == ["eager", "eager", "captured", "replayed"]
+        assert graphed["graphs"] == 3  # training (the whole schedule), optimizer and evaluation graphs
+        assert graphed["losses"] == eager["losses"]  # JSON floats: the exact bits
+        assert graphed["eval"] == eager["eval"]
+        assert graphed["shard"] == eager["shard"]  # this rank's final parameters
+        assert eager["losses"][-1] < eager["losses"][0]
+    assert reports[0][f"{layout}/eager"]["losses"] == reports[1][f"{layout}/eager"]["losses"]
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "pp2"])
+def test_the_schedule_is_torchs_interleaved_one(reports, layout):
+    expected = {"vpp2_zero_bubble": "ScheduleInterleavedZeroBubble", "pp2": "Schedule1F1B"}
+    for report in reports:
+        run = report[f"{layout}/nodrop" if layout == "pp2" else f"{layout}/graphed"]
+        assert run["schedule"] == expected.get(layout, "ScheduleInterleaved1F1B")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_rank_holds_its_chunks_layers(reports, layout):
+    first, last = (report[f"{layout}/eager"]["names"] for report in reports)
+    assert first[0] == "embedding.weight" and "output_layer.weight" not in first
+    assert last[-1] == "output_layer.weight" and "embedding.weight" not in last
+    held = [{int(n.split(".")[1]) for n in names if n.startswith("layers.")} for names in (first, last)]
+    assert held == HELD[layout]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_send_and_receive_goes_on_the_group_of_its_direction(reports, layout):
+    """One communicator per directed pair of ranks: rank 0 -> 1 and 1 -> 0 are two groups, and every transfer the
+    schedules post (activations and gradients, training and evaluation, eager and captured) is on its own."""
+    for rank, report in enumerate(reports):
+        peer = 1 - rank
+        for mode in ("eager", "graphed"):
+            run = report[f"{layout}/{mode}"]
+            directed = run["directed"]
+            assert set(directed) == {"0->1", "1->0"} and directed["0->1"] != directed["1->0"]
+            assert len(run["posted"]) > 8 * ITERS  # 4 micro-batches x 2 boundaries per rank, both ways
+            for kind, to, group in run["posted"]:
+                assert to == peer
+                assert group == directed[f"{rank}->{peer}" if kind == "send" else f"{peer}->{rank}"], (kind, group)
+    # the two ranks built the same groups under the same names
+    assert reports[0][f"{layout}/eager"]["directed"] == reports[1][f"{layout}/eager"]["directed"]
+
+
+def test_interleaved_computes_what_one_stage_per_rank_computes(reports):
+    """Dropout off, the same weights and batches: 4 chunks of 1 layer or 2 stages of 2 layers, the same model.
+    Each layer, the loss and each parameter's gradient sum over the micro-batches are computed in the same order
+    in both, so on the CPU the losses are the same bits (allclose would be the claim where kernels differ)."""
+    for report in reports:
+        interleaved, plain = report["vpp2/nodrop"], report["pp2/nodrop"]
+        assert len(interleaved["losses"]) == ITERS and interleaved["losses"] != report["vpp2/eager"]["losses"]
+        assert interleaved["losses"] == plain["losses"] and interleaved["eval"] == plain["eval"]
+
+
+def test_zero_bubble_computes_what_interleaved_1f1b_computes(reports):
+    """Dropout off: zero bubble's split backward (weight gradients later, written into ``param.grad`` by torch and
+    moved into the gradient buffers after the schedule) trains the same weights as interleaved 1F1B."""
+    for report in reports:
+        zero_bubble, one_f_one_b = report["vpp2_zero_bubble/nodrop"], report["vpp2/nodrop"]
+        assert zero_bubble["losses"] == one_f_one_b["losses"] and zero_bubble["shard"] == one_f_one_b["shard"]
+
+
+@pytest.mark.cuda
+def test_interleaved_on_two_gpus_graphed_equals_eager(tmp_path):
+    """On NCCL, where one communicator per pair could deadlock or misorder a captured interleaved schedule: every
+    layout graphed equals eager bit for bit, every transfer on the group of its direction."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine)")
+    reports = torchrun_reports(__file__, "layouts_worker", tmp_path, 2, "cuda", timeout=900)
+    assert_graphed_equals_eager(reports, LAYOUTS)
+    for layout in LAYOUTS:
+        test_every_send_and_receive_goes_on_the_group_of_its_direction(reports, layout)
