@@ -297,21 +297,25 @@ class TrainingState:
 
 
 def _layout(dp: DataParallel) -> dict[str, int]:
-    return {"pp": dp.layout.pp, "dp": dp.dp_size, "tp": dp.layout.tp}
+    return {"pp": dp.layout.pp, "dp": dp.dp_size, "cp": dp.layout.cp, "tp": dp.layout.tp}
 
 
 def rng_source_rank(saved: dict[str, int] | None, saved_world: int, dp: DataParallel) -> int | None:
     """The saved rank whose RNG streams this rank continues (None: keep this run's seeded streams).
 
     ``saved``: the checkpoint's ``meta.layout`` (None in a checkpoint saved before it was recorded: the own rank
-    at the same world size, else rank 0, as those checkpoints were loaded). Ranks are in (pp, dp, tp) order.
+    at the same world size, else rank 0, as those checkpoints were loaded). Ranks are in (pp, dp, cp, tp) order
+    (``cp`` 1 in a checkpoint saved before it was recorded); a context-parallel rank the checkpoint did not have
+    continues rank 0's streams of its other dimensions.
     """
     if saved is None:
         return dp.rank if saved_world == dp.world_size else 0
     if dp.pp_rank >= saved["pp"] or dp.tp_rank >= saved["tp"]:
         return None
     replica = dp.dp_rank if dp.dp_rank < saved["dp"] else 0
-    return (dp.pp_rank * saved["dp"] + replica) * saved["tp"] + dp.tp_rank
+    cp = saved.get("cp", 1)
+    cp_rank = dp.cp_rank if dp.cp_rank < cp else 0
+    return ((dp.pp_rank * saved["dp"] + replica) * cp + cp_rank) * saved["tp"] + dp.tp_rank
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
