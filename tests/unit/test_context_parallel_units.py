@@ -162,7 +162,8 @@ def _rules(*overrides: str, world: int = 4) -> list:
     (["model.cp_comm_type=ring"], 4, "not a context-parallel communication type", "all_gather"),
     (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2"], 4, "with pipeline stages",
      "pipeline_model_parallel_size=1"),
-    (["model.context_parallel_size=2", "model.num_moe_experts=4"], 4, "with an MoE model", "dense model"),
+    (["model.context_parallel_size=2", "model.num_moe_experts=4"], 4, "with an MoE model",
+     "model.context_parallel_size=1"),
     (["model.context_parallel_size=2", "model.hybrid_override_pattern=M-M-"], 4, "hybrid (Mamba)",
      "context_parallel_size=1"),
     (["model.context_parallel_size=2", "data.seq_length_buckets=[32,64]"], 4, "seq_length_buckets",
@@ -173,6 +174,7 @@ def test_rule_r30_refuses_what_context_parallel_does_not_do_with_the_reason_and_
     found = [v for v in _rules(*overrides, world=world) if v.rule == "R30"]
     assert len(found) == 1, found
     assert words in found[0].message and fix in found[0].fix, found[0]
+    assert found[0].fix.startswith(("set ", "launch ")), found[0]
 
 
 @pytest.mark.parametrize("overrides,world", [

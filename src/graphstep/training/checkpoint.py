@@ -486,19 +486,22 @@ def _has_key(path: Path, prefix: str) -> bool:
 
 
 def _saved_meta(path: Path, dp: DataParallel) -> tuple[int, dict[str, int] | None]:
-    """The checkpoint's world size and layout (None where it was saved without one)."""
+    """The checkpoint's world size and layout (None where it was saved without one; ``cp`` 1 where it was saved
+    before context parallel was recorded)."""
     box: dict[str, Any] = {"meta": {"world_size": 0}}
     if _has_key(path, "meta.layout."):
-        box["meta"]["layout"] = {"pp": 0, "dp": 0, "tp": 0}
+        box["meta"]["layout"] = {"pp": 0, "dp": 0, "tp": 0, **({"cp": 0} if _has_key(path, "meta.layout.cp") else {})}
     _dcp_load(box, path, dp)
     layout = box["meta"].get("layout")
-    return int(box["meta"]["world_size"]), ({k: int(v) for k, v in layout.items()} if layout is not None else None)
+    return int(box["meta"]["world_size"]), ({"cp": 1, **{k: int(v) for k, v in layout.items()}}
+                                            if layout is not None else None)
 
 
 def _describe(layout: dict[str, int] | None, world: int) -> str:
     if layout is None:
         return f"{world} rank(s)"
-    return f"{world} rank(s) (pp{layout['pp']} x dp{layout['dp']} x tp{layout['tp']})"
+    cp = f" x cp{layout['cp']}" if layout.get("cp", 1) > 1 else ""
+    return f"{world} rank(s) (pp{layout['pp']} x dp{layout['dp']}{cp} x tp{layout['tp']})"
 
 
 # The model fields that decide parameter names and shapes (a checkpoint of another value does not fit).

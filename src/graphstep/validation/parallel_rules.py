@@ -335,21 +335,23 @@ def _r30(v: View) -> list[Violation]:
                f"model.seq_length={seq} do not divide over {tp} sequence-parallel ranks.",
                f"set model.seq_length to a multiple of {2 * cp * tp}.")
     others = [(pipeline_parallel_size(cfg) > 1, ["model.pipeline_model_parallel_size"], "pipeline stages",
-               "model.pipeline_model_parallel_size=1 (context parallel over data-parallel, tensor-parallel or FSDP2 "
-               "ranks)"),
+               "set model.pipeline_model_parallel_size=1 (context parallel over data-parallel, tensor-parallel or "
+               "FSDP2 ranks), or model.context_parallel_size=1."),
               (m.num_moe_experts is not None, ["model.num_moe_experts"], "an MoE model (its blocks and "
-               "expert-parallel token exchanges are not split by sequence)", "context parallel on a dense model, or "
-               "model.context_parallel_size=1 (with expert parallel) for the MoE model"),
+               "expert-parallel token exchanges are not split by sequence)", "set model.context_parallel_size=1 "
+               "(with model.expert_model_parallel_size to split the MoE model), or use a dense model."),
               ((_int(m.expert_model_parallel_size) or 1) > 1, ["model.expert_model_parallel_size"], "expert "
-               "parallel", "model.expert_model_parallel_size=1"),
+               "parallel", "set model.expert_model_parallel_size=1."),
               (m.hybrid_override_pattern is not None, ["model.hybrid_override_pattern"], "a hybrid (Mamba) model "
-               "(the Mamba scan runs over the whole sequence)", "model.context_parallel_size=1 for hybrid models"),
+               "(the Mamba scan runs over the whole sequence)", "set model.context_parallel_size=1 for hybrid "
+               "models."),
               (cfg.data.seq_length_buckets is not None, ["data.seq_length_buckets"], "data.seq_length_buckets "
-               "(every bucket would need its own chunking)", "data.seq_length_buckets=null (pad to model.seq_length)"),
-              (cfg.compile.enable is True, ["compile.enable"], "compile.enable=true", "compile.enable=false")]
+               "(every bucket would need its own chunking)", "set data.seq_length_buckets=null (pad to "
+               "model.seq_length)."),
+              (cfg.compile.enable is True, ["compile.enable"], "compile.enable=true", "set compile.enable=false.")]
     for on, fields, what, fix in others:
         if on:
-            refuse(fields, f"context parallel with {what} is not implemented.", f"set {fix}.")
+            refuse(fields, f"context parallel with {what} is not implemented.", fix)
     return out
 
 
