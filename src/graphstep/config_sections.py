@@ -178,7 +178,10 @@ class ModelConfig:
         "(ScheduleInterleavedZeroBubble); the interleaved ones need virtual stages and micro-batches per step a "
         "multiple of the stages (R28)."
     )
-    context_parallel_size: int = opt(1, "Context parallelism; only 1 is accepted (R30).")
+    context_parallel_size: int = opt(
+        1, "Context-parallel ranks: each sequence is cut in 2 x this many chunks, each rank holds two (Megatron's "
+        "load balancing) and attention all-gathers the keys and values (model.cp_comm_type; R30)."
+    )
     expert_model_parallel_size: int = opt(
         1, "Expert-parallel ranks: each data-parallel rank holds num_moe_experts / this many experts, and MoE "
         "blocks exchange tokens as model.moe_token_dispatcher_type says (dropless; R31)."
@@ -328,8 +331,9 @@ class ModelConfig:
         False, "Inference: pad experts for CUDA graphs.", "nothing: graphstep trains (its MoE graphs are sync-free)")
     overlap_p2p_comm: bool = noop(False, "Overlap pipeline send/receive with computation.", "torch's pipeline schedule")
     batch_p2p_comm: bool = noop(True, "Batch pipeline send/receive.", "torch's pipeline schedule")
-    cp_comm_type: str | list[str] | None = noop(
-        None, "Context-parallel communication.", "nothing: context parallelism is 1 (R30)")
+    cp_comm_type: str | list[str] | None = opt(
+        None, "Context-parallel communication (Megatron Core's names, one or one per layer): all_gather (keys and "
+        "values all-gathered inside attention; null means it too); p2p, a2a and a2a+p2p are refused (R30).")
 
 
 @dataclass(kw_only=True)

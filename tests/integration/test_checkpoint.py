@@ -147,7 +147,8 @@ def test_resharding_resume_takes_the_rng_streams_of_the_rank_with_the_same_place
     from graphstep.parallel.dims import ParallelDims
 
     def sources(saved: dict, saved_world: int, world: int, **dims: int) -> list:
-        layout = ParallelDims(dp_replicate=world // (dims.get("tp", 1) * dims.get("pp", 1)), **dims)
+        layout = ParallelDims(dp_replicate=world // (dims.get("tp", 1) * dims.get("pp", 1) * dims.get("cp", 1)),
+                              **dims)
         return [rng_source_rank(saved, saved_world, DataParallel(rank=r, world_size=world, layout=layout))
                 for r in range(world)]
 
@@ -160,3 +161,7 @@ def test_resharding_resume_takes_the_rng_streams_of_the_rank_with_the_same_place
     assert sources({"pp": 1, "dp": 2, "tp": 2}, 4, 2, tp=2) == [0, 1]
     assert sources({"pp": 1, "dp": 1, "tp": 1}, 1, 2, pp=2) == [0, None]  # stage 1 was not saved
     assert sources(None, 2, 2) == [0, 1] and sources(None, 2, 4) == [0, 0, 0, 0]  # saved without meta.layout
+    # context-parallel ranks hold other tokens, with streams of their own: each continues its own place's
+    assert sources({"pp": 1, "dp": 2, "cp": 2, "tp": 1}, 4, 4, cp=2) == [0, 1, 2, 3]
+    assert sources({"pp": 1, "dp": 1, "cp": 2, "tp": 2}, 4, 4, cp=2, tp=2) == [0, 1, 2, 3]
+    assert sources({"pp": 1, "dp": 2, "tp": 1}, 2, 4, cp=2) == [0, 0, 1, 1]  # saved without cp: its replica's

@@ -21,6 +21,19 @@ def test_every_rank_of_a_three_dimensional_layout_has_one_place():
     assert all(c["dp_replicate"] == c["dp"] and c["dp_shard"] == 0 and c["cp"] == 0 for c in places)
 
 
+def test_context_parallel_ranks_sit_between_the_data_parallel_and_tensor_parallel_ones():
+    """dp2 x cp2 x tp2 on 8 ranks: the tensor-parallel ranks are neighbours, then the context-parallel ones; gradients
+    and losses are averaged over the dp x cp ranks of a tensor-parallel rank (``dp_cp``), data is read per dp."""
+    dims = ParallelDims(dp_replicate=2, cp=2, tp=2)
+    places = [dims.coordinate(r) for r in range(8)]
+    assert [(c["dp"], c["cp"], c["tp"]) for c in places] == [(d, c, t) for d in (0, 1) for c in (0, 1) for t in (0, 1)]
+    assert [c["dp_cp"] for c in places] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert (dims.grad_ranks, dims.grad_dim, dims.flattened()["dp_cp"]) == (4, "dp_cp", ("dp_replicate", "dp_shard",
+                                                                                          "cp"))
+    assert dims.describe() == "2 data-parallel x 2 context-parallel x 2 tensor-parallel ranks"
+    assert (ParallelDims(dp_replicate=2).grad_dim, ParallelDims(cp=2).needs_mesh) == ("dp", True)
+
+
 def test_expert_parallel_ranks_are_neighbours_within_the_replicas():
     """dp4 with ep2: ranks 0,1 and 2,3 exchange tokens (ep); 0,2 and 1,3 hold the same experts (edp)."""
     dims = ParallelDims(dp_replicate=4, ep=2)
@@ -72,7 +85,7 @@ def test_the_mesh_on_one_rank_has_every_dimension_and_the_flattened_dp(one_rank_
     assert counted_here(torch.zeros(2), mesh)
 
 
-def test_parallelize_refuses_a_layout_without_its_mesh_and_context_parallel():
+def test_parallelize_refuses_a_layout_without_its_mesh():
     from graphstep.parallel.parallelize import parallelize
     from graphstep.validation import resolve_cuda_graph_settings
     from helpers.runs import tiny_config
@@ -81,5 +94,5 @@ def test_parallelize_refuses_a_layout_without_its_mesh_and_context_parallel():
     settings = resolve_cuda_graph_settings(cfg)
     with pytest.raises(RuntimeError, match="needs a device mesh"):
         parallelize(model, ParallelDims(tp=2), None, cfg, param_dtype=torch.float32, settings=settings)
-    with pytest.raises(RuntimeError, match="rule R30 refuses"):
-        parallelize(model, ParallelDims(cp=2), object(), cfg, param_dtype=torch.float32, settings=settings)
+    with pytest.raises(RuntimeError, match="needs a device mesh"):
+        parallelize(model, ParallelDims(cp=2), None, cfg, param_dtype=torch.float32, settings=settings)

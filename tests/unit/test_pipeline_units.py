@@ -107,9 +107,9 @@ def _rules(*overrides: str, world: int = 2) -> list:
       "model.cuda_graph_warmup_steps=1"], 2, "R29", "shape inference"),
     (["model.pipeline_model_parallel_size=2", "model.cuda_graph_retain_backward_graph=true"], 2, "R29",
      "retain_graph"),
-    (["model.context_parallel_size=2"], 2, "R30", "ring attention"),
     (["model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2", "model.num_moe_experts=4",
       "model.moe_ffn_hidden_size=64", "model.moe_router_topk=2"], 4, "R29", "token shares"),
+    (["model.pipeline_model_parallel_size=2", "model.context_parallel_size=2"], 4, "R30", "pipeline stages"),
 ])
 def test_pipeline_rules_refuse_with_the_reason(overrides, world, rule, words):
     found = _rules(*overrides, world=world)

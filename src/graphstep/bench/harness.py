@@ -174,7 +174,7 @@ def make_workload(cfg: Config, device: torch.device, n_steps: int = 4, *,
     elif ParallelDims.from_config(cfg, 1).needs_mesh:  # FSDP2 on one GPU: the trainer's one-rank group and mesh
         dp = init_data_parallel(cfg, settings, env={})
     run = build_run(cfg, RunOptions(device, dp=dp, settings=settings, compile_mode=compile_mode))
-    rank = dict(dp_rank=dp.dp_rank, dp_size=dp.dp_size) if dp is not None else {}
+    rank = dp.data_shard() if dp is not None else {}
     it = build_data(cfg, split="train", pin_memory=device.type == "cuda", **rank)
     batches = [next(it) for _ in range(n_steps * run.num_micro_batches)]
     return Workload(run, batches, dp)

@@ -181,9 +181,12 @@ def get_rng_tracker() -> RNGTracker:
     return _TRACKER
 
 
-def _seed_streams(tracker: RNGTracker, seed: int, tp_rank: int = 0, ep_rank: int = 0) -> None:
-    tracker.add(DATA_PARALLEL_RNG, seed)
-    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+CP_SEED_OFFSET = 10007  # between context-parallel ranks' streams: above every other offset of a seed
+
+
+def _seed_streams(tracker: RNGTracker, seed: int, tp_rank: int = 0, ep_rank: int = 0, cp_rank: int = 0) -> None:
+    tracker.add(DATA_PARALLEL_RNG, seed + CP_SEED_OFFSET * cp_rank)
+    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank + CP_SEED_OFFSET * cp_rank)
     tracker.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * ep_rank + tp_rank)
 
 
@@ -195,13 +198,17 @@ def initialize_rng_tracker(
     pp_rank: int = 0,
     dp_rank: int = 0,
     tp_rank: int = 0,
+    cp_rank: int = 0,
     data_parallel_random_init: bool = False,
 ) -> RNGTracker:
     """Seed Python, torch and the tracker as Megatron's ``_set_random_seed`` does.
 
     The data-parallel stream is the same on every tensor-parallel rank of a
     replica (they hold the same activations); the model-parallel stream
-    differs per tensor-parallel rank (``seed + 2718 + tp_rank``).
+    differs per tensor-parallel rank (``seed + 2718 + tp_rank``). Context-parallel
+    ranks hold other tokens of the same sequences, so both streams are offset by
+    ``CP_SEED_OFFSET x cp_rank`` (Megatron keeps them equal, which drops the same
+    positions of every rank's chunks); ``cp_rank`` 0 is seeded as without it.
     """
     global _TRACKER
     seed = seed + 100 * pp_rank
@@ -210,6 +217,6 @@ def initialize_rng_tracker(
     random.seed(seed)
     torch.manual_seed(seed)
     tracker = RNGTracker(device, graph_safe=graph_safe)
-    _seed_streams(tracker, seed, tp_rank=tp_rank)
+    _seed_streams(tracker, seed, tp_rank=tp_rank, cp_rank=cp_rank)
     _TRACKER = tracker
     return tracker

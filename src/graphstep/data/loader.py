@@ -23,7 +23,9 @@ positions starting at ``b * global_batch_size``. Data-parallel rank ``r``
 takes its contiguous slice of ``micro_batch_size * num_micro_batches``
 positions, cut into ``num_micro_batches`` micro-batches, so one rank with four
 micro-batches sees exactly the samples that two ranks with two micro-batches
-each see together.
+each see together. The context-parallel ranks of a data-parallel rank
+(``cp_rank`` / ``cp_size``) read its samples too, each keeping its chunks of
+every sequence (:mod:`graphstep.data.context_parallel`).
 
 State. ``state_dict()`` holds ``consumed_samples`` (global samples of the
 completed global batches, all ranks together, as Megatron counts them), the
@@ -58,6 +60,7 @@ import numpy as np
 import torch
 
 from graphstep.config import Config, ConfigError
+from graphstep.data.context_parallel import context_parallel_shard
 from graphstep.data.buckets import parse_buckets, pick_bucket
 from graphstep.data.corpus import DEFAULT_MAX_BYTES, SPLIT_NAMES, load_corpus, split_documents
 from graphstep.data.mock import MockSamples
@@ -151,6 +154,8 @@ class MicroBatchIterator:
         global_batch_size: int,
         dp_rank: int = 0,
         dp_size: int = 1,
+        cp_rank: int = 0,
+        cp_size: int = 1,
         identity: dict[str, Any] | None = None,
         pin_memory: bool = False,
         width: int | None = None,
@@ -162,6 +167,7 @@ class MicroBatchIterator:
         self.global_batch_size = global_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.num_micro_batches = global_batch_size // (micro_batch_size * dp_size)
         self.identity = dict(identity or {})
         self.pin_memory = pin_memory and torch.cuda.is_available()
@@ -226,6 +232,7 @@ class MicroBatchIterator:
                 "labels": window[:, 1:].contiguous(),
                 "loss_mask": torch.ones(window.shape[0], window.shape[1] - 1, dtype=torch.float32),
             }
+        batch = context_parallel_shard(batch, self.cp_rank, self.cp_size)
         if self.pin_memory:
             batch = {k: v.pin_memory() for k, v in batch.items()}
         return batch
@@ -325,9 +332,11 @@ def build_source(cfg: Config, split: str) -> SampleSource:
 
 
 def build_data(
-    cfg: Config, *, split: str = "train", dp_rank: int = 0, dp_size: int = 1, pin_memory: bool = False
+    cfg: Config, *, split: str = "train", dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1,
+    pin_memory: bool = False,
 ) -> MicroBatchIterator:
-    """This rank's micro-batch iterator over ``split`` of the configured dataset.
+    """This rank's micro-batch iterator over ``split`` of the configured dataset (``cp_rank`` of ``cp_size``
+    context-parallel ranks: this rank's chunks of each sequence).
 
     Training data is shuffled per epoch by ``rng.seed``; validation and test
     data are read in order.
@@ -354,6 +363,8 @@ def build_data(
         global_batch_size=cfg.train.global_batch_size,
         dp_rank=dp_rank,
         dp_size=dp_size,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
         identity=identity,
         pin_memory=pin_memory,
         width=width,

@@ -24,6 +24,12 @@ device and into tensors of fixed address that every layer's attention reads
 (so per-layer graphs replay with the current micro-batch's documents); the
 attention passes the mask to ``scaled_dot_product_attention`` and RoPE reads
 the positions, which restart at 0 in every document.
+
+Context parallel (parallel/context_parallel.py) sets ``context`` on the model
+and its attentions: each rank then holds chunks of every sequence, RoPE reads
+their positions, the attention gathers every rank's keys and values under a
+causal mask of those positions, and the loss is the rank's share of the
+sequences' mean.
 """
 
 from __future__ import annotations
@@ -225,6 +231,7 @@ class Attention(nn.Module):
             self.k_layernorm = RMSNorm(self.head_dim, s.eps)
         self.rotary = Rotary(self.head_dim, s.seq_length, s.rotary_base)
         self.packed: PackedRows | None = None  # set by GPTModel: the documents of packed rows
+        self.context = None  # parallel/context_parallel.py: this rank's chunks of every sequence
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -255,7 +262,11 @@ class Attention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         packed = self.packed if self.packed is not None and self.packed.active else None
         positions, mask = (packed.positions, packed.mask) if packed is not None else (None, None)
+        if self.context is not None:  # context parallel (R41: never with packed rows)
+            positions, mask = self.context.positions(t, q.device), self.context.mask(t, q.device, q.dtype)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if self.context is not None:  # the keys and values of the whole sequences, rotated where they were held
+            k, v = self.context.gather_kv(k, v)
         if self.s.recompute_core_attn and self.training:
             # Recompute without RNG replay: rule R15 forbids attention dropout here.
             out = checkpoint(self.core_attention, q, k, v, mask, use_reentrant=False, preserve_rng_state=False)
@@ -373,6 +384,7 @@ class GPTModel(nn.Module):
         self.output_layer = None if s.tie_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.hidden_placement: Placement = Replicate()  # Shard(1) under sequence parallelism
         self.packed = PackedRows()
+        self.context = None  # parallel/context_parallel.py: the loss over sequences split between ranks
         for module in self.modules():
             if isinstance(module, Attention):
                 module.packed = self.packed
@@ -434,6 +446,8 @@ class GPTModel(nn.Module):
         logits = self.logits(tokens, cu_seqlens)
         if labels is None:
             return logits
+        if self.context is not None:
+            return self.context.loss(logits, labels, loss_mask)
         return token_loss(logits, labels, loss_mask)
 
 

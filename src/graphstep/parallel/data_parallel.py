@@ -195,9 +195,11 @@ class OverlappedGradReducer(GradReducer):
 
 def grad_reducer(grads: Any, ddp: DDPConfig, dims: ParallelDims, mesh: WorldMesh | None,
                  backend: str | None) -> GradReducer | ExpertParallelReducer | TokenShareReducer | None:
-    """The reduction of ``grads`` (the trainer's GradBuffers) over the data-parallel replicas of ``dims`` -- None
-    with one replica, or with FSDP2, which reduce-scatters in the backward -- and, under tensor parallel, of the
-    MoE blocks' gradients over the tensor-parallel ranks."""
+    """The reduction of ``grads`` (the trainer's GradBuffers) over the data-parallel replicas of ``dims`` and
+    their context-parallel ranks (Megatron reduces over dp x cp: each context-parallel rank's gradient is its
+    tokens' share, parallel/context_parallel.py) -- None with one such rank, or with FSDP2, which
+    reduce-scatters in the backward -- and, under tensor parallel, of the MoE blocks' gradients over the
+    tensor-parallel ranks."""
     reducer = _replica_reducer(grads, ddp, dims, mesh, backend)
     shares = grads.flat[grads.token_shares]
     if dims.tp > 1 and shares.numel():  # R27: not with FSDP2, which would hold these gradients as shards
@@ -207,22 +209,30 @@ def grad_reducer(grads: Any, ddp: DDPConfig, dims: ParallelDims, mesh: WorldMesh
 
 def _replica_reducer(grads: Any, ddp: DDPConfig, dims: ParallelDims, mesh: WorldMesh | None,
                      backend: str | None) -> GradReducer | ExpertParallelReducer | None:
-    if dims.dp <= 1 or dims.fsdp is not None:
+    if dims.grad_ranks <= 1 or dims.fsdp is not None:
         return None
+    ranks = dims.grad_ranks
     kwargs = dict(bucket_size=ddp.bucket_size, average_in_collective=ddp.average_in_collective, backend=backend,
-                  group=dp_group(dims, mesh))
-    if dims.ep > 1:
+                  group=grad_group(dims, mesh))
+    if dims.ep > 1:  # R30: not with context parallel
         # the ranks holding the same experts: the edp ranks, and the tensor-parallel ranks, which ran the experts on
         # their own share of the tokens (parallel/dims.py, expert_dp)
         holders = EXPERT_DP if dims.tp > 1 else EDP
         edp = mesh.group(holders) if dims.dp // dims.ep * dims.tp > 1 else None
         return ExpertParallelReducer(grads, dims.dp, edp, **kwargs)
     if ddp.overlap_grad_reduce:
-        return OverlappedGradReducer(grads, dims.dp, **kwargs)
-    return GradReducer(grads.flat, dims.dp, **kwargs)
+        return OverlappedGradReducer(grads, ranks, **kwargs)
+    return GradReducer(grads.flat, ranks, **kwargs)
 
 
 def dp_group(dims: ParallelDims, mesh: WorldMesh | None) -> Any:
     """The data-parallel ranks of this rank's stage and tensor-parallel rank: the mesh's ``dp`` group, or None
     (the default group) when they are the whole world."""
     return mesh.group(DP) if mesh is not None and dims.dp < dims.ranks else None
+
+
+def grad_group(dims: ParallelDims, mesh: WorldMesh | None) -> Any:
+    """The data-parallel and context-parallel ranks of this rank's stage and tensor-parallel rank, over which
+    gradients and losses are averaged: the mesh's ``dp_cp`` group (``dp`` with one context-parallel rank), or
+    None (the default group) when they are the whole world."""
+    return mesh.group(dims.grad_dim) if mesh is not None and dims.grad_ranks < dims.ranks else None

@@ -30,9 +30,12 @@ them from the rank number. Without a mesh (plain data parallel, or a test
 placing a rank) :meth:`ParallelDims.coordinate` reads the same rank grid the
 mesh would be built on.
 
-Context parallel is a dimension of the layout and of the mesh, of size 1:
-rule R30 refuses ``model.context_parallel_size`` > 1 and :func:`parallelize`
-has no step for it yet.
+Context-parallel ranks (parallel/context_parallel.py) hold other tokens of
+the same samples: they read the data of their data-parallel rank, and their
+gradients and losses are averaged with the data-parallel ranks' -- over the
+flattened ``dp_cp`` view of ``(dp_replicate, dp_shard, cp)``, Megatron's
+data-parallel-with-context-parallel group, which FSDP2 also shards over.
+With one context-parallel rank that group is ``dp`` (:meth:`ParallelDims.grad_dim`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ PP, DP_REPLICATE, DP_SHARD, CP, TP = "pp", "dp_replicate", "dp_shard", "cp", "tp
 EDP, EP = "edp", "ep"  # expert parallel: the data-parallel ranks as (expert-data-parallel, expert-parallel) ranks
 DP = "dp"  # every data-parallel rank, replicated or sharded: a flattened view
 EXPERT_DP = "expert_dp"  # expert x tensor parallel: every rank holding the same experts, (edp, tp): a flattened view
+DP_CP = "dp_cp"  # the data-parallel and context-parallel ranks: gradients and losses are averaged over them
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ class ParallelDims:
     pp: int = 1  # pipeline stages (parallel/pipeline.py)
     dp_replicate: int = 1  # data-parallel replicas: gradients all-reduced (parallel/data_parallel.py)
     dp_shard: int = 1  # FSDP2-sharded data-parallel ranks (parallel/fsdp.py)
-    cp: int = 1  # context-parallel ranks: 1 (R30)
+    cp: int = 1  # context-parallel ranks (parallel/context_parallel.py; R30)
     tp: int = 1  # tensor-parallel ranks (parallel/tensor_parallel.py)
     ep: int = 1  # expert-parallel ranks among the data-parallel ones (parallel/expert_parallel.py)
     sequence_parallel: bool = False
@@ -109,6 +113,16 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def grad_ranks(self) -> int:
+        """The ranks every gradient and loss is averaged over: data-parallel x context-parallel."""
+        return self.dp * self.cp
+
+    @property
+    def grad_dim(self) -> str:
+        """The mesh view of :attr:`grad_ranks`: ``dp_cp``, or ``dp`` itself with one context-parallel rank."""
+        return DP_CP if self.cp > 1 else DP
+
+    @property
     def ranks(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
@@ -145,7 +159,11 @@ class ParallelDims:
     def flattened(self) -> dict[str, tuple[str, ...]]:
         """The mesh's one-dimensional views over several of its dimensions: name -> the dimensions it spans."""
         if self.ep == 1:
-            return {DP: (DP_REPLICATE, DP_SHARD)}
+            views = {DP: (DP_REPLICATE, DP_SHARD)}
+            if self.cp > 1:
+                views[DP_CP] = (DP_REPLICATE, DP_SHARD, CP)
+            return views
+        # expert parallel (R30: never with context parallel)
         if self.fsdp:
             views = {DP: (DP_REPLICATE, EDP, EP), DP_SHARD: (EDP, EP)}
         else:

@@ -19,7 +19,8 @@ from torch import nn
 from ..config import Config
 from ..cuda_graph.settings import CudaGraphSettings
 from .compile import apply_compile, compile_mode_of
-from .dims import DP, EDP, EP, TP, ParallelDims, WorldMesh
+from .context_parallel import apply_context_parallel
+from .dims import CP, EDP, EP, TP, ParallelDims, WorldMesh
 from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_fsdp
 from .tensor_parallel import apply_tensor_parallel
@@ -32,19 +33,20 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     ``model``, or its compiled wrapper.
 
     The rules (validation/parallel_rules.py, R25-R31) admit only the combinations that work today: expert parallel
-    with tensor parallel or FSDP2 (not both), compile with neither tensor parallel nor FSDP2.
+    with tensor parallel or FSDP2 (not both), context parallel never with expert parallel, compile with none of
+    tensor parallel, context parallel and FSDP2.
     """
     if mesh is None and dims.needs_mesh:
         raise RuntimeError(f"the layout {dims.describe()} needs a device mesh (parallel/dims.py build_mesh)")
-    if dims.cp > 1:
-        raise RuntimeError(f"context parallel ({dims.cp} ranks) is not implemented: rule R30 refuses "
-                           "model.context_parallel_size > 1")
     # The order, and why:
     # 1. Tensor (and sequence) parallel first: it rewrites the projections into DTensors sharded over tp and the
     #    attention's head counts, so every later step sees the model as each rank runs it.
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh[TP], sequence_parallel=dims.sequence_parallel)
-    # 2. Context parallel (not yet, R30) would come next: it splits the sequence the tensor-parallel attention sees.
+    # 2. Context parallel next: the attention of each rank, with the heads tensor parallel left it, gathers the
+    #    keys and values of the other context-parallel ranks' chunks, and the loss counts the whole sequences.
+    if dims.cp > 1:
+        apply_context_parallel(model, mesh[CP])
     # 3. Expert parallel: each rank keeps its experts, sharded over ep (after tensor parallel, as Megatron's expert
     #    tensor parallel would shard the experts it keeps).
     if dims.ep > 1:
@@ -61,8 +63,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     #    data-parallel ranks (a tensor-parallel one into a (dp, tp) DTensor). Replicated data parallel has no
     #    step here: the training step all-reduces the flat gradient buffer (parallel/data_parallel.py), which
     #    exists only once the parameters are final.
-    #    Expert-parallel experts are sharded over the edp ranks only (the other ranks hold other experts).
+    #    Expert-parallel experts are sharded over the edp ranks only (the other ranks hold other experts); the
+    #    other parameters over the data-parallel and context-parallel ranks (dp_cp; dp with one cp rank).
     if dims.fsdp is not None:
-        apply_fsdp(model, mesh[DP], dims.fsdp, param_dtype, prefetch=dims.prefetch,
+        apply_fsdp(model, mesh[dims.grad_dim], dims.fsdp, param_dtype, prefetch=dims.prefetch,
                    experts_mesh=mesh[EDP] if dims.ep > 1 else None)
     return step_model

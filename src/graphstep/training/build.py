@@ -137,11 +137,12 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     #    so steps 2-3 see only the adapters as trainable. A pipeline stage keeps its own layers.
     dtype = resolve_dtype(cfg.model.params_dtype, device)
     model = _build_model(cfg, device, dp, dtype)
-    # 2. The layout's engines, in parallelize's order (parallel/parallelize.py: tensor parallel, expert parallel,
-    #    compile, FSDP2): they turn parameters into DTensors (FSDP2: fp32 shards), so they come before anything
-    #    holds on to a parameter. torch.compile (compile.enable, or the bench's compile_mode) is one of them and
-    #    comes before the layer graphs (step 5): it compiles the graphed modules' forwards, which the engine then
-    #    keeps as the modules' own and patches over (parallel/compile.py). step_model is what the steps call.
+    # 2. The layout's engines, in parallelize's order (parallel/parallelize.py: tensor parallel, context parallel,
+    #    expert parallel, compile, FSDP2): they turn parameters into DTensors (FSDP2: fp32 shards), so they come
+    #    before anything holds on to a parameter. torch.compile (compile.enable, or the bench's compile_mode) is
+    #    one of them and comes before the layer graphs (step 5): it compiles the graphed modules' forwards, which
+    #    the engine then keeps as the modules' own and patches over (parallel/compile.py). step_model is what the
+    #    steps call.
     compile_mode = compile_mode_of(cfg, options.compile_mode)
     step_model = parallelize(model, dp.layout, dp.mesh, cfg, param_dtype=dtype, settings=settings,
                              compile_mode=compile_mode)
@@ -208,7 +209,7 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
 def _build_model(cfg: Config, device: torch.device, dp: DataParallel, dtype: torch.dtype) -> nn.Module:
     def seed_tracker(pp_rank: int) -> None:
         initialize_rng_tracker(cfg.rng.seed, device, graph_safe=cfg.model.use_te_rng_tracker, pp_rank=pp_rank,
-                               dp_rank=dp.dp_rank, tp_rank=dp.tp_rank,
+                               dp_rank=dp.dp_rank, tp_rank=dp.tp_rank, cp_rank=dp.cp_rank,
                                data_parallel_random_init=cfg.rng.data_parallel_random_init)
 
     seed_tracker(0)  # every stage builds the whole model from the same seed, then keeps its own layers

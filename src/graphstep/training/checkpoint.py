@@ -297,21 +297,25 @@ class TrainingState:
 
 
 def _layout(dp: DataParallel) -> dict[str, int]:
-    return {"pp": dp.layout.pp, "dp": dp.dp_size, "tp": dp.layout.tp}
+    return {"pp": dp.layout.pp, "dp": dp.dp_size, "cp": dp.layout.cp, "tp": dp.layout.tp}
 
 
 def rng_source_rank(saved: dict[str, int] | None, saved_world: int, dp: DataParallel) -> int | None:
     """The saved rank whose RNG streams this rank continues (None: keep this run's seeded streams).
 
     ``saved``: the checkpoint's ``meta.layout`` (None in a checkpoint saved before it was recorded: the own rank
-    at the same world size, else rank 0, as those checkpoints were loaded). Ranks are in (pp, dp, tp) order.
+    at the same world size, else rank 0, as those checkpoints were loaded). Ranks are in (pp, dp, cp, tp) order
+    (``cp`` 1 in a checkpoint saved before it was recorded); a context-parallel rank the checkpoint did not have
+    continues rank 0's streams of its other dimensions.
     """
     if saved is None:
         return dp.rank if saved_world == dp.world_size else 0
     if dp.pp_rank >= saved["pp"] or dp.tp_rank >= saved["tp"]:
         return None
     replica = dp.dp_rank if dp.dp_rank < saved["dp"] else 0
-    return (dp.pp_rank * saved["dp"] + replica) * saved["tp"] + dp.tp_rank
+    cp = saved.get("cp", 1)
+    cp_rank = dp.cp_rank if dp.cp_rank < cp else 0
+    return ((dp.pp_rank * saved["dp"] + replica) * cp + cp_rank) * saved["tp"] + dp.tp_rank
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -482,19 +486,22 @@ def _has_key(path: Path, prefix: str) -> bool:
 
 
 def _saved_meta(path: Path, dp: DataParallel) -> tuple[int, dict[str, int] | None]:
-    """The checkpoint's world size and layout (None where it was saved without one)."""
+    """The checkpoint's world size and layout (None where it was saved without one; ``cp`` 1 where it was saved
+    before context parallel was recorded)."""
     box: dict[str, Any] = {"meta": {"world_size": 0}}
     if _has_key(path, "meta.layout."):
-        box["meta"]["layout"] = {"pp": 0, "dp": 0, "tp": 0}
+        box["meta"]["layout"] = {"pp": 0, "dp": 0, "tp": 0, **({"cp": 0} if _has_key(path, "meta.layout.cp") else {})}
     _dcp_load(box, path, dp)
     layout = box["meta"].get("layout")
-    return int(box["meta"]["world_size"]), ({k: int(v) for k, v in layout.items()} if layout is not None else None)
+    return int(box["meta"]["world_size"]), ({"cp": 1, **{k: int(v) for k, v in layout.items()}}
+                                            if layout is not None else None)
 
 
 def _describe(layout: dict[str, int] | None, world: int) -> str:
     if layout is None:
         return f"{world} rank(s)"
-    return f"{world} rank(s) (pp{layout['pp']} x dp{layout['dp']} x tp{layout['tp']})"
+    cp = f" x cp{layout['cp']}" if layout.get("cp", 1) > 1 else ""
+    return f"{world} rank(s) (pp{layout['pp']} x dp{layout['dp']}{cp} x tp{layout['tp']})"
 
 
 # The model fields that decide parameter names and shapes (a checkpoint of another value does not fit).

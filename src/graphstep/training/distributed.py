@@ -53,8 +53,8 @@ from torch import nn
 from ..config import Config
 from ..cuda_graph.devices import normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
-from ..parallel.data_parallel import dp_group
-from ..parallel.dims import DP, PP, TP, ParallelDims, WorldMesh, build_mesh
+from ..parallel.data_parallel import dp_group, grad_group
+from ..parallel.dims import CP, DP, PP, TP, ParallelDims, WorldMesh, build_mesh
 from .rundir import RunSetupError
 
 log = logging.getLogger("graphstep")
@@ -103,6 +103,19 @@ class DataParallel:
         return self._index(TP)
 
     @property
+    def cp_rank(self) -> int:
+        return self._index(CP)
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    def data_shard(self) -> dict[str, int]:
+        """Which data this rank reads (data/loader.py ``build_data``): its data-parallel rank's samples and, with
+        context parallel, its chunks of their sequences."""
+        return dict(dp_rank=self.dp_rank, dp_size=self.dp_size, cp_rank=self.cp_rank, cp_size=self.cp_size)
+
+    @property
     def pp_rank(self) -> int:
         return self._index(PP)
 
@@ -118,12 +131,14 @@ class DataParallel:
 
     # ---- loss reduction (the gradients': parallel/data_parallel.py) ---------------
     def loss_reducer(self) -> Callable[[torch.Tensor], None] | None:
-        return self.mean_ if self.dp_size > 1 else None  # tensor-parallel ranks compute the same loss
+        # tensor-parallel ranks compute the same loss; context-parallel ranks their share (parallel/context_parallel.py)
+        return self.mean_ if self.layout.grad_ranks > 1 else None
 
     def mean_(self, t: torch.Tensor) -> None:
-        """Average ``t`` over data-parallel replicas in place: a device all-reduce, capturable, no host read."""
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
-        t.div_(self.dp_size)
+        """Average ``t`` over data-parallel replicas (and context-parallel ranks) in place, as the gradients are:
+        a device all-reduce, capturable, no host read."""
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=grad_group(self.layout, self.mesh))
+        t.div_(self.layout.grad_ranks)
 
     def broadcast_parameters(self, model: nn.Module) -> None:
         """Rank 0's parameters and buffers everywhere (Megatron does this with data_parallel_random_init)."""

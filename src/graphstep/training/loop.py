@@ -211,8 +211,8 @@ def _run(cfg: Config, settings: CudaGraphSettings, dp: DataParallel, keep_model:
 def _build_data(cfg: Config, dp: DataParallel, device: torch.device) -> tuple[Any, Any]:
     """This rank's training data, and its validation data when the run evaluates."""
     pin = device.type == "cuda"
-    data = build_data(cfg, split="train", dp_rank=dp.dp_rank, dp_size=dp.dp_size, pin_memory=pin)
-    valid = (build_data(cfg, split="valid", dp_rank=dp.dp_rank, dp_size=dp.dp_size, pin_memory=pin)
+    data = build_data(cfg, split="train", pin_memory=pin, **dp.data_shard())
+    valid = (build_data(cfg, split="valid", pin_memory=pin, **dp.data_shard())
              if cfg.train.eval_iters > 0 else None)
     return data, valid
 

@@ -3,12 +3,13 @@
 ``estimate_memory(cfg, device, layout)`` counts the parameters exactly by
 building the model on PyTorch's ``meta`` device (shapes only, no storage),
 then adds what one rank of the run's layout (parallel/dims.py: ``dp``
-data-parallel x ``tp`` tensor-parallel ranks, FSDP2 or not) keeps per
+data-parallel x ``cp`` context-parallel x ``tp`` tensor-parallel ranks, FSDP2
+or not) keeps per
 parameter and what one micro-batch keeps for its backward. ``layout=None``
 is one unsharded replica. With ``P`` parameters, ``B`` buffer elements and
 ``e`` bytes per element of the parameter dtype (2 for bf16, 4 for fp32)::
 
-                 replicated data parallel          FSDP2 (p = P / (tp * dp))
+                 replicated data parallel          FSDP2 (p = P / (tp * dp * cp))
     weights      P/tp * e  +  B * e                p * 4  +  G * e  +  B * e
     gradients    P/tp * 4                          p * 4
     optimizer    P/tp * 8  (+ P/tp * 4)            p * 8
@@ -47,6 +48,10 @@ residual-stream terms ``r`` and inner terms ``i``, ``r + i/tp`` on a rank
     moe    r = e * 2h + 4 * E    i = e * k * (h + 4f_e)   router logits | top-k routed copies through the experts
     mamba  r = e * 2h            i = e * 8h + 4 * heads * chunk   in_proj, conv, gate (d_inner = 2h), SSD chunks
     logits V * (e + 8)           logits, fp32 log-softmax and its gradient: gathered whole on every rank
+
+With ``cp`` context-parallel ranks a rank holds ``s / cp`` tokens of each
+sequence, and each attention layer also keeps the all-gathered keys and
+values of the whole sequence, ``e * 2kv * s / tp`` per sample.
 
 With ``model.recompute_granularity=full`` each recomputed run of layers
 (``recompute_method``: runs of ``recompute_num_layers`` layers, or the first
@@ -205,7 +210,7 @@ def static_bytes(counts: ParameterCounts, e: int, layout: ParallelDims) -> tuple
         trained = local if counts.trainable is None else _split(counts.trainable, tp)  # frozen: no state
         master = 0 if e == 4 else trained * 4  # fp32 weights serve as their own master copy
         return local * e + buffers, trained * 4, trained * 8 + master
-    shard = _split(counts.parameters, tp * layout.dp)
+    shard = _split(counts.parameters, tp * layout.grad_ranks)  # FSDP2 shards over dp x cp (parallel/dims.py)
     gathered = min(2 * counts.largest_layer + counts.root, counts.parameters) if layout.fsdp == ZERO3 \
         else counts.parameters
     return shard * 4 + _split(gathered, tp) * e + buffers, shard * 4, shard * 8
@@ -226,7 +231,12 @@ def activation_bytes_per_sample(cfg: Config, e: int, device: torch.device, layou
     runs = recompute_runs(len(layers), full)
     per_token = sum(on_rank(e * m.hidden_size, 0) if recomputed else sum(layers[a:b]) for a, b, recomputed in runs)
     per_token += max((sum(layers[a:b]) for a, b, recomputed in runs if recomputed), default=0)
-    return m.seq_length * (per_token + m.vocab_size * (e + 8))
+    tokens = _split(m.seq_length, layout.cp)  # context parallel: this rank's chunks of each sequence
+    gathered = 0
+    if layout.cp > 1:  # each attention keeps the whole sequence's keys and values (all-gathered) for its backward
+        kv = (m.num_query_groups or m.num_attention_heads) * (m.kv_channels or m.hidden_size // m.num_attention_heads)
+        gathered = sum("attn" in kinds for kinds in layer_kinds(m)) * _split(e * 2 * kv * m.seq_length, tp)
+    return tokens * (per_token + m.vocab_size * (e + 8)) + gathered
 
 
 def _block_terms(cfg: Config, e: int, device: torch.device) -> dict[str, tuple[int, int]]:

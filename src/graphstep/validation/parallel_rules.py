@@ -27,7 +27,11 @@ parallel/; these rules say which configurations it takes:
   per-layer graphs with virtual stages) is refused;
 * R29 -- what pipeline parallelism does not combine with yet (tensor
   parallelism, FSDP2, MoE and hybrid models, ...);
-* R30 -- context parallelism is not implemented;
+* R30 -- context parallel: the layout fits the world and the sequence (2 x cp
+  equal chunks, and each rank's share divides over sequence-parallel ranks),
+  the communication type is the one graphstep implements (``all_gather``), and
+  what it does not combine with yet (pipeline stages, MoE and hybrid models,
+  expert parallel, sequence-length buckets, compile) is refused;
 * R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
   divide over the expert-parallel ranks, dispatched the ways graphstep
   implements (``allgather``: all-gather, dropless and sync-free; ``alltoall``:
@@ -72,8 +76,15 @@ def pipeline_parallel_size(cfg: Config) -> int:
     return pp if pp is not None and pp >= 1 else 1
 
 
+def context_parallel_size(cfg: Config) -> int:
+    cp = _int(cfg.model.context_parallel_size)
+    return cp if cp is not None and cp >= 1 else 1
+
+
 def data_parallel_size(cfg: Config, world_size: int) -> int:
-    return max(1, max(world_size, 1) // (tensor_parallel_size(cfg) * pipeline_parallel_size(cfg)))
+    """The data-parallel ranks (each reads its own samples): the world over pipeline x context x tensor ranks."""
+    model_parallel = tensor_parallel_size(cfg) * pipeline_parallel_size(cfg) * context_parallel_size(cfg)
+    return max(1, max(world_size, 1) // model_parallel)
 
 
 def _r25(v: View) -> list[Violation]:
@@ -362,14 +373,78 @@ def _r29(v: View) -> list[Violation]:
     return out
 
 
+CP_COMM_TYPES = ("all_gather", "p2p", "a2a", "a2a+p2p")  # Megatron Core's; graphstep implements all_gather
+
+
 def _r30(v: View) -> list[Violation]:
-    cp = v.cfg.model.context_parallel_size
-    if _int(cp) == 1:
+    cfg, m = v.cfg, v.cfg.model
+    cp = _int(m.context_parallel_size)
+    if cp is None or cp < 1:
+        return [_v("R30", ["model.context_parallel_size"], f"model.context_parallel_size={_fmt(cp)} is not a "
+                   "positive number of ranks.", "set model.context_parallel_size=1 or more.")]
+    out = _cp_comm_type_violations(m, cp)
+    if cp == 1:
+        return out
+    field = "model.context_parallel_size"
+
+    def refuse(fields: list[str], why: str, fix: str) -> None:
+        out.append(_v("R30", [*fields, field], f"model.context_parallel_size={cp}: {why}", fix))
+
+    tp, world = tensor_parallel_size(cfg), max(v.world_size, 1)
+    if world % (cp * tp):
+        refuse(["model.tensor_model_parallel_size"] if tp > 1 else [], f"{cp} context-parallel" + (
+            f" x {tp} tensor-parallel" if tp > 1 else "") + f" ranks do not divide the world size {world} "
+            "(torchrun's WORLD_SIZE): the device mesh is data-parallel x context-parallel x tensor-parallel ranks.",
+            f"launch a multiple of {cp * tp} processes.")
+    seq = _int(m.seq_length)
+    if seq is not None and seq % (2 * cp):
+        refuse(["model.seq_length"], f"model.seq_length={seq} does not cut into 2 x {cp} equal chunks (each rank "
+               f"holds chunk r and its mirror 2 x {cp} - 1 - r, which balances causal attention).",
+               f"set model.seq_length to a multiple of {2 * cp}.")
+    elif seq is not None and m.sequence_parallel is True and (seq // cp) % tp:
+        refuse(["model.seq_length", "model.sequence_parallel"], f"each rank's {seq // cp} tokens of "
+               f"model.seq_length={seq} do not divide over {tp} sequence-parallel ranks.",
+               f"set model.seq_length to a multiple of {2 * cp * tp}.")
+    others = [(pipeline_parallel_size(cfg) > 1, ["model.pipeline_model_parallel_size"], "pipeline stages",
+               "set model.pipeline_model_parallel_size=1 (context parallel over data-parallel, tensor-parallel or "
+               "FSDP2 ranks), or model.context_parallel_size=1."),
+              (m.num_moe_experts is not None, ["model.num_moe_experts"], "an MoE model (its blocks and "
+               "expert-parallel token exchanges are not split by sequence)", "set model.context_parallel_size=1 "
+               "(with model.expert_model_parallel_size to split the MoE model), or use a dense model."),
+              ((_int(m.expert_model_parallel_size) or 1) > 1, ["model.expert_model_parallel_size"], "expert "
+               "parallel", "set model.expert_model_parallel_size=1."),
+              (m.hybrid_override_pattern is not None, ["model.hybrid_override_pattern"], "a hybrid (Mamba) model "
+               "(the Mamba scan runs over the whole sequence)", "set model.context_parallel_size=1 for hybrid "
+               "models."),
+              (cfg.data.seq_length_buckets is not None, ["data.seq_length_buckets"], "data.seq_length_buckets "
+               "(every bucket would need its own chunking)", "set data.seq_length_buckets=null (pad to "
+               "model.seq_length)."),
+              (cfg.compile.enable is True, ["compile.enable"], "compile.enable=true", "set compile.enable=false.")]
+    for on, fields, what, fix in others:
+        if on:
+            refuse(fields, f"context parallel with {what} is not implemented.", fix)
+    return out
+
+
+def _cp_comm_type_violations(m: Any, cp: int) -> list[Violation]:
+    """model.cp_comm_type: one of Megatron's names (a string, or one per layer); all_gather or null with cp > 1."""
+    kinds = m.cp_comm_type if isinstance(m.cp_comm_type, list) else [m.cp_comm_type]
+    names = [_str(k) for k in kinds if k is not None]
+    unknown = [n for n in names if n not in CP_COMM_TYPES]
+    if unknown:
+        return [_v("R30", ["model.cp_comm_type"], f"model.cp_comm_type={_fmt(m.cp_comm_type)} is not a context-"
+                   f"parallel communication type ({', '.join(CP_COMM_TYPES)}).", "set model.cp_comm_type=all_gather "
+                   "(or null).")]
+    other = sorted({n for n in names if n != "all_gather"})
+    if cp == 1 or not other:
         return []
-    return [_v("R30", ["model.context_parallel_size"], f"model.context_parallel_size={_fmt(cp)} is not implemented: "
-               "context parallelism splits each sequence over ranks and needs ring attention (key/value exchange "
-               "between them inside attention), which graphstep's attention does not do.",
-               "set model.context_parallel_size=1; for long sequences use sequence_parallel with tensor parallelism.")]
+    why = {"p2p": "p2p (ring attention: key/value chunks passed around the ring, overlapped with attention)",
+           "a2a": "a2a (Ulysses: heads and sequence exchanged by all-to-all)",
+           "a2a+p2p": "a2a+p2p (hierarchical: all-to-all inside, ring across)"}
+    return [_v("R30", ["model.cp_comm_type", "model.context_parallel_size"], f"model.cp_comm_type="
+               f"{_fmt(m.cp_comm_type)}: {', '.join(why[n] for n in other)} is not implemented; graphstep's context "
+               "parallel all-gathers the keys and values of every rank inside attention.",
+               "set model.cp_comm_type=all_gather (or null, which means all_gather).")]
 
 
 def _r31(v: View) -> list[Violation]:

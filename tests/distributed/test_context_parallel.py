@@ -1,0 +1,174 @@
+"""Context parallel under torchrun: graphed runs equal eager bit for bit, and a context-parallel run computes what
+one process computes with the same global batch.
+
+One torchrun launch of 4 gloo ranks runs every layout of ``LAYOUTS`` (``layouts_worker``), each eagerly and with
+the full-iteration, optimizer and evaluation graphs, some also with per-layer graphs, and, with dropout off, once
+more to compare with one process:
+
+* ``cp2_dp2``: 2 data-parallel replicas x 2 context-parallel ranks (gradients and losses averaged over all 4);
+* ``cp2_tp2_sp``: 2 context-parallel x 2 tensor-parallel ranks with sequence parallel (each rank gathers the
+  key/value heads it holds);
+* ``cp2_fsdp2``: FSDP2 ZeRO-3 over 2 data-parallel x 2 context-parallel ranks (sharded over all 4);
+* ``cp2_dp2_recompute``: full activation recompute (the backward re-runs each layer's all-gather), dropout off
+  (rule R35).
+
+Each rank writes, per run, the per-iteration losses, the evaluation losses and a digest of the parameters it
+holds. On the CPU the graphs run on the replay backend over gloo (the key/value all-gathers, their
+reduce-scatters in the backward and the token-count all-reduces are recorded and re-run); with ``cuda``
+(4 GPUs) they are CUDA graphs over NCCL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.launch import report_runs, torchrun_reports
+from helpers.reports import train_report
+
+pytestmark = [pytest.mark.slow, pytest.mark.ranks4]
+
+ITERS = 6
+COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
+          "train.eval_iters=1", "train.eval_interval=2", "model.use_te_rng_tracker=true"]
+# evaluations at 2, 4, 6: the evaluation graph warms up twice and is captured (and replayed) at 6
+GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+EAGER = ["model.cuda_graph_impl=none"]
+NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+CP2 = ["model.context_parallel_size=2", "model.cp_comm_type=all_gather"]
+LAYOUTS = {
+    "cp2_dp2": CP2,
+    "cp2_tp2_sp": [*CP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
+    "cp2_fsdp2": [*CP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    "cp2_dp2_recompute": [*CP2, "model.recompute_granularity=full", *NO_DROPOUT],
+}
+# per-layer graphs: each attention graph holds its all-gather, its backward graph the reduce-scatter
+PER_LAYER = {"cp2_dp2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+             "cp2_tp2_sp": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"]}
+COMPARED = ("cp2_dp2", "cp2_tp2_sp", "cp2_fsdp2")  # with dropout off, against one process
+
+
+def layouts_worker(out: str, device: str) -> None:
+    """The torchrun worker: every layout eager and graphed, the per-layer graphs, and the dropout-free runs."""
+    from helpers.runs import tiny_config
+    from graphstep.training.loop import train
+
+    runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
+            for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
+    runs.update({f"{name}/layers": [*LAYOUTS[name], *graphs] for name, graphs in PER_LAYER.items()})
+    runs.update({f"{name}/nodrop": [*LAYOUTS[name], *NO_DROPOUT, *EAGER] for name in COMPARED})
+    # a checkpoint at iteration 3 of the graphed cp2_dp2 run, and a run resumed from it (dropout on)
+    save = Path(out) / "cp2_dp2-checkpoints"
+    runs["cp2_dp2/graphed"] += [f"checkpoint.save={save}", "checkpoint.save_interval=3"]
+    runs["cp2_dp2/resumed"] = [*LAYOUTS["cp2_dp2"], *GRAPHED, f"checkpoint.load={save}/iter_0000003"]
+    def run(overrides: list[str]) -> dict:
+        result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
+        return {**train_report(result), "grad_norms": [r["grad_norm"] for r in result.rows]}
+
+    report_runs(Path(out), device, runs, run)
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return torchrun_reports(__file__, "layouts_worker", tmp_path_factory.mktemp("cp"), 4, "cpu", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """The same global batches on one process, dropout off: what every context-parallel layout computes."""
+    from helpers.runs import tiny_config
+    from graphstep.training.loop import train
+
+    return train(tiny_config(*COMMON, *NO_DROPOUT, *EAGER))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_graphed_context_parallel_equals_eager_bit_for_bit(reports, layout):
+    for report in reports:
+        eager, graphed = report[f"{layout}/eager"], report[f"{layout}/graphed"]
+        assert len(eager["losses"]) == ITERS and len(eager["eval"]) == ITERS // 2
+        assert graphed["losses"] == eager["losses"]  # JSON floats: the exact bits
+        assert graphed["eval"] == eager["eval"]
+        assert graphed["shard"] == eager["shard"]
+        assert graphed["graphs"] == 3  # training, optimizer and evaluation graphs all captured
+        assert graphed["states"][1:4] == ["eager", "captured", "replayed"]
+        assert set(eager["states"]) == {"eager"} and eager["losses"][-1] < eager["losses"][0]
+
+
+@pytest.mark.parametrize("layout", list(PER_LAYER))
+def test_per_layer_graphs_over_context_parallel_attention_equal_eager(reports, layout):
+    for report in reports:
+        eager, layers = report[f"{layout}/eager"], report[f"{layout}/layers"]
+        assert layers["losses"] == eager["losses"] and layers["eval"] == eager["eval"]
+        assert layers["shard"] == eager["shard"]
+        assert layers["states"][1:4] == ["eager", "captured", "replayed"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_rank_logs_the_same_losses_and_holds_its_part(reports, layout):
+    """The loss is averaged over every data-parallel and context-parallel rank: all 4 log the same. Context-parallel
+    ranks hold the same parameters (replicated, as data-parallel replicas), tensor-parallel and FSDP2 ranks their
+    own shards."""
+    for mode in ("eager", "graphed"):
+        assert all(r[f"{layout}/{mode}"]["losses"] == reports[0][f"{layout}/{mode}"]["losses"] for r in reports)
+        assert all(r[f"{layout}/{mode}"]["eval"] == reports[0][f"{layout}/{mode}"]["eval"] for r in reports)
+    shards = [r[f"{layout}/eager"]["shard"] for r in reports]
+    if layout == "cp2_tp2_sp":  # ranks 0, 1: the tp ranks of cp rank 0; 2, 3 those of cp rank 1
+        assert shards[0] != shards[1] and shards[0] == shards[2] and shards[1] == shards[3]
+    elif layout == "cp2_fsdp2":  # sharded over dp x cp: four different shards
+        assert len(set(shards)) == 4
+    else:
+        assert len(set(shards)) == 1
+
+
+@pytest.mark.parametrize("layout", COMPARED)
+def test_context_parallel_computes_what_one_process_computes(reports, one_process, layout):
+    """Dropout off, the same global batch and weights: only the order of sums differs (each rank attends over its
+    chunks, and the loss sums the ranks' shares). The gradient norms say the gradients are the same too (Adam's
+    steps hide a wrong gradient's size from the losses of a few iterations: a backward that kept only the rank's
+    own share of the gathered keys' and values' gradients moved the losses by about 2e-5, the norms by far more)."""
+    cp = torch.tensor(reports[0][f"{layout}/nodrop"]["losses"], dtype=torch.float64)
+    one = torch.tensor(one_process.losses, dtype=torch.float64)
+    assert cp.shape == one.shape == (ITERS,)
+    torch.testing.assert_close(cp, one, rtol=2e-6, atol=0)
+    norms = torch.tensor(reports[0][f"{layout}/nodrop"]["grad_norms"], dtype=torch.float64)
+    torch.testing.assert_close(norms, torch.tensor([r["grad_norm"] for r in one_process.rows], dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+    if layout != "cp2_tp2_sp":
+        return  # 2 data-parallel ranks each evaluate eval_iters batches of their own: other batches
+    ev_cp = torch.tensor([v for _, v in reports[0][f"{layout}/nodrop"]["eval"]], dtype=torch.float64)
+    ev_one = torch.tensor([v for _, v in one_process.eval_losses], dtype=torch.float64)
+    torch.testing.assert_close(ev_cp, ev_one, rtol=2e-5, atol=0)
+
+
+def test_a_context_parallel_run_resumes_bit_for_bit(reports):
+    """Saved at iteration 3 and resumed (graphed, dropout on): each rank continues its own RNG streams -- the
+    context-parallel ranks' differ -- and the data where it stopped, so iterations 4-6 are the same bits."""
+    for report in reports:
+        whole, resumed = report["cp2_dp2/graphed"], report["cp2_dp2/resumed"]
+        assert resumed["losses"] == whole["losses"][3:] and resumed["eval"] == whole["eval"][1:]
+        assert resumed["shard"] == whole["shard"]
+
+
+def test_recompute_with_context_parallel_computes_what_it_computes_without(reports):
+    """Full recompute re-runs each layer's forward, all-gather included, in the backward: the same numbers."""
+    for report in reports:
+        recomputed, plain = report["cp2_dp2_recompute/eager"], report["cp2_dp2/nodrop"]
+        assert recomputed["losses"] == plain["losses"] and recomputed["shard"] == plain["shard"]
+
+
+@pytest.mark.cuda
+def test_context_parallel_on_four_gpus_graphed_equals_eager(tmp_path):
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs (the nvidia-h100-x4 machine)")
+    reports = torchrun_reports(__file__, "layouts_worker", tmp_path, 4, "cuda", timeout=900)
+    for layout in LAYOUTS:
+        for report in reports:
+            assert report[f"{layout}/graphed"]["losses"] == report[f"{layout}/eager"]["losses"], layout
+            assert report[f"{layout}/graphed"]["shard"] == report[f"{layout}/eager"]["shard"], layout
+    for layout in PER_LAYER:
+        for report in reports:
+            assert report[f"{layout}/layers"]["losses"] == report[f"{layout}/eager"]["losses"], layout
+            assert report[f"{layout}/layers"]["shard"] == report[f"{layout}/eager"]["shard"], layout
