@@ -97,7 +97,7 @@ def layouts_worker(out: str, device: str, which: str) -> None:
         runs[f"{name}/plain"] = [*PLAIN[name], *EAGER]
     if layouts is LAYOUTS_4:
         runs = {k: v for k, v in runs.items() if k.split("/")[1] in MODES_4}
-    elif layouts is LAYOUTS:  # the alltoall dispatcher; checkpoints: saved at 5 and 10, resumed at 5 (graphed, dropout on)
+    elif layouts is LAYOUTS:  # alltoall; checkpoints: saved at 5 and 10, resumed at 5 (graphed, dropout on)
         runs["ep2/a2a_eager"] = [*LAYOUTS["ep2"], *ALLTOALL, *DROPOUT, *EAGER]
         runs["ep2/a2a_layers"] = [*LAYOUTS["ep2"], *ALLTOALL, *DROPOUT, *MEGATRON]
         runs["ep2/a2a_nodrop"] = [*LAYOUTS["ep2"], *ALLTOALL, *EAGER]
@@ -259,8 +259,8 @@ def test_expert_parallel_groups_on_four_ranks(tmp_path):
 @pytest.mark.ranks4
 def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(tmp_path):
     """ep2 x tp2 (with and without sequence parallel), ep2 x FSDP2 ZeRO-3 and ZeRO-2, ep2 x edp2 with selective and
-    full recompute, and a MoE model on dp2 x tp2 without expert parallel: the full-iteration graphs and the per-layer graphs equal eager bit for bit -- losses, MoE
-    metrics, evaluation losses, each rank's parameter shards and the expert biases --, a graphed run with full
+    full recompute, and a MoE model on dp2 x tp2 without expert parallel: the full-iteration graphs and the per-layer
+    graphs equal eager bit for bit -- losses, MoE metrics, evaluation losses, each rank's parameter shards and the expert biases --, a graphed run with full
     recompute equals the eager run without it bit for bit (the router counts its statistics once), without
     dropout and the load-balancing loss each layout equals plain data parallel over the 4 ranks to float tolerance,
     every rank holds the same whole model, and graphed ZeRO-3 and ep2 x tp2 (sequence parallel) runs resumed from

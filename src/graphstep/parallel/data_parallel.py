@@ -135,7 +135,7 @@ class PartialGradReducer:
 
     def describe(self) -> str:
         first = f"{self.then.describe()}; " if self.then is not None else ""
-        return f"{first}{self.shares.numel():,} fp32 elements of partial gradients summed over the tensor-parallel ranks"
+        return f"{first}partial gradients ({self.shares.numel():,} fp32 elements) summed over tensor-parallel ranks"
 
 
 class OverlappedGradReducer(GradReducer):
