@@ -65,10 +65,12 @@ LAYOUTS_X = {
     "ep2_zero3": [*FSDP, "ddp.data_parallel_sharding_strategy=optim_grads_params"],
     "ep2_zero2": [*FSDP, "ddp.data_parallel_sharding_strategy=optim_grads"],
     "ep2_recompute": [*EP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"],
+    "tp2": [*EP2[1:], "model.tensor_model_parallel_size=2"],  # every expert on every rank, the tokens split over tp
 }
 MODES_X = {"ep2_tp2": ("eager", "graphed", "nodrop"), "ep2_tp2_sp": ("eager", "graphed", "layers"),
            "ep2_zero3": ("eager", "graphed", "nodrop"), "ep2_zero2": ("eager", "graphed", "attn"),
-           "ep2_recompute": ("eager", "graphed", "nodrop", "full")}
+           "ep2_recompute": ("eager", "graphed", "nodrop", "full"), "tp2": ("eager", "graphed", "nodrop")}
+RESUMED_X = ("ep2_zero3", "ep2_tp2_sp")  # saved at iteration 2 and resumed there
 # full recompute (no dropout: R35) graphed, against the same layout's eager run without recompute ("nodrop")
 FULL_RECOMPUTE = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1",
                   "model.recompute_modules=null"]
@@ -86,7 +88,7 @@ def layouts_worker(out: str, device: str, which: str) -> None:
     from graphstep.training.loop import train
 
     layouts, out = globals()[which], Path(out)
-    runs = combined_runs() if layouts is LAYOUTS_X else {}
+    runs = combined_runs(out) if layouts is LAYOUTS_X else {}
     for name, layout in layouts.items() if layouts is not LAYOUTS_X else ():
         runs[f"{name}/eager"] = [*layout, *DROPOUT, *EAGER]
         runs[f"{name}/graphed"] = [*layout, *DROPOUT, *GRAPHED]
@@ -95,7 +97,7 @@ def layouts_worker(out: str, device: str, which: str) -> None:
         runs[f"{name}/plain"] = [*PLAIN[name], *EAGER]
     if layouts is LAYOUTS_4:
         runs = {k: v for k, v in runs.items() if k.split("/")[1] in MODES_4}
-    elif layouts is LAYOUTS:  # the alltoall dispatcher; checkpoints: saved at 5 and 10, resumed at 5 (graphed, dropout on)
+    elif layouts is LAYOUTS:  # alltoall; checkpoints: saved at 5 and 10, resumed at 5 (graphed, dropout on)
         runs["ep2/a2a_eager"] = [*LAYOUTS["ep2"], *ALLTOALL, *DROPOUT, *EAGER]
         runs["ep2/a2a_layers"] = [*LAYOUTS["ep2"], *ALLTOALL, *DROPOUT, *MEGATRON]
         runs["ep2/a2a_nodrop"] = [*LAYOUTS["ep2"], *ALLTOALL, *EAGER]
@@ -130,13 +132,19 @@ def local_digest(params: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def combined_runs() -> dict[str, list[str]]:
-    """LAYOUTS_X in one launch: the modes of MODES_X, and one plain data-parallel run all are compared with."""
+def combined_runs(out: Path) -> dict[str, list[str]]:
+    """LAYOUTS_X in one launch: the modes of MODES_X, one plain data-parallel run all are compared with, and a
+    graphed ZeRO-3 run saved at iteration 2 and resumed there."""
     modes = {"eager": [*DROPOUT, *EAGER], "graphed": [*DROPOUT, *GRAPHED], "layers": [*DROPOUT, *LAYERS],
              "attn": [*DROPOUT, "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn]"],
              "nodrop": [*EAGER, *NO_AUX], "full": [*FULL_RECOMPUTE, *GRAPHED, *NO_AUX]}
     runs = {f"{name}/{mode}": [*layout, *modes[mode]] for name, layout in LAYOUTS_X.items() for mode in MODES_X[name]}
     runs["plain"] = [*EP2[1:], *EAGER, *NO_AUX]
+    for layout in RESUMED_X:
+        save = [*LAYOUTS_X[layout], *DROPOUT, *GRAPHED, "checkpoint.save_interval=2"]
+        runs[f"{layout}/saved"] = [*save, f"checkpoint.save={out / layout}"]
+        runs[f"{layout}/resumed"] = [*save, f"checkpoint.load={out / layout / 'iter_0000002'}",
+                                     f"checkpoint.save={out / layout}-resumed"]
     return runs
 
 
@@ -251,10 +259,12 @@ def test_expert_parallel_groups_on_four_ranks(tmp_path):
 @pytest.mark.ranks4
 def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(tmp_path):
     """ep2 x tp2 (with and without sequence parallel), ep2 x FSDP2 ZeRO-3 and ZeRO-2, ep2 x edp2 with selective and
-    full recompute: the full-iteration graphs and the per-layer graphs equal eager bit for bit -- losses, MoE
-    metrics, evaluation losses, each rank's parameter shards and the expert biases --, a graphed run with full
-    recompute equals the eager run without it bit for bit (the router counts its statistics once), and without
-    dropout and the load-balancing loss each layout equals plain data parallel over the 4 ranks to float tolerance."""
+    full recompute, and a MoE model on dp2 x tp2 without expert parallel: the full-iteration graphs and the per-layer
+    graphs equal eager bit for bit -- losses, MoE metrics, evaluation losses, each rank's parameter shards and the expert biases --, a graphed run with full
+    recompute equals the eager run without it bit for bit (the router counts its statistics once), without
+    dropout and the load-balancing loss each layout equals plain data parallel over the 4 ranks to float tolerance,
+    every rank holds the same whole model, and graphed ZeRO-3 and ep2 x tp2 (sequence parallel) runs resumed from
+    their checkpoints continue bit for bit."""
     reports = run_layouts(tmp_path, "cpu", timeout=900, nproc=4, layouts="LAYOUTS_X")
     for layout, modes in MODES_X.items():
         for report in reports:
@@ -280,6 +290,10 @@ def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(tmp_path):
         for mode in ("eager", "graphed"):  # every rank logs the same loss and applies the same bias update
             assert all(r[f"{layout}/{mode}"]["losses"] == reports[0][f"{layout}/{mode}"]["losses"] for r in reports)
             assert all(r[f"{layout}/{mode}"]["bias"] == reports[0][f"{layout}/{mode}"]["bias"] for r in reports)
+        # every rank holds the same whole model (gathered), the replicated parameters whose gradients are each
+        # tensor-parallel rank's share (router, norms, qk norms) included; the router statistics are per rank
+        whole = [{k: v for k, v in r[f"{layout}/eager"]["digest"].items() if not k.endswith(STATS)} for r in reports]
+        assert all(w == whole[0] for w in whole), layout
     # (edp, ep, tp) = (0,0,0), (0,0,1), (0,1,0), (0,1,1): the tensor-parallel ranks hold the same experts, the
     # expert-parallel ranks other ones, and each rank its own attention shards
     experts = [r["ep2_tp2/eager"]["experts"] for r in reports]
@@ -287,6 +301,11 @@ def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(tmp_path):
     assert len({r["ep2_tp2/eager"]["shard"] for r in reports}) == 4
     # FSDP2 (edp, ep) = (0,0), (0,1), (1,0), (1,1): each rank holds its own shard of everything
     assert len({r["ep2_zero3/eager"]["shard"] for r in reports}) == 4
+    for layout in RESUMED_X:  # a resume at the same layout continues bit for bit (losses, shards, expert biases)
+        for report in reports:
+            saved, resumed = report[f"{layout}/saved"], report[f"{layout}/resumed"]
+            assert len(saved["losses"]) == ITERS_4 and resumed["losses"] == saved["losses"][2:], layout
+            assert resumed["shard"] == saved["shard"] and resumed["bias"] == saved["bias"], layout
 
 
 @pytest.mark.cuda

@@ -96,3 +96,19 @@ def test_expert_bias_is_not_moved_by_warmup_or_capture(device, graph):
         if name.endswith("expert_bias"):
             assert a.abs().sum() > 0  # it did move, by 12 updates
             assert torch.equal(a, b), name
+
+
+def test_full_recompute_counts_the_router_statistics_once():
+    """Full recompute re-runs each MoE block's forward in the backward; the router counts its statistics (aux and
+    z-losses, token counts, the expert-bias counts) in the first forward only, so a graphed run with full recompute
+    equals the eager run without it bit for bit, the logged MoE metrics and the moved expert biases included."""
+    no_dropout = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0", "model.moe_router_score_function=sigmoid",
+                  "model.moe_router_enable_expert_bias=true", "model.moe_router_bias_update_rate=0.01"]
+    plain = _run("qwen3_moe_tiny", "cpu", *no_dropout, graphs=False, iters=8)
+    full = _run("qwen3_moe_tiny", "cpu", *no_dropout, "model.recompute_granularity=full", "model.recompute_method=uniform",
+                "model.recompute_num_layers=1", "model.cuda_graph_impl=full_iteration", iters=8)
+    assert [r["state"] for r in full.rows][3:5] == ["captured", "replayed"]
+    assert_same_run(plain, full)
+    _same_moe_stats(plain, full)
+    biases = [m.expert_bias for m in full.model.modules() if getattr(m, "expert_bias", None) is not None]
+    assert biases and all(b.abs().sum() > 0 for b in biases)

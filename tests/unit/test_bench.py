@@ -445,9 +445,9 @@ def test_a_row_the_rules_refuse_carries_every_violation():
     from graphstep.validation import validate_config
 
     base = get_recipe("moe_launch_bound_bench")
-    plan = plan_row(base, "tp_eager", 2)  # tensor parallel over an MoE model: rule R27
-    expected_cfg = row_config(base, OFF + ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"])
-    violations = validate_config(expected_cfg, world_size=2)
+    plan = plan_row(base, "fsdp_eager", 2)  # FSDP2 over an MoE model without expert parallel: rule R27
+    assert plan.cfg.ddp.use_megatron_fsdp is True and plan.cfg.model.expert_model_parallel_size == 1
+    violations = validate_config(plan.cfg, world_size=2)
     assert [v.rule for v in violations] == ["R27"]
     assert plan.refusal == "refused by the config rules (R27; 2 ranks): " + str(violations[0])
     assert "model.num_moe_experts=64" in plan.refusal and "Fix: " in plan.refusal
@@ -494,21 +494,21 @@ def test_run_bench_under_torchrun_measures_in_lockstep_and_reports_refused_rows(
                                                             "cuda": "13.0"})
     monkeypatch.setattr(run, "measure", fake_measure)
     base = get_recipe("moe_launch_bound_bench")  # micro-batch 2, global batch 2, seq 256
-    rows = ["dp_eager", "tp_eager", "dp_full_iteration"]
+    rows = ["dp_eager", "fsdp_eager", "dp_full_iteration"]
     doc = run.run_bench(base, rows, recipe="moe_launch_bound_bench", world_size=2)
     assert joined == [(4, 2)]  # the process group joined once, with a config valid at 2 ranks
-    assert [name for name, _ in measured] == ["dp_eager", "dp_full_iteration"]  # tp_eager never built
+    assert [name for name, _ in measured] == ["dp_eager", "dp_full_iteration"]  # fsdp_eager never built
     assert all(isinstance(lockstep, FakeRanks) for _, lockstep in measured)
     assert doc["world_size"] == 2 and [r["name"] for r in doc["rows"]] == rows
     refused = doc["rows"][1]
-    assert refused["note"] == run.REFUSED and refused["error"] == run.plan_row(base, "tp_eager", 2).refusal
+    assert refused["note"] == run.REFUSED and refused["error"] == run.plan_row(base, "fsdp_eager", 2).refusal
     full = doc["rows"][2]
     assert (full["layout"], full["ranks"], full["global_batch"], full["tokens_per_step"]) == (
         "2 data-parallel ranks", 2, 4, 1024)
     assert full["speedup"] == pytest.approx(2.0)  # against dp_eager
     assert full["tflops"] == pytest.approx(1e12 * 2 / 5e-3 / 1e12)  # twice the recipe's tokens per step
     assert full["mfu"] == pytest.approx(full["tflops"] / (800.0 * 2))  # against both GPUs
-    assert "| tp_eager | failed: refused by the config rules (R27; 2 ranks): R27 " in markdown_table(doc)
+    assert "| fsdp_eager | failed: refused by the config rules (R27; 2 ranks): R27 " in markdown_table(doc)
     measured.clear()
     assert run.run_bench(base, ["dp_eager"], recipe="moe_launch_bound_bench", world_size=2) is None  # not rank 0
 

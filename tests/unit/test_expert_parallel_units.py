@@ -52,7 +52,14 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.expert_model_parallel_size=2"], 3, "do not divide into groups of 2"),
     (["model.expert_model_parallel_size=2", "model.moe_expert_capacity_factor=1.0"], 2, "dropless"),
     (["model.expert_model_parallel_size=2", "model.moe_sync_free=false"], 2, "sync-free"),
-    (["model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true"], 2, "FSDP2"),
+    (["model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2"], 4, "pipeline stages"),
+    (["model.expert_model_parallel_size=2", "model.tensor_model_parallel_size=2",
+      "model.moe_token_dispatcher_type=alltoall"], 4, "alltoall dispatcher with model.tensor_model_parallel_size=2"),
+    (["model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true",
+      "model.moe_token_dispatcher_type=alltoall"], 2, "alltoall dispatcher with FSDP2"),
+    (["model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=local",
+      "model.use_te_rng_tracker=true", "model.cuda_graph_modules=[attn,moe]"], 2, "per-layer graphs of the MoE block"),
+    (["model.expert_model_parallel_size=2", "compile.enable=true"], 2, "compile.enable"),
     (["model.expert_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
       "model.cuda_graph_modules=[attn,moe_router]"], 2, "with the allgather dispatcher"),
     (["model.expert_tensor_parallel_size=2"], 1, "inside the experts"),
@@ -68,6 +75,18 @@ def test_accepted_expert_parallel_layouts_break_no_rule():
     assert _rules("model.expert_model_parallel_size=4", world=4, ) == []
     assert _rules("model.expert_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
                   "model.cuda_graph_modules=[attn,moe]") == []
+    # with tensor parallel (each tensor-parallel rank runs the MoE blocks on its share of the tokens), FSDP2 (the
+    # experts sharded over the ranks holding them; per-layer graphs of the attention only) and recompute
+    assert _rules("model.expert_model_parallel_size=2", "model.tensor_model_parallel_size=2", world=4) == []
+    assert _rules("model.expert_model_parallel_size=2", "model.tensor_model_parallel_size=2",
+                  "model.sequence_parallel=true", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
+                  "model.cuda_graph_modules=[attn,moe]", world=4) == []
+    assert _rules("model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true", world=4) == []
+    assert _rules("model.expert_model_parallel_size=2", "ddp.use_megatron_fsdp=true", "model.cuda_graph_impl=local",
+                  "ddp.data_parallel_sharding_strategy=optim_grads", "model.use_te_rng_tracker=true",
+                  "model.cuda_graph_modules=[attn]") == []
+    assert _rules("model.expert_model_parallel_size=2", "model.recompute_granularity=full",
+                  "model.recompute_method=uniform", "model.recompute_num_layers=1") == []
 
 
 def _all_rules(*overrides: str, world: int = 2) -> list:

@@ -42,6 +42,21 @@ def test_expert_parallel_ranks_are_neighbours_within_the_replicas():
     assert [name for name, _ in dims.mesh_dims()] == ["pp", "edp", "ep", "dp_shard", "cp", "tp"]
 
 
+def test_expert_parallel_with_fsdp2_and_tensor_parallel_places_every_rank():
+    """FSDP2 over 4 ranks with ep2: the sharded ranks are (edp, ep), neighbours exchange tokens; ep2 x tp2 over 8
+    ranks: the tensor-parallel ranks of an expert-parallel rank hold its experts too (``expert_dp`` = (edp, tp))."""
+    fsdp = ParallelDims(dp_shard=4, ep=2, fsdp="optim_grads")
+    assert [name for name, _ in fsdp.mesh_dims()] == ["pp", "dp_replicate", "edp", "ep", "cp", "tp"]
+    assert fsdp.flattened() == {"dp": ("dp_replicate", "edp", "ep"), "dp_shard": ("edp", "ep")}
+    assert [(c["edp"], c["ep"], c["dp_shard"], c["dp"]) for c in map(fsdp.coordinate, range(4))] == \
+        [(0, 0, 0, 0), (0, 1, 1, 1), (1, 0, 2, 2), (1, 1, 3, 3)]
+    tp = ParallelDims(dp_replicate=4, ep=2, tp=2)
+    assert tp.flattened()["expert_dp"] == ("edp", "tp")
+    places = [tp.coordinate(r) for r in range(8)]
+    assert [(c["edp"], c["ep"], c["tp"]) for c in places] == [(e, p, t) for e in (0, 1) for p in (0, 1) for t in (0, 1)]
+    assert [c["expert_dp"] for c in places] == [0, 1, 0, 1, 2, 3, 2, 3]  # same ep index: one expert_dp group
+
+
 def test_fsdp_shards_over_dp_shard_and_from_config_says_so():
     from helpers.runs import tiny_config
 
@@ -66,6 +81,8 @@ def test_a_layout_it_cannot_run_is_a_one_line_error(kwargs, words):
 def test_expert_parallel_ranks_must_divide_the_replicas():
     with pytest.raises(ValueError, match="do not divide dp_replicate=3"):
         ParallelDims(dp_replicate=3, ep=2).mesh_dims()
+    with pytest.raises(ValueError, match="do not divide dp_shard=6"):
+        ParallelDims(dp_shard=6, ep=4, fsdp="optim_grads").mesh_dims()
     with pytest.raises(ValueError, match="rank 4 is not one of the 4 ranks"):
         ParallelDims(dp_replicate=4).coordinate(4)
 

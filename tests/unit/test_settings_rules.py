@@ -206,9 +206,17 @@ CASES = {
                        "for", "set ddp.data_parallel_sharding_strategy=optim_grads (ZeRO-2",
                        ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads",
                         "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true")),
-    "R27-moe": Case("R27", ("model.tensor_model_parallel_size=2", "model.num_moe_experts=4"),
-                    "model.tensor_model_parallel_size=2 with model.num_moe_experts=4 (an MoE model) is not implemented",
-                    "train MoE models with replicated data parallel", ("model.num_moe_experts=4",), {"WORLD_SIZE": "2"}),
+    "R27-moe": Case("R27", ("ddp.use_distributed_optimizer=true", "model.num_moe_experts=4"),
+                    "FSDP2 (ddp.use_distributed_optimizer=true) with model.num_moe_experts=4 (an MoE model) and "
+                    "model.expert_model_parallel_size=1 is not implemented", "set model.expert_model_parallel_size=2 "
+                    "or more", ("ddp.use_distributed_optimizer=true", "model.num_moe_experts=4",
+                                "model.expert_model_parallel_size=2"), {"WORLD_SIZE": "2"}),
+    "R27-moe-both": Case("R27", ("model.tensor_model_parallel_size=2", "ddp.use_distributed_optimizer=true",
+                                 "model.num_moe_experts=4"),
+                         "model.tensor_model_parallel_size=2 and FSDP2 (ddp.use_distributed_optimizer=true) with "
+                         "model.num_moe_experts=4 (an MoE model) is not implemented", "train MoE models with tensor "
+                         "parallel over replicated data parallel", ("model.tensor_model_parallel_size=2",
+                                                                    "model.num_moe_experts=4"), {"WORLD_SIZE": "4"}),
     "R27-warmup": Case("R27", ("model.tensor_model_parallel_size=2", "model.cuda_graph_impl=full_iteration",
                                "model.use_te_rng_tracker=true", "model.cuda_graph_warmup_steps=0"),
                        "model.cuda_graph_warmup_steps=0 (the first iteration would be captured",

@@ -117,11 +117,13 @@ class ExpertParallelReducer:
             self.expert_grads.div_(self.world_size)
 
 
-class TokenShareReducer:
-    """MoE blocks under tensor parallel: each tensor-parallel rank ran them on its own share of the tokens
-    (parallel/tensor_parallel.py), so the gradients of their non-expert parameters (router, norm, shared expert;
-    the experts too without expert parallel) are summed over the tensor-parallel ranks -- after ``then``, the
-    data-parallel reduction (None: one replica) -- as Megatron sums a sequence-parallel router's gradient."""
+class PartialGradReducer:
+    """Replicated parameters whose gradient is each tensor-parallel rank's share (parallel/tensor_parallel.py,
+    ``partial_over_tp``): the MoE blocks', each rank having run them on its own share of the tokens (router,
+    norm, shared expert; the experts too without expert parallel), and the query and key norms', each rank
+    normalising its own heads. Their gradients are summed over the tensor-parallel ranks -- after ``then``, the
+    data-parallel reduction (None: one replica) -- as Megatron sums a sequence-parallel router's and the qk norms'.
+    """
 
     def __init__(self, shares: torch.Tensor, tp_group: Any, then: Any = None) -> None:
         self.shares, self.group, self.then = shares, tp_group, then
@@ -133,7 +135,7 @@ class TokenShareReducer:
 
     def describe(self) -> str:
         first = f"{self.then.describe()}; " if self.then is not None else ""
-        return f"{first}MoE blocks: {self.shares.numel():,} fp32 elements summed over the tensor-parallel ranks"
+        return f"{first}partial gradients ({self.shares.numel():,} fp32 elements) summed over tensor-parallel ranks"
 
 
 class OverlappedGradReducer(GradReducer):
@@ -194,16 +196,16 @@ class OverlappedGradReducer(GradReducer):
 
 
 def grad_reducer(grads: Any, ddp: DDPConfig, dims: ParallelDims, mesh: WorldMesh | None,
-                 backend: str | None) -> GradReducer | ExpertParallelReducer | TokenShareReducer | None:
+                 backend: str | None) -> GradReducer | ExpertParallelReducer | PartialGradReducer | None:
     """The reduction of ``grads`` (the trainer's GradBuffers) over the data-parallel replicas of ``dims`` and
     their context-parallel ranks (Megatron reduces over dp x cp: each context-parallel rank's gradient is its
     tokens' share, parallel/context_parallel.py) -- None with one such rank, or with FSDP2, which
-    reduce-scatters in the backward -- and, under tensor parallel, of the MoE blocks' gradients over the
-    tensor-parallel ranks."""
+    reduce-scatters in the backward -- and, under tensor parallel, of the partial gradients (MoE blocks, query
+    and key norms) over the tensor-parallel ranks."""
     reducer = _replica_reducer(grads, ddp, dims, mesh, backend)
-    shares = grads.flat[grads.token_shares]
-    if dims.tp > 1 and shares.numel():  # R27: not with FSDP2, which would hold these gradients as shards
-        return TokenShareReducer(shares, mesh.group(TP), then=reducer)
+    shares = grads.flat[grads.tp_partials]
+    if dims.tp > 1 and shares.numel():
+        return PartialGradReducer(shares, mesh.group(TP), then=reducer)
     return reducer
 
 

@@ -24,8 +24,9 @@ not split over the tensor-parallel ranks (``expert_tensor_parallel_size`` 1),
 each of those runs the MoE blocks on its own share of the tokens, so they hold
 the same experts as the ``edp`` ranks do and sum their gradients with them
 (Megatron's expert grid re-folds the tensor-parallel ranks into its expert
-dimensions too; it makes them expert-parallel, here they are expert-data-parallel). Every rank index and process group of a run is read from this
-mesh (``mesh.local_rank("tp")``, ``mesh["dp"].get_group()``); nothing derives
+dimensions too; it makes them expert-parallel, here they are
+expert-data-parallel). Every rank index and process group of a run is read
+from this mesh (``mesh.local_rank("tp")``, ``mesh["dp"].get_group()``); nothing derives
 them from the rank number. Without a mesh (plain data parallel, or a test
 placing a rank) :meth:`ParallelDims.coordinate` reads the same rank grid the
 mesh would be built on.

@@ -11,10 +11,13 @@
   taken on entry and all-gathered on exit (:func:`moe_on_token_shares`) --
   so the tensor-parallel ranks hold the same experts and see other tokens, as
   data-parallel ranks do. Every gradient of the block is then this rank's
-  share; the block's parameters are marked (:func:`is_token_share_parameter`)
+  share; the block is marked (:func:`partial_over_tp`)
   and their gradients summed over the tensor-parallel ranks after the
   backward (parallel/data_parallel.py), as Megatron sums a sequence-parallel
   router's; expert-parallel experts with their expert-data-parallel ranks;
+* ``qk_layernorm``: the query and key norms are replicated but each rank
+  normalises its own heads, so their gradients are marked the same way and
+  summed over the tensor-parallel ranks (Megatron all-reduces them too);
 * ``sequence_parallel``: the norms, dropout and residual stream run on
   sequence shards (``SequenceParallel``; the projections all-gather and
   reduce-scatter the sequence), and hidden dropout draws from the tracker's
@@ -132,8 +135,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
             if not sequence_parallel:
                 plan[f"{prefix}.moe"] = moe_on_token_shares()
             moe.combine_stage.dropout_rng = MODEL_PARALLEL_RNG  # each rank's share of the tokens is its own
-            for p in moe.parameters():
-                p.token_share = True
+            moe.partial_over_tp = True
         if norm is not None:
             plan[f"{prefix}.attn.input_layernorm"] = norm
             attn.dropout_rng = MODEL_PARALLEL_RNG  # sequence shards differ per rank
@@ -141,6 +143,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
                 plan[f"{prefix}.mlp.pre_mlp_layernorm"] = norm
                 mlp.dropout_rng = MODEL_PARALLEL_RNG
         sa = attn.self_attention
+        for qk_norm in (getattr(sa, "q_layernorm", None), getattr(sa, "k_layernorm", None)):
+            if qk_norm is not None:
+                qk_norm.partial_over_tp = True  # each rank normalises its own heads: its share of the gradient
         sa.linear_qkv.fused_parts = tuple(n * sa.head_dim for n in (sa.heads, sa.groups, sa.groups))
         sa.heads, sa.groups = sa.heads // tp, sa.groups // tp
         fused = [sa.linear_qkv] + ([mlp.mlp.linear_fc1] if mlp is not None else [])
@@ -178,7 +183,9 @@ def moe_on_token_shares() -> PrepareModuleInputOutput:
                                     desired_output_layouts=(Replicate(),), use_local_output=True)
 
 
-def is_token_share_parameter(p: torch.Tensor) -> bool:
-    """A MoE block's parameter under tensor parallel: its gradient is this rank's share, summed over the
-    tensor-parallel ranks after the backward."""
-    return getattr(p, "token_share", False)
+def partial_over_tp(model: nn.Module) -> set[int]:
+    """The ids of the parameters whose gradient is this rank's share under tensor parallel (of a MoE block or a
+    query or key norm, marked by :func:`apply_tensor_parallel`): summed over the tensor-parallel ranks after the
+    backward. The modules carry the mark, so it holds for the parameters FSDP2 puts in their place."""
+    marked = [m for m in model.modules() if getattr(m, "partial_over_tp", False)]
+    return {id(p) for m in marked for p in m.parameters()}

@@ -32,7 +32,7 @@ from ..cuda_graph.torch_compat import (foreach_add_, foreach_addcmul_, foreach_c
                                       foreach_lerp_, foreach_mul_, foreach_norm, foreach_sqrt, fused_adamw_)
 from ..parallel.dims import counted_here, local_tensor
 from ..parallel.expert_parallel import is_expert_parameter
-from ..parallel.tensor_parallel import is_token_share_parameter
+from ..parallel.tensor_parallel import partial_over_tp
 
 
 class GradBuffers:
@@ -48,13 +48,18 @@ class GradBuffers:
     """
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh | None = None) -> None:
-        # the dense gradients first, then the MoE blocks' under tensor parallel (each rank's share, summed over the
-        # tensor-parallel ranks too), expert-parallel experts last (reduced over other ranks): parallel/data_parallel.py
-        self.params = sorted((p for p in model.parameters() if p.requires_grad), key=_reduction_order)
+        # the dense gradients first, then those that are each tensor-parallel rank's share (MoE blocks, qk norms:
+        # summed over the tensor-parallel ranks too), expert-parallel experts last (reduced over other ranks):
+        # parallel/data_parallel.py
+        partial = partial_over_tp(model)
+
+        def reduction_order(p: torch.Tensor) -> int:
+            return 2 if is_expert_parameter(p) else 1 if id(p) in partial else 0
+
+        self.params = sorted((p for p in model.parameters() if p.requires_grad), key=reduction_order)
         self.dense_numel = sum(local_tensor(p).numel() for p in self.params if not is_expert_parameter(p))
-        shares = [local_tensor(p).numel() for p in self.params
-                  if is_token_share_parameter(p) and not is_expert_parameter(p)]
-        self.token_shares = slice(self.dense_numel - sum(shares), self.dense_numel)  # in the flat buffer
+        shares = [local_tensor(p).numel() for p in self.params if id(p) in partial and not is_expert_parameter(p)]
+        self.tp_partials = slice(self.dense_numel - sum(shares), self.dense_numel)  # in the flat buffer
         self.locals = [local_tensor(p) for p in self.params]
         device = self.locals[0].device
         total = sum(t.numel() for t in self.locals)
@@ -90,10 +95,6 @@ class GradBuffers:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-
-
-def _reduction_order(p: torch.Tensor) -> int:
-    return 2 if is_expert_parameter(p) else 1 if is_token_share_parameter(p) else 0
 
 
 def _accumulate_main_grad(p: torch.Tensor) -> None:

@@ -11,8 +11,9 @@ parallel/; these rules say which configurations it takes:
   ``sequence_parallel`` needs tensor parallelism;
 * R26 -- the data-parallel sharding strategy is one FSDP2 implements;
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE
-  models with both, or with FSDP2 without expert parallel; hybrid (Mamba) models, per-layer graphs with FSDP2 ZeRO-3 (their gathered
-  parameters stay allocated), torch.compile and activation recompute; and a
+  models with both, or with FSDP2 without expert parallel; hybrid (Mamba)
+  models, per-layer graphs with FSDP2 ZeRO-3 (their gathered parameters stay
+  allocated), torch.compile and activation recompute; and a
   capture of the very first iteration (no warm-up step).
   Each is refused by name, never ignored;
 * R28 -- the pipeline layout fits the model and the world: the world size is
