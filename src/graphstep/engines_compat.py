@@ -3,8 +3,8 @@
 The companion of cuda_graph/torch_compat.py (which holds the mechanism's
 private accesses, the probe registry and :class:`TorchCompatError`): tensor
 parallel's partition hook, the device mesh's flattened views, the pipelining schedules' set-up and backward
-switch, a module's shallow view (an interleaved pipeline's chunks), DTensor's local tensor, a view's base, dynamo's compile callbacks and
-reset, and transformers' mask helpers. Each access is a small named function
+switch, a module's shallow view (an interleaved pipeline's chunks), DTensor's local tensor, a view's base,
+dynamo's compile callbacks and reset, and transformers' mask helpers. Each access is a small named function
 with a probe registered in the same ``PROBES``; a missing name raises a
 TorchCompatError naming the torch (or transformers) version when the feature is
 used. docs/library.md lists them with the versions they were verified on.

@@ -20,6 +20,7 @@ attribute, never the class)::
         │   ├── IndexedDatasetError      an indexed dataset that cannot be read
         │   ├── SFTDataError             an SFT jsonl line that is not an example
         │   ├── BucketError              a sample no bucket of data.seq_length_buckets holds
+        │   ├── StageSplitError          pipeline split fields that do not split the layers
         │   └── CorpusNotFoundError      no standard-library sources for the corpus (also a FileNotFoundError)
         ├── PreprocessError              an input file of ``graphstep preprocess``
         └── ScriptError                  a ``graphstep doctor`` script target that cannot be judged
@@ -27,7 +28,8 @@ attribute, never the class)::
 The mechanism's errors live in cuda_graph/errors.py and TorchCompatError in
 cuda_graph/torch_compat.py (``cuda_graph`` imports nothing else of
 graphstep); ConfigValidationError lives beside the violations
-it lists (validation/report.py). The modules that raise an error import it
+it lists (validation/report.py), StageSplitError beside the split it checks
+(validation/stage_split.py). The modules that raise an error import it
 from here.
 """
 

@@ -7,7 +7,8 @@ and evaluation graphs too), and with dropout off the interleaved pipeline
 and the one-stage-per-rank pipeline of the same model. Each rank writes per
 run the per-iteration losses, the evaluation losses, a digest of the
 parameters it holds and their names, and every send and receive the
-schedules posted (``_batch_p2p``) with the process group it went on.
+schedules posted (``_batch_p2p``) with the process group it went on; and
+a graphed interleaved run with dropout, saved at iteration 2 and resumed.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def layouts_worker(out: str, device: str) -> None:
     runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
             for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
     runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT, *EAGER] for name, layout in SAME_MODEL.items()})
+    runs["vpp2/resume"] = [*LAYOUTS["vpp2"], *GRAPHED, "model.cuda_graph_warmup_steps=1"]
     posted: list[list] = []
     built: dict[str, str] = {}
     kinds: list[str] = []
@@ -81,7 +83,21 @@ def layouts_worker(out: str, device: str) -> None:
     schedules._batch_p2p, build.directed_p2p_groups = recording_batch_p2p, recording_groups
     build._pipeline = recording_pipeline
 
+    def resume(overrides: list[str]) -> dict:
+        """Graphed, dropout on: an uninterrupted run saving at iteration 2, and a run resumed from it."""
+        from helpers.reports import natural_digests
+
+        save = Path(out) / "vpp2-ckpt"
+        common = [*COMMON, f"train.device={device}", *overrides, "checkpoint.save_interval=2"]
+        whole = train(tiny_config(*common, f"checkpoint.save={save}"), keep_model=True)
+        resumed = train(tiny_config(*common, f"checkpoint.load={save}/iter_0000002", f"checkpoint.save={save}-resumed"),
+                        keep_model=True)
+        return {"whole": whole.losses, "resumed": resumed.losses, "whole_digest": natural_digests(whole.model),
+                "resumed_digest": natural_digests(resumed.model)}
+
     def run(overrides: list[str]) -> dict:
+        if "model.cuda_graph_warmup_steps=1" in overrides:
+            return resume(overrides)
         posted.clear()
         built.clear()
         kinds.clear()
@@ -156,6 +172,16 @@ def test_interleaved_computes_what_one_stage_per_rank_computes(reports):
         interleaved, plain = report["vpp2/nodrop"], report["pp2/nodrop"]
         assert len(interleaved["losses"]) == ITERS and interleaved["losses"] != report["vpp2/eager"]["losses"]
         assert interleaved["losses"] == plain["losses"] and interleaved["eval"] == plain["eval"]
+
+
+def test_an_interleaved_run_resumes_exactly(reports):
+    """Each rank saves its chunks' layers under whole-model names and its RNG streams; resumed at iteration 2 with
+    dropout on, the graphed run continues with the uninterrupted run's losses and ends with its weights, bit for
+    bit (the stages' set-up on the resumed first step draws no dropout masks)."""
+    for report in reports:
+        run = report["vpp2/resume"]
+        assert len(run["whole"]) == ITERS and run["resumed"] == run["whole"][2:]
+        assert run["resumed_digest"] == run["whole_digest"] and run["whole_digest"]
 
 
 def test_zero_bubble_computes_what_interleaved_1f1b_computes(reports):

@@ -16,6 +16,7 @@ from graphstep.errors import CaptureError, ConfigError, GraphstepError, InputErr
 RAISED_FROM = {
     "graphstep.config": ["ConfigError"],
     "graphstep.validation": ["ConfigValidationError"],
+    "graphstep.validation.stage_split": ["StageSplitError"],
     "graphstep.doctor.cli": ["ScriptError"],
     "graphstep.training.rundir": ["RunSetupError"],
     "graphstep.training.checkpoint": ["CheckpointError"],

@@ -63,6 +63,7 @@ def _rules(*overrides: str, world: int = 2) -> list:
 @pytest.mark.parametrize("overrides,world,rule,words", [
     (["model.pipeline_model_parallel_size=2"], 3, "R28", "does not divide the world size 3"),
     (["model.pipeline_model_parallel_size=3"], 3, "R28", "do not split evenly"),
+    (["model.pipeline_model_parallel_size=3"], 3, "R28", 'pipeline_model_parallel_layout="Et*2|t|tL"'),
     (["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=0"], 2, "R28", "at least one"),
     (["model.virtual_pipeline_model_parallel_size=2"], 1, "R28", "at least 2 pipeline ranks"),
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=0"], 2, "R28",

@@ -10,7 +10,7 @@ import torch
 
 from graphstep.config import ModelConfig
 from graphstep.validation.stage_split import (
-    Chunk, StageSplitError, chunks_of_rank, even_chunks, parse_layout, split_chunks, virtual_stages,
+    Chunk, StageSplitError, chunks_of_rank, even_chunks, nearest_layout, parse_layout, split_chunks, virtual_stages,
 )
 
 SHAPE = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=64,
@@ -139,3 +139,13 @@ def test_a_send_goes_on_the_senders_edge_and_a_receive_on_the_peers():
 
     assert edge_of(types.SimpleNamespace(op=dist.isend, peer=3), me=2) == (2, 3)
     assert edge_of(types.SimpleNamespace(op=dist.irecv, peer=3), me=2) == (3, 2)
+
+
+def test_the_nearest_layout_spreads_the_layers_as_evenly_as_the_stages_allow():
+    assert nearest_layout(5, 2) == "Et*3|t*2L"
+    assert nearest_layout(12, 4) == "Et*3|t*3|t*3|t*3L"
+    assert nearest_layout(3, 4) == "Et|t|t|L"  # the last stage holds only the loss
+    assert nearest_layout(2, 4) is None  # a middle stage would be empty
+    for layers, stages in ((5, 2), (7, 3), (3, 4), (5, 1)):
+        chunks = split_chunks(layers, 1, layout=nearest_layout(layers, stages))  # it is a layout that works
+        assert len(chunks) == stages and sum(len(c.layers) for c in chunks) == layers

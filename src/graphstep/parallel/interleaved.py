@@ -40,6 +40,7 @@ step stays on the stage group.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -119,7 +120,9 @@ def directed(ops: list[Any], groups: dict[Edge, Any]) -> list[Any]:
     return [dist.P2POp(op.op, op.tensor, op.peer, groups[edge_of(op, me)], op.tag) for op in ops]
 
 
+@functools.cache
 def _directed_stage_class() -> type:
+    """:class:`DirectedStage`, defined on first use (torch's pipelining is imported only by pipelined runs)."""
     from torch.distributed.pipelining import PipelineStage
 
     class DirectedStage(PipelineStage):

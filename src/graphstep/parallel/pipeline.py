@@ -5,10 +5,12 @@ the ``pp`` dimension of the device mesh (parallel/dims.py): the first
 stage holds the embedding, the last the final norm, the output layer and the
 loss, and the layers are spread as Megatron Bridge spreads them
 (:func:`stage_layers`: ``num_layers_in_first/last_pipeline_stage``, the rest
-evenly; or ``pipeline_model_parallel_layout``, ``account_for_embedding/loss_in_pipeline_split``:
-:func:`model_chunks`, validation/stage_split.py). Every rank builds the whole model from the same seed and
-keeps its stage (:func:`split_stage`; with virtual stages the union of its chunks, run as parallel/interleaved.py
-says), so a pipelined run starts from the weights a one-stage run has; layer names stay those of the whole model (``layers.5``
+evenly; or ``pipeline_model_parallel_layout``,
+``account_for_embedding/loss_in_pipeline_split``: :func:`model_chunks`,
+validation/stage_split.py). Every rank builds the whole model from the same
+seed and keeps its stage (:func:`split_stage`; with virtual stages the union
+of its chunks, run as parallel/interleaved.py says), so a pipelined run
+starts from the weights a one-stage run has; layer names stay those of the whole model (``layers.5``
 on the stage that holds layer 5), so checkpoints name parameters the same
 at every layout.
 

@@ -52,7 +52,7 @@ from graphstep.config import Config
 from .graph_rules import View, _impl_f
 from .report import Violation, as_int as _int, as_str as _str, fmt as _fmt
 from .report import violation as _v
-from .stage_split import StageSplitError, split_chunks, virtual_stages
+from .stage_split import StageSplitError, nearest_layout, split_chunks, virtual_stages
 
 STRATEGIES = ("no_shard", "optim_grads", "optim_grads_params")
 INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
@@ -273,11 +273,13 @@ def _stage_split_violations(m: Any, pp: int, vpp: int | None) -> list[Violation]
         defaults = {"model.account_for_embedding_in_pipeline_split": False,
                     "model.account_for_loss_in_pipeline_split": False}
         set_fields = [f for f in SPLIT_FIELDS if getattr(m, f.split(".")[1]) not in (None, defaults.get(f))]
+        stages = pp * virtual_stages(m.pipeline_model_parallel_layout, vpp, pp)
+        near = nearest_layout(layers, stages)
+        fix = (f"the nearest split that works: model.pipeline_model_parallel_layout=\"{near}\" (the {layers} layers "
+               f"as evenly as {stages} stages allow) with the other split fields unset" if near is not None else
+               f"fewer stages than {layers} layers: lower model.pipeline_model_parallel_size or the virtual stages")
         return [_v("R28", ["model.num_layers", "model.pipeline_model_parallel_size", *set_fields], f"{e}.",
-                   "choose model.num_layers, model.pipeline_model_parallel_size and the split fields (num_layers_in_"
-                   "first/last_pipeline_stage, pipeline_model_parallel_layout, account_for_*_in_pipeline_split, "
-                   "virtual_pipeline_model_parallel_size) so that every stage holds at least one layer and the "
-                   "layers divide as docs/parallel.md says; or leave them unset for an even split.")]
+                   f"{fix}; or choose the split fields (docs/parallel.md) so that the layers divide.")]
     return []
 
 

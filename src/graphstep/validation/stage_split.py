@@ -28,7 +28,7 @@ Megatron Core (``get_num_layers_to_build``, ``PipelineParallelLayerLayout``):
 :func:`split_chunks` turns a config's fields into the chunks, or raises
 :class:`StageSplitError` saying why they do not split; rule R28 reports that
 reason and parallel/pipeline.py builds the stages from the same chunks.
-Nothing here imports torch: the rules read it before any model exists.
+It needs no model: the rules read it before any model exists.
 """
 
 from __future__ import annotations
@@ -37,14 +37,17 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from graphstep.errors import ConfigError
+
 EMBEDDING, DECODER, LOSS, MTP = "E", "t", "L", "m"
 # Megatron Core's LayerType names in the list-of-lists form, and the layout string's letters
 _NAMES = {"embedding": EMBEDDING, "decoder": DECODER, "loss": LOSS, "mtp": MTP}
 _LETTERS = {EMBEDDING, DECODER, LOSS, MTP}
 
 
-class StageSplitError(ValueError):
-    """The stage-split fields do not describe a split of this model over these stages (the message says why)."""
+class StageSplitError(ConfigError):
+    """The stage-split fields do not describe a split of this model over these stages (the message says why); rule
+    R28 reports it before a run starts."""
 
 
 @dataclass(frozen=True)
@@ -198,3 +201,19 @@ def virtual_stages(layout: str | list[Any] | None, vpp: int | None, pp: int) -> 
         except StageSplitError:
             return 1
     return vpp or 1
+
+
+def nearest_layout(num_layers: int, stages: int) -> str | None:
+    """A ``pipeline_model_parallel_layout`` that places ``num_layers`` over ``stages`` stages as evenly as they allow
+    (the first stages take one layer more), e.g. ``"Et*2|t*2|tL"``; None when a middle stage would be empty."""
+    if stages < 1 or num_layers < 0:
+        return None
+    base, extra = divmod(num_layers, stages)
+    counts = [base + (i < extra) for i in range(stages)]
+    if any(n == 0 for n in counts[1:-1]):
+        return None
+
+    parts = ["" if n == 0 else "t" if n == 1 else f"t*{n}" for n in counts]
+    parts[0] = EMBEDDING + parts[0]
+    parts[-1] += LOSS
+    return "|".join(parts)
