@@ -347,7 +347,8 @@ def test_pipeline_rows_keep_a_recipe_that_has_a_micro_batch_per_stage():
 @pytest.mark.parametrize("recipe, rows", [
     ("small_dense_bench", ["dp_eager", "dp_full_iteration", "dp_overlap_full_iteration", "fsdp_eager",
                            "fsdp_full_iteration", "zero2_eager", "zero2_[attn,mlp]", "tp_eager", "tp_full_iteration", "tp_[attn,mlp]", "pp_eager",
-                           "pp_full_iteration", "pp_local[attn,mlp]"]),
+                           "pp_full_iteration", "pp_local[attn,mlp]", "vpp_eager", "vpp_full_iteration", "cp_eager",
+                           "cp_full_iteration", "cp_[attn,mlp]"]),
     ("moe_launch_bound_bench", ["dp_eager", "dp_full_iteration", "dp_overlap_full_iteration", "ep_eager",
                                 "ep_full_iteration", "ep_[attn,moe]", "ep_[attn,moe_router,moe_preprocess]"]),
     ("hybrid_launch_bound_bench", ["dp_eager", "dp_full_iteration", "dp_overlap_full_iteration"]),
@@ -388,6 +389,8 @@ def test_combined_layout_rows_from_four_ranks_pass_the_rules(recipe, world, adde
     ("pp_fsdp_eager", 8, (2, 4, 1)),
     ("3d_full_iteration", 8, (2, 2, 2)),
     ("3d_eager", 16, (2, 4, 2)),
+    ("vpp_full_iteration", 2, (2, 1, 1)),
+    ("cp_full_iteration", 4, (1, 1, 1)),
 ])
 def test_combined_layout_rows_split_the_world(name, world, layout):
     from graphstep.bench.run import plan_row
@@ -407,6 +410,13 @@ def test_combined_layout_rows_name_the_ranks_they_need():
         layout_overrides("3d_", "full_iteration", 4)
     with pytest.raises(ConfigError, match="multiple of 4 ranks, at least 4"):
         layout_overrides("pp_tp_", "eager", 6)
+    from graphstep.bench.run import plan_row
+    from graphstep.config import apply_overrides
+
+    base = apply_overrides(get_recipe("small_dense_bench"), ["train.micro_batch_size=1", "train.global_batch_size=3"])
+    vpp = plan_row(base, "vpp_full_iteration", 2).cfg
+    assert vpp.model.virtual_pipeline_model_parallel_size == 2 and vpp.train.global_batch_size == 4  # rounds of 2
+    assert plan_row(base, "cp_eager", 4).layout.cp == 4
     ep_tp = layout_overrides("ep_tp_", "full_iteration", 4)
     assert "model.expert_model_parallel_size=2" in ep_tp and "model.tensor_model_parallel_size=2" in ep_tp
 

@@ -15,6 +15,8 @@ prefix           layout                                                         
 ``tp_``          N tensor-parallel ranks with sequence parallel                     refused
 ``pp_``          N pipeline stages, 1F1B, embedding and output layer untied (R28)   refused
 ``ep_``          N expert-parallel ranks (MoE models)                               refused
+``vpp_``         N pipeline ranks x 2 virtual stages each (interleaved 1F1B), untied   refused
+``cp_``          N context-parallel ranks (``cp_comm_type=all_gather``; dense models)   refused
 ``pp_tp_``       2 pipeline stages x N/2 tensor-parallel ranks with sequence parallel refused
 ``pp_fsdp_``     2 pipeline stages x FSDP2 ZeRO-3 over N/2 data-parallel ranks      refused
 ``ep_tp_``       N/2 expert-parallel x 2 tensor-parallel ranks (MoE models)         refused
@@ -34,7 +36,8 @@ recipe's micro-batches, so the global batch is the recipe's times the
 data-parallel ranks (``dp_``, ``fsdp_``, ``ep_``) and each rank does the
 work of the one-GPU row; tensor-parallel ranks share one replica's batch;
 1F1B needs at least one micro-batch per stage (R28), so ``pp_`` raises the
-micro-batches per step to N when the recipe has fewer.
+micro-batches per step to N when the recipe has fewer, and ``vpp_`` to a
+multiple of N (the interleaved schedule runs them in rounds of N).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ from ..parallel.dims import ParallelDims
 FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
 ZERO2 = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads"]
 # the longest match first: dp_overlap_ before dp_, pp_tp_ and pp_fsdp_ before pp_, ep_tp_ before ep_
-PREFIXES = ("fsdp_", "zero2_", "dp_overlap_", "dp_", "tp_", "pp_tp_", "pp_fsdp_", "pp_", "ep_tp_", "ep_", "3d_")
-TORCHRUN_ONLY = ("dp_overlap_", "dp_", "tp_", "pp_tp_", "pp_fsdp_", "pp_", "ep_tp_", "ep_", "3d_")  # refused at 1 rank
+PREFIXES = ("fsdp_", "zero2_", "dp_overlap_", "dp_", "tp_", "pp_tp_", "pp_fsdp_", "pp_", "vpp_", "cp_", "ep_tp_",
+            "ep_", "3d_")
+TORCHRUN_ONLY = PREFIXES[2:]  # refused at 1 rank
 # combined layouts: (the fewest ranks, the world size's divisor: a multiple of the fixed dimensions' product)
 MIN_RANKS = {"pp_tp_": (4, 4), "pp_fsdp_": (4, 4), "ep_tp_": (4, 4), "3d_": (8, 8)}
 ONE_RANK_MESH = ("fsdp_", "zero2_")  # at world size 1: FSDP2 on the trainer's one-rank mesh
@@ -59,6 +63,8 @@ DP_ROWS = ["dp_eager", "dp_full_iteration", "dp_overlap_full_iteration"]
 FSDP_ROWS = ["fsdp_eager", "fsdp_full_iteration", "zero2_eager", "zero2_[attn,mlp]"]
 TP_ROWS = ["tp_eager", "tp_full_iteration", "tp_[attn,mlp]"]
 PP_ROWS = ["pp_eager", "pp_full_iteration", "pp_local[attn,mlp]"]
+VPP_ROWS = ["vpp_eager", "vpp_full_iteration"]
+CP_ROWS = ["cp_eager", "cp_full_iteration", "cp_[attn,mlp]"]
 EP_ROWS = ["ep_eager", "ep_full_iteration", "ep_[attn,moe]", "ep_[attn,moe_router,moe_preprocess]"]
 DENSE_COMBINED_ROWS = ["pp_tp_eager", "pp_tp_full_iteration", "pp_fsdp_eager", "pp_fsdp_full_iteration"]
 MOE_COMBINED_ROWS = ["ep_tp_eager", "ep_tp_full_iteration"]
@@ -99,6 +105,10 @@ def layout_overrides(prefix: str, inner: str, world_size: int) -> list[str]:
         return [f"model.tensor_model_parallel_size={n}", "model.sequence_parallel=true"]
     if prefix == "pp_":
         return _stages(n)
+    if prefix == "vpp_":
+        return [*_stages(n), "model.virtual_pipeline_model_parallel_size=2"]
+    if prefix == "cp_":
+        return [f"model.context_parallel_size={n}", "model.cp_comm_type=all_gather"]
     if prefix == "pp_tp_":
         return [*_stages(2), f"model.tensor_model_parallel_size={n // 2}", "model.sequence_parallel=true"]
     if prefix == "pp_fsdp_":
@@ -129,6 +139,8 @@ def batch_overrides(cfg: Config, world_size: int) -> list[str]:
     per_replica = t.global_batch_size
     if layout.pp > 1 and cfg.model.pipeline_schedule == "1f1b":
         per_replica = max(per_replica, layout.pp * t.micro_batch_size)
+        if (cfg.model.virtual_pipeline_model_parallel_size or 1) > 1:  # interleaved: micro-batches in rounds of pp
+            per_replica = -(-per_replica // (layout.pp * t.micro_batch_size)) * layout.pp * t.micro_batch_size
     batch = per_replica * layout.dp
     return [] if batch == t.global_batch_size else [f"train.global_batch_size={batch}"]
 
@@ -136,7 +148,8 @@ def batch_overrides(cfg: Config, world_size: int) -> list[str]:
 def multi_rank_rows(cfg: Config, world_size: int = 2) -> list[str]:
     """The rows that fit the recipe under torchrun: replicated data parallel for every model; FSDP2, tensor
     and pipeline parallel for dense models; expert parallel for MoE models (hybrid models: the rules take
-    none of the others); from 4 ranks the combined layouts too, from 8 the 3-D one."""
+    none of the others; dense models also interleaved pipelines and context parallel); from 4 ranks the
+    combined layouts too, from 8 the 3-D one."""
     m = cfg.model
 
     def fits(prefix: str) -> bool:
@@ -147,7 +160,8 @@ def multi_rank_rows(cfg: Config, world_size: int = 2) -> list[str]:
         return list(DP_ROWS)
     if m.num_moe_experts:
         return DP_ROWS + EP_ROWS + (MOE_COMBINED_ROWS if fits("ep_tp_") else [])
-    return (DP_ROWS + FSDP_ROWS + TP_ROWS + PP_ROWS + (DENSE_COMBINED_ROWS if fits("pp_tp_") else [])
+    return (DP_ROWS + FSDP_ROWS + TP_ROWS + PP_ROWS + VPP_ROWS + CP_ROWS
+            + (DENSE_COMBINED_ROWS if fits("pp_tp_") else [])
             + (THREE_D_ROWS if fits("3d_") else []))
 
 
