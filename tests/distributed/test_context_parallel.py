@@ -9,8 +9,11 @@ more to compare with one process:
 * ``cp2_tp2_sp``: 2 context-parallel x 2 tensor-parallel ranks with sequence parallel (each rank gathers the
   key/value heads it holds);
 * ``cp2_fsdp2``: FSDP2 ZeRO-3 over 2 data-parallel x 2 context-parallel ranks (sharded over all 4);
+* ``cp2_zero2``: the same with ZeRO-2 (the distributed optimizer), with per-layer graphs too;
 * ``cp2_dp2_recompute``: full activation recompute (the backward re-runs each layer's all-gather), dropout off
-  (rule R35).
+  (rule R35);
+* ``cp2_dp2`` with ``ddp.overlap_grad_reduce`` (dropout off): the same bits as without overlap;
+* ``cp2_dp2`` saved at iteration 3 and resumed (graphed, dropout on): the same bits as without the stop.
 
 Each rank writes, per run, the per-iteration losses, the evaluation losses and a digest of the parameters it
 holds. On the CPU the graphs run on the replay backend over gloo (the key/value all-gathers, their
@@ -42,11 +45,14 @@ LAYOUTS = {
     "cp2_dp2": CP2,
     "cp2_tp2_sp": [*CP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
     "cp2_fsdp2": [*CP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    "cp2_zero2": [*CP2, "ddp.use_distributed_optimizer=true"],
     "cp2_dp2_recompute": [*CP2, "model.recompute_granularity=full", *NO_DROPOUT],
 }
 # per-layer graphs: each attention graph holds its all-gather, its backward graph the reduce-scatter
 PER_LAYER = {"cp2_dp2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
-             "cp2_tp2_sp": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"]}
+             "cp2_tp2_sp": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"],
+             # inside FSDP2's layers: its gathers and reduce-scatters eager between the layer graphs
+             "cp2_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]}
 COMPARED = ("cp2_dp2", "cp2_tp2_sp", "cp2_fsdp2")  # with dropout off, against one process
 
 
@@ -59,6 +65,8 @@ def layouts_worker(out: str, device: str) -> None:
             for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
     runs.update({f"{name}/layers": [*LAYOUTS[name], *graphs] for name, graphs in PER_LAYER.items()})
     runs.update({f"{name}/nodrop": [*LAYOUTS[name], *NO_DROPOUT, *EAGER] for name in COMPARED})
+    for name, overlap in (("cp2_dp2_buckets", []), ("cp2_dp2_overlap", ["ddp.overlap_grad_reduce=true"])):
+        runs[f"{name}/nodrop"] = [*LAYOUTS["cp2_dp2"], "ddp.bucket_size=5000", *overlap, *NO_DROPOUT, *EAGER]
     # a checkpoint at iteration 3 of the graphed cp2_dp2 run, and a run resumed from it (dropout on)
     save = Path(out) / "cp2_dp2-checkpoints"
     runs["cp2_dp2/graphed"] += [f"checkpoint.save={save}", "checkpoint.save_interval=3"]
@@ -117,7 +125,7 @@ def test_every_rank_logs_the_same_losses_and_holds_its_part(reports, layout):
     shards = [r[f"{layout}/eager"]["shard"] for r in reports]
     if layout == "cp2_tp2_sp":  # ranks 0, 1: the tp ranks of cp rank 0; 2, 3 those of cp rank 1
         assert shards[0] != shards[1] and shards[0] == shards[2] and shards[1] == shards[3]
-    elif layout == "cp2_fsdp2":  # sharded over dp x cp: four different shards
+    elif layout in ("cp2_fsdp2", "cp2_zero2"):  # sharded over dp x cp: four different shards
         assert len(set(shards)) == 4
     else:
         assert len(set(shards)) == 1
@@ -150,6 +158,15 @@ def test_a_context_parallel_run_resumes_bit_for_bit(reports):
         whole, resumed = report["cp2_dp2/graphed"], report["cp2_dp2/resumed"]
         assert resumed["losses"] == whole["losses"][3:] and resumed["eval"] == whole["eval"][1:]
         assert resumed["shard"] == whole["shard"]
+
+
+def test_overlapped_reduction_over_dp_x_cp_computes_the_same_bits(reports):
+    """ddp.overlap_grad_reduce starts each bucket's all-reduce over the dp x cp ranks during the last backward: the
+    same buckets, pre-divided the same way, so the same losses and weights as without overlap (the same bucket
+    size: gloo sums 4 ranks' buckets of other sizes in other orders)."""
+    for report in reports:
+        overlap, plain = report["cp2_dp2_overlap/nodrop"], report["cp2_dp2_buckets/nodrop"]
+        assert overlap["losses"] == plain["losses"] and overlap["shard"] == plain["shard"]
 
 
 def test_recompute_with_context_parallel_computes_what_it_computes_without(reports):

@@ -25,16 +25,18 @@ import torch
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask")  # a micro-batch's [micro_batch, S] tensors
 
 
-def context_parallel_positions(seq: int, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """The positions (int64, ``[2 x seq / (2 x cp_size)]``) of the tokens rank ``cp_rank`` holds of ``seq``."""
+def context_parallel_positions(seq: int, cp_rank: int, cp_size: int,
+                               device: torch.device | str | None = None) -> torch.Tensor:
+    """The positions (int64, ``[2 x seq / (2 x cp_size)]``, on ``device``) of the tokens rank ``cp_rank`` holds of
+    ``seq``: made there, without a host-to-device copy (which a CUDA graph capture would refuse)."""
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} is not a rank of context_parallel_size={cp_size}")
     if seq % (2 * cp_size):
         raise ValueError(f"a sequence of {seq} tokens does not cut into 2 x {cp_size} equal chunks (rule R30)")
     chunk = seq // (2 * cp_size)
     mirror = 2 * cp_size - 1 - cp_rank
-    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
-                      torch.arange(mirror * chunk, (mirror + 1) * chunk)])
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
+                      torch.arange(mirror * chunk, (mirror + 1) * chunk, device=device)])
 
 
 def context_parallel_shard(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict[str, torch.Tensor]:

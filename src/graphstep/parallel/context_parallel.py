@@ -59,8 +59,10 @@ class ContextParallel:
     """This rank's place among the context-parallel ranks, and what the model's attention and loss need of it.
 
     The model calls it (``GPTModel.context``, ``Attention.context``, set by
-    :func:`apply_context_parallel`); positions and masks are made on the first
-    call of a shape (an eager warm-up step) and read from then on.
+    :func:`apply_context_parallel`); positions and masks are made on the device
+    by the first call of a shape (a warm-up step, or the capture itself with no
+    warm-up: kernels only, no host copy) and read from then on, at the same
+    addresses.
     """
 
     def __init__(self, group: Any, rank: int, size: int) -> None:
@@ -72,7 +74,7 @@ class ContextParallel:
         """The positions in the whole sequence of the ``local`` tokens this rank holds, ``[1, local]``."""
         key = (local, device)
         if key not in self._positions:
-            self._positions[key] = context_parallel_positions(local * self.size, self.rank, self.size).to(device)[None]
+            self._positions[key] = context_parallel_positions(local * self.size, self.rank, self.size, device)[None]
         return self._positions[key]
 
     def mask(self, local: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -81,11 +83,11 @@ class ContextParallel:
         key = (local, device, dtype)
         if key not in self._masks:
             seq = local * self.size
-            queries = context_parallel_positions(seq, self.rank, self.size)
-            keys = torch.cat([context_parallel_positions(seq, r, self.size) for r in range(self.size)])
+            queries = context_parallel_positions(seq, self.rank, self.size, device)
+            keys = torch.cat([context_parallel_positions(seq, r, self.size, device) for r in range(self.size)])
             allowed = keys[None, :] <= queries[:, None]
-            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-            self._masks[key] = mask.to(device)
+            self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed,
+                                                                                                 float("-inf"))
         return self._masks[key]
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
