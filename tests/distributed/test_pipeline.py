@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphstep.training.moe_hooks import KEYS as MOE_KEYS
 from helpers.launch import report_runs, torchrun_reports
 from helpers.reports import assert_graphed_equals_eager, train_report
 
@@ -115,6 +116,7 @@ def layouts_worker(out: str, device: str, which: str) -> None:
         result = train(cfg, keep_model=True)
         embedding = getattr(result.model, "embedding", None)
         return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()],
+                "moe": [[row[k] for k in MOE_KEYS] for row in result.rows if MOE_KEYS[0] in row],
                 "embedding": None if embedding is None else  # the bits of this stage's (part of the) embedding
                 hashlib.sha256(local_tensor(embedding.weight).detach().float().cpu().numpy().tobytes()).hexdigest()}
 
@@ -256,6 +258,20 @@ def test_pipelines_on_four_ranks_equal_eager(reports_4):
     assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
     shards = [r["pp2_zero3/eager"]["shard"] for r in reports_4]  # FSDP2: each data-parallel rank its own shard
     assert len(set(shards)) == 4
+
+
+@pytest.mark.ranks4
+@pytest.mark.parametrize("layout", ["pp2_moe", "pp2_hybrid"])
+def test_moe_metrics_over_stages_are_the_whole_models(reports_4, layout):
+    """Every rank logs the MoE metrics of all the model's MoE layers over its own micro-batches (the hybrid's
+    first stage holds none): the stages of a pipeline log the same, graphed as eager."""
+    for pipeline in ((0, 2), (1, 3)):  # rank = 2 pp + dp
+        logged = reports_4[pipeline[0]][f"{layout}/eager"]["moe"]
+        assert len(logged) == 4 and all(aux > 0 and load >= 1 for aux, _, load in logged)
+        for rank in pipeline:
+            assert reports_4[rank][f"{layout}/eager"]["moe"] == logged
+            assert reports_4[rank][f"{layout}/graphed"]["moe"] == logged
+    assert reports_4[0][f"{layout}/eager"]["moe"] != reports_4[1][f"{layout}/eager"]["moe"]  # other data
 
 
 @pytest.mark.ranks4

@@ -157,7 +157,8 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.dp_size)  # per pipeline too
     # the expert-bias update sums the token counts over the data-parallel ranks of this stage (each stage holds
     # other MoE layers; without stages they are the whole world, the default group)
-    moe = MoEHooks(model, num_mb, group=dp.dp_group if dp.layout.pp > 1 else None)
+    moe = MoEHooks(model, num_mb, group=dp.dp_group if dp.layout.pp > 1 else None, stages=dp.pp_group,
+                   moe_model=cfg.model.num_moe_experts is not None)
     train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb)
     if compile_mode is not None:
         train_step = CompileTimeReport(train_step, describe_compile(compile_mode, settings))

@@ -21,8 +21,9 @@ parallel/; these rules say which configurations it takes:
   1F1B has at least as many micro-batches per step as stages, the schedule is
   one graphstep runs, and what is not implemented (interleaved schedules,
   another activation dtype, tied embeddings across more than 2 stages) is refused;
-* R29 -- what pipeline parallelism does not combine with yet (tensor
-  parallelism, FSDP2, MoE and hybrid models, ...);
+* R29 -- what pipeline parallelism does not combine with yet (compile, the
+  overlapped gradient reduction, shape buckets, ...; tensor parallelism,
+  FSDP2, MoE and hybrid models and recompute combine with it);
 * R30 -- context parallelism is not implemented;
 * R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
   divide over the expert-parallel ranks, dispatched the ways graphstep
