@@ -64,7 +64,9 @@ LAYOUTS_4 = {
     "pp2_tp2_sp": [*PP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
                    "model.share_embeddings_and_output_weights=true"],
     "pp2_zero2": [*PP2, *DP2, "ddp.use_distributed_optimizer=true"],
-    "pp2_zero3": [*PP2, *DP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    # tied: FSDP2 shards both stages' copies of the embedding alike over the data-parallel ranks
+    "pp2_zero3": [*PP2, *DP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
+                  "model.share_embeddings_and_output_weights=true"],
     "pp2_moe": [*PP2, *DP2, *MOE],  # 3 MoE layers (qwen3_moe_tiny), 2 + 1
     "pp2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4"],  # nemotron_h_tiny's M-*E: M- on the first stage, *E last
     "pp2_recompute": [*PP2, *DP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
@@ -117,6 +119,7 @@ def layouts_worker(out: str, device: str, which: str) -> None:
         embedding = getattr(result.model, "embedding", None)
         return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()],
                 "moe": [[row[k] for k in MOE_KEYS] for row in result.rows if MOE_KEYS[0] in row],
+                "grad_norm": [row["grad_norm"] for row in result.rows],
                 "embedding": None if embedding is None else  # the bits of this stage's (part of the) embedding
                 hashlib.sha256(local_tensor(embedding.weight).detach().float().cpu().numpy().tobytes()).hexdigest()}
 
@@ -275,15 +278,16 @@ def test_moe_metrics_over_stages_are_the_whole_models(reports_4, layout):
 
 
 @pytest.mark.ranks4
-def test_tensor_parallel_stages_shard_their_layers_and_keep_the_tied_copies_equal(reports_4):
-    """(pp, tp) = (0,0), (0,1), (1,0), (1,1): each rank holds its own shards; the last stage's copy of the tied
-    embedding holds the same rows, bit for bit, as the first stage's embedding on the same tensor-parallel rank."""
+@pytest.mark.parametrize("layout", ["pp2_tp2_sp", "pp2_zero3"])
+def test_sharded_stages_keep_the_tied_copies_equal(reports_4, layout):
+    """rank = 2 pp + tp (or dp): each rank holds its own shards; the last stage's copy of the tied embedding
+    holds the same rows, bit for bit, as the first stage's embedding on the same tensor-parallel (FSDP2) rank."""
     for mode in ("eager", "graphed", "nodrop"):
-        runs = [r[f"pp2_tp2_sp/{mode}"] for r in reports_4]
+        runs = [r[f"{layout}/{mode}"] for r in reports_4]
         assert len({run["shard"] for run in runs}) == 4, mode
         copies = [run["embedding"] for run in runs]
         assert copies[0] == copies[2] and copies[1] == copies[3] and copies[0] != copies[1], mode
-    first, last = reports_4[0]["pp2_tp2_sp/eager"]["names"], reports_4[2]["pp2_tp2_sp/eager"]["names"]
+    first, last = reports_4[0][f"{layout}/eager"]["names"], reports_4[2][f"{layout}/eager"]["names"]
     assert first[0] == last[0] == "embedding.weight" and "output_layer.weight" not in first + last
 
 
@@ -301,14 +305,19 @@ def _one_process(layout: str, *overrides: str):
 @pytest.mark.ranks4
 @pytest.mark.parametrize("layout", [name for name, modes in MODES_4.items() if "nodrop" in modes])
 def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, layout):
-    """Dropout off: 2 stages over tensor parallel (tied), FSDP2 or an MoE model (whose expert biases move with the
-    token counts of each stage's data-parallel ranks) compute what one process computes with the same global batch,
-    to float tolerance."""
-    one = torch.tensor(_one_process(layout).losses, dtype=torch.float64)
+    """Dropout off: 2 stages over tensor parallel (tied), FSDP2 (tied) or an MoE model (whose expert biases move
+    with the token counts of each stage's data-parallel ranks) compute what one process computes with the same
+    global batch, to float tolerance: the losses, and the gradient norm (each element counted once over the mesh,
+    the last stage's copy of a tied embedding not at all)."""
+    single = _one_process(layout)
+    one = torch.tensor(single.losses, dtype=torch.float64)
+    norms = torch.tensor([row["grad_norm"] for row in single.rows], dtype=torch.float64)
     for report in reports_4:
         four = torch.tensor(report[f"{layout}/nodrop"]["losses"], dtype=torch.float64)
         assert four.shape == one.shape == (4,)
         torch.testing.assert_close(four, one, rtol=2e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(report[f"{layout}/nodrop"]["grad_norm"], dtype=torch.float64), norms,
+                                   rtol=1e-4, atol=0)
 
 
 @pytest.mark.ranks8

@@ -29,12 +29,18 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # fully_shard replaces every parameter by a new one (its shard): the marks graphstep sets on parameters (the
+    # last pipeline stage's tied copy, parallel/pipeline.py) are carried over by name
+    marks = {name: {k: v for k, v in vars(p).items() if not k.startswith("_")} for name, p in model.named_parameters()}
     layers = [layer for _, layer in model.layers.named_children()]
     for i, layer in enumerate(layers):
         # ZeRO-3 reshards a layer after its forward -- but not the last, whose backward comes next (torchtitan's choice)
         reshard = strategy == "optim_grads_params" and i < len(layers) - 1
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    for name, p in model.named_parameters():
+        for key, value in marks.get(name, {}).items():
+            setattr(p, key, value)
     if prefetch:
         for layer, following in zip(layers, layers[1:]):
             layer.set_modules_to_forward_prefetch([following])
