@@ -58,7 +58,9 @@ MOE = ["train.micro_batch_size=2", "model.hidden_dropout=0.1", "model.moe_router
        "model.moe_router_bias_update_rate=0.01", "model.moe_router_score_function=sigmoid",
        "data.corpus_max_bytes=300000", "data.split=90,10,0"]
 LAYOUTS_4 = {
-    "pp2_dp2": [*PP2, *DP2],
+    # replicated data parallel, the buckets' all-reduces overlapped with each stage's last backward; tied embeddings
+    "pp2_dp2": [*PP2, *DP2, "ddp.overlap_grad_reduce=true", "ddp.bucket_size=5000",
+                "model.share_embeddings_and_output_weights=true"],
     # 2 stages x 2 tensor-parallel ranks, the stages exchanging sequence shards; tied embeddings: the last stage's
     # copy is sharded over the vocabulary as the first stage's embedding
     "pp2_tp2_sp": [*PP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
@@ -76,6 +78,7 @@ LAYOUTS_4 = {
 RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}  # the others: llama3_tiny
 # the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
 MODES_4 = {
+    "pp2_dp2": {"nodrop": [*NO_DROPOUT, *EAGER]},
     "pp2_tp2_sp": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
                    "nodrop": [*NO_DROPOUT, *EAGER]},
     "pp2_zero2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]},
@@ -253,7 +256,8 @@ def reports_4(tmp_path_factory):
 
 @pytest.mark.ranks4
 def test_pipelines_on_four_ranks_equal_eager(reports_4):
-    """pp2 x dp2 (each stage's gradients all-reduced over its data-parallel group, inside the graph), pp2 x tp2
+    """pp2 x dp2 (each stage's gradients all-reduced over its data-parallel group, overlapped with the stage's last
+    backward, inside the graph), pp2 x tp2
     with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and ZeRO-3, MoE and hybrid models and
     recompute over 2 stages: the whole-schedule graphs and the per-layer graphs equal eager bit for bit."""
     _assert_graphed_runs_equal_eager(reports_4, LAYOUTS_4, MODES_4)
@@ -305,7 +309,8 @@ def _one_process(layout: str, *overrides: str):
 @pytest.mark.ranks4
 @pytest.mark.parametrize("layout", [name for name, modes in MODES_4.items() if "nodrop" in modes])
 def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, layout):
-    """Dropout off: 2 stages over tensor parallel (tied), FSDP2 (tied) or an MoE model (whose expert biases move
+    """Dropout off: 2 stages over replicated data parallel with overlap (tied), tensor parallel (tied), FSDP2 (tied)
+    or an MoE model (whose expert biases move
     with the token counts of each stage's data-parallel ranks) compute what one process computes with the same
     global batch, to float tolerance: the losses, and the gradient norm (each element counted once over the mesh,
     the last stage's copy of a tied embedding not at all)."""

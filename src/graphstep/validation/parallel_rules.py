@@ -21,9 +21,9 @@ parallel/; these rules say which configurations it takes:
   1F1B has at least as many micro-batches per step as stages, the schedule is
   one graphstep runs, and what is not implemented (interleaved schedules,
   another activation dtype, tied embeddings across more than 2 stages) is refused;
-* R29 -- what pipeline parallelism does not combine with yet (compile, the
-  overlapped gradient reduction, shape buckets, ...; tensor parallelism,
-  FSDP2, MoE and hybrid models and recompute combine with it);
+* R29 -- what pipeline parallelism does not combine with yet (compile, shape
+  buckets, ...; tensor parallelism, FSDP2, MoE and hybrid models, recompute
+  and the overlapped gradient reduction combine with it);
 * R30 -- context parallelism is not implemented;
 * R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
   divide over the expert-parallel ranks, dispatched the ways graphstep
@@ -267,9 +267,6 @@ def _r29(v: View) -> list[Violation]:
                "set model.cuda_graph_warmup_steps=2 or more.")
     if cfg.compile.enable is True:
         refuse(["compile.enable"], "compile.enable=true", "set compile.enable=false.")
-    if cfg.ddp.overlap_grad_reduce is True:
-        refuse(["ddp.overlap_grad_reduce"], "ddp.overlap_grad_reduce=true (the schedule runs the backward)",
-               "set ddp.overlap_grad_reduce=false.")
     if cfg.data.seq_length_buckets is not None:
         refuse(["data.seq_length_buckets"], "data.seq_length_buckets (the stages exchange one fixed shape)",
                "set data.seq_length_buckets=null.")
