@@ -10,6 +10,11 @@ each stage draws from its own streams (Megatron's seed + 100 x stage).
 
 With dropout off, a pipelined run computes what one process computes with
 the same global batch and the same initial weights, up to rounding.
+
+A second launch, of 4 ranks, runs ``LAYOUTS_4``: 2 stages combined with
+replicated data parallel (overlapped), tensor + sequence parallel, FSDP2,
+MoE and hybrid models and recompute; the 8-rank 3-D layouts are in
+test_pipeline_3d.py.
 """
 
 from __future__ import annotations
