@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+PARAMETER_MARKS = ("tied_copy",)  # what graphstep marks on a parameter and FSDP2's shard keeps (parallel/pipeline.py)
+
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype, *,
                prefetch: bool = False) -> None:
@@ -31,7 +33,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     # fully_shard replaces every parameter by a new one (its shard): the marks graphstep sets on parameters (the
     # last pipeline stage's tied copy, parallel/pipeline.py) are carried over by name
-    marks = {name: {k: v for k, v in vars(p).items() if not k.startswith("_")} for name, p in model.named_parameters()}
+    marks = {name: {k: getattr(p, k) for k in PARAMETER_MARKS if hasattr(p, k)} for name, p in model.named_parameters()}
     layers = [layer for _, layer in model.layers.named_children()]
     for i, layer in enumerate(layers):
         # ZeRO-3 reshards a layer after its forward -- but not the last, whose backward comes next (torchtitan's choice)
