@@ -266,7 +266,8 @@ def _r29(v: View) -> list[Violation]:
                "step also runs torch's shape inference, an extra forward of every layer)",
                "set model.cuda_graph_warmup_steps=2 or more.")
     if cfg.compile.enable is True:
-        refuse(["compile.enable"], "compile.enable=true", "set compile.enable=false.")
+        refuse(["compile.enable"], "compile.enable=true", "set compile.enable=false (the stages combine with "
+               "tensor parallel, FSDP2 and recompute instead), or model.pipeline_model_parallel_size=1 to compile.")
     if cfg.data.seq_length_buckets is not None:
         refuse(["data.seq_length_buckets"], "data.seq_length_buckets (the stages exchange one fixed shape)",
                "set data.seq_length_buckets=null.")
