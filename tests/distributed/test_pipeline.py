@@ -10,6 +10,11 @@ each stage draws from its own streams (Megatron's seed + 100 x stage).
 
 With dropout off, a pipelined run computes what one process computes with
 the same global batch and the same initial weights, up to rounding.
+
+A second launch, of 4 ranks, runs ``LAYOUTS_4``: 2 stages combined with
+replicated data parallel (overlapped), tensor + sequence parallel, FSDP2,
+MoE and hybrid models and recompute; the 8-rank 3-D layouts are in
+test_pipeline_3d.py.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphstep.training.moe_hooks import KEYS as MOE_KEYS
 from helpers.launch import report_runs, torchrun_reports
 from helpers.reports import assert_graphed_equals_eager, train_report
 
@@ -57,13 +63,17 @@ MOE = ["train.micro_batch_size=2", "model.hidden_dropout=0.1", "model.moe_router
        "model.moe_router_bias_update_rate=0.01", "model.moe_router_score_function=sigmoid",
        "data.corpus_max_bytes=300000", "data.split=90,10,0"]
 LAYOUTS_4 = {
-    "pp2_dp2": [*PP2, *DP2],
+    # replicated data parallel, the buckets' all-reduces overlapped with each stage's last backward; tied embeddings
+    "pp2_dp2": [*PP2, *DP2, "ddp.overlap_grad_reduce=true", "ddp.bucket_size=5000",
+                "model.share_embeddings_and_output_weights=true"],
     # 2 stages x 2 tensor-parallel ranks, the stages exchanging sequence shards; tied embeddings: the last stage's
     # copy is sharded over the vocabulary as the first stage's embedding
     "pp2_tp2_sp": [*PP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
                    "model.share_embeddings_and_output_weights=true"],
     "pp2_zero2": [*PP2, *DP2, "ddp.use_distributed_optimizer=true"],
-    "pp2_zero3": [*PP2, *DP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    # tied: FSDP2 shards both stages' copies of the embedding alike over the data-parallel ranks
+    "pp2_zero3": [*PP2, *DP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
+                  "model.share_embeddings_and_output_weights=true"],
     "pp2_moe": [*PP2, *DP2, *MOE],  # 3 MoE layers (qwen3_moe_tiny), 2 + 1
     "pp2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4"],  # nemotron_h_tiny's M-*E: M- on the first stage, *E last
     "pp2_recompute": [*PP2, *DP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
@@ -73,6 +83,7 @@ LAYOUTS_4 = {
 RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}  # the others: llama3_tiny
 # the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
 MODES_4 = {
+    "pp2_dp2": {"nodrop": [*NO_DROPOUT, *EAGER]},
     "pp2_tp2_sp": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
                    "nodrop": [*NO_DROPOUT, *EAGER]},
     "pp2_zero2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]},
@@ -80,12 +91,6 @@ MODES_4 = {
     "pp2_moe": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"],
                 "nodrop": [*NO_DROPOUT, *EAGER]},
     "pp2_hybrid": {"layers": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[mamba,attn,moe]"]},
-}
-# 8 ranks: the 3-D layout, 2 stages x 2 data-parallel x 2 tensor-parallel ranks, data parallel replicated or FSDP2
-LAYOUTS_8 = {
-    "pp2_dp2_tp2": [*PP2, *DP2, "model.tensor_model_parallel_size=2"],
-    "pp2_zero3_tp2_sp": [*PP2, *DP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
-                         "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
 }
 
 
@@ -115,6 +120,8 @@ def layouts_worker(out: str, device: str, which: str) -> None:
         result = train(cfg, keep_model=True)
         embedding = getattr(result.model, "embedding", None)
         return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()],
+                "moe": [[row[k] for k in MOE_KEYS] for row in result.rows if MOE_KEYS[0] in row],
+                "grad_norm": [row["grad_norm"] for row in result.rows],
                 "embedding": None if embedding is None else  # the bits of this stage's (part of the) embedding
                 hashlib.sha256(local_tensor(embedding.weight).detach().float().cpu().numpy().tobytes()).hexdigest()}
 
@@ -248,7 +255,8 @@ def reports_4(tmp_path_factory):
 
 @pytest.mark.ranks4
 def test_pipelines_on_four_ranks_equal_eager(reports_4):
-    """pp2 x dp2 (each stage's gradients all-reduced over its data-parallel group, inside the graph), pp2 x tp2
+    """pp2 x dp2 (each stage's gradients all-reduced over its data-parallel group, overlapped with the stage's last
+    backward, inside the graph), pp2 x tp2
     with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and ZeRO-3, MoE and hybrid models and
     recompute over 2 stages: the whole-schedule graphs and the per-layer graphs equal eager bit for bit."""
     _assert_graphed_runs_equal_eager(reports_4, LAYOUTS_4, MODES_4)
@@ -259,15 +267,30 @@ def test_pipelines_on_four_ranks_equal_eager(reports_4):
 
 
 @pytest.mark.ranks4
-def test_tensor_parallel_stages_shard_their_layers_and_keep_the_tied_copies_equal(reports_4):
-    """(pp, tp) = (0,0), (0,1), (1,0), (1,1): each rank holds its own shards; the last stage's copy of the tied
-    embedding holds the same rows, bit for bit, as the first stage's embedding on the same tensor-parallel rank."""
+@pytest.mark.parametrize("layout", ["pp2_moe", "pp2_hybrid"])
+def test_moe_metrics_over_stages_are_the_whole_models(reports_4, layout):
+    """Every rank logs the MoE metrics of all the model's MoE layers over its own micro-batches (the hybrid's
+    first stage holds none): the stages of a pipeline log the same, graphed as eager."""
+    for pipeline in ((0, 2), (1, 3)):  # rank = 2 pp + dp
+        logged = reports_4[pipeline[0]][f"{layout}/eager"]["moe"]
+        assert len(logged) == 4 and all(aux > 0 and load >= 1 for aux, _, load in logged)
+        for rank in pipeline:
+            assert reports_4[rank][f"{layout}/eager"]["moe"] == logged
+            assert reports_4[rank][f"{layout}/graphed"]["moe"] == logged
+    assert reports_4[0][f"{layout}/eager"]["moe"] != reports_4[1][f"{layout}/eager"]["moe"]  # other data
+
+
+@pytest.mark.ranks4
+@pytest.mark.parametrize("layout", ["pp2_tp2_sp", "pp2_zero3"])
+def test_sharded_stages_keep_the_tied_copies_equal(reports_4, layout):
+    """rank = 2 pp + tp (or dp): each rank holds its own shards; the last stage's copy of the tied embedding
+    holds the same rows, bit for bit, as the first stage's embedding on the same tensor-parallel (FSDP2) rank."""
     for mode in ("eager", "graphed", "nodrop"):
-        runs = [r[f"pp2_tp2_sp/{mode}"] for r in reports_4]
+        runs = [r[f"{layout}/{mode}"] for r in reports_4]
         assert len({run["shard"] for run in runs}) == 4, mode
         copies = [run["embedding"] for run in runs]
         assert copies[0] == copies[2] and copies[1] == copies[3] and copies[0] != copies[1], mode
-    first, last = reports_4[0]["pp2_tp2_sp/eager"]["names"], reports_4[2]["pp2_tp2_sp/eager"]["names"]
+    first, last = reports_4[0][f"{layout}/eager"]["names"], reports_4[2][f"{layout}/eager"]["names"]
     assert first[0] == last[0] == "embedding.weight" and "output_layer.weight" not in first + last
 
 
@@ -285,26 +308,28 @@ def _one_process(layout: str, *overrides: str):
 @pytest.mark.ranks4
 @pytest.mark.parametrize("layout", [name for name, modes in MODES_4.items() if "nodrop" in modes])
 def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, layout):
-    """Dropout off: 2 stages over tensor parallel (tied), FSDP2 or an MoE model (whose expert biases move with the
-    token counts of each stage's data-parallel ranks) compute what one process computes with the same global batch,
-    to float tolerance."""
-    one = torch.tensor(_one_process(layout).losses, dtype=torch.float64)
+    """Dropout off: 2 stages over replicated data parallel with overlap (tied), tensor parallel (tied), FSDP2 (tied)
+    or an MoE model (whose expert biases move
+    with the token counts of each stage's data-parallel ranks) compute what one process computes with the same
+    global batch, to float tolerance: the losses, and the gradient norm (each element counted once over the mesh,
+    the last stage's copy of a tied embedding not at all)."""
+    single = _one_process(layout)
+    one = torch.tensor(single.losses, dtype=torch.float64)
+    norms = torch.tensor([row["grad_norm"] for row in single.rows], dtype=torch.float64)
     for report in reports_4:
         four = torch.tensor(report[f"{layout}/nodrop"]["losses"], dtype=torch.float64)
         assert four.shape == one.shape == (4,)
         torch.testing.assert_close(four, one, rtol=2e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(report[f"{layout}/nodrop"]["grad_norm"], dtype=torch.float64), norms,
+                                   rtol=1e-4, atol=0)
 
 
-@pytest.mark.ranks8
-def test_three_dimensional_layout_on_eight_ranks_equals_eager(tmp_path):
-    """pp2 x dp2 x tp2: 2 stages, each 2 data-parallel (replicated, or FSDP2 ZeRO-3) x 2 tensor-parallel ranks
-    (sequence parallel with FSDP2); the whole schedule graphed equals eager bit for bit on every rank."""
-    reports = run_layouts(tmp_path, "cpu", timeout=600, nproc=8, layouts="LAYOUTS_8")
-    _assert_graphed_runs_equal_eager(reports, LAYOUTS_8, {})
-    # rank = 4 pp + 2 dp + tp: replicated data-parallel ranks hold the same shards, FSDP2's each its own
-    shards = [r["pp2_dp2_tp2/eager"]["shard"] for r in reports]
-    assert shards[0] == shards[2] and shards[1] == shards[3] and len(set(shards)) == 4
-    assert len({r["pp2_zero3_tp2_sp/eager"]["shard"] for r in reports}) == 8
+@pytest.mark.cuda
+def test_pipelines_on_four_gpus_graphed_equal_eager(tmp_path):
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs (the nvidia-h100-x4 machine)")
+    reports = run_layouts(tmp_path, "cuda", timeout=900, nproc=4, layouts="LAYOUTS_4")
+    _assert_graphed_runs_equal_eager(reports, LAYOUTS_4, MODES_4)
 
 
 @pytest.mark.cuda

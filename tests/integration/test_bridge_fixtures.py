@@ -46,13 +46,12 @@ def test_the_70b_recipe_has_llama3_70bs_shape():
             m.vocab_size, m.seq_length) == (80, 8192, 28672, 64, 8, 128256, 8192)
 
 
-def test_bridges_tensor_by_pipeline_70b_layout_is_refused_only_for_its_overlapped_gradient_reduction(monkeypatch):
+def test_bridges_tensor_by_pipeline_70b_layout_validates(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "16")
-    layout = ("model.tensor_model_parallel_size=4", "model.pipeline_model_parallel_size=4", "model.pipeline_dtype=bf16")
-    found = validate_config(config("--recipe", "llama3_70b", *overrides("llama3_70b"), *layout))
-    assert [v.rule for v in found] == ["R29"] and "ddp.overlap_grad_reduce=true" in found[0].message
-    assert validate_config(config("--recipe", "llama3_70b", *overrides("llama3_70b"), *layout,
-                                  "ddp.overlap_grad_reduce=false")) == []
+    cfg = config("--recipe", "llama3_70b", *overrides("llama3_70b"), "model.tensor_model_parallel_size=4",
+                 "model.pipeline_model_parallel_size=4", "model.pipeline_dtype=bf16")
+    assert cfg.ddp.overlap_grad_reduce is True  # as Bridge's recipe sets it
+    assert validate_config(cfg) == []
 
 
 def test_the_pretrain_yaml_validates(capsys):

@@ -103,7 +103,6 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.pipeline_model_parallel_size=2", "compile.enable=true"], 2, "R29", "compile.enable"),
     (["model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=full_iteration", "model.use_te_rng_tracker=true",
       "model.cuda_graph_warmup_steps=0"], 2, "R29", "shapes"),
-    (["model.pipeline_model_parallel_size=2", "ddp.overlap_grad_reduce=true"], 2, "R29", "overlap_grad_reduce"),
     (["model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
       "model.cuda_graph_warmup_steps=1"], 2, "R29", "shape inference"),
     (["model.pipeline_model_parallel_size=2", "model.cuda_graph_retain_backward_graph=true"], 2, "R29",
@@ -150,8 +149,9 @@ def test_accepted_pipeline_layouts_break_no_rule():
     (["model.hybrid_override_pattern=M-*-"], 2),
     (["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]", "model.attention_dropout=0.0"], 2),
     (["model.recompute_granularity=full", "model.attention_dropout=0.0", "model.hidden_dropout=0.0"], 2),
+    (["ddp.overlap_grad_reduce=true"], 4),
 ])
-def test_pipeline_stages_combine_with_tensor_parallel_fsdp2_moe_hybrid_and_recompute(overrides, world):
+def test_pipeline_stages_combine_with_parallel_layouts_moe_hybrid_recompute_and_overlap(overrides, world):
     """No layout rule refuses these (the graphed runs are in tests/distributed/test_pipeline.py)."""
     assert _rules("model.pipeline_model_parallel_size=2", *overrides, world=world) == []
 

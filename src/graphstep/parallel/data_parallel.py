@@ -15,7 +15,10 @@ all-reduce starts during the *last* micro-batch's backward, as soon as every
 parameter whose gradient lies in the bucket has been accumulated into it
 (a post-accumulate-grad hook registered after the buffer's own), so the
 communication of the last layers' gradients runs while autograd computes the
-first layers'. After the backward, the buckets that never became ready (a
+first layers'. Over pipeline stages the schedule runs the backwards, so the
+step arms the reducer before the schedule and a bucket starts once each of
+its gradients has been accumulated once per micro-batch: in the stage's last
+backward too. After the backward, the buckets that never became ready (a
 parameter without a gradient in this step) start in bucket order, and every
 bucket is waited on. The sums are those of the reducer without overlap --
 the same buckets, pre-divided the same way -- so the results are the same
@@ -161,9 +164,12 @@ class OverlappedGradReducer(GradReducer):
         for p in grads.params:
             p.register_post_accumulate_grad_hook(self._ready)
 
-    def arm(self) -> None:
-        """Before the last micro-batch's backward: count the gradients each bucket still waits for."""
-        self.pending = list(self.needed)
+    def arm(self, accumulations: int = 1) -> None:
+        """Before the last micro-batch's backward: count the gradients each bucket still waits for. A pipeline's
+        schedule runs every backward of the step itself, so its step arms before the schedule with
+        ``accumulations`` = the micro-batches: a bucket starts once each of its gradients has been accumulated
+        that many times, i.e. in the stage's last backward."""
+        self.pending = [n * accumulations for n in self.needed]
         self.works = [None] * len(self.buckets)
         self.armed = True
 

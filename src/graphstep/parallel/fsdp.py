@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+PARAMETER_MARKS = ("tied_copy",)  # what graphstep marks on a parameter and FSDP2's shard keeps (parallel/pipeline.py)
+
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype, *,
                prefetch: bool = False, experts_mesh: DeviceMesh | None = None) -> None:
@@ -34,6 +36,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
     from .expert_parallel import expert_modules
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # fully_shard replaces every parameter by a new one (its shard): the marks graphstep sets on parameters (the
+    # last pipeline stage's tied copy, parallel/pipeline.py) are carried over by name
+    marks = {name: {k: getattr(p, k) for k in PARAMETER_MARKS if hasattr(p, k)} for name, p in model.named_parameters()}
     layers = [layer for _, layer in model.layers.named_children()]
     for i, layer in enumerate(layers):
         # ZeRO-3 reshards a layer after its forward -- but not the last, whose backward comes next (torchtitan's choice)
@@ -44,6 +49,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
             experts.set_force_sum_reduction_for_comms(True)  # a sum, then the division: gloo has no PREMUL_SUM
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    for name, p in model.named_parameters():
+        for key, value in marks.get(name, {}).items():
+            setattr(p, key, value)
     if prefetch:
         for layer, following in zip(layers, layers[1:]):
             layer.set_modules_to_forward_prefetch([following])

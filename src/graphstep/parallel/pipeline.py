@@ -241,6 +241,12 @@ class TiedEmbeddingReducer:
     def __init__(self, grad: torch.Tensor, group: Any, then: Callable[[], None] | None = None) -> None:
         self.grad, self.group, self.then = grad, group, then
 
+    def arm(self, accumulations: int = 1) -> None:
+        """Arm ``then`` where it overlaps its reduction with the backward (parallel/data_parallel.py)."""
+        arm = getattr(self.then, "arm", None)
+        if arm is not None:
+            arm(accumulations=accumulations)
+
     def __call__(self) -> None:
         if self.then is not None:
             self.then()

@@ -160,7 +160,8 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     # the expert-bias update sums the token counts over the data-parallel ranks of this stage (each stage holds
     # other MoE layers; without stages they are the whole world, the default group); a MoE block's tokens are
     # split over tp
-    moe = MoEHooks(model, num_mb, group=dp.dp_group if dp.layout.pp > 1 else None, token_shares=dp.layout.tp)
+    moe = MoEHooks(model, num_mb, group=dp.dp_group if dp.layout.pp > 1 else None, token_shares=dp.layout.tp,
+                   stages=dp.pp_group, moe_model=cfg.model.num_moe_experts is not None)
     train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb)
     if compile_mode is not None:
         train_step = CompileTimeReport(train_step, describe_compile(compile_mode, settings))

@@ -236,7 +236,7 @@ def _iterate(cfg: Config, run: Run, data: Any, valid: Any, ckpt: Checkpointer, h
     tr, dp, device, runner = cfg.train, run.dp, run.device, run.runner
     start = run.start_iteration
     keys = ["loss", "grad_norm", "lr"] + (["nonfinite"] if run.checks_nonfinite else []) \
-        + (list(MOE_KEYS) if run.moe.enabled else [])
+        + (list(MOE_KEYS) if run.moe.logged else [])
     recorder = MetricsRecorder(keys, device, cfg.logger.log_interval, cfg.logger.metrics_path if dp.is_main else None,
                                resume_after=start)
     console = Console(enabled=cfg.logger.progress_bar and sys.stderr.isatty() and dp.is_main,
@@ -316,7 +316,7 @@ def _scalars(run: Run, out: dict[str, torch.Tensor], opt: dict[str, torch.Tensor
     nonfinite = run.nonfinite(out, opt)
     if nonfinite is not None:
         scalars["nonfinite"] = nonfinite
-    if run.moe.enabled:
+    if run.moe.logged:
         scalars.update(run.moe.metrics())
     return scalars
 

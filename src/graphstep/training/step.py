@@ -151,6 +151,9 @@ class PipelineTrainStep(TrainStep):
         self.pipeline = pipeline
 
     def _accumulate(self, batches: list[Batch], total: torch.Tensor) -> None:
+        arm = getattr(self.reduce_grads, "arm", None)  # an overlapped reduction starts in the stage's last backward
+        if arm is not None:
+            arm(accumulations=len(batches))
         self.pipeline.run(self.pipeline.train_schedule, batches, total, train=True)
 
     def _mean(self, total: torch.Tensor, n: int) -> torch.Tensor:

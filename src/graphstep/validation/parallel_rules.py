@@ -26,8 +26,10 @@ parallel/; these rules say which configurations it takes:
   rounds of ``pp``, and what is not implemented (another activation dtype,
   tied embeddings across more than 2 stages or with virtual stages, GPipe or
   per-layer graphs with virtual stages) is refused;
-* R29 -- what pipeline parallelism does not combine with yet (tensor
-  parallelism, FSDP2, MoE and hybrid models, ...);
+* R29 -- what pipeline parallelism does not combine with yet (compile, shape
+  buckets, an MoE model under tensor parallel, ...; tensor parallelism, FSDP2,
+  MoE and hybrid models, recompute and the overlapped gradient reduction
+  combine with it);
 * R30 -- context parallel: the layout fits the world and the sequence (2 x cp
   equal chunks, and each rank's share divides over sequence-parallel ranks),
   the communication type is the one graphstep implements (``all_gather``), and
@@ -358,15 +360,13 @@ def _r29(v: View) -> list[Violation]:
                "step also runs torch's shape inference, an extra forward of every layer)",
                "set model.cuda_graph_warmup_steps=2 or more.")
     if cfg.compile.enable is True:
-        refuse(["compile.enable"], "compile.enable=true", "set compile.enable=false.")
+        refuse(["compile.enable"], "compile.enable=true", "set compile.enable=false (the stages combine with "
+               "tensor parallel, FSDP2 and recompute instead), or model.pipeline_model_parallel_size=1 to compile.")
     if m.num_moe_experts is not None and tensor_parallel_size(cfg) > 1:
         refuse(["model.num_moe_experts", "model.tensor_model_parallel_size"], "an MoE model and "
                f"model.tensor_model_parallel_size={tensor_parallel_size(cfg)} (the MoE blocks' token shares are "
                "summed over the tensor-parallel ranks, which a stage's data-parallel group does not span)",
                "train MoE models over pipeline stages with data parallel, or with tensor parallel without stages.")
-    if cfg.ddp.overlap_grad_reduce is True:
-        refuse(["ddp.overlap_grad_reduce"], "ddp.overlap_grad_reduce=true (the schedule runs the backward)",
-               "set ddp.overlap_grad_reduce=false.")
     if cfg.data.seq_length_buckets is not None:
         refuse(["data.seq_length_buckets"], "data.seq_length_buckets (the stages exchange one fixed shape)",
                "set data.seq_length_buckets=null.")

@@ -1,0 +1,81 @@
+"""The 3-D layout under torchrun: 2 pipeline stages x 2 data-parallel x 2 tensor-parallel ranks, graphed equal eager.
+
+One torchrun launch of 8 ranks runs this file's ``layouts_worker``: each rank
+trains every layout of ``LAYOUTS`` eagerly and with the full-iteration,
+optimizer and evaluation graphs -- the whole schedule, its sends and receives,
+the tensor-parallel collectives and the data-parallel reduction (the bucketed
+all-reduce, or FSDP2's gathers and reduce-scatters) captured once per rank --
+and writes the per-iteration losses, the evaluation losses and a digest of the
+shards it holds. On the CPU the graphs run on the replay backend over gloo.
+The 4-rank combinations (2 stages with tensor parallel, FSDP2, MoE, hybrid
+models, recompute) are in test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.launch import report_runs, torchrun_reports
+from helpers.reports import train_report
+
+pytestmark = pytest.mark.slow
+
+ITERS = 4  # 8 processes on CI's 2 cores: eager, eager, captured, replayed
+COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
+          "train.eval_iters=2", "train.eval_interval=2", "model.use_te_rng_tracker=true",
+          "model.share_embeddings_and_output_weights=false", "model.num_layers=3",
+          "model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2",
+          "model.tensor_model_parallel_size=2", "train.global_batch_size=16"]  # 4 micro-batches of 2 per pipeline
+GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+EAGER = ["model.cuda_graph_impl=none"]
+LAYOUTS = {  # rank = 4 pp + 2 dp + tp
+    "pp2_dp2_tp2": [],  # replicated data parallel, the full sequence between the stages
+    "pp2_zero3_tp2_sp": ["model.sequence_parallel=true", "ddp.use_megatron_fsdp=true",
+                         "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+}
+
+
+def layouts_worker(out: str, device: str) -> None:
+    """The torchrun worker: each layout eager and graphed."""
+    from helpers.runs import tiny_config
+    from graphstep.training.loop import train
+
+    runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
+            for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
+
+    def run(overrides: list[str]) -> dict:
+        return train_report(train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True))
+
+    report_runs(Path(out), device, runs, run)
+
+
+def _assert_graphed_equals_eager(reports: list[dict]) -> None:
+    for layout in LAYOUTS:
+        for rank, report in enumerate(reports):
+            eager, graphed = report[f"{layout}/eager"], report[f"{layout}/graphed"]
+            assert set(eager["states"]) == {"eager"} and eager["losses"][-1] < eager["losses"][0], layout
+            assert graphed["states"][1:4] == ["eager", "captured", "replayed"], (layout, rank)
+            assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"], (layout, rank)
+            assert graphed["shard"] == eager["shard"], (layout, rank)
+            assert eager["losses"] == reports[0][f"{layout}/eager"]["losses"], (layout, rank)  # one loss logged
+
+
+@pytest.mark.ranks8
+def test_three_dimensional_layouts_on_eight_ranks_equal_eager(tmp_path):
+    """pp2 x dp2 x tp2, data parallel replicated or FSDP2 ZeRO-3 (with sequence parallel): the whole schedule
+    graphed equals eager bit for bit on every rank, and every rank holds the part of the model its place says."""
+    reports = torchrun_reports(__file__, "layouts_worker", tmp_path, 8, "cpu", timeout=600)
+    _assert_graphed_equals_eager(reports)
+    shards = [r["pp2_dp2_tp2/eager"]["shard"] for r in reports]  # replicas hold the same shards
+    assert [shards.index(s) for s in shards] == [0, 1, 0, 1, 4, 5, 4, 5] and len(set(shards)) == 4
+    assert len({r["pp2_zero3_tp2_sp/eager"]["shard"] for r in reports}) == 8  # FSDP2: each rank its own
+
+
+@pytest.mark.cuda
+def test_three_dimensional_layouts_on_eight_gpus_equal_eager(tmp_path):
+    if torch.cuda.device_count() < 8:
+        pytest.skip("needs 8 GPUs (the nvidia-h100-x8 machine)")
+    _assert_graphed_equals_eager(torchrun_reports(__file__, "layouts_worker", tmp_path, 8, "cuda", timeout=900))
