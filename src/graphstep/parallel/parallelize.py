@@ -32,7 +32,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     ``model``, or its compiled wrapper.
 
     The rules (validation/parallel_rules.py, R25-R31) admit only the combinations that work today: expert parallel
-    with tensor parallel or FSDP2 (not both), compile with neither tensor parallel nor FSDP2.
+    with tensor parallel or FSDP2 (not both), compile with none of tensor parallel, FSDP2 and expert parallel.
     """
     if mesh is None and dims.needs_mesh:
         raise RuntimeError(f"the layout {dims.describe()} needs a device mesh (parallel/dims.py build_mesh)")
