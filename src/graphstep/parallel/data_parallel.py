@@ -130,6 +130,8 @@ class PartialGradReducer:
 
     def __init__(self, shares: torch.Tensor, tp_group: Any, then: Any = None) -> None:
         self.shares, self.group, self.then = shares, tp_group, then
+        if hasattr(then, "arm"):  # an overlapped data-parallel reduction starts during the last backward
+            self.arm = then.arm
 
     def __call__(self) -> None:
         if self.then is not None:

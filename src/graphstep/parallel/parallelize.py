@@ -34,7 +34,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
 
     The rules (validation/parallel_rules.py, R25-R31) admit only the combinations that work today: expert parallel
     with tensor parallel or FSDP2 (not both), context parallel never with expert parallel, compile with none of
-    tensor parallel, context parallel and FSDP2.
+    tensor, context and expert parallel and FSDP2.
     """
     if mesh is None and dims.needs_mesh:
         raise RuntimeError(f"the layout {dims.describe()} needs a device mesh (parallel/dims.py build_mesh)")
