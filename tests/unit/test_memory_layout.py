@@ -171,8 +171,64 @@ def test_expert_parallel_ranks_hold_their_share_of_the_experts():
     assert split.activations == whole.activations
 
 
-def test_a_pipeline_stage_holds_its_share_of_the_layers(llama3_8b, counts):
-    est = estimate_memory(llama3_8b, CUDA, ParallelDims(pp=2))
-    stage = ceil_div(llama3_8b.model.num_layers, 2) * counts.largest_layer + counts.root
-    assert est.gradients == stage * 4 < counts.parameters * 4
-    assert est.weights == stage * BF16 + counts.buffers * BF16
+CPU = torch.device("cpu")  # llama3_tiny in fp32: 4 bytes per element, no master copy
+
+
+# llama3_tiny by hand: 4 layers of 184576 parameters (qkv 128 x 256, proj 128 x 128, fc1 128 x 704, fc2 352 x 128,
+# two norms of 128), a tied 256 x 128 embedding (32768) and the final norm (128); 32768 buffer elements.
+# Activations per token and layer in fp32: attention 4 * 2h + h = 1152 + 4 * (3h + 3kv) = 2304 (kv = 64), MLP
+# 1152 + 4 * 4f = 5632: 10240; times 128 tokens: 1310720 per sample and layer. Logits: 128 * 256 * (4 + 8) = 393216.
+LAYER, EMB, BUF, LAYER_ACT, LOGITS = 184576, 32768, 32768, 1310720, 393216
+
+
+def tiny(*overrides: str):
+    return apply_overrides(get_recipe("llama3_tiny"), list(overrides))
+
+
+def test_pipeline_1f1b_first_rank_keeps_pp_micro_batches_of_its_layers():
+    # 2 stages, 2 micro-batches per step (16 / 8): rank 0 holds layers 0-1 and the embedding, keeps 2 in flight;
+    # rank 1 layers 2-3 and the tied copy + final norm, 1 in flight plus the logits
+    est = estimate_memory(tiny(), CPU, ParallelDims(pp=2))
+    assert (est.stage, est.parameters, est.in_flight) == (0, 2 * LAYER + EMB, 2.0)
+    assert est.activations_per_sample == 2 * LAYER_ACT * 2
+    assert (est.weights, est.gradients, est.optimizer) == ((401920 + BUF) * 4, 401920 * 4, 401920 * 8)
+
+
+def test_interleaved_first_rank_keeps_megatrons_share():
+    # v = 2 virtual stages of one layer: rank 0 holds chunks 0 and 2 (layers 0, 2); 4 micro-batches per step.
+    # Megatron: pp * (1 + (pp - 1) / (pp * v)) = 2 * (1 + 1/4) = 2.5 micro-batches of the rank's 2 layers
+    est = estimate_memory(tiny("model.virtual_pipeline_model_parallel_size=2", "train.global_batch_size=32"), CPU,
+                          ParallelDims(pp=2))
+    assert (est.stage, est.in_flight, est.activations_per_sample) == (0, 2.5, int(2 * LAYER_ACT * 2.5))
+    # with 2 micro-batches per step the warm-up is capped at m * v = 4 chunk forwards: 2 micro-batches
+    capped = estimate_memory(tiny("model.virtual_pipeline_model_parallel_size=2"), CPU, ParallelDims(pp=2))
+    assert capped.in_flight == 2.0
+
+
+def test_gpipe_keeps_every_micro_batch_and_the_last_rank_is_heaviest():
+    est = estimate_memory(tiny("model.pipeline_schedule=gpipe", "train.global_batch_size=32"), CPU, ParallelDims(pp=2))
+    assert (est.stage, est.parameters, est.in_flight) == (1, 2 * LAYER + EMB + 128, 4.0)
+    assert est.activations_per_sample == 4 * (2 * LAYER_ACT + LOGITS)
+
+
+def test_an_uneven_split_counts_the_heavier_rank():
+    est = estimate_memory(tiny("model.num_layers_in_first_pipeline_stage=1"), CPU, ParallelDims(pp=2))
+    assert (est.stage, est.parameters, est.in_flight) == (1, 3 * LAYER + EMB + 128, 1.0)
+    assert est.activations_per_sample == 3 * LAYER_ACT + LOGITS
+
+
+def test_context_parallel_halves_the_tokens_and_keeps_the_gathered_keys_and_values():
+    est = estimate_memory(tiny(), CPU, ParallelDims(cp=2))
+    gathered = 4 * 2 * 64 * 128  # fp32 keys and values of the whole sequence, per attention layer
+    assert est.activations_per_sample == 4 * (LAYER_ACT // 2 + gathered) + LOGITS // 2
+
+
+def test_pipeline_by_tensor_parallel_by_fsdp2():
+    # rank 0 of 2 stages x 2 FSDP2 ZeRO-3 ranks x 2 tensor-parallel + sequence-parallel ranks, micro-batch 4:
+    # 401920 parameters sharded 4 ways, the gathered copy (2 layers + embedding = the whole stage) split over tp
+    est = estimate_memory(tiny("train.micro_batch_size=4"), CPU,
+                          ParallelDims(pp=2, dp_shard=2, tp=2, sequence_parallel=True, fsdp=ZERO3))
+    shard = 401920 // 4
+    assert (est.weights, est.gradients, est.optimizer) == (shard * 4 + 401920 // 2 * 4 + BUF * 4, shard * 4, shard * 8)
+    per_token = (1152 + 2304) // 2 + (1152 + 5632) // 2  # everything split over the sequence-parallel ranks
+    assert est.activations_per_sample == 2 * 128 * per_token * 2  # 16 / (4 x 2) = 2 micro-batches in flight

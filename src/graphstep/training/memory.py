@@ -74,6 +74,7 @@ whose per-rank estimate fits the same device: see ``suggest_layout``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import os
@@ -88,6 +89,8 @@ from ..models import build_model, resolve_dtype
 from ..models.hybrid import layer_kinds
 from ..models.transformer import recompute_runs
 from ..parallel.dims import ParallelDims
+from ..parallel.pipeline import model_chunks
+from ..validation.stage_split import chunks_of_rank, virtual_stages
 from .rundir import RunSetupError
 
 log = logging.getLogger("graphstep")
@@ -110,6 +113,9 @@ class ParameterCounts:
     root: int  # parameters outside the decoder layers: embedding, final norm, output layer
     experts: int = 0  # parameters of the routed experts (split over expert-parallel ranks)
     trainable: int | None = None  # parameters the optimizer updates (LoRA: the adapters); None: all of them
+    layers: tuple[int, ...] = ()  # parameters of each decoder layer, in order
+    embedding: int = 0  # parameters of the embedding (part of ``root``; the first pipeline stage holds it)
+    tied: bool = False  # the output layer reads the embedding's weight (the last stage then holds a copy)
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,8 @@ class MemoryEstimate:
     activations_per_sample: int
     micro_batch_size: int
     layout: ParallelDims = ParallelDims()
+    stage: int = 0  # the pipeline rank this estimate is for: the heaviest one
+    in_flight: float = 1.0  # micro-batches whose activations that rank keeps at once (pipeline schedules)
 
     @property
     def static(self) -> int:
@@ -137,9 +145,12 @@ class MemoryEstimate:
         return self.static + self.activations
 
     def breakdown(self) -> str:
+        flight = f", {self.in_flight:g} in flight" if self.layout.pp > 1 else ""
+        where = f" on pipeline rank {self.stage}" if self.layout.pp > 1 else ""
         return (f"weights {_gib(self.weights)} + fp32 gradients {_gib(self.gradients)} + optimizer state "
                 f"{_gib(self.optimizer)} + activations {_gib(self.activations)} (micro-batch "
-                f"{self.micro_batch_size}) = {_gib(self.total)} for {self.parameters / 1e9:.2f}B parameters")
+                f"{self.micro_batch_size}{flight}) = {_gib(self.total)} for {self.parameters / 1e9:.2f}B "
+                f"parameters{where}")
 
 
 def _gib(n: float) -> str:
@@ -162,9 +173,12 @@ def parameter_counts(cfg: Config) -> ParameterCounts:
     layers = [sum(p.numel() for p in layer.parameters()) for layer in getattr(model, "layers", [])]
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts.experts." in n)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if plan is not None else None
+    embedding = getattr(model, "embedding", None)
     return ParameterCounts(parameters=params, buffers=sum(b.numel() for b in model.buffers()),
                            largest_layer=max(layers, default=0), root=params - sum(layers), experts=experts,
-                           trainable=trainable)
+                           trainable=trainable, layers=tuple(layers),
+                           embedding=sum(p.numel() for p in embedding.parameters()) if embedding is not None else 0,
+                           tied=getattr(model, "output_layer", 0) is None)
 
 
 def count_parameters(cfg: Config) -> tuple[int, int]:
@@ -184,21 +198,53 @@ def estimate_memory(cfg: Config, device: torch.device, layout: ParallelDims | No
 
 
 def _estimate(cfg: Config, device: torch.device, layout: ParallelDims, counts: ParameterCounts) -> MemoryEstimate:
+    """The heaviest rank's estimate: the only rank without pipeline stages, else the pipeline rank needing most."""
+    if layout.pp == 1:
+        return _rank_estimate(cfg, device, layout, counts, None)
+    ranks = [_rank_estimate(cfg, device, layout, counts, r) for r in range(layout.pp)]
+    return max(ranks, key=lambda est: est.total)
+
+
+def _rank_estimate(cfg: Config, device: torch.device, layout: ParallelDims, counts: ParameterCounts,
+                   stage: int | None) -> MemoryEstimate:
     e = element_size(cfg, device)
+    held = None if stage is None else rank_layers(cfg, layout.pp, stage)
+    if held is not None:  # this pipeline rank's decoder layers, and the embedding / output layer it holds
+        counts = _stage_counts(counts, *held)
     if layout.ep > 1:  # each rank holds its share of the routed experts
         local = counts.parameters - counts.experts + _split(counts.experts, layout.ep)
-        counts = ParameterCounts(parameters=local, buffers=counts.buffers, largest_layer=counts.largest_layer,
-                                 root=counts.root, experts=_split(counts.experts, layout.ep))
-    if layout.pp > 1:  # the heaviest stage: its share of the layers, and (at most) the embedding and output layer
-        share = -(-cfg.model.num_layers // layout.pp) * counts.largest_layer + counts.root
-        counts = ParameterCounts(parameters=min(share, counts.parameters), buffers=counts.buffers,
-                                 largest_layer=counts.largest_layer, root=counts.root)
+        counts = dataclasses.replace(counts, parameters=local, experts=_split(counts.experts, layout.ep))
     weights, gradients, optimizer = static_bytes(counts, e, layout)
+    if held is None:
+        per_sample, in_flight = activation_bytes_per_sample(cfg, e, device, layout), 1.0
+    else:
+        per_sample, in_flight = stage_activation_bytes_per_sample(cfg, e, device, layout, stage)
     return MemoryEstimate(
         parameters=counts.parameters, weights=weights, gradients=gradients, optimizer=optimizer,
-        activations_per_sample=activation_bytes_per_sample(cfg, e, device, layout),
-        micro_batch_size=cfg.train.micro_batch_size, layout=layout,
+        activations_per_sample=per_sample, micro_batch_size=cfg.train.micro_batch_size, layout=layout,
+        stage=stage or 0, in_flight=in_flight,
     )
+
+
+def rank_layers(cfg: Config, pp: int, rank: int) -> tuple[list[int], bool, bool]:
+    """``(decoder layers, embedding?, loss?)`` of pipeline rank ``rank``: its chunks of the run's stage split
+    (validation/stage_split.py, the split parallel/pipeline.py builds), every virtual stage of the rank."""
+    chunks = model_chunks(cfg.model, pp)
+    mine = [chunks[c] for c in chunks_of_rank(rank, pp, len(chunks) // pp)]
+    return [i for c in mine for i in c.layers], any(c.embedding for c in mine), any(c.loss for c in mine)
+
+
+def _stage_counts(counts: ParameterCounts, layers: list[int], embedding: bool, loss: bool) -> ParameterCounts:
+    """The counts of one pipeline rank: its decoder layers, the embedding on the first, the final norm and output
+    layer on the last (a tied output layer is a copy of the embedding there)."""
+    head = counts.root - counts.embedding + (counts.embedding if counts.tied and not embedding else 0)
+    root = (counts.embedding if embedding else 0) + (head if loss else 0)
+    per_layer = [counts.layers[i] for i in layers] if counts.layers else [counts.largest_layer] * len(layers)
+    share = len(layers) / max(1, len(counts.layers))  # routed experts: spread evenly over the layers
+    trainable = None if counts.trainable is None else _split(counts.trainable * len(layers), max(1, len(counts.layers)))
+    return dataclasses.replace(counts, parameters=sum(per_layer) + root, largest_layer=max(per_layer, default=0),
+                               root=root, experts=int(counts.experts * share), trainable=trainable,
+                               layers=tuple(per_layer), embedding=counts.embedding if embedding else 0)
 
 
 def static_bytes(counts: ParameterCounts, e: int, layout: ParallelDims) -> tuple[int, int, int]:
@@ -219,6 +265,50 @@ def static_bytes(counts: ParameterCounts, e: int, layout: ParallelDims) -> tuple
 def activation_bytes_per_sample(cfg: Config, e: int, device: torch.device, layout: ParallelDims | None = None) -> int:
     """Bytes one sample keeps for its backward on one rank of ``layout`` (the block terms of the module docstring)."""
     layout = layout or ParallelDims()
+    per_token, gathered = _layer_bytes(cfg, e, device, layout)
+    tokens = _split(cfg.model.seq_length, layout.cp)  # context parallel: this rank's chunks of each sequence
+    return _stack_bytes(cfg, e, layout, per_token, gathered, tokens) + tokens * _logits_per_token(cfg, e)
+
+
+def stage_activation_bytes_per_sample(cfg: Config, e: int, device: torch.device, layout: ParallelDims,
+                                      rank: int) -> tuple[int, float]:
+    """``(bytes, in flight)``: what one sample of every micro-batch pipeline rank ``rank`` keeps at once, and how
+    many micro-batches that is (the schedules of the module docstring)."""
+    layers, _embedding, loss = rank_layers(cfg, layout.pp, rank)
+    per_token, gathered = _layer_bytes(cfg, e, device, layout)
+    tokens = _split(cfg.model.seq_length, layout.cp)
+    stack = _stack_bytes(cfg, e, layout, [per_token[i] for i in layers], [gathered[i] for i in layers], tokens)
+    in_flight, logits_in_flight = micro_batches_in_flight(cfg, layout, rank)
+    logits = tokens * _logits_per_token(cfg, e) if loss else 0
+    return int(stack * in_flight) + logits * logits_in_flight, in_flight
+
+
+def micro_batches_in_flight(cfg: Config, layout: ParallelDims, rank: int) -> tuple[float, int]:
+    """``(decoder-layer micro-batches, logits micro-batches)`` pipeline rank ``rank`` keeps for their backward.
+
+    GPipe runs every forward first: all ``m`` micro-batches of the step. 1F1B: ``min(pp - rank, m)``. Interleaved
+    (``v`` virtual stages): Megatron's warm-up of ``2 (pp - rank - 1) + (v - 1) pp`` chunk forwards plus the one in
+    its steady state, at most ``m v``, each ``1 / v`` of the rank's layers -- on the first rank
+    ``pp (1 + (pp - 1) / (pp v))`` micro-batches; zero bubble is counted the same. The loss's logits are computed
+    and used by the same micro-batch's backward at once, except under GPipe.
+    """
+    pp, t, m = layout.pp, cfg.train, cfg.model
+    per_step = max(1, t.global_batch_size // max(1, t.micro_batch_size * layout.dp))
+    if m.pipeline_schedule == "gpipe":
+        return float(per_step), per_step
+    v = virtual_stages(m.pipeline_model_parallel_layout, m.virtual_pipeline_model_parallel_size, pp)
+    if v == 1:
+        return float(min(pp - rank, per_step)), 1
+    chunks = min(2 * (pp - rank - 1) + (v - 1) * pp + 1, per_step * v)
+    return chunks / v, 1
+
+
+def _logits_per_token(cfg: Config, e: int) -> int:
+    return cfg.model.vocab_size * (e + 8)
+
+
+def _layer_bytes(cfg: Config, e: int, device: torch.device, layout: ParallelDims) -> tuple[list[int], list[int]]:
+    """Per decoder layer on one rank: bytes per token (``r + i/tp``) and the gathered keys and values per sample."""
     m = cfg.model
     blocks = _block_terms(cfg, e, device)
     tp, sp = layout.tp, layout.sequence_parallel and layout.tp > 1
@@ -226,17 +316,26 @@ def activation_bytes_per_sample(cfg: Config, e: int, device: torch.device, layou
     def on_rank(residual: int, inner: int) -> int:
         return _split(residual + inner, tp) if sp else residual + _split(inner, tp)
 
-    layers = [on_rank(sum(blocks[k][0] for k in kinds), sum(blocks[k][1] for k in kinds)) for kinds in layer_kinds(m)]
-    full = (m.recompute_method or "uniform", m.recompute_num_layers) if m.recompute_granularity == "full" else None
-    runs = recompute_runs(len(layers), full)
-    per_token = sum(on_rank(e * m.hidden_size, 0) if recomputed else sum(layers[a:b]) for a, b, recomputed in runs)
-    per_token += max((sum(layers[a:b]) for a, b, recomputed in runs if recomputed), default=0)
-    tokens = _split(m.seq_length, layout.cp)  # context parallel: this rank's chunks of each sequence
-    gathered = 0
+    kinds = layer_kinds(m)
+    per_token = [on_rank(sum(blocks[k][0] for k in ks), sum(blocks[k][1] for k in ks)) for ks in kinds]
+    gathered = [0] * len(kinds)
     if layout.cp > 1:  # each attention keeps the whole sequence's keys and values (all-gathered) for its backward
         kv = (m.num_query_groups or m.num_attention_heads) * (m.kv_channels or m.hidden_size // m.num_attention_heads)
-        gathered = sum("attn" in kinds for kinds in layer_kinds(m)) * _split(e * 2 * kv * m.seq_length, tp)
-    return tokens * (per_token + m.vocab_size * (e + 8)) + gathered
+        gathered = [_split(e * 2 * kv * m.seq_length, tp) if "attn" in ks else 0 for ks in kinds]
+    return per_token, gathered
+
+
+def _stack_bytes(cfg: Config, e: int, layout: ParallelDims, per_token: list[int], gathered: list[int],
+                 tokens: int) -> int:
+    """Bytes one sample keeps through a run of decoder layers (one stage's, or all), recompute counted."""
+    m = cfg.model
+    tp, sp = layout.tp, layout.sequence_parallel and layout.tp > 1
+    kept_input = _split(e * m.hidden_size, tp) if sp else e * m.hidden_size  # a recomputed run keeps its input
+    full = (m.recompute_method or "uniform", m.recompute_num_layers) if m.recompute_granularity == "full" else None
+    runs = recompute_runs(len(per_token), full)
+    total = sum(kept_input if recomputed else sum(per_token[a:b]) for a, b, recomputed in runs)
+    total += max((sum(per_token[a:b]) for a, b, recomputed in runs if recomputed), default=0)
+    return tokens * total + sum(gathered)
 
 
 def _block_terms(cfg: Config, e: int, device: torch.device) -> dict[str, tuple[int, int]]:
