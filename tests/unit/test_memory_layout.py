@@ -100,11 +100,23 @@ def test_sequence_parallel_halves_the_block_activations_not_the_logits(llama3_8b
 def _suggested(message: str) -> tuple[ParallelDims, list[str], int]:
     """The layout, overrides and rank count a refusal names."""
     overrides = re.search(r"add (.*?) and launch", message).group(1).split()
-    ranks = int(re.search(r"--nproc_per_node (\d+)", message).group(1))
-    tp = next((int(o.split("=")[1]) for o in overrides if o.startswith("model.tensor_model_parallel_size=")), 1)
-    layout = ParallelDims(dp_shard=ranks // tp, tp=tp, sequence_parallel="model.sequence_parallel=true" in overrides,
-                          fsdp=ZERO3)
+    nodes = re.search(r"--nnodes (\d+)", message)
+    ranks = int(re.search(r"--nproc_per_node (\d+)", message).group(1)) * (int(nodes.group(1)) if nodes else 1)
+
+    def size(name: str) -> int:
+        return next((int(o.split("=")[1]) for o in overrides if o.startswith(f"model.{name}=")), 1)
+
+    tp, pp, cp, ep = (size(n) for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                        "context_parallel_size", "expert_model_parallel_size"))
+    dp = ranks // (tp * pp * cp)
+    layout = ParallelDims(pp=pp, dp_shard=dp, cp=cp, tp=tp, ep=ep,
+                          sequence_parallel="model.sequence_parallel=true" in overrides, fsdp=ZERO3 if dp > 1 else None)
     return layout, overrides, ranks
+
+
+def moved_estimate(cfg, layout: ParallelDims):
+    """The estimate of ``cfg`` asked for ``layout`` with the fields the advice would set."""
+    return estimate_memory(memory.with_fields(cfg, memory.layout_fields(cfg, layout)), CUDA, layout)
 
 
 def test_llama3_8b_on_one_h200_is_told_the_smallest_layout_that_fits(monkeypatch, llama3_8b):
@@ -118,9 +130,9 @@ def test_llama3_8b_on_one_h200_is_told_the_smallest_layout_that_fits(monkeypatch
     assert "not yet available" not in message
     layout, _overrides, ranks = _suggested(message)
     assert layout.describe() in message
-    assert estimate_memory(llama3_8b, CUDA, layout).total <= budget
-    smaller = [c for c in candidate_layouts(llama3_8b) if c.dp * c.tp < ranks]
-    assert all(estimate_memory(llama3_8b, CUDA, c).total > budget for c in smaller)
+    assert moved_estimate(llama3_8b, layout).total <= budget
+    smaller = [c for c in candidate_layouts(llama3_8b) if c.ranks < ranks]
+    assert all(moved_estimate(llama3_8b, c).total > budget for c in smaller)
     assert not torch.cuda.is_initialized()
 
 
@@ -134,30 +146,45 @@ def test_the_suggested_layout_passes_the_check_and_the_layout_rules(monkeypatch,
     assert ParallelDims.from_config(cfg, ranks) == layout
     estimate = check_memory_fits(cfg, CUDA, layout=layout)
     assert estimate is not None and estimate.layout == layout
-    layout_rules = {"R25", "R26", "R27", "V13"}
+    layout_rules = memory.LAYOUT_RULES
     assert [v for v in validate_config(cfg, env={}, world_size=ranks) if v.rule in layout_rules] == []
 
 
 def test_nothing_fits_says_so(monkeypatch, llama3_8b):
     monkeypatch.setattr(memory, "available_memory", lambda device: GiB)  # not even sharded 1024 ways
-    with pytest.raises(RunSetupError, match=r"no FSDP2 layout of up to 1024 such devices fits"):
+    with pytest.raises(RunSetupError, match=r"no layout of up to 1024 such devices fits"):
         check_memory_fits(llama3_8b, CUDA)
 
 
 def test_more_than_8_ranks_are_nodes_of_8(monkeypatch, llama3_8b):
-    sixteen = [c for c in candidate_layouts(llama3_8b) if c.dp * c.tp == 16]
-    budget = min(estimate_memory(llama3_8b, CUDA, c).total for c in sixteen)  # the best 16-rank layout just fits
+    sixteen = [c for c in candidate_layouts(llama3_8b) if c.ranks == 16]
+    budget = min(moved_estimate(llama3_8b, c).total for c in sixteen)  # the best 16-rank layout just fits
     monkeypatch.setattr(memory, "available_memory", lambda device: int(budget / HEADROOM) + 1)
     with pytest.raises(RunSetupError) as info:
         check_memory_fits(llama3_8b, CUDA)
     assert "launch on 16 GPUs, 2 nodes x 8 (torchrun --nnodes 2 --nproc_per_node 8)" in str(info.value)
 
 
-def test_moe_models_are_not_offered_a_sharded_layout(monkeypatch):
+def test_moe_models_are_offered_fsdp2_with_expert_parallel(monkeypatch):
     cfg = get_recipe("qwen3_moe_tiny")
+    four = ParallelDims(dp_shard=4, ep=4, fsdp=ZERO3)
+    assert four in candidate_layouts(cfg) and all(c.tp == c.pp == c.cp == 1 and c.ep > 1 for c in candidate_layouts(cfg))
+    budget = moved_estimate(cfg, four).total
+    assert moved_estimate(cfg, ParallelDims(dp_shard=2, ep=2, fsdp=ZERO3)).total > budget  # 2 ranks do not fit
+    monkeypatch.setattr(memory, "available_memory", lambda device: int(budget / HEADROOM) + 1)
+    with pytest.raises(RunSetupError) as info:
+        check_memory_fits(cfg, CUDA)
+    layout, overrides, ranks = _suggested(str(info.value))
+    assert layout == four and "model.expert_model_parallel_size=4" in overrides
+    apply_overrides(cfg, overrides)
+    assert [v for v in validate_config(cfg, env={}, world_size=ranks) if v.rule in memory.LAYOUT_RULES] == []
+
+
+def test_hybrid_models_are_not_offered_a_sharded_layout(monkeypatch):
+    cfg = get_recipe("nemotron_h_tiny")
     estimate = estimate_memory(cfg, CUDA)
     monkeypatch.setattr(memory, "available_memory", lambda device: estimate.static // 2)
-    with pytest.raises(RunSetupError, match=r"do not take MoE or hybrid models yet \(rule R27\)"):
+    with pytest.raises(RunSetupError, match=r"do not take hybrid \(Mamba\) models yet \(rule R27\)"):
         check_memory_fits(cfg, CUDA)
 
 

@@ -76,9 +76,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import itertools
 import logging
+import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -426,61 +429,125 @@ def _what_fits(cfg: Config, device: torch.device, estimate: MemoryEstimate, budg
 
 
 def candidate_layouts(cfg: Config) -> list[ParallelDims]:
-    """FSDP2 ZeRO-3 layouts the model takes (rule R25), fewest ranks first, then fewest tensor-parallel ranks.
+    """The layouts ``suggest_layout`` tries, fewest ranks first; at equal ranks fewest pipeline stages, then fewest
+    context-parallel, then fewest tensor-parallel ranks (the most data-parallel ones).
 
-    ``dp`` >= 2 data-parallel ranks; ``tp`` must divide the heads, query
-    groups, MLP width and vocabulary; sequence parallel whenever ``tp`` > 1
-    and the sequence divides too (it splits the residual-stream activations).
+    Dense models: FSDP2 ZeRO-3 over the ``dp`` data-parallel ranks (plain ranks when ``dp`` is 1) x ``tp`` in 1,
+    2, 4, 8 dividing the heads, query groups, MLP width and vocabulary (R25), with sequence parallel whenever it
+    divides the sequence, x ``pp`` pipeline stages that split the layers evenly (R28) x ``cp`` context-parallel
+    ranks without stages (R30), whose chunks cut the sequence evenly. MoE models: FSDP2 x ``ep`` expert-parallel
+    ranks (R27, R31: no tensor parallel, stages or context parallel with them), ``ep`` the largest power of 2
+    dividing both the experts and ``dp``. Hybrid (Mamba) models: none (R27).
     """
     m = cfg.model
+    if m.hybrid_override_pattern is not None:
+        return []
+    if m.num_moe_experts is not None:
+        out, ranks = [], 2
+        while ranks <= MAX_RANKS:
+            ep = math.gcd(ranks, m.num_moe_experts)
+            if ep >= 2:
+                out.append(ParallelDims(dp_shard=ranks, ep=ep, fsdp=ZERO3))
+            ranks *= 2
+        return out
     sizes = (m.num_attention_heads, m.num_query_groups or m.num_attention_heads, m.ffn_hidden_size, m.vocab_size)
     tps = [tp for tp in TP_SIZES if all(n % tp == 0 for n in sizes)]
+    pps = [pp for pp in (1, 2, 4, 8, 16, 32) if pp == 1 or (m.num_layers % pp == 0 and m.num_layers >= pp)]
+    cps = [cp for cp in (1, 2, 4, 8) if m.seq_length % (2 * cp) == 0 or cp == 1]
     out = []
     ranks = 2
     while ranks <= MAX_RANKS:
-        out += [ParallelDims(dp_shard=ranks // tp, tp=tp, sequence_parallel=tp > 1 and m.seq_length % tp == 0,
-                             fsdp=ZERO3) for tp in tps if ranks // tp >= 2]
+        found = []
+        for pp, cp, tp in itertools.product(pps, cps, tps):
+            if ranks % (pp * cp * tp) or (pp > 1 and cp > 1):
+                continue
+            dp = ranks // (pp * cp * tp)
+            sp = tp > 1 and (m.seq_length // cp) % tp == 0
+            found.append(ParallelDims(pp=pp, dp_shard=dp, cp=cp, tp=tp, sequence_parallel=sp,
+                                      fsdp=ZERO3 if dp > 1 else None))
+        out += sorted(found, key=lambda d: (d.pp, d.cp, d.tp))
         ranks *= 2
     return out
 
 
 def shardable(cfg: Config) -> bool:
-    """Whether FSDP2 and tensor parallel take the model: not MoE or hybrid (Mamba) ones yet (rule R27)."""
-    return cfg.model.num_moe_experts is None and cfg.model.hybrid_override_pattern is None
+    """Whether FSDP2 takes the model: every model but hybrid (Mamba) ones (rule R27); MoE models with expert
+    parallel."""
+    return cfg.model.hybrid_override_pattern is None
+
+
+LAYOUT_RULES = {"R25", "R26", "R27", "R28", "R29", "R30", "R31", "V13"}
 
 
 def suggest_layout(cfg: Config, device: torch.device, budget: float,
                    counts: ParameterCounts | None = None) -> tuple[ParallelDims, MemoryEstimate] | None:
-    """The first of ``candidate_layouts`` whose per-rank estimate fits ``budget`` bytes, with that estimate.
+    """The first of ``candidate_layouts`` whose per-rank estimate fits ``budget`` bytes and whose overrides the
+    layout rules accept at its world size, with that estimate. None when none does (hybrid models: none).
 
-    None for MoE and hybrid models, which FSDP2 and tensor parallel do not take yet (rule R27).
-    Activation recompute is left out of the estimate: R27 refuses it with these layouts.
+    Activation recompute is left out of the estimate: R27 refuses it with FSDP2 and tensor parallel.
     """
-    if not shardable(cfg):
-        return None
+    from ..validation import validate_config
+
     counts = counts or parameter_counts(cfg)
-    plain = copy.deepcopy(cfg)
-    plain.model.recompute_granularity = None
     for layout in candidate_layouts(cfg):
-        estimate = _estimate(plain, device, layout, counts)
-        if estimate.total <= budget:
+        fields = layout_fields(cfg, layout)
+        moved = with_fields(cfg, fields)
+        estimate = _estimate(moved, device, layout, counts)
+        if estimate.total > budget:
+            continue
+        if not [v for v in validate_config(moved, env={}, world_size=layout.ranks) if v.rule in LAYOUT_RULES]:
             return layout, estimate
     return None
 
 
-def layout_overrides(cfg: Config, layout: ParallelDims) -> list[str]:
-    """The overrides that ask for ``layout`` (an FSDP2 ZeRO-3 layout from ``candidate_layouts``)."""
-    out = ZERO3_OVERRIDES.split()
-    if layout.tp > 1:
-        out.append(f"model.tensor_model_parallel_size={layout.tp}")
-    if layout.sequence_parallel:
-        out.append("model.sequence_parallel=true")
-    if cfg.model.recompute_granularity is not None:
-        out.append("model.recompute_granularity=null")
-    per_step = cfg.train.micro_batch_size * layout.dp
-    if cfg.train.global_batch_size % per_step:  # rule V13: every data-parallel rank takes whole micro-batches
-        out.append(f"train.global_batch_size={_split(cfg.train.global_batch_size, per_step) * per_step}")
+def layout_fields(cfg: Config, layout: ParallelDims) -> dict[str, Any]:
+    """The config fields (``section.field``: value) that ask for ``layout``, a layout from ``candidate_layouts``:
+    its sizes, plain pipeline stages (an even split, 1F1B), and what the layout rules refuse with it turned off."""
+    m, t = cfg.model, cfg.train
+    out: dict[str, Any] = {}
+    if layout.fsdp is not None:
+        out.update({"ddp.use_megatron_fsdp": True, "ddp.data_parallel_sharding_strategy": layout.fsdp})
+    out.update({"model.tensor_model_parallel_size": layout.tp, "model.sequence_parallel": layout.sequence_parallel,
+                "model.pipeline_model_parallel_size": layout.pp, "model.context_parallel_size": layout.cp,
+                "model.expert_model_parallel_size": layout.ep})
+    out.update({f: None for f in ("model.virtual_pipeline_model_parallel_size", "model.pipeline_model_parallel_layout",
+                                  "model.num_layers_in_first_pipeline_stage", "model.num_layers_in_last_pipeline_stage")})
+    out.update({"model.account_for_embedding_in_pipeline_split": False,
+                "model.account_for_loss_in_pipeline_split": False})
+    if layout.pp > 1:
+        out["model.pipeline_schedule"] = "1f1b"
+        out["ddp.overlap_grad_reduce"] = False  # R29
+        out["model.pipeline_dtype"] = None
+    elif m.pipeline_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        out["model.pipeline_schedule"] = "1f1b"
+    if layout.needs_mesh:
+        out["model.recompute_granularity"] = None  # R27
+    per_step = t.micro_batch_size * layout.dp  # V13: whole micro-batches per rank; 1F1B: at least pp of them
+    out["train.global_batch_size"] = max(_split(t.global_batch_size, per_step), layout.pp) * per_step
     return out
+
+
+def with_fields(cfg: Config, fields: dict[str, Any]) -> Config:
+    """A copy of ``cfg`` with ``fields`` set."""
+    out = copy.deepcopy(cfg)
+    for key, value in fields.items():
+        section, name = key.split(".")
+        setattr(getattr(out, section), name, value)
+    return out
+
+
+def layout_overrides(cfg: Config, layout: ParallelDims) -> list[str]:
+    """The overrides that ask for ``layout`` (a layout from ``candidate_layouts``): the fields that change."""
+    out = []
+    for key, value in layout_fields(cfg, layout).items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) != value:
+            out.append(f"{key}={_override_value(value)}")
+    return out
+
+
+def _override_value(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def launch(ranks: int, device: torch.device) -> str:
@@ -493,14 +560,14 @@ def launch(ranks: int, device: torch.device) -> str:
 
 
 def _layout_advice(cfg: Config, device: torch.device, budget: float, counts: ParameterCounts) -> str:
-    """One sentence: the smallest FSDP2 ZeRO-3 layout that fits, how to ask for it, or why there is none."""
+    """One sentence: the smallest layout that fits, how to ask for it, or why there is none."""
     if not shardable(cfg):
-        return ("FSDP2 and tensor parallel do not take MoE or hybrid models yet (rule R27): a device with more "
+        return ("FSDP2 and tensor parallel do not take hybrid (Mamba) models yet (rule R27): a device with more "
                 "memory or a smaller model")
     found = suggest_layout(cfg, device, budget, counts)
     if found is None:
-        return (f"no FSDP2 layout of up to {MAX_RANKS} such devices fits either: a smaller model or a shorter "
-                "model.seq_length")
+        return (f"no layout of up to {MAX_RANKS} such devices fits either (FSDP2 x tensor x pipeline x context "
+                "parallel): a smaller model or a shorter model.seq_length")
     layout, estimate = found
     return (f"as {layout.describe()} it needs about {_gib(estimate.total)} per rank: "
-            f"add {' '.join(layout_overrides(cfg, layout))} and {launch(layout.dp * layout.tp, device)}")
+            f"add {' '.join(layout_overrides(cfg, layout))} and {launch(layout.ranks, device)}")
