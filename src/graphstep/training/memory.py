@@ -571,3 +571,89 @@ def _layout_advice(cfg: Config, device: torch.device, budget: float, counts: Par
     layout, estimate = found
     return (f"as {layout.describe()} it needs about {_gib(estimate.total)} per rank: "
             f"add {' '.join(layout_overrides(cfg, layout))} and {launch(layout.ranks, device)}")
+
+
+# ---- what a layout needs, before a run: ``graphstep config validate`` -----------------------------------
+
+H100_GIB = 80  # the GPU memory ``graphstep config validate`` judges against without a GPU or --gpu-memory
+
+
+def layout_world_size(cfg: Config) -> int:
+    """The fewest ranks the config's layout takes: pipeline x context x tensor-parallel ranks x the fewest
+    data-parallel ones (one, or the expert-parallel ranks, which are data-parallel ranks: R31)."""
+    m = cfg.model
+    return (m.pipeline_model_parallel_size * m.context_parallel_size * m.tensor_model_parallel_size
+            * max(1, m.expert_model_parallel_size))
+
+
+def _relaxations(cfg: Config) -> list[tuple[str, dict[str, Any]]]:
+    """Layout features to turn off, in order, to reach a layout the rules accept at the same world size: the
+    newest combinations first (virtual stages, then context parallel, whose ranks become data-parallel ones)."""
+    m, out = cfg.model, []
+    if m.virtual_pipeline_model_parallel_size is not None or m.pipeline_model_parallel_layout is not None:
+        fields: dict[str, Any] = {"model.virtual_pipeline_model_parallel_size": None,
+                                  "model.pipeline_model_parallel_layout": None}
+        if m.pipeline_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+            fields["model.pipeline_schedule"] = "1f1b"
+        out.append(("without virtual stages", fields))
+    if m.context_parallel_size > 1:
+        out.append(("without context parallel (its ranks data-parallel)", {"model.context_parallel_size": 1}))
+    if m.pipeline_model_parallel_size > 1 and cfg.ddp.overlap_grad_reduce:
+        out.append(("without overlapped gradient reduction", {"ddp.overlap_grad_reduce": False}))
+    return out
+
+
+def nearest_accepted(cfg: Config, world: int) -> tuple[str, dict[str, Any]] | None:
+    """The first of ``cfg``'s relaxations (applied one after another) that the layout rules accept on ``world``
+    ranks, as ``(what it drops, the fields)``; None when the config passes already or none does."""
+    from ..validation import validate_config
+
+    def refused(c: Config) -> bool:
+        return any(v.rule in LAYOUT_RULES for v in validate_config(c, env={}, world_size=world))
+
+    if not refused(cfg):
+        return None
+    names, fields = [], {}
+    for name, more in _relaxations(cfg):
+        names.append(name)
+        fields.update(more)
+        if not refused(with_fields(cfg, fields)):
+            return ", ".join(names), fields
+    return None
+
+
+def layout_report(cfg: Config, world: int, gpu_memory: float, device: torch.device | None = None) -> list[str]:
+    """Lines saying what ``cfg``'s layout needs on ``world`` ranks: the GPU count, the heaviest rank's memory
+    estimate against ``gpu_memory`` bytes per GPU (fits under ``HEADROOM`` of it, or the smallest layout that
+    does), and, when the layout rules refuse it, the nearest layout they accept with its estimate."""
+    device = device or torch.device("cuda")  # never touched: the estimate needs the dtype's element size only
+    layout = ParallelDims.from_config(cfg, world)
+    lines = [f"layout: {layout.describe()}: {layout.ranks} GPUs (tp {layout.tp} x pp {layout.pp} x cp {layout.cp} "
+             f"x dp {layout.dp}" + (f", ep {layout.ep} of the dp ranks" if layout.ep > 1 else "") + ")"]
+    budget = HEADROOM * gpu_memory
+    try:
+        counts = parameter_counts(cfg)
+        lines += _fit_lines(cfg, device, layout, counts, budget, gpu_memory)
+    except Exception as exc:  # a shape the meta build or the stage split cannot take: the rules say why
+        return lines + [f"memory per rank: no estimate ({type(exc).__name__}: {exc})"]
+    near = nearest_accepted(cfg, world)
+    if near is not None:
+        what, fields = near
+        moved = with_fields(cfg, fields)
+        moved_layout = ParallelDims.from_config(moved, world)
+        changed = [f"{k}={_override_value(v)}" for k, v in fields.items()
+                   if getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) != v]
+        lines.append(f"nearest layout the rules accept ({what}): add {' '.join(changed)}: {moved_layout.describe()}")
+        lines += ["  " + line for line in _fit_lines(moved, device, moved_layout, counts, budget, gpu_memory)]
+    return lines
+
+
+def _fit_lines(cfg: Config, device: torch.device, layout: ParallelDims, counts: ParameterCounts, budget: float,
+               gpu_memory: float) -> list[str]:
+    estimate = _estimate(cfg, device, layout, counts)
+    fits = estimate.total <= budget
+    lines = [f"memory per rank: about {_gib(estimate.total)} of {_gib(gpu_memory)} per GPU "
+             f"({'fits' if fits else 'does not fit'}, {HEADROOM:.0%} usable): {estimate.breakdown()}"]
+    if not fits:
+        lines.append(f"  {_what_fits(cfg, device, estimate, budget, counts)}")
+    return lines
