@@ -628,8 +628,9 @@ def layout_report(cfg: Config, world: int, gpu_memory: float, device: torch.devi
     does), and, when the layout rules refuse it, the nearest layout they accept with its estimate."""
     device = device or torch.device("cuda")  # never touched: the estimate needs the dtype's element size only
     layout = ParallelDims.from_config(cfg, world)
-    lines = [f"layout: {layout.describe()}: {layout.ranks} GPUs (tp {layout.tp} x pp {layout.pp} x cp {layout.cp} "
-             f"x dp {layout.dp}" + (f", ep {layout.ep} of the dp ranks" if layout.ep > 1 else "") + ")"]
+    gpus = f"{layout.ranks} GPU" + ("s" if layout.ranks > 1 else "")
+    lines = [f"layout: {layout.describe()}: {gpus} (tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}"
+             + (f", ep {layout.ep} of the dp ranks" if layout.ep > 1 else "") + ")"]
     budget = HEADROOM * gpu_memory
     try:
         counts = parameter_counts(cfg)
