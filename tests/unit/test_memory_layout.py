@@ -168,7 +168,8 @@ def test_more_than_8_ranks_are_nodes_of_8(monkeypatch, llama3_8b):
 def test_moe_models_are_offered_fsdp2_with_expert_parallel(monkeypatch):
     cfg = get_recipe("qwen3_moe_tiny")
     four = ParallelDims(dp_shard=4, ep=4, fsdp=ZERO3)
-    assert four in candidate_layouts(cfg) and all(c.tp == c.pp == c.cp == 1 and c.ep > 1 for c in candidate_layouts(cfg))
+    layouts = candidate_layouts(cfg)
+    assert four in layouts and all(c.tp == c.pp == c.cp == 1 and c.ep > 1 for c in layouts)
     budget = moved_estimate(cfg, four).total
     assert moved_estimate(cfg, ParallelDims(dp_shard=2, ep=2, fsdp=ZERO3)).total > budget  # 2 ranks do not fit
     monkeypatch.setattr(memory, "available_memory", lambda device: int(budget / HEADROOM) + 1)

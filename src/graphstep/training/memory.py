@@ -30,13 +30,24 @@ which FSDP2 keeps gathered from forward to backward, divided by ``tp``; with
 ``P/tp``. Every parameter counts as split over the tensor-parallel ranks;
 the norm weights, which are replicated, are small enough to ignore. With
 ``ep`` expert-parallel ranks the routed experts' parameters count ``1/ep``
-(the dispatch buffer of the block's all-gather is not counted). With
-``pp`` pipeline stages ``P`` is the heaviest stage's: ``ceil(layers / pp)``
-of the largest layer plus the embedding and output layer (an upper bound:
-each end stage holds one of the two). Activations stay those of the whole
-layer stack: under 1F1B the first stage keeps ``pp`` micro-batches in flight
-through ``layers / pp`` layers (GPipe keeps every micro-batch of the step:
-more than this estimate when there are more micro-batches than stages).
+(the dispatch buffer of the block's all-gather is not counted).
+
+With ``pp`` pipeline stages every pipeline rank is estimated and the
+heaviest one reported. A rank holds the decoder layers of its chunks in the
+run's stage split (validation/stage_split.py, the split parallel/pipeline.py
+builds: uneven splits, layouts and virtual stages included), the embedding on
+the first rank, the final norm and output layer (a tied copy of the
+embedding) on the last; buffers count whole on every rank. Its activations
+are those of its layers for each micro-batch it keeps in flight, ``m``
+being the micro-batches of a step (``global / (micro x dp)``)::
+
+    GPipe                 m                                        (every forward before the backwards)
+    1F1B                  min(pp - rank, m)                        (the first rank: pp)
+    interleaved (v)       min(2 (pp - rank - 1) + (v - 1) pp + 1, m v) / v
+                          the first rank: pp (1 + (pp - 1) / (pp v)), Megatron's formula
+
+(interleaved zero bubble is counted as interleaved 1F1B), plus the logits
+on the last rank: one micro-batch's, all ``m`` under GPipe.
 
 Per token (``b`` = micro-batch, ``s`` = sequence, ``h`` = hidden, ``f`` = FFN
 width, ``kv`` = key/value width, masks 1 byte per element), each block keeps
@@ -61,14 +72,20 @@ recompute; the layers outside the runs keep theirs. On the CPU with attention dr
 keeps the scores, an inner term: ``b * heads * s^2 * (e + 1)`` per layer.
 The estimate is a lower bound of what a step uses -- allocator
 fragmentation, workspaces, graph pools, FSDP2's prefetched layer and its
-unsharded gradients come on top -- so ``check_memory_fits`` refuses only
+unsharded gradients, the pipeline's send/receive buffers come on top -- so
+``check_memory_fits`` refuses only
 when it exceeds 95% of the memory the device has free
 (``torch.cuda.mem_get_info`` plus what the caching allocator holds unused on a GPU, ``MemAvailable`` of
 ``/proc/meminfo`` on the CPU). When it refuses because the weights, their
 gradients and optimizer state, or one sample's activations do not fit, it
-names the smallest FSDP2 ZeRO-3 layout (``dp`` x ``tp`` ranks, at most 1024)
-whose per-rank estimate fits the same device: see ``suggest_layout``.
-``GRAPHSTEP_SKIP_MEMORY_CHECK=1`` skips the check.
+names the smallest layout (at most 1024 ranks) whose per-rank estimate fits
+the same device and whose overrides the layout rules (R25-R31, V13) accept
+at its world size: FSDP2 ZeRO-3 data parallel x tensor x pipeline x context
+parallel for dense models, FSDP2 x expert parallel for MoE models, none for
+hybrid ones (see ``suggest_layout``). ``layout_report`` says the same before
+a run, for ``graphstep config validate``: the layout's GPU count, its
+estimate against a stated GPU memory, and the nearest layout the rules accept
+when they refuse this one. ``GRAPHSTEP_SKIP_MEMORY_CHECK=1`` skips the check.
 """
 
 from __future__ import annotations
@@ -510,8 +527,9 @@ def layout_fields(cfg: Config, layout: ParallelDims) -> dict[str, Any]:
     out.update({"model.tensor_model_parallel_size": layout.tp, "model.sequence_parallel": layout.sequence_parallel,
                 "model.pipeline_model_parallel_size": layout.pp, "model.context_parallel_size": layout.cp,
                 "model.expert_model_parallel_size": layout.ep})
-    out.update({f: None for f in ("model.virtual_pipeline_model_parallel_size", "model.pipeline_model_parallel_layout",
-                                  "model.num_layers_in_first_pipeline_stage", "model.num_layers_in_last_pipeline_stage")})
+    split = ("model.virtual_pipeline_model_parallel_size", "model.pipeline_model_parallel_layout",
+             "model.num_layers_in_first_pipeline_stage", "model.num_layers_in_last_pipeline_stage")
+    out.update({f: None for f in split})
     out.update({"model.account_for_embedding_in_pipeline_split": False,
                 "model.account_for_loss_in_pipeline_split": False})
     if layout.pp > 1:
