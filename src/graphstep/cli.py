@@ -61,6 +61,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 def cmd_config_validate(args: argparse.Namespace) -> int:
     import os
 
+    from .training.memory import LAYOUT_RULES
     from .validation import accepted_notes, format_violations, validate_config
     from .validation.migrations import normalized_copy
 
@@ -76,8 +77,9 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     if chosen:
         print(f"validated at world size {world}, the fewest ranks the layout takes (--world-size or WORLD_SIZE to "
               "choose another)")
-    for line in _layout_lines(cfg, world, args.gpu_memory):
-        print(line)
+    if not violations or any(v.rule in LAYOUT_RULES for v in violations):  # other rules: fix those first
+        for line in _layout_lines(cfg, world, args.gpu_memory):
+            print(line)
     return 2 if violations else 0
 
 
