@@ -260,3 +260,18 @@ def test_pipeline_by_tensor_parallel_by_fsdp2():
     assert (est.weights, est.gradients, est.optimizer) == (shard * 4 + 401920 // 2 * 4 + BUF * 4, shard * 4, shard * 8)
     per_token = (1152 + 2304) // 2 + (1152 + 5632) // 2  # everything split over the sequence-parallel ranks
     assert est.activations_per_sample == 2 * 128 * per_token * 2  # 16 / (4 x 2) = 2 micro-batches in flight
+
+
+def test_per_layer_graphs_are_advised_one_full_iteration_graph_where_the_layout_rules_ask_it(monkeypatch):
+    # qwen3_30b_a3b graphs attn, moe_router and moe_preprocess per layer: R27 (FSDP2 ZeRO-3) and R31 (those
+    # scopes with expert parallel) refuse them over the advised layout, so the advice graphs the whole iteration
+    cfg = get_recipe("qwen3_30b_a3b")
+    assert cfg.model.cuda_graph_impl == "transformer_engine"
+    monkeypatch.setattr(memory, "available_memory", lambda device: 80 * GiB)
+    with pytest.raises(RunSetupError) as info:
+        check_memory_fits(cfg, CUDA)
+    layout, overrides, ranks = _suggested(str(info.value))
+    assert layout.ep == ranks == 4 and "model.cuda_graph_impl=full_iteration" in overrides
+    apply_overrides(cfg, overrides)
+    assert [v for v in validate_config(cfg, env={}, world_size=ranks) if v.rule in memory.LAYOUT_RULES] == []
+    assert moved_estimate(get_recipe("qwen3_30b_a3b"), layout).total <= HEADROOM * 80 * GiB

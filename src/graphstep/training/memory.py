@@ -503,8 +503,6 @@ def suggest_layout(cfg: Config, device: torch.device, budget: float,
 
     Activation recompute is left out of the estimate: R27 refuses it with FSDP2 and tensor parallel.
     """
-    from ..validation import validate_config
-
     counts = counts or parameter_counts(cfg)
     for layout in candidate_layouts(cfg):
         fields = layout_fields(cfg, layout)
@@ -512,9 +510,24 @@ def suggest_layout(cfg: Config, device: torch.device, budget: float,
         estimate = _estimate(moved, device, layout, counts)
         if estimate.total > budget:
             continue
-        if not [v for v in validate_config(moved, env={}, world_size=layout.ranks) if v.rule in LAYOUT_RULES]:
+        if _accepted(moved, layout) or (_graph_fallback(cfg) and _accepted(
+                with_fields(cfg, {**fields, **_graph_fallback(cfg)}), layout)):
             return layout, estimate
     return None
+
+
+def _accepted(cfg: Config, layout: ParallelDims) -> bool:
+    from ..validation import validate_config
+
+    return not [v for v in validate_config(cfg, env={}, world_size=layout.ranks) if v.rule in LAYOUT_RULES]
+
+
+def _graph_fallback(cfg: Config) -> dict[str, Any]:
+    """Per-layer graphs as one full-iteration graph: what R27 (FSDP2 ZeRO-3) and R31 (the MoE block's scopes
+    with expert parallel) ask of per-layer graphs over these layouts."""
+    if cfg.model.cuda_graph_impl in ("none", "full_iteration"):
+        return {}
+    return {"model.cuda_graph_impl": "full_iteration", "model.cuda_graph_scope": None, "model.cuda_graph_modules": []}
 
 
 def layout_fields(cfg: Config, layout: ParallelDims) -> dict[str, Any]:
@@ -556,8 +569,10 @@ def with_fields(cfg: Config, fields: dict[str, Any]) -> Config:
 
 def layout_overrides(cfg: Config, layout: ParallelDims) -> list[str]:
     """The overrides that ask for ``layout`` (a layout from ``candidate_layouts``): the fields that change."""
-    out = []
-    for key, value in layout_fields(cfg, layout).items():
+    out, fields = [], layout_fields(cfg, layout)
+    if not _accepted(with_fields(cfg, fields), layout):
+        fields.update(_graph_fallback(cfg))
+    for key, value in fields.items():
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) != value:
             out.append(f"{key}={_override_value(value)}")
@@ -565,6 +580,8 @@ def layout_overrides(cfg: Config, layout: ParallelDims) -> list[str]:
 
 
 def _override_value(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ",".join(str(v) for v in value) + "]"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
