@@ -59,18 +59,65 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
+    import os
+
+    from .training.memory import LAYOUT_RULES
     from .validation import accepted_notes, format_violations, validate_config
     from .validation.migrations import normalized_copy
 
     cfg = config_from_args(args)
-    violations = validate_config(cfg)
+    world, chosen = _validate_world_size(args, cfg, os.environ)
+    violations = validate_config(cfg, world_size=world)
     if violations:
         print(format_violations(violations))
-        return 2
-    print(f"config OK ({args.recipe}{' + overrides' if args.overrides else ''}): no rule violated")
-    for note in accepted_notes(normalized_copy(cfg)):  # what a run would log once: no-ops, extensions
-        print(f"  note: {note}")
-    return 0
+    else:
+        print(f"config OK ({args.recipe}{' + overrides' if args.overrides else ''}): no rule violated")
+        for note in accepted_notes(normalized_copy(cfg)):  # what a run would log once: no-ops, extensions
+            print(f"  note: {note}")
+    if chosen:
+        print(f"validated at world size {world}, the fewest ranks the layout takes (--world-size or WORLD_SIZE to "
+              "choose another)")
+    if not violations or any(v.rule in LAYOUT_RULES for v in violations):  # other rules: fix those first
+        for line in _layout_lines(cfg, world, args.gpu_memory):
+            print(line)
+    return 2 if violations else 0
+
+
+def _validate_world_size(args: argparse.Namespace, cfg, env) -> tuple[int, bool]:
+    """``(world size, chosen here)``: --world-size, else WORLD_SIZE, else the fewest ranks the layout takes."""
+    from .training.memory import layout_world_size
+
+    if args.world_size is not None:
+        return args.world_size, False
+    if env.get("WORLD_SIZE"):
+        return max(1, int(env["WORLD_SIZE"])) if env["WORLD_SIZE"].isdigit() else 1, False
+    world = layout_world_size(cfg) if _positive_sizes(cfg) else 1
+    return world, world > 1
+
+
+def _positive_sizes(cfg) -> bool:
+    m = cfg.model
+    sizes = (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size,
+             m.expert_model_parallel_size)
+    return all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
+
+
+def _layout_lines(cfg, world: int, gpu_memory: float | None) -> list[str]:
+    """What the layout needs (training/memory.py: ``layout_report``) against ``gpu_memory`` GiB per GPU: this
+    machine's GPU, else an H100's 80 GiB. Nothing for a config whose layout sizes the rules refuse."""
+    import torch
+
+    from .cuda_graph.devices import GiB
+    from .training.memory import H100_GIB, layout_report
+
+    if not _positive_sizes(cfg):
+        return []
+    if gpu_memory is None:
+        if torch.cuda.is_available():
+            gpu_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
+        else:
+            gpu_memory = H100_GIB
+    return layout_report(cfg, world, gpu_memory * GiB)
 
 
 def field_reference(section: str | None = None) -> str:
@@ -134,8 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
     p.set_defaults(fn=cmd_config_show)
-    p = csub.add_parser("validate", help="check every CUDA-graph rule; exit 2 listing all violations")
+    p = csub.add_parser("validate", help="check every CUDA-graph rule; exit 2 listing all violations; then what "
+                        "the layout needs: GPUs and memory per rank")
     add_config_args(p)
+    p.add_argument("--world-size", type=int, help="ranks to validate the layout on (default: WORLD_SIZE, else the "
+                   "fewest the layout takes)")
+    p.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory per GPU to judge the per-rank estimate "
+                   "against (default: this machine's GPU, else 80, an H100's)")
     p.set_defaults(fn=cmd_config_validate)
     p = csub.add_parser("fields", help="list every config field with its type, default and meaning")
     p.add_argument("section", nargs="?", help="only this section (model, train, optimizer, ...)")

@@ -126,10 +126,16 @@ def test_a_step_that_raises_is_an_error_finding_at_its_line():
 SMALL = ["model.seq_length=16", "train.micro_batch_size=1", "logger.progress_bar=false"]
 
 
+# recipes that carry a multi-rank layout (Megatron Bridge's): the doctor judges one unsharded rank of their model
+ONE_RANK = {"llama3_70b": ["model.tensor_model_parallel_size=1", "model.sequence_parallel=false",
+                           "model.pipeline_model_parallel_size=1", "model.virtual_pipeline_model_parallel_size=null",
+                           "model.context_parallel_size=1"]}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_every_recipe_gives_no_finding(name):
-    cfg = apply_overrides(get_recipe(name), SMALL)
+    cfg = apply_overrides(get_recipe(name), [*SMALL, *ONE_RANK.get(name, [])])
     report = check_recipe(cfg, name=name, proxy="always")
     assert report.ok, report.format()
     assert any(n.startswith("judged:") for n in report.notes)

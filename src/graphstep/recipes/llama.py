@@ -102,8 +102,22 @@ def llama3_8b() -> Config:
 
 
 def llama3_70b() -> Config:
-    """Llama 3 70B: 80 layers, d=8192, SwiGLU 28672, 64 heads / 8 KV heads, vocabulary 128256, sequence 8192."""
-    return _llama3(graph_ready(Config()), 80, 8192, 28672, 64, 8, False)
+    """Llama 3 70B: 80 layers, d=8192, SwiGLU 28672, 64 heads / 8 KV heads, vocabulary 128256, sequence 8192.
+
+    Megatron Bridge's pre-training layout for it (``llama3_70b_pretrain_config``): 4 tensor-parallel ranks with
+    sequence parallel x 4 pipeline stages of 5 virtual stages each (interleaved 1F1B, 4 layers a chunk) x 2
+    context-parallel ranks -- 32 GPUs for one data-parallel replica -- micro-batch 1, global batch 512. Bridge
+    also sets the distributed optimizer, overlapped gradient reduction and a bf16 pipeline dtype; graphstep's
+    rules refuse virtual stages with tensor parallel (R28) and context parallel with stages (R30) today:
+    ``graphstep config validate --recipe llama3_70b`` names the refusals, what the layout needs per GPU and the
+    nearest layout the rules accept.
+    """
+    cfg = _llama3(graph_ready(Config()), 80, 8192, 28672, 64, 8, False)
+    m = cfg.model
+    m.tensor_model_parallel_size, m.sequence_parallel = 4, True
+    m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size = 4, 5
+    m.context_parallel_size = 2
+    return cfg
 
 
 def dense_1b_bench() -> Config:

@@ -30,13 +30,24 @@ which FSDP2 keeps gathered from forward to backward, divided by ``tp``; with
 ``P/tp``. Every parameter counts as split over the tensor-parallel ranks;
 the norm weights, which are replicated, are small enough to ignore. With
 ``ep`` expert-parallel ranks the routed experts' parameters count ``1/ep``
-(the dispatch buffer of the block's all-gather is not counted). With
-``pp`` pipeline stages ``P`` is the heaviest stage's: ``ceil(layers / pp)``
-of the largest layer plus the embedding and output layer (an upper bound:
-each end stage holds one of the two). Activations stay those of the whole
-layer stack: under 1F1B the first stage keeps ``pp`` micro-batches in flight
-through ``layers / pp`` layers (GPipe keeps every micro-batch of the step:
-more than this estimate when there are more micro-batches than stages).
+(the dispatch buffer of the block's all-gather is not counted).
+
+With ``pp`` pipeline stages every pipeline rank is estimated and the
+heaviest one reported. A rank holds the decoder layers of its chunks in the
+run's stage split (validation/stage_split.py, the split parallel/pipeline.py
+builds: uneven splits, layouts and virtual stages included), the embedding on
+the first rank, the final norm and output layer (a tied copy of the
+embedding) on the last; buffers count whole on every rank. Its activations
+are those of its layers for each micro-batch it keeps in flight, ``m``
+being the micro-batches of a step (``global / (micro x dp)``)::
+
+    GPipe                 m                                        (every forward before the backwards)
+    1F1B                  min(pp - rank, m)                        (the first rank: pp)
+    interleaved (v)       min(2 (pp - rank - 1) + (v - 1) pp + 1, m v) / v
+                          the first rank: pp (1 + (pp - 1) / (pp v)), Megatron's formula
+
+(interleaved zero bubble is counted as interleaved 1F1B), plus the logits
+on the last rank: one micro-batch's, all ``m`` under GPipe.
 
 Per token (``b`` = micro-batch, ``s`` = sequence, ``h`` = hidden, ``f`` = FFN
 width, ``kv`` = key/value width, masks 1 byte per element), each block keeps
@@ -61,23 +72,33 @@ recompute; the layers outside the runs keep theirs. On the CPU with attention dr
 keeps the scores, an inner term: ``b * heads * s^2 * (e + 1)`` per layer.
 The estimate is a lower bound of what a step uses -- allocator
 fragmentation, workspaces, graph pools, FSDP2's prefetched layer and its
-unsharded gradients come on top -- so ``check_memory_fits`` refuses only
+unsharded gradients, the pipeline's send/receive buffers come on top -- so
+``check_memory_fits`` refuses only
 when it exceeds 95% of the memory the device has free
 (``torch.cuda.mem_get_info`` plus what the caching allocator holds unused on a GPU, ``MemAvailable`` of
 ``/proc/meminfo`` on the CPU). When it refuses because the weights, their
 gradients and optimizer state, or one sample's activations do not fit, it
-names the smallest FSDP2 ZeRO-3 layout (``dp`` x ``tp`` ranks, at most 1024)
-whose per-rank estimate fits the same device: see ``suggest_layout``.
-``GRAPHSTEP_SKIP_MEMORY_CHECK=1`` skips the check.
+names the smallest layout (at most 1024 ranks) whose per-rank estimate fits
+the same device and whose overrides the layout rules (R25-R31, V13) accept
+at its world size: FSDP2 ZeRO-3 data parallel x tensor x pipeline x context
+parallel for dense models, FSDP2 x expert parallel for MoE models, none for
+hybrid ones (see ``suggest_layout``). ``layout_report`` says the same before
+a run, for ``graphstep config validate``: the layout's GPU count, its
+estimate against a stated GPU memory, and the nearest layout the rules accept
+when they refuse this one. ``GRAPHSTEP_SKIP_MEMORY_CHECK=1`` skips the check.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
+import itertools
 import logging
+import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,6 +109,8 @@ from ..models import build_model, resolve_dtype
 from ..models.hybrid import layer_kinds
 from ..models.transformer import recompute_runs
 from ..parallel.dims import ParallelDims
+from ..parallel.pipeline import model_chunks
+from ..validation.stage_split import chunks_of_rank, virtual_stages
 from .rundir import RunSetupError
 
 log = logging.getLogger("graphstep")
@@ -110,6 +133,9 @@ class ParameterCounts:
     root: int  # parameters outside the decoder layers: embedding, final norm, output layer
     experts: int = 0  # parameters of the routed experts (split over expert-parallel ranks)
     trainable: int | None = None  # parameters the optimizer updates (LoRA: the adapters); None: all of them
+    layers: tuple[int, ...] = ()  # parameters of each decoder layer, in order
+    embedding: int = 0  # parameters of the embedding (part of ``root``; the first pipeline stage holds it)
+    tied: bool = False  # the output layer reads the embedding's weight (the last stage then holds a copy)
 
 
 @dataclass(frozen=True)
@@ -123,6 +149,8 @@ class MemoryEstimate:
     activations_per_sample: int
     micro_batch_size: int
     layout: ParallelDims = ParallelDims()
+    stage: int = 0  # the pipeline rank this estimate is for: the heaviest one
+    in_flight: float = 1.0  # micro-batches whose activations that rank keeps at once (pipeline schedules)
 
     @property
     def static(self) -> int:
@@ -137,9 +165,12 @@ class MemoryEstimate:
         return self.static + self.activations
 
     def breakdown(self) -> str:
+        flight = f", {self.in_flight:g} in flight" if self.layout.pp > 1 else ""
+        where = f" on pipeline rank {self.stage}" if self.layout.pp > 1 else ""
         return (f"weights {_gib(self.weights)} + fp32 gradients {_gib(self.gradients)} + optimizer state "
                 f"{_gib(self.optimizer)} + activations {_gib(self.activations)} (micro-batch "
-                f"{self.micro_batch_size}) = {_gib(self.total)} for {self.parameters / 1e9:.2f}B parameters")
+                f"{self.micro_batch_size}{flight}) = {_gib(self.total)} for {self.parameters / 1e9:.2f}B "
+                f"parameters{where}")
 
 
 def _gib(n: float) -> str:
@@ -162,9 +193,12 @@ def parameter_counts(cfg: Config) -> ParameterCounts:
     layers = [sum(p.numel() for p in layer.parameters()) for layer in getattr(model, "layers", [])]
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts.experts." in n)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if plan is not None else None
+    embedding = getattr(model, "embedding", None)
     return ParameterCounts(parameters=params, buffers=sum(b.numel() for b in model.buffers()),
                            largest_layer=max(layers, default=0), root=params - sum(layers), experts=experts,
-                           trainable=trainable)
+                           trainable=trainable, layers=tuple(layers),
+                           embedding=sum(p.numel() for p in embedding.parameters()) if embedding is not None else 0,
+                           tied=getattr(model, "output_layer", 0) is None)
 
 
 def count_parameters(cfg: Config) -> tuple[int, int]:
@@ -184,21 +218,53 @@ def estimate_memory(cfg: Config, device: torch.device, layout: ParallelDims | No
 
 
 def _estimate(cfg: Config, device: torch.device, layout: ParallelDims, counts: ParameterCounts) -> MemoryEstimate:
+    """The heaviest rank's estimate: the only rank without pipeline stages, else the pipeline rank needing most."""
+    if layout.pp == 1:
+        return _rank_estimate(cfg, device, layout, counts, None)
+    ranks = [_rank_estimate(cfg, device, layout, counts, r) for r in range(layout.pp)]
+    return max(ranks, key=lambda est: est.total)
+
+
+def _rank_estimate(cfg: Config, device: torch.device, layout: ParallelDims, counts: ParameterCounts,
+                   stage: int | None) -> MemoryEstimate:
     e = element_size(cfg, device)
+    held = None if stage is None else rank_layers(cfg, layout.pp, stage)
+    if held is not None:  # this pipeline rank's decoder layers, and the embedding / output layer it holds
+        counts = _stage_counts(counts, *held)
     if layout.ep > 1:  # each rank holds its share of the routed experts
         local = counts.parameters - counts.experts + _split(counts.experts, layout.ep)
-        counts = ParameterCounts(parameters=local, buffers=counts.buffers, largest_layer=counts.largest_layer,
-                                 root=counts.root, experts=_split(counts.experts, layout.ep))
-    if layout.pp > 1:  # the heaviest stage: its share of the layers, and (at most) the embedding and output layer
-        share = -(-cfg.model.num_layers // layout.pp) * counts.largest_layer + counts.root
-        counts = ParameterCounts(parameters=min(share, counts.parameters), buffers=counts.buffers,
-                                 largest_layer=counts.largest_layer, root=counts.root)
+        counts = dataclasses.replace(counts, parameters=local, experts=_split(counts.experts, layout.ep))
     weights, gradients, optimizer = static_bytes(counts, e, layout)
+    if held is None:
+        per_sample, in_flight = activation_bytes_per_sample(cfg, e, device, layout), 1.0
+    else:
+        per_sample, in_flight = stage_activation_bytes_per_sample(cfg, e, device, layout, stage)
     return MemoryEstimate(
         parameters=counts.parameters, weights=weights, gradients=gradients, optimizer=optimizer,
-        activations_per_sample=activation_bytes_per_sample(cfg, e, device, layout),
-        micro_batch_size=cfg.train.micro_batch_size, layout=layout,
+        activations_per_sample=per_sample, micro_batch_size=cfg.train.micro_batch_size, layout=layout,
+        stage=stage or 0, in_flight=in_flight,
     )
+
+
+def rank_layers(cfg: Config, pp: int, rank: int) -> tuple[list[int], bool, bool]:
+    """``(decoder layers, embedding?, loss?)`` of pipeline rank ``rank``: its chunks of the run's stage split
+    (validation/stage_split.py, the split parallel/pipeline.py builds), every virtual stage of the rank."""
+    chunks = model_chunks(cfg.model, pp)
+    mine = [chunks[c] for c in chunks_of_rank(rank, pp, len(chunks) // pp)]
+    return [i for c in mine for i in c.layers], any(c.embedding for c in mine), any(c.loss for c in mine)
+
+
+def _stage_counts(counts: ParameterCounts, layers: list[int], embedding: bool, loss: bool) -> ParameterCounts:
+    """The counts of one pipeline rank: its decoder layers, the embedding on the first, the final norm and output
+    layer on the last (a tied output layer is a copy of the embedding there)."""
+    head = counts.root - counts.embedding + (counts.embedding if counts.tied and not embedding else 0)
+    root = (counts.embedding if embedding else 0) + (head if loss else 0)
+    per_layer = [counts.layers[i] for i in layers] if counts.layers else [counts.largest_layer] * len(layers)
+    share = len(layers) / max(1, len(counts.layers))  # routed experts: spread evenly over the layers
+    trainable = None if counts.trainable is None else _split(counts.trainable * len(layers), max(1, len(counts.layers)))
+    return dataclasses.replace(counts, parameters=sum(per_layer) + root, largest_layer=max(per_layer, default=0),
+                               root=root, experts=int(counts.experts * share), trainable=trainable,
+                               layers=tuple(per_layer), embedding=counts.embedding if embedding else 0)
 
 
 def static_bytes(counts: ParameterCounts, e: int, layout: ParallelDims) -> tuple[int, int, int]:
@@ -219,6 +285,50 @@ def static_bytes(counts: ParameterCounts, e: int, layout: ParallelDims) -> tuple
 def activation_bytes_per_sample(cfg: Config, e: int, device: torch.device, layout: ParallelDims | None = None) -> int:
     """Bytes one sample keeps for its backward on one rank of ``layout`` (the block terms of the module docstring)."""
     layout = layout or ParallelDims()
+    per_token, gathered = _layer_bytes(cfg, e, device, layout)
+    tokens = _split(cfg.model.seq_length, layout.cp)  # context parallel: this rank's chunks of each sequence
+    return _stack_bytes(cfg, e, layout, per_token, gathered, tokens) + tokens * _logits_per_token(cfg, e)
+
+
+def stage_activation_bytes_per_sample(cfg: Config, e: int, device: torch.device, layout: ParallelDims,
+                                      rank: int) -> tuple[int, float]:
+    """``(bytes, in flight)``: what one sample of every micro-batch pipeline rank ``rank`` keeps at once, and how
+    many micro-batches that is (the schedules of the module docstring)."""
+    layers, _embedding, loss = rank_layers(cfg, layout.pp, rank)
+    per_token, gathered = _layer_bytes(cfg, e, device, layout)
+    tokens = _split(cfg.model.seq_length, layout.cp)
+    stack = _stack_bytes(cfg, e, layout, [per_token[i] for i in layers], [gathered[i] for i in layers], tokens)
+    in_flight, logits_in_flight = micro_batches_in_flight(cfg, layout, rank)
+    logits = tokens * _logits_per_token(cfg, e) if loss else 0
+    return int(stack * in_flight) + logits * logits_in_flight, in_flight
+
+
+def micro_batches_in_flight(cfg: Config, layout: ParallelDims, rank: int) -> tuple[float, int]:
+    """``(decoder-layer micro-batches, logits micro-batches)`` pipeline rank ``rank`` keeps for their backward.
+
+    GPipe runs every forward first: all ``m`` micro-batches of the step. 1F1B: ``min(pp - rank, m)``. Interleaved
+    (``v`` virtual stages): Megatron's warm-up of ``2 (pp - rank - 1) + (v - 1) pp`` chunk forwards plus the one in
+    its steady state, at most ``m v``, each ``1 / v`` of the rank's layers -- on the first rank
+    ``pp (1 + (pp - 1) / (pp v))`` micro-batches; zero bubble is counted the same. The loss's logits are computed
+    and used by the same micro-batch's backward at once, except under GPipe.
+    """
+    pp, t, m = layout.pp, cfg.train, cfg.model
+    per_step = max(1, t.global_batch_size // max(1, t.micro_batch_size * layout.dp))
+    if m.pipeline_schedule == "gpipe":
+        return float(per_step), per_step
+    v = virtual_stages(m.pipeline_model_parallel_layout, m.virtual_pipeline_model_parallel_size, pp)
+    if v == 1:
+        return float(min(pp - rank, per_step)), 1
+    chunks = min(2 * (pp - rank - 1) + (v - 1) * pp + 1, per_step * v)
+    return chunks / v, 1
+
+
+def _logits_per_token(cfg: Config, e: int) -> int:
+    return cfg.model.vocab_size * (e + 8)
+
+
+def _layer_bytes(cfg: Config, e: int, device: torch.device, layout: ParallelDims) -> tuple[list[int], list[int]]:
+    """Per decoder layer on one rank: bytes per token (``r + i/tp``) and the gathered keys and values per sample."""
     m = cfg.model
     blocks = _block_terms(cfg, e, device)
     tp, sp = layout.tp, layout.sequence_parallel and layout.tp > 1
@@ -226,17 +336,26 @@ def activation_bytes_per_sample(cfg: Config, e: int, device: torch.device, layou
     def on_rank(residual: int, inner: int) -> int:
         return _split(residual + inner, tp) if sp else residual + _split(inner, tp)
 
-    layers = [on_rank(sum(blocks[k][0] for k in kinds), sum(blocks[k][1] for k in kinds)) for kinds in layer_kinds(m)]
-    full = (m.recompute_method or "uniform", m.recompute_num_layers) if m.recompute_granularity == "full" else None
-    runs = recompute_runs(len(layers), full)
-    per_token = sum(on_rank(e * m.hidden_size, 0) if recomputed else sum(layers[a:b]) for a, b, recomputed in runs)
-    per_token += max((sum(layers[a:b]) for a, b, recomputed in runs if recomputed), default=0)
-    tokens = _split(m.seq_length, layout.cp)  # context parallel: this rank's chunks of each sequence
-    gathered = 0
+    kinds = layer_kinds(m)
+    per_token = [on_rank(sum(blocks[k][0] for k in ks), sum(blocks[k][1] for k in ks)) for ks in kinds]
+    gathered = [0] * len(kinds)
     if layout.cp > 1:  # each attention keeps the whole sequence's keys and values (all-gathered) for its backward
         kv = (m.num_query_groups or m.num_attention_heads) * (m.kv_channels or m.hidden_size // m.num_attention_heads)
-        gathered = sum("attn" in kinds for kinds in layer_kinds(m)) * _split(e * 2 * kv * m.seq_length, tp)
-    return tokens * (per_token + m.vocab_size * (e + 8)) + gathered
+        gathered = [_split(e * 2 * kv * m.seq_length, tp) if "attn" in ks else 0 for ks in kinds]
+    return per_token, gathered
+
+
+def _stack_bytes(cfg: Config, e: int, layout: ParallelDims, per_token: list[int], gathered: list[int],
+                 tokens: int) -> int:
+    """Bytes one sample keeps through a run of decoder layers (one stage's, or all), recompute counted."""
+    m = cfg.model
+    tp, sp = layout.tp, layout.sequence_parallel and layout.tp > 1
+    kept_input = _split(e * m.hidden_size, tp) if sp else e * m.hidden_size  # a recomputed run keeps its input
+    full = (m.recompute_method or "uniform", m.recompute_num_layers) if m.recompute_granularity == "full" else None
+    runs = recompute_runs(len(per_token), full)
+    total = sum(kept_input if recomputed else sum(per_token[a:b]) for a, b, recomputed in runs)
+    total += max((sum(per_token[a:b]) for a, b, recomputed in runs if recomputed), default=0)
+    return tokens * total + sum(gathered)
 
 
 def _block_terms(cfg: Config, e: int, device: torch.device) -> dict[str, tuple[int, int]]:
@@ -327,61 +446,143 @@ def _what_fits(cfg: Config, device: torch.device, estimate: MemoryEstimate, budg
 
 
 def candidate_layouts(cfg: Config) -> list[ParallelDims]:
-    """FSDP2 ZeRO-3 layouts the model takes (rule R25), fewest ranks first, then fewest tensor-parallel ranks.
+    """The layouts ``suggest_layout`` tries, fewest ranks first; at equal ranks fewest pipeline stages, then fewest
+    context-parallel, then fewest tensor-parallel ranks (the most data-parallel ones).
 
-    ``dp`` >= 2 data-parallel ranks; ``tp`` must divide the heads, query
-    groups, MLP width and vocabulary; sequence parallel whenever ``tp`` > 1
-    and the sequence divides too (it splits the residual-stream activations).
+    Dense models: FSDP2 ZeRO-3 over the ``dp`` data-parallel ranks (plain ranks when ``dp`` is 1) x ``tp`` in 1,
+    2, 4, 8 dividing the heads, query groups, MLP width and vocabulary (R25), with sequence parallel whenever it
+    divides the sequence, x ``pp`` pipeline stages that split the layers evenly (R28) x ``cp`` context-parallel
+    ranks without stages (R30), whose chunks cut the sequence evenly. MoE models: FSDP2 x ``ep`` expert-parallel
+    ranks (R27, R31: no tensor parallel, stages or context parallel with them), ``ep`` the largest power of 2
+    dividing both the experts and ``dp``. Hybrid (Mamba) models: none (R27).
     """
     m = cfg.model
+    if m.hybrid_override_pattern is not None:
+        return []
+    if m.num_moe_experts is not None:
+        out, ranks = [], 2
+        while ranks <= MAX_RANKS:
+            ep = math.gcd(ranks, m.num_moe_experts)
+            if ep >= 2:
+                out.append(ParallelDims(dp_shard=ranks, ep=ep, fsdp=ZERO3))
+            ranks *= 2
+        return out
     sizes = (m.num_attention_heads, m.num_query_groups or m.num_attention_heads, m.ffn_hidden_size, m.vocab_size)
     tps = [tp for tp in TP_SIZES if all(n % tp == 0 for n in sizes)]
+    pps = [pp for pp in (1, 2, 4, 8, 16, 32) if pp == 1 or (m.num_layers % pp == 0 and m.num_layers >= pp)]
+    cps = [cp for cp in (1, 2, 4, 8) if m.seq_length % (2 * cp) == 0 or cp == 1]
     out = []
     ranks = 2
     while ranks <= MAX_RANKS:
-        out += [ParallelDims(dp_shard=ranks // tp, tp=tp, sequence_parallel=tp > 1 and m.seq_length % tp == 0,
-                             fsdp=ZERO3) for tp in tps if ranks // tp >= 2]
+        found = []
+        for pp, cp, tp in itertools.product(pps, cps, tps):
+            if ranks % (pp * cp * tp) or (pp > 1 and cp > 1):
+                continue
+            dp = ranks // (pp * cp * tp)
+            sp = tp > 1 and (m.seq_length // cp) % tp == 0
+            found.append(ParallelDims(pp=pp, dp_shard=dp, cp=cp, tp=tp, sequence_parallel=sp,
+                                      fsdp=ZERO3 if dp > 1 else None))
+        out += sorted(found, key=lambda d: (d.pp, d.cp, d.tp))
         ranks *= 2
     return out
 
 
 def shardable(cfg: Config) -> bool:
-    """Whether FSDP2 and tensor parallel take the model: not MoE or hybrid (Mamba) ones yet (rule R27)."""
-    return cfg.model.num_moe_experts is None and cfg.model.hybrid_override_pattern is None
+    """Whether FSDP2 takes the model: every model but hybrid (Mamba) ones (rule R27); MoE models with expert
+    parallel."""
+    return cfg.model.hybrid_override_pattern is None
+
+
+LAYOUT_RULES = {"R25", "R26", "R27", "R28", "R29", "R30", "R31", "V13"}
 
 
 def suggest_layout(cfg: Config, device: torch.device, budget: float,
                    counts: ParameterCounts | None = None) -> tuple[ParallelDims, MemoryEstimate] | None:
-    """The first of ``candidate_layouts`` whose per-rank estimate fits ``budget`` bytes, with that estimate.
+    """The first of ``candidate_layouts`` whose per-rank estimate fits ``budget`` bytes and whose overrides the
+    layout rules accept at its world size, with that estimate. None when none does (hybrid models: none).
 
-    None for MoE and hybrid models, which FSDP2 and tensor parallel do not take yet (rule R27).
-    Activation recompute is left out of the estimate: R27 refuses it with these layouts.
+    Activation recompute is left out of the estimate: R27 refuses it with FSDP2 and tensor parallel.
     """
-    if not shardable(cfg):
-        return None
     counts = counts or parameter_counts(cfg)
-    plain = copy.deepcopy(cfg)
-    plain.model.recompute_granularity = None
     for layout in candidate_layouts(cfg):
-        estimate = _estimate(plain, device, layout, counts)
-        if estimate.total <= budget:
+        fields = layout_fields(cfg, layout)
+        moved = with_fields(cfg, fields)
+        estimate = _estimate(moved, device, layout, counts)
+        if estimate.total > budget:
+            continue
+        if _accepted(moved, layout) or (_graph_fallback(cfg) and _accepted(
+                with_fields(cfg, {**fields, **_graph_fallback(cfg)}), layout)):
             return layout, estimate
     return None
 
 
-def layout_overrides(cfg: Config, layout: ParallelDims) -> list[str]:
-    """The overrides that ask for ``layout`` (an FSDP2 ZeRO-3 layout from ``candidate_layouts``)."""
-    out = ZERO3_OVERRIDES.split()
-    if layout.tp > 1:
-        out.append(f"model.tensor_model_parallel_size={layout.tp}")
-    if layout.sequence_parallel:
-        out.append("model.sequence_parallel=true")
-    if cfg.model.recompute_granularity is not None:
-        out.append("model.recompute_granularity=null")
-    per_step = cfg.train.micro_batch_size * layout.dp
-    if cfg.train.global_batch_size % per_step:  # rule V13: every data-parallel rank takes whole micro-batches
-        out.append(f"train.global_batch_size={_split(cfg.train.global_batch_size, per_step) * per_step}")
+def _accepted(cfg: Config, layout: ParallelDims) -> bool:
+    from ..validation import validate_config
+
+    return not [v for v in validate_config(cfg, env={}, world_size=layout.ranks) if v.rule in LAYOUT_RULES]
+
+
+def _graph_fallback(cfg: Config) -> dict[str, Any]:
+    """Per-layer graphs as one full-iteration graph: what R27 (FSDP2 ZeRO-3) and R31 (the MoE block's scopes
+    with expert parallel) ask of per-layer graphs over these layouts."""
+    if cfg.model.cuda_graph_impl in ("none", "full_iteration"):
+        return {}
+    return {"model.cuda_graph_impl": "full_iteration", "model.cuda_graph_scope": None, "model.cuda_graph_modules": []}
+
+
+def layout_fields(cfg: Config, layout: ParallelDims) -> dict[str, Any]:
+    """The config fields (``section.field``: value) that ask for ``layout``, a layout from ``candidate_layouts``:
+    its sizes, plain pipeline stages (an even split, 1F1B), and what the layout rules refuse with it turned off."""
+    m, t = cfg.model, cfg.train
+    out: dict[str, Any] = {}
+    if layout.fsdp is not None:
+        out.update({"ddp.use_megatron_fsdp": True, "ddp.data_parallel_sharding_strategy": layout.fsdp})
+    out.update({"model.tensor_model_parallel_size": layout.tp, "model.sequence_parallel": layout.sequence_parallel,
+                "model.pipeline_model_parallel_size": layout.pp, "model.context_parallel_size": layout.cp,
+                "model.expert_model_parallel_size": layout.ep})
+    split = ("model.virtual_pipeline_model_parallel_size", "model.pipeline_model_parallel_layout",
+             "model.num_layers_in_first_pipeline_stage", "model.num_layers_in_last_pipeline_stage")
+    out.update({f: None for f in split})
+    out.update({"model.account_for_embedding_in_pipeline_split": False,
+                "model.account_for_loss_in_pipeline_split": False})
+    if layout.pp > 1:
+        out["model.pipeline_schedule"] = "1f1b"
+        out["ddp.overlap_grad_reduce"] = False  # R29
+        out["model.pipeline_dtype"] = None
+    elif m.pipeline_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        out["model.pipeline_schedule"] = "1f1b"
+    if layout.needs_mesh:
+        out["model.recompute_granularity"] = None  # R27
+    per_step = t.micro_batch_size * layout.dp  # V13: whole micro-batches per rank; 1F1B: at least pp of them
+    out["train.global_batch_size"] = max(_split(t.global_batch_size, per_step), layout.pp) * per_step
     return out
+
+
+def with_fields(cfg: Config, fields: dict[str, Any]) -> Config:
+    """A copy of ``cfg`` with ``fields`` set."""
+    out = copy.deepcopy(cfg)
+    for key, value in fields.items():
+        section, name = key.split(".")
+        setattr(getattr(out, section), name, value)
+    return out
+
+
+def layout_overrides(cfg: Config, layout: ParallelDims) -> list[str]:
+    """The overrides that ask for ``layout`` (a layout from ``candidate_layouts``): the fields that change."""
+    out, fields = [], layout_fields(cfg, layout)
+    if not _accepted(with_fields(cfg, fields), layout):
+        fields.update(_graph_fallback(cfg))
+    for key, value in fields.items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) != value:
+            out.append(f"{key}={_override_value(value)}")
+    return out
+
+
+def _override_value(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def launch(ranks: int, device: torch.device) -> str:
@@ -394,14 +595,101 @@ def launch(ranks: int, device: torch.device) -> str:
 
 
 def _layout_advice(cfg: Config, device: torch.device, budget: float, counts: ParameterCounts) -> str:
-    """One sentence: the smallest FSDP2 ZeRO-3 layout that fits, how to ask for it, or why there is none."""
+    """One sentence: the smallest layout that fits, how to ask for it, or why there is none."""
     if not shardable(cfg):
-        return ("FSDP2 and tensor parallel do not take MoE or hybrid models yet (rule R27): a device with more "
+        return ("FSDP2 and tensor parallel do not take hybrid (Mamba) models yet (rule R27): a device with more "
                 "memory or a smaller model")
     found = suggest_layout(cfg, device, budget, counts)
     if found is None:
-        return (f"no FSDP2 layout of up to {MAX_RANKS} such devices fits either: a smaller model or a shorter "
-                "model.seq_length")
+        return (f"no layout of up to {MAX_RANKS} such devices fits either (FSDP2 x tensor x pipeline x context "
+                "parallel): a smaller model or a shorter model.seq_length")
     layout, estimate = found
     return (f"as {layout.describe()} it needs about {_gib(estimate.total)} per rank: "
-            f"add {' '.join(layout_overrides(cfg, layout))} and {launch(layout.dp * layout.tp, device)}")
+            f"add {' '.join(layout_overrides(cfg, layout))} and {launch(layout.ranks, device)}")
+
+
+# ---- what a layout needs, before a run: ``graphstep config validate`` -----------------------------------
+
+H100_GIB = 80  # the GPU memory ``graphstep config validate`` judges against without a GPU or --gpu-memory
+
+
+def layout_world_size(cfg: Config) -> int:
+    """The fewest ranks the config's layout takes: pipeline x context x tensor-parallel ranks x the fewest
+    data-parallel ones (one, or the expert-parallel ranks, which are data-parallel ranks: R31)."""
+    m = cfg.model
+    return (m.pipeline_model_parallel_size * m.context_parallel_size * m.tensor_model_parallel_size
+            * max(1, m.expert_model_parallel_size))
+
+
+def _relaxations(cfg: Config) -> list[tuple[str, dict[str, Any]]]:
+    """Layout features to turn off, in order, to reach a layout the rules accept at the same world size: the
+    newest combinations first (virtual stages, then context parallel, whose ranks become data-parallel ones)."""
+    m, out = cfg.model, []
+    if m.virtual_pipeline_model_parallel_size is not None or m.pipeline_model_parallel_layout is not None:
+        fields: dict[str, Any] = {"model.virtual_pipeline_model_parallel_size": None,
+                                  "model.pipeline_model_parallel_layout": None}
+        if m.pipeline_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+            fields["model.pipeline_schedule"] = "1f1b"
+        out.append(("without virtual stages", fields))
+    if m.context_parallel_size > 1:
+        out.append(("without context parallel (its ranks data-parallel)", {"model.context_parallel_size": 1}))
+    if m.pipeline_model_parallel_size > 1 and cfg.ddp.overlap_grad_reduce:
+        out.append(("without overlapped gradient reduction", {"ddp.overlap_grad_reduce": False}))
+    return out
+
+
+def nearest_accepted(cfg: Config, world: int) -> tuple[str, dict[str, Any]] | None:
+    """The first of ``cfg``'s relaxations (applied one after another) that the layout rules accept on ``world``
+    ranks, as ``(what it drops, the fields)``; None when the config passes already or none does."""
+    from ..validation import validate_config
+
+    def refused(c: Config) -> bool:
+        return any(v.rule in LAYOUT_RULES for v in validate_config(c, env={}, world_size=world))
+
+    if not refused(cfg):
+        return None
+    names, fields = [], {}
+    for name, more in _relaxations(cfg):
+        names.append(name)
+        fields.update(more)
+        if not refused(with_fields(cfg, fields)):
+            return ", ".join(names), fields
+    return None
+
+
+def layout_report(cfg: Config, world: int, gpu_memory: float, device: torch.device | None = None) -> list[str]:
+    """Lines saying what ``cfg``'s layout needs on ``world`` ranks: the GPU count, the heaviest rank's memory
+    estimate against ``gpu_memory`` bytes per GPU (fits under ``HEADROOM`` of it, or the smallest layout that
+    does), and, when the layout rules refuse it, the nearest layout they accept with its estimate."""
+    device = device or torch.device("cuda")  # never touched: the estimate needs the dtype's element size only
+    layout = ParallelDims.from_config(cfg, world)
+    gpus = f"{layout.ranks} GPU" + ("s" if layout.ranks > 1 else "")
+    lines = [f"layout: {layout.describe()}: {gpus} (tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}"
+             + (f", ep {layout.ep} of the dp ranks" if layout.ep > 1 else "") + ")"]
+    budget = HEADROOM * gpu_memory
+    try:
+        counts = parameter_counts(cfg)
+        lines += _fit_lines(cfg, device, layout, counts, budget, gpu_memory)
+    except Exception as exc:  # a shape the meta build or the stage split cannot take: the rules say why
+        return lines + [f"memory per rank: no estimate ({type(exc).__name__}: {exc})"]
+    near = nearest_accepted(cfg, world)
+    if near is not None:
+        what, fields = near
+        moved = with_fields(cfg, fields)
+        moved_layout = ParallelDims.from_config(moved, world)
+        changed = [f"{k}={_override_value(v)}" for k, v in fields.items()
+                   if getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) != v]
+        lines.append(f"nearest layout the rules accept ({what}): add {' '.join(changed)}: {moved_layout.describe()}")
+        lines += ["  " + line for line in _fit_lines(moved, device, moved_layout, counts, budget, gpu_memory)]
+    return lines
+
+
+def _fit_lines(cfg: Config, device: torch.device, layout: ParallelDims, counts: ParameterCounts, budget: float,
+               gpu_memory: float) -> list[str]:
+    estimate = _estimate(cfg, device, layout, counts)
+    fits = estimate.total <= budget
+    lines = [f"memory per rank: about {_gib(estimate.total)} of {_gib(gpu_memory)} per GPU "
+             f"({'fits' if fits else 'does not fit'}, {HEADROOM:.0%} usable): {estimate.breakdown()}"]
+    if not fits:
+        lines.append(f"  {_what_fits(cfg, device, estimate, budget, counts)}")
+    return lines
