@@ -1,9 +1,10 @@
 """LoRA and DoRA over tensor parallel and FSDP2 on 4 gloo ranks under torchrun, on the CPU replay backend.
 
-One launch; each rank runs every run of ``RUNS`` in turn: LoRA over 2 tensor-parallel (sequence-parallel) x 2
+One launch; each rank runs every layout of ``LAYOUTS`` in turn: LoRA over 2 tensor-parallel (sequence-parallel) x 2
 replicated data-parallel ranks, LoRA over FSDP2 ZeRO-3 (and ZeRO-2, where per-layer graphs run: R27 refuses them
 with ZeRO-3) on 4 ranks, and DoRA over 2 tensor-parallel x 2 data-parallel ranks -- each eagerly, with the
-full-iteration and optimizer graphs, and with per-layer ``local[attn,mlp]`` graphs, adapter dropout on. The graphed
+full-iteration and optimizer graphs, and with per-layer ``local[attn,mlp]`` graphs, adapter dropout on (after
+the adapter in the first layout: a partial sum under a rowwise base, before it in the others). The graphed
 runs equal the eager run bit for bit (losses, every rank's adapters and shards), the frozen base weights are
 where they started, bit for bit, and take no gradient. With every dropout off, the tensor-parallel runs compute
 what the same global batch computes on 4 replicas, to float tolerance: the losses and the adapters, gathered into
@@ -38,7 +39,9 @@ TP2 = ["model.tensor_model_parallel_size=2"]
 ZERO3 = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
 ZERO2 = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads"]
 LAYOUTS = {  # layout -> (overrides, the modes it runs)
-    "lora_tp2_sp_dp2": (["peft=lora", *TP2, "model.sequence_parallel=true"], list(MODES)),
+    # adapter dropout on the adapter's output here (post), on its input (pre) in the other layouts
+    "lora_tp2_sp_dp2": (["peft=lora", *TP2, "model.sequence_parallel=true", "peft.dropout_position=post"],
+                        list(MODES)),
     "lora_fsdp_zero3": (["peft=lora", *ZERO3], ["eager", "full_iteration"]),
     "lora_fsdp_zero2": (["peft=lora", *ZERO2], ["eager", "attn_mlp"]),
     "dora_tp2_dp2": (["peft=dora", *TP2], list(MODES)),
@@ -53,7 +56,7 @@ def _digest(tensors) -> str:
 
     h = hashlib.sha256()
     for t in tensors:
-        h.update(local_tensor(t).detach().float().contiguous().numpy().tobytes())
+        h.update(local_tensor(t).detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -191,3 +194,17 @@ def test_tensor_parallel_adapters_compute_what_replicas_compute(reports, layout)
                                    msg=key)
     for report in reports[1:]:  # every rank gathers the same natural adapters
         assert report[f"{layout}/nodrop"]["natural"] == tp["natural"]
+
+
+@pytest.mark.cuda
+def test_adapters_over_sharded_layouts_on_four_gpus_graphed_equal_eager(tmp_path):
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs (the nvidia-h100-x4 machine)")
+    reports = torchrun_reports(__file__, "lora_parallel_worker", tmp_path, 4, "cuda", timeout=900)
+    for layout, (_, modes) in LAYOUTS.items():
+        for report in reports:
+            eager = report[f"{layout}/eager"]
+            for mode in modes:
+                assert report[f"{layout}/{mode}"]["losses"] == eager["losses"], (layout, mode)
+                assert report[f"{layout}/{mode}"]["shard"] == eager["shard"], (layout, mode)
+                assert report[f"{layout}/{mode}"]["frozen"] == report[f"{layout}/built"]["frozen"], (layout, mode)

@@ -18,13 +18,28 @@ Megatron Bridge's FP8 recipes run Transformer Engine's FP8 linear layers; graphs
   layers whose dimensions ``torch._scaled_mm`` cannot take (not multiples of 16).
 
 The parameters stay bf16 (or fp32) ``nn.Parameter`` objects -- the same ones, so checkpoints and the optimizer
-see no difference -- and each use casts them (the cast of a weight is part of the step, inside the graph).
+see no difference -- and the step casts them (the cast of a weight is part of the step, inside the graph).
+
+Weight casts once per step (:class:`WeightCastCache`, as Transformer Engine caches its FP8 weights across
+micro-batches): a weight changes only in the optimizer step, so within a training step every micro-batch would
+cast the same weight to the same FP8 tensor. With ``tensorwise`` and ``delayed`` scaling the first micro-batch's
+training forward casts it -- the scale, the FP8 weight and its transposed (column-major) copy for the backward's
+input-gradient matmul -- and the step's later micro-batches (and recomputed forwards) reuse them; the first
+training forward of the next step casts again. Inside a full-iteration graph the casts are the graph's own
+tensors, written by the first micro-batch's part of every replay. The casts are deterministic, so the losses and
+weights are the uncached program's bit for bit (tests/integration/test_fp8_weight_casts.py). Evaluation forwards
+cast as before. Not with per-layer graphs (one layer graph serves every micro-batch, so it cannot cast at the
+first and reuse at the others), torch.compile, FSDP2 (the cache would keep every gathered weight's FP8 copy for
+the whole step) or the row-wise recipes (their weight casts for the forward and the backward differ): there each
+use casts, as torchao does.
+
 What does not combine is refused by rule R32 (docs/rules.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -199,3 +214,126 @@ def convert(model: nn.Module, plan: FP8Plan) -> tuple[list[str], int]:
     float8.convert_to_float8_training(model, module_filter_fn=take,
                                       config=float8_config(plan.recipe, plan.format, plan.fsdp_all_gather))
     return converted, total
+
+
+# --------------------------------------------------------------------------
+# weight casts once per step
+
+
+class WeightCastCache:
+    """The once-per-step weight casts of a model's FP8 linear layers (module docstring).
+
+    :meth:`begin_step` runs at the start of every training step (training/step.py's ``before_step``), on the
+    host: it drops the previous step's casts, so the step's first training forward of each layer casts anew.
+    :attr:`casts` counts the weight casts made (a host count of the eager and captured calls, not of replays).
+    """
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+        for m in modules:
+            m.weight_casts_per_step = True
+            m.drop_weight_casts()
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def begin_step(self) -> None:
+        for m in self.modules:
+            m.drop_weight_casts()
+
+    @property
+    def casts(self) -> int:
+        return sum(m.weight_casts_made for m in self.modules)
+
+
+def cache_weight_casts(model: nn.Module, plan: FP8Plan) -> WeightCastCache | None:
+    """Make the FP8 linear layers of ``model`` cast their weights once per training step (module docstring):
+    ``tensorwise`` (torchao's ``Float8Linear`` without the FP8 all-gather) and ``delayed`` scaling. None when no
+    layer qualifies. The caller calls ``begin_step`` at the start of every training step."""
+    if plan.recipe == "delayed":
+        modules: list[nn.Module] = list(fp8_delayed.delayed_modules(model))
+    elif plan.recipe == "tensorwise" and not plan.fsdp_all_gather:
+        cls = _once_per_step_float8_linear()
+        modules = [m for m in model.modules() if isinstance(m, cls.__mro__[1])]
+        for m in modules:
+            m.__class__ = cls  # the same module, its forward reusing the step's casts (FSDP2 swaps classes alike)
+    else:
+        return None
+    return WeightCastCache(modules) if modules else None
+
+
+@functools.cache
+def _once_per_step_float8_linear() -> type:
+    """``OncePerStepFloat8Linear``, made on first use (torchao is imported only by FP8 runs)."""
+    import_torchao()
+    from torchao.float8.config import ScalingType
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    def cast(t: torch.Tensor, cast_config: Any, role: Any, mm_config: Any, config: Any, dim: int) -> torch.Tensor:
+        """``t`` cast as torchao's Float8Linear casts it (high precision where the config disables the cast)."""
+        if cast_config.scaling_type is ScalingType.DISABLED:
+            return t
+        return hp_tensor_to_float8_dynamic(t, cast_config.target_dtype, mm_config, gemm_input_role=role,
+                                           scaling_granularity=cast_config.scaling_granularity,
+                                           axiswise_dim=get_maybe_axiswise_dim(dim, cast_config.scaling_granularity),
+                                           round_scales_to_power_of_2=config.round_scales_to_power_of_2)
+
+    class CachedWeightMatmul(torch.autograd.Function):
+        """torchao's Float8Linear matmul (``x @ w_t``, forward and backward with the same casts and gemm
+        configs) with the weight's two casts given: ``w8_t`` for the forward, ``w8_t_for_grad`` (row-major, so
+        its transpose is the column-major operand the input-gradient matmul takes) for the backward."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, weight_t: torch.Tensor, w8_t: torch.Tensor,
+                    w8_t_for_grad: torch.Tensor, mm_config: Any, config: Any) -> torch.Tensor:
+            ctx.save_for_backward(x, w8_t_for_grad)
+            ctx.mm_config, ctx.config = mm_config, config
+            x8 = cast(x, config.cast_config_input, GemmInputRole.INPUT, mm_config, config, -1)
+            out = torch.mm(x8.reshape(-1, x8.shape[-1]), w8_t)
+            return out.reshape(*x8.shape[:-1], out.shape[-1])
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            x, w8_t_for_grad = ctx.saved_tensors
+            c, mm_config = ctx.config, ctx.mm_config
+            g = grad_out.reshape(-1, grad_out.shape[-1])
+            g8 = cast(g, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, mm_config, c, -1)
+            grad_x = torch.mm(g8, w8_t_for_grad.t()).reshape(*grad_out.shape[:-1], -1)
+            x2 = x.reshape(-1, x.shape[-1])
+            g8_w = cast(g, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, mm_config, c, 0)
+            x8_w = cast(x2, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, mm_config, c, 0)
+            grad_w = torch.mm(g8_w.t(), x8_w)
+            return grad_x, grad_w.t(), None, None, None, None
+
+    class OncePerStepFloat8Linear(Float8Linear):
+        """torchao's ``Float8Linear`` (tensorwise) whose training forwards cast the weight once per step."""
+
+        weight_casts_per_step = False
+
+        def drop_weight_casts(self) -> None:
+            self._weight_casts: tuple[torch.Tensor, torch.Tensor] | None = None
+            self.weight_casts_made = getattr(self, "weight_casts_made", 0)
+
+        @torch.no_grad()
+        def _cast_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+            c, weight_t = self.config, self.weight.t()
+            w8_t = cast(weight_t, c.cast_config_weight, GemmInputRole.WEIGHT, self.linear_mm_config, c, 0)
+            w8_t_for_grad = cast(weight_t, c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT,
+                                 self.linear_mm_config, c, -1).contiguous()  # the backward's transposed copy
+            self.weight_casts_made += 1
+            return w8_t, w8_t_for_grad
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not (self.weight_casts_per_step and self.training and torch.is_grad_enabled()):
+                return super().forward(x)
+            if torch.is_autocast_enabled():
+                x = x.to(torch.get_autocast_gpu_dtype())
+            if self._weight_casts is None:  # the step's first training forward of this layer
+                self._weight_casts = self._cast_weight()
+            out = CachedWeightMatmul.apply(x, self.weight.t(), *self._weight_casts, self.linear_mm_config,
+                                           self.config)
+            return out + self.bias.to(out.dtype) if self.bias is not None else out
+
+    return OncePerStepFloat8Linear

@@ -24,6 +24,12 @@ This is TE's ``amax_and_scale_update``: the scales of step ``t`` come from the a
 ``fp8=hybrid`` casts input and weight to e4m3 and grad_output to e5m2; ``fp8=e4m3`` all three to e4m3.
 Evaluation forwards (``model.eval()`` or no grad) record nothing. The histories and scales are module
 buffers, so checkpoints save and restore them (the resumed run continues exactly).
+
+With ``weight_casts_per_step`` (converters/fp8.py :class:`~graphstep.converters.fp8.WeightCastCache`) the weight
+is cast once per step: the scales change only in the end-of-step update and the weight only in the optimizer
+step, so the step's first training forward records the weight's amax and casts it (and makes the backward's
+column-major copy), and the later micro-batches reuse both -- recording the same amax again would leave row 0 as
+it is, so the histories and scales are the uncached ones bit for bit.
 """
 
 from __future__ import annotations
@@ -66,24 +72,25 @@ class _DelayedMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: DelayedFloat8Linear,
-                record: bool) -> torch.Tensor:
+                record: bool, casts: WeightCasts | None) -> torch.Tensor:
         history, scale = module.fp8_amax_history, module.fp8_scale
         x2 = x.reshape(-1, x.shape[-1])
         if record:
             _record(history, INPUT, x2)
-            _record(history, WEIGHT, weight)
-        x_scale, w_scale = scale[INPUT].clone(), scale[WEIGHT].clone()  # this step's, for the backward too
+        if casts is None:
+            casts = module.cast_weight(record)
+        x_scale = scale[INPUT].clone()  # this step's, for the backward too
         x8 = cast_to_fp8(x2, x_scale, module.forward_dtype)
-        w8 = cast_to_fp8(weight, w_scale, module.forward_dtype)
-        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+        w8, w8_col, w_inv = casts
+        x_inv = x_scale.reciprocal()
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, fast_accum=True)
-        ctx.save_for_backward(x8, w8, x_inv, w_inv)
+        ctx.save_for_backward(x8, w8_col, x_inv, w_inv)
         ctx.module, ctx.record, ctx.x_shape, ctx.dtypes = module, record, x.shape, (x.dtype, weight.dtype)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x8, w8, x_inv, w_inv = ctx.saved_tensors
+        x8, w8_col, x_inv, w_inv = ctx.saved_tensors
         module: DelayedFloat8Linear = ctx.module
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         if ctx.record:
@@ -94,10 +101,14 @@ class _DelayedMatmul(torch.autograd.Function):
         x_dtype, w_dtype = ctx.dtypes
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = scaled_mm(g8, _column_major(w8), g_inv, w_inv, x_dtype).reshape(ctx.x_shape)
+            grad_x = scaled_mm(g8, w8_col, g_inv, w_inv, x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = scaled_mm(g8.t().contiguous(), _column_major(x8), g_inv, x_inv, w_dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
+
+
+# a weight's casts: the FP8 weight, its column-major copy (the input-gradient matmul's operand), 1 / scale
+WeightCasts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class DelayedFloat8Linear(nn.Linear):
@@ -125,9 +136,31 @@ class DelayedFloat8Linear(nn.Linear):
         new.fp8_scale = torch.ones(3, dtype=torch.float32, device=device)
         return new
 
+    weight_casts_per_step = False  # WeightCastCache (converters/fp8.py) turns it on
+    weight_casts_made = 0
+    _weight_casts: WeightCasts | None = None
+
+    def drop_weight_casts(self) -> None:
+        self._weight_casts = None
+
+    @torch.no_grad()
+    def cast_weight(self, record: bool) -> WeightCasts:
+        """The weight's amax recorded (training forwards) and its casts with this step's weight scale."""
+        if record:
+            _record(self.fp8_amax_history, WEIGHT, self.weight)
+        w_scale = self.fp8_scale[WEIGHT].clone()
+        w8 = cast_to_fp8(self.weight, w_scale, self.forward_dtype)
+        self.weight_casts_made += 1
+        return w8, _column_major(w8), w_scale.reciprocal()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         record = self.training and torch.is_grad_enabled()
-        out = _DelayedMatmul.apply(x, self.weight, self, record)
+        casts = None
+        if record and self.weight_casts_per_step:
+            if self._weight_casts is None:  # the step's first training forward of this layer
+                self._weight_casts = self.cast_weight(record)
+            casts = self._weight_casts
+        out = _DelayedMatmul.apply(x, self.weight, self, record, casts)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:

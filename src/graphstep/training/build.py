@@ -154,15 +154,18 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     # FSDP2's FP8 all-gather (fp8_param_gather): the weights' scales, from the weights as built or loaded, then
     # rewritten after every optimizer step (step 7, inside the optimizer graph when there is one)
     fp8_gather = _fp8_gather_scales(cfg, model, dp)
-    # 4. The training and evaluation steps: data-parallel reducers, MoE hooks, the non-finite flag, and FP8 delayed
-    #    scaling's end-of-step update of the amax histories and scales (inside the full-iteration graph).
+    # 4. The training and evaluation steps: data-parallel reducers, MoE hooks, the non-finite flag, FP8 delayed
+    #    scaling's end-of-step update of the amax histories and scales (inside the full-iteration graph), and the
+    #    FP8 weight casts made once per step (dropped at the start of each training step, on the host).
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.dp_size)  # per pipeline too
     # the expert-bias update sums the token counts over the data-parallel ranks of this stage (each stage holds
     # other MoE layers; without stages they are the whole world, the default group); a MoE block's tokens are
     # split over tp
     moe = MoEHooks(model, num_mb, group=dp.dp_group if dp.layout.pp > 1 else None, token_shares=dp.layout.tp,
                    stages=dp.pp_group, moe_model=cfg.model.num_moe_experts is not None)
-    train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb)
+    weight_casts = _fp8_weight_casts(cfg, settings, model, dp, compiled=compile_mode is not None)
+    train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb,
+                                         weight_casts)
     if compile_mode is not None:
         train_step = CompileTimeReport(train_step, describe_compile(compile_mode, settings))
 
@@ -241,7 +244,7 @@ def _build_model(cfg: Config, device: torch.device, dp: DataParallel, dtype: tor
 
 def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, step_model: nn.Module,
                  grads: GradBuffers, moe: MoEHooks, dp: DataParallel, device: torch.device,
-                 num_micro_batches: int) -> tuple[Any, Any]:
+                 num_micro_batches: int, weight_casts: fp8.WeightCastCache | None = None) -> tuple[Any, Any]:
     """The steps over ``step_model`` (the compiled model, or ``model``); a pipeline stage's over its schedule."""
     reduce_grads = grad_reducer(grads, cfg.ddp, dp.layout, dp.mesh, dp.backend)
     if dp.layout.pp > 1:  # tied embeddings: the first and last stage's copies take the sum of their gradients
@@ -249,9 +252,10 @@ def _build_steps(cfg: Config, settings: CudaGraphSettings, model: nn.Module, ste
                                    first=dp.pp_rank == 0, last=dp.pp_rank == dp.layout.pp - 1)
         if tied is not None:
             reduce_grads = TiedEmbeddingReducer(tied, dp.pp_group, then=reduce_grads)
+    befores = [f for f in (moe.before_step if moe.enabled else None,
+                           weight_casts.begin_step if weight_casts is not None else None) if f is not None]
     hooks = dict(reduce_grads=reduce_grads, reduce_loss=dp.loss_reducer(),
-                 before_step=moe.before_step if moe.enabled else None,
-                 check_nonfinite=cfg.train.check_for_nan_on_device)
+                 before_step=_in_order(befores), check_nonfinite=cfg.train.check_for_nan_on_device)
     # FSDP2: an evaluation step reshards what its forwards gathered, so every step ends with the parameters sharded
     release = partial(reshard_all, model) if dp.layout.fsdp is not None else None
     if dp.layout.pp > 1:  # the schedule runs forward and backward (parallel/pipeline.py); R32: no FP8 there
@@ -278,6 +282,32 @@ def _pipeline(cfg: Config, model: nn.Module, dp: DataParallel, device: torch.dev
                                    schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
     log.info("%s", pipeline.describe())
     return pipeline
+
+
+def _in_order(calls: list[Callable[[], None]]) -> Callable[[], None] | None:
+    """One call of each of ``calls``, in order (None: no calls)."""
+    if len(calls) <= 1:
+        return calls[0] if calls else None
+
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return run
+
+
+def _fp8_weight_casts(cfg: Config, settings: CudaGraphSettings, model: nn.Module, dp: DataParallel, *,
+                      compiled: bool) -> fp8.WeightCastCache | None:
+    """FP8 weight casts once per training step (converters/fp8.py WeightCastCache), where the step runs every
+    micro-batch's forward itself: not with per-layer graphs (one layer graph serves every micro-batch),
+    torch.compile, FSDP2 or pipeline stages. None there, and without FP8."""
+    plan = fp8.plan_from(cfg.mixed_precision, cfg.model.num_layers, fsdp=_fp8_all_gather(cfg, dp))
+    if plan is None or settings.per_layer or compiled or dp.layout.fsdp is not None or dp.layout.pp > 1:
+        return None
+    casts = fp8.cache_weight_casts(model, plan)
+    if casts is not None:
+        log.info("FP8: %d linear layers cast their weights once per step, at the first micro-batch", len(casts))
+    return casts
 
 
 def _fp8_scaling_update(cfg: Config, model: nn.Module, dp: DataParallel) -> Callable[[], None] | None:
