@@ -36,17 +36,24 @@ NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
 PP2 = ["model.pipeline_model_parallel_size=2"]
 DP2 = ["train.global_batch_size=16"]  # 2 data-parallel ranks x 4 micro-batches of 2
 TP2_SP = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+TIED = ["model.share_embeddings_and_output_weights=true"]
+BF16 = ["model.params_dtype=bf16"]
 MOE = ["model.moe_router_enable_expert_bias=true", "model.moe_router_bias_update_rate=0.01",
        "model.moe_router_score_function=sigmoid", "model.moe_aux_loss_coeff=0.0", "train.micro_batch_size=2",
        "logger.progress_bar=false", "data.corpus_max_bytes=300000", "data.split=90,10,0", "train.eval_iters=0"]
 # saved at 4 ranks: (recipe, overrides, the one-process run loading it)
 SAVED = {
-    "pp2_tp2_sp": ("llama3_tiny", [*PP2, *TP2_SP], []),
-    "pp2_zero3": ("llama3_tiny", [*PP2, *DP2, "ddp.use_megatron_fsdp=true",
-                                  "ddp.data_parallel_sharding_strategy=optim_grads_params"], DP2),
+    # tied embeddings: the last stage's copy of the embedding, sharded over the vocabulary as the first stage's
+    "pp2_tp2_sp": ("llama3_tiny", [*PP2, *TP2_SP, *TIED], TIED),
+    # bf16 parameters: fp32 master weights beside them, saved and loaded as well
+    "pp2_zero3": ("llama3_tiny", [*PP2, *DP2, *BF16, "ddp.use_megatron_fsdp=true",
+                                  "ddp.data_parallel_sharding_strategy=optim_grads_params"], [*DP2, *BF16]),
     "vpp2_dp2": ("llama3_tiny", [*PP2, *DP2, "model.num_layers=4", "model.virtual_pipeline_model_parallel_size=2"],
                  [*DP2, "model.num_layers=4"]),
-    "cp2_tp2_sp": ("llama3_tiny", ["model.context_parallel_size=2", "model.cp_comm_type=all_gather", *TP2_SP], []),
+    # bf16 parameters loaded by fp32 ones: each one process's parameter is its own master weight, loaded from the
+    # checkpoint's fp32 master weights, not from the bf16 copy beside them
+    "cp2_tp2_sp": ("llama3_tiny", ["model.context_parallel_size=2", "model.cp_comm_type=all_gather", *TP2_SP, *BF16],
+                   []),
     "ep2_tp2_sp": ("qwen3_moe_tiny", [*MOE, "model.expert_model_parallel_size=2", *TP2_SP, "train.global_batch_size=8"],
                    [*MOE, "train.global_batch_size=8"]),
 }
@@ -129,11 +136,20 @@ def checkpoint_entries(path: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_entries(loaded: Path, source: Path) -> None:
+    """Every entry of ``loaded`` equals ``source``'s bit for bit -- a parameter of another dtype (bf16 parameters
+    beside fp32 ones, or FSDP2's fp32 shards) as the other one rounded to it -- and the optimizer state is
+    fp32 in both."""
     a, b = checkpoint_entries(loaded), checkpoint_entries(source)
     assert sorted(a) == sorted(b)
     assert any(k.startswith("optimizer.master.") for k in a) and any(k.startswith("optimizer.exp_avg_sq.") for k in a)
     for key in a:
-        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+        if key.startswith("model.") and a[key].dtype != b[key].dtype:
+            low, high = sorted((a[key], b[key]), key=lambda t: t.element_size())
+            assert high.dtype == torch.float32 and torch.equal(high.to(low.dtype), low), key
+            master = (a if a[key] is high else b)[key.replace("model.", "optimizer.master.", 1)]
+            assert torch.equal(high, master), key  # an fp32 parameter is its own master weight
+        else:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
 @pytest.mark.parametrize("layout", EXACT)
