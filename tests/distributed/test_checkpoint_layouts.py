@@ -14,7 +14,8 @@ saved at the resume iteration, before any step), so a test compares it, entry by
 the checkpoint it came from: parameters, fp32 master weights, Adam moments and the step counter, bit for bit.
 The test process itself (one process) then loads each layout's iteration-2 checkpoint -- the interleaved one
 through the pp2 x dp2 run's copy -- compares the same way, and continues to iteration 4; its losses are compared
-with the saving layout's continuation to a tolerance: dropout is off, but the layouts sum in other orders.
+with the saving layout's continuation to a tolerance: dropout is off, but the layouts sum in other orders (and
+one of them computes with bf16 parameters, the process loading it with fp32 ones: ``_close``).
 """
 
 from __future__ import annotations
@@ -178,19 +179,23 @@ def test_one_process_loads_the_layouts_checkpoint_exactly_and_continues(saved, l
     from graphstep.training.loop import train
 
     tmp, reports = saved
-    recipe, _, one = SAVED[layout]
+    recipe, overrides, one = SAVED[layout]
     source = tmp / ("pp2_dp2-loaded" if layout == "vpp2_dp2" else layout) / "iter_0000002"
     monkeypatch.setattr(Checkpointer, "resume", resume_writing_back())
     result = train(config(recipe, *one, *NO_DROPOUT, f"checkpoint.load={source}",
                           f"checkpoint.save={tmp / layout}-one"))
     assert_same_entries(tmp / f"{layout}-one-loaded" / "iter_0000002", source)
     expected = reports[0][f"{layout}/continued" if layout in EXACT else f"{layout}/whole"]["losses"]
-    _close(result.losses, expected[-2:])
+    dtype_changed = (BF16[0] in overrides) != (BF16[0] in one)
+    _close(result.losses, expected[-2:], rtol=2e-3 if dtype_changed else 2e-5)
 
 
-def _close(a: list[float], b: list[float]) -> None:
-    # dropout off, but another layout sums in another order (tensor-parallel partial sums, per-rank gradients
-    # reduced in another grouping): float32 rounding differences, a few ulps per step, grow over 2 iterations
+def _close(a: list[float], b: list[float], rtol: float = 2e-5) -> None:
+    # Dropout off, but another layout sums in another order (tensor-parallel partial sums, per-rank gradients
+    # reduced in another grouping): float32 rounding differences, a few ulps per step, grow over 2 iterations --
+    # 2e-5 holds them. Where the parameters change from bf16 to fp32, the saving layout computes with weights
+    # rounded to bf16 (relative error up to 2**-9, about 2e-3) and the loading one with the fp32 master weights:
+    # their losses differ by up to that much (about 2e-4 measured).
     assert len(a) == len(b) == 2
     torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
-                               rtol=2e-5, atol=0)
+                               rtol=rtol, atol=0)
