@@ -1,6 +1,7 @@
 """Checkpoints of the combined layouts: exact resume at the same layout, and resharding to fewer ranks.
 
-One torchrun launch of 4 gloo ranks (``layouts_worker``) trains, graphed (full iteration and optimizer graphs):
+One torchrun launch of 4 gloo ranks (``layouts_worker``) trains, graphed (full iteration and optimizer graphs;
+the continuations below eagerly):
 
 * pipeline x tensor parallel and pipeline x FSDP2 with dropout on, saving at iteration 2 of 4, and resumed there
   (dropout on: the resumed losses and every rank's final weights equal the uninterrupted run's bit for bit), and
@@ -34,6 +35,8 @@ COMMON = ["train.train_iters=4", "logger.log_interval=1", "checkpoint.save_inter
 GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
 DROPOUT = ["model.attention_dropout=0.1", "model.hidden_dropout=0.1"]
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+# the continuations: 2 iterations after the resume would only warm up and capture, never replay
+EAGER = ["model.cuda_graph_impl=none", "optimizer.optimizer_cuda_graph=false"]
 PP2 = ["model.pipeline_model_parallel_size=2"]
 DP2 = ["train.global_batch_size=16"]  # 2 data-parallel ranks x 4 micro-batches of 2
 TP2_SP = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
@@ -100,12 +103,12 @@ def layouts_worker(out: str) -> None:
             runs[f"{name}/whole"] = (recipe, [*layout, *DROPOUT, save])
             load = f"checkpoint.load={out_dir / name}/iter_0000002"
             runs[f"{name}/resumed"] = (recipe, [*layout, *DROPOUT, load, f"checkpoint.save={out_dir / name}-resumed"])
-            runs[f"{name}/continued"] = (recipe, [*layout, *NO_DROPOUT, load,
+            runs[f"{name}/continued"] = (recipe, [*layout, *NO_DROPOUT, *EAGER, load,
                                                   f"checkpoint.save={out_dir / name}-continued"])
         else:
             runs[f"{name}/whole"] = (recipe, [*layout, *NO_DROPOUT, save])
     for name, (target, layout) in RESHARDED_4.items():
-        runs[f"{name}/to_{target}"] = (SAVED[name][0], [*layout, *NO_DROPOUT, f"checkpoint.load={out_dir / name}/"
+        runs[f"{name}/to_{target}"] = (SAVED[name][0], [*layout, *NO_DROPOUT, *EAGER, f"checkpoint.load={out_dir / name}/"
                                                         "iter_0000002", f"checkpoint.save={out_dir / target}"])
 
     def run(spec: tuple[str, list[str]]) -> dict:
@@ -182,7 +185,7 @@ def test_one_process_loads_the_layouts_checkpoint_exactly_and_continues(saved, l
     recipe, overrides, one = SAVED[layout]
     source = tmp / ("pp2_dp2-loaded" if layout == "vpp2_dp2" else layout) / "iter_0000002"
     monkeypatch.setattr(Checkpointer, "resume", resume_writing_back())
-    result = train(config(recipe, *one, *NO_DROPOUT, f"checkpoint.load={source}",
+    result = train(config(recipe, *one, *NO_DROPOUT, *EAGER, f"checkpoint.load={source}",
                           f"checkpoint.save={tmp / layout}-one"))
     assert_same_entries(tmp / f"{layout}-one-loaded" / "iter_0000002", source)
     expected = reports[0][f"{layout}/continued" if layout in EXACT else f"{layout}/whole"]["losses"]
