@@ -31,7 +31,10 @@ one iteration to the next, so a resumed run's losses are bit-identical:
   device), fp32 master weights, ``exp_avg``, ``exp_avg_sq``, by parameter name;
   under tensor parallelism or FSDP2 (parallel/) both are DTensors
   in the parameters' natural layout (*Sharded parameters* below), so a run
-  of another layout -- or one GPU -- loads them, DCP resharding;
+  of another layout -- or one GPU -- loads them, DCP resharding; a
+  parameter that is its own fp32 master weight (an fp32 parameter, FSDP2's
+  fp32 shard) is loaded from ``optimizer.master``, as a layout of bf16
+  parameters saved only their rounded copy under ``model.*``;
 * ``scheduler.*``: the LR schedule's settings (checked on resume);
 * ``rng.rank<r>.*``: every RNG-tracker stream, torch's CPU and CUDA default
   generators and Python's ``random``, per rank (each pipeline stage and
@@ -274,6 +277,14 @@ class TrainingState:
                 for kind, tensors in (("master", opt.master), ("exp_avg", opt.exp_avg),
                                       ("exp_avg_sq", opt.exp_avg_sq))}
 
+    def master_weight_keys(self) -> list[str]:
+        """The model entries of the parameters that are their own fp32 master weights (fp32 parameters, FSDP2's
+        fp32 shards): the same tensor as their ``optimizer.master`` entry."""
+        opt = self.optimizer
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return [names[id(p)] for p, local, master in zip(opt.grads.params, opt.model_params, opt.master)
+                if master.data_ptr() == local.data_ptr()]
+
     def state_dict(self, iteration: int, dp: DataParallel) -> dict[str, Any]:
         """The DCP state dict: live tensors (saved as they are, loaded into in place) and host values."""
         opt = self.optimizer
@@ -448,6 +459,11 @@ def load_checkpoint(path: Path, state: TrainingState, dp: DataParallel, *, finet
                     _describe(saved_layout, saved_world), how)
     if "base" in template["meta"] and not _has_key(path, "meta.base"):  # a full checkpoint into a run with adapters
         del template["meta"]["base"]
+    # A parameter that is its own master weight is loaded from ``optimizer.master`` alone: a checkpoint of bf16
+    # parameters holds them rounded under ``model.*``, and DCP, reading both into the same tensor in file order,
+    # could let the rounded copy land last.
+    for key in state.master_weight_keys():
+        template["model"].pop(key, None)
     own_rng = template["rng"].pop(f"rank{dp.rank}")
     template["rng"] = {f"rank{rng_rank}": own_rng} if rng_rank is not None else {}
     if "valid" in template["data"] and not _has_key(path, "data.valid."):  # saved by a run without evaluation
