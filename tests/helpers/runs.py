@@ -4,6 +4,7 @@ for bit), an iteration poisoned with NaN, and a stand-in graph that is never cap
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from graphstep.config import Config, apply_overrides
@@ -105,3 +106,12 @@ class NeverCapturedGraph(Graph):
 
     def reset(self):
         pass
+
+
+# the FP8 tests' devices: the CPU, and a GPU with FP8 tensor cores (its twins are marked cuda)
+FP8_DEVICES = [
+    pytest.param("cpu"),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+        reason="needs a GPU with FP8 tensor cores (compute capability 8.9+)")]),
+]

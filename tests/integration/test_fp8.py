@@ -19,19 +19,13 @@ from graphstep.converters import fp8, fp8_delayed
 from graphstep.engines_compat import scaled_mm
 from graphstep.validation import accepted_notes, validate_config
 
-from helpers.runs import assert_same_run, eager, tiny_config
+from helpers.runs import FP8_DEVICES as DEVICES, assert_same_run, eager, tiny_config
 
 try:
     float8 = fp8.import_torchao()
 except ImportError:  # the test extra installs torchao (pip install 'graphstep[test]')
     pytest.skip("torchao is not installed", allow_module_level=True)
 
-DEVICES = [
-    pytest.param("cpu"),
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-        reason="needs a GPU with FP8 tensor cores (compute capability 8.9+)")]),
-]
 
 # 3 decoder layers: with the preset's first and last layers in bf16, the middle one runs in FP8
 BASE = ["model.num_layers=3", "train.train_iters=8", "checkpoint.save=null", "model.params_dtype=bf16"]

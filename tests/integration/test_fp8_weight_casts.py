@@ -19,19 +19,13 @@ from graphstep.cuda_graph.torch_compat import TorchDispatchMode
 from graphstep.training.build import RunOptions, build_run
 from graphstep.training.loop import train
 
-from helpers.runs import assert_same_run, eager, tiny_config
+from helpers.runs import FP8_DEVICES as DEVICES, assert_same_run, eager, tiny_config
 
 try:
     fp8.import_torchao()
 except ImportError:  # the test extra installs torchao (pip install 'graphstep[test]')
     pytest.skip("torchao is not installed", allow_module_level=True)
 
-DEVICES = [
-    pytest.param("cpu"),
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-        reason="needs a GPU with FP8 tensor cores (compute capability 8.9+)")]),
-]
 # 2 decoder layers in FP8, 4 micro-batches of 2 x 16 tokens per step (32 rows: no activation has a weight's shape)
 ITERS = 4
 BASE = ["model.num_layers=2", f"train.train_iters={ITERS}", "checkpoint.save=null", "model.params_dtype=bf16",
