@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import os
 
+# Inductor compiles in the test's own process: with its default on 2 cores (2 compile threads) it starts a pool of
+# compile processes (each importing torch) and a thread pool that lives on in the pytest worker after the test.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import pytest
 import torch
 
@@ -46,3 +50,20 @@ def one_rank_group(request):
     yield device
     graphstep.close_all()
     dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The costliest test files first, so that under xdist (``--dist loadfile --loadscope-no-reorder``,
+    scripts/test) no long torchrun launch is left to start when the other worker has run out of files: files with
+    4- or 8-rank launches, then the other multi-rank files, then by their number of tests marked ``slow``, then by
+    their number of tests. Within a file the order stays."""
+    files: dict = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+
+    def cost(path) -> tuple:
+        marks = [{m.name for m in item.iter_markers()} for item in files[path]]
+        return (not any(m & {"ranks4", "ranks8"} for m in marks), "distributed" not in path.parts,
+                -sum("slow" in m for m in marks), -len(marks))
+
+    items[:] = [item for path in sorted(files, key=cost) for item in files[path]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,10 +39,26 @@ def worker(test_file: str | Path, function: str, *args: Any) -> list[str]:
 def torchrun_reports(test_file: str | Path, function: str, tmp: Path, nproc: int, *args: Any,
                      timeout: float) -> list[dict]:
     """``function(tmp, *args)`` of ``test_file`` on ``nproc`` torchrun ranks; each rank's ``tmp/rank<r>.json``."""
-    proc = subprocess.run(torchrun(nproc, *worker(test_file, function, tmp, *args)), env=subprocess_env(),
-                          capture_output=True, text=True, timeout=timeout, cwd=tmp)  # default outputs land in tmp
+    proc = run_group(torchrun(nproc, *worker(test_file, function, tmp, *args)), timeout=timeout, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def run_group(cmd: list[str], *, timeout: float, cwd: Path, env: dict[str, str] | None = None
+              ) -> subprocess.CompletedProcess:
+    """``cmd`` in a session of its own, its output captured (default outputs land in ``cwd``). Past ``timeout``
+    the whole session is killed -- torchrun and every rank it started, not the launcher alone -- and the test fails
+    with the output so far: a hung rank never outlives its test."""
+    proc = subprocess.Popen(cmd, env=env if env is not None else subprocess_env(), cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd[:6])} ... did not end within {timeout:.0f} s; killed with its "
+                             f"processes\n{out[-4000:]}{err[-8000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def report_runs(out: Path, device: str, runs: dict[str, Any], run: Callable[[Any], dict]) -> None:

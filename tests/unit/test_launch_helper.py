@@ -1,0 +1,37 @@
+"""The tests' launch helper (helpers/launch.py): a launch past its timeout is killed with every process it
+started, so that a hung torchrun rank never outlives its test."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from helpers.launch import run_group
+
+
+def test_a_launch_past_its_timeout_is_killed_with_the_processes_it_started(tmp_path):
+    # a launcher that starts a child and waits on it, as torchrun does with its ranks
+    script = f"sleep 120 & echo $! > {tmp_path / 'child'}; echo started; wait"
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"did not end within 2 s; killed with its processes\nstarted"):
+        run_group(["bash", "-c", script], timeout=2, cwd=tmp_path)
+    assert time.monotonic() - start < 30
+    child = int((tmp_path / "child").read_text())
+    for _ in range(50):  # the kill is delivered at once; reaping by init may take a moment
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{child}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":  # a zombie: dead, not yet reaped
+                break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the launcher's child {child} outlived the timeout")
+
+
+def test_a_launch_within_its_timeout_returns_its_output_and_exit_status(tmp_path):
+    proc = run_group(["bash", "-c", "echo out; echo err >&2; exit 3"], timeout=30, cwd=tmp_path)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out\n", "err\n")
