@@ -11,7 +11,6 @@ ranks (NCCL on a GPU).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from torch import nn
 
 import graphstep
 
-from helpers.launch import subprocess_env, torchrun, worker
+from helpers.launch import run_group, torchrun, worker
 
 pytestmark = pytest.mark.slow  # real DDP in torchrun subprocesses
 
@@ -106,7 +105,7 @@ def test_hook_added_after_capture_to_an_in_graph_parameter_is_refused():
 
 def _run_ddp_workers(device: str, tmp_path: Path, nproc: int) -> None:
     cmd = torchrun(nproc, *worker(__file__, "ddp_worker", device, tmp_path))
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_group(cmd, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from helpers.launch import subprocess_env, torchrun
+from helpers.launch import run_group, subprocess_env, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +25,8 @@ def test_documented_teardown_exits_cleanly_on_two_gloo_ranks(tmp_path):
     for run in range(launches):
         out = tmp_path / f"launch{run}"
         out.mkdir()
-        proc = subprocess.run(torchrun(2, "-m", "helpers.library_teardown_worker", str(out)), env=env, cwd=out,
-                              capture_output=True, text=True, timeout=120)
+        proc = run_group(torchrun(2, "-m", "helpers.library_teardown_worker", str(out)), env=env, cwd=out,
+                         timeout=120)
         reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
         if (proc.returncode != 0 or "terminate called" in proc.stderr or len(reports) != 2
                 or any(r["state"] != "eager" or r["held"] for r in reports)):
