@@ -9,7 +9,9 @@ On the CPU the graphs run on the replay backend over gloo. Dropout is on:
 each stage draws from its own streams (Megatron's seed + 100 x stage).
 
 With dropout off, a pipelined run computes what one process computes with
-the same global batch and the same initial weights, up to rounding.
+the same global batch and the same initial weights, up to rounding. The same
+launch, on a gloo group of its own, replays a graph of a receive and a send
+posted before either is waited on (``exchange``).
 
 A second launch, of 4 ranks, runs ``LAYOUTS_4``: 2 stages combined with
 replicated data parallel (overlapped), tensor + sequence parallel, FSDP2,
@@ -19,8 +21,8 @@ test_pipeline_3d.py.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
 from pathlib import Path
 
 import pytest
@@ -32,11 +34,16 @@ from helpers.reports import assert_graphed_equals_eager, train_report
 
 pytestmark = pytest.mark.slow
 
-ITERS = 10
-COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2",
+ITERS = 4
+COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=1",
           "train.eval_iters=3", "train.eval_interval=2", "model.use_te_rng_tracker=true",
           "model.share_embeddings_and_output_weights=false", "model.num_layers=3"]
-# evaluations at 2, 4, ..., 10: the evaluation graph warms up twice, captures at 6 and replays after
+# iterations: 1 eager, 2 captured, 3 and 4 replayed; evaluations at 2 and 4: the evaluation graph warms up at 2
+# and is captured (and replayed) at 4
+# per-layer graphs over pipeline stages warm up for 2 iterations (rule R29): 1, 2 eager, 3 captured, 4 replayed
+LAYER_WARMUP = ["model.cuda_graph_warmup_steps=2"]
+STATES = {"graphed": ["eager", "captured", "replayed", "replayed"],
+          "layers": ["eager", "eager", "captured", "replayed"]}
 GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
 EAGER = ["model.cuda_graph_impl=none"]
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
@@ -48,16 +55,16 @@ LAYOUTS = {  # 3 layers: 2 on the first stage, 1 on the last (Bridge's num_layer
 }
 # per-layer graphs on each stage's layers, sends and receives eager; GPipe keeps the step's 4 micro-batches in
 # flight (4 slots of layer graphs), 1F1B up to 2 on the first stage and 1 on the last
-PER_LAYER = {"pp2_1f1b": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
-             "pp2_gpipe": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"]}
+PER_LAYER = {"pp2_1f1b": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP],
+             "pp2_gpipe": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]", *LAYER_WARMUP]}
 # tied embeddings over the two stages (Llama 3.2 1B/3B-style), run in the same launch as LAYOUTS: the first stage's
 # embedding and the last stage's copy (for the logits) take the sum of their gradients
 TIED = {"pp2_tied": ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2",
                      "model.share_embeddings_and_output_weights=true"]}
-# 4 ranks, one launch, 4 iterations each (4 processes on CI's 2 cores): 2 pipelines of 2 stages (the gradients
-# all-reduced over each stage's data-parallel group), and the stages combined with tensor + sequence parallel,
-# FSDP2, MoE and hybrid models and activation recompute
-PP2 = ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2", "train.train_iters=4"]
+# 4 ranks, one launch (4 processes on CI's 2 cores): 2 pipelines of 2 stages (the gradients all-reduced over each
+# stage's data-parallel group), and the stages combined with tensor + sequence parallel, FSDP2, MoE and hybrid models
+# and activation recompute; one batch per evaluation
+PP2 = ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2", "train.eval_iters=1"]
 DP2 = ["train.global_batch_size=16"]  # 2 data-parallel ranks x 4 micro-batches of 2
 MOE = ["train.micro_batch_size=2", "model.hidden_dropout=0.1", "model.moe_router_enable_expert_bias=true",
        "model.moe_router_bias_update_rate=0.01", "model.moe_router_score_function=sigmoid",
@@ -67,9 +74,10 @@ LAYOUTS_4 = {
     "pp2_dp2": [*PP2, *DP2, "ddp.overlap_grad_reduce=true", "ddp.bucket_size=5000",
                 "model.share_embeddings_and_output_weights=true"],
     # 2 stages x 2 tensor-parallel ranks, the stages exchanging sequence shards; tied embeddings: the last stage's
-    # copy is sharded over the vocabulary as the first stage's embedding
+    # copy is sharded over the vocabulary as the first stage's embedding. Dropout off, so its eager run is the one
+    # compared with one process (stages x tensor + sequence parallel with dropout: test_pipeline_3d.py)
     "pp2_tp2_sp": [*PP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
-                   "model.share_embeddings_and_output_weights=true"],
+                   "model.share_embeddings_and_output_weights=true", *NO_DROPOUT],
     "pp2_zero2": [*PP2, *DP2, "ddp.use_distributed_optimizer=true"],
     # tied: FSDP2 shards both stages' copies of the embedding alike over the data-parallel ranks
     "pp2_zero3": [*PP2, *DP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
@@ -84,19 +92,19 @@ RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}  # the 
 # the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
 MODES_4 = {
     "pp2_dp2": {"nodrop": [*NO_DROPOUT, *EAGER]},
-    "pp2_tp2_sp": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
-                   "nodrop": [*NO_DROPOUT, *EAGER]},
-    "pp2_zero2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]},
+    "pp2_tp2_sp": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP]},
+    "pp2_zero2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP]},
     "pp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
-    "pp2_moe": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"],
+    "pp2_moe": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]", *LAYER_WARMUP],
                 "nodrop": [*NO_DROPOUT, *EAGER]},
-    "pp2_hybrid": {"layers": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[mamba,attn,moe]"]},
+    "pp2_hybrid": {"layers": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[mamba,attn,moe]",
+                              *LAYER_WARMUP]},
 }
 
 
 def layouts_worker(out: str, device: str, which: str) -> None:
     """The torchrun worker: each layout of the dict named ``which`` eager and graphed (for LAYOUTS also without
-    dropout and with layer graphs)."""
+    dropout and with layer graphs, and on the CPU the exchange of ``exchange``)."""
     from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
@@ -114,8 +122,13 @@ def layouts_worker(out: str, device: str, which: str) -> None:
         runs.update({f"{name}/{mode}": (name, [*layouts[name], *extra]) for name, modes in MODES_4.items()
                      for mode, extra in modes.items()})
 
+    if which == "LAYOUTS" and device == "cpu":
+        runs["exchange"] = ("exchange", [])
+
     def run(spec: tuple[str, list[str]]) -> dict:
         name, overrides = spec
+        if name == "exchange":
+            return exchange()
         cfg = tiny_config(*COMMON, f"train.device={device}", *overrides, recipe=RECIPES.get(name, "llama3_tiny"))
         result = train(cfg, keep_model=True)
         embedding = getattr(result.model, "embedding", None)
@@ -143,7 +156,7 @@ def test_graphed_pipeline_equals_eager_bit_for_bit(reports, layout):
         eager, graphed = report[f"{layout}/eager"], report[f"{layout}/graphed"]
         assert len(eager["losses"]) == ITERS and len(eager["eval"]) == ITERS // 2
         assert set(eager["states"]) == {"eager"} and eager["graphs"] == 0
-        assert graphed["states"][1:4] == ["eager", "captured", "replayed"]
+        assert graphed["states"] == STATES["graphed"]
         assert graphed["graphs"] == 3  # training (the whole schedule), optimizer and evaluation graphs
         assert graphed["losses"] == eager["losses"]  # JSON floats: the exact bits
         assert graphed["eval"] == eager["eval"]
@@ -158,7 +171,7 @@ def test_per_layer_graphs_on_the_stages_equal_eager(reports, layout):
     expected = {"pp2_1f1b": [2 * 4 * 2, 2 * 2 * 1], "pp2_gpipe": [2 * 1 * 4, 2 * 2 * 4]}[layout]
     for report, graphs in zip(reports, expected):
         eager, graphed = report[f"{layout}/eager"], report[f"{layout}/layers"]
-        assert graphed["states"][1:4] == ["eager", "captured", "replayed"]
+        assert graphed["states"] == STATES["layers"]
         assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"]
         assert graphed["shard"] == eager["shard"]
         assert graphed["graphs"] == graphs
@@ -179,13 +192,13 @@ def test_stages_agree_on_the_loss_and_hold_their_own_layers(reports, layout):
 @pytest.mark.parametrize("layout", list(TIED))
 def test_tied_embeddings_over_two_stages_graphed_equal_eager_and_stay_equal(reports, layout):
     """Both stages hold ``embedding.weight`` (the last for its logits); graphed equals eager bit for bit, and after
-    10 iterations with dropout the two copies are the same bits, eager and graphed."""
+    4 iterations with dropout the two copies are the same bits, eager and graphed."""
     first, last = (report[f"{layout}/eager"] for report in reports)
     assert first["names"][0] == "embedding.weight" and last["names"][0] == "embedding.weight"
     assert "output_layer.weight" not in first["names"] + last["names"]
     for report in reports:
         eager, graphed = report[f"{layout}/eager"], report[f"{layout}/graphed"]
-        assert graphed["states"][1:4] == ["eager", "captured", "replayed"] and graphed["graphs"] == 3
+        assert graphed["states"] == STATES["graphed"] and graphed["graphs"] == 3
         assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"]
         assert graphed["shard"] == eager["shard"]
         assert eager["losses"][-1] < eager["losses"][0]
@@ -239,7 +252,7 @@ def _assert_graphed_runs_equal_eager(reports: list[dict], layouts: dict, modes: 
             assert set(eager["states"]) == {"eager"} and eager["losses"][-1] < eager["losses"][0], layout
             for mode in ("graphed", *(m for m in modes.get(layout, {}) if m == "layers")):
                 graphed = report[f"{layout}/{mode}"]
-                assert graphed["states"][1:4] == ["eager", "captured", "replayed"], (layout, mode, rank)
+                assert graphed["states"] == STATES[mode], (layout, mode, rank)
                 assert graphed["graphs"] > 0
                 assert graphed["losses"] == eager["losses"], (layout, mode, rank)
                 assert graphed["eval"] == eager["eval"], (layout, mode, rank)
@@ -285,7 +298,7 @@ def test_moe_metrics_over_stages_are_the_whole_models(reports_4, layout):
 def test_sharded_stages_keep_the_tied_copies_equal(reports_4, layout):
     """rank = 2 pp + tp (or dp): each rank holds its own shards; the last stage's copy of the tied embedding
     holds the same rows, bit for bit, as the first stage's embedding on the same tensor-parallel (FSDP2) rank."""
-    for mode in ("eager", "graphed", "nodrop"):
+    for mode in ("eager", "graphed", *MODES_4[layout]):
         runs = [r[f"{layout}/{mode}"] for r in reports_4]
         assert len({run["shard"] for run in runs}) == 4, mode
         copies = [run["embedding"] for run in runs]
@@ -294,19 +307,27 @@ def test_sharded_stages_keep_the_tied_copies_equal(reports_4, layout):
     assert first[0] == last[0] == "embedding.weight" and "output_layer.weight" not in first + last
 
 
-def _one_process(layout: str, *overrides: str):
-    from helpers.runs import tiny_config
-    from graphstep.training.loop import train
-
+def _one_process(layout: str):
     single = [o for o in LAYOUTS_4[layout] if not o.startswith(("model.pipeline_model_parallel_size",
                                                                  "model.num_layers_in_first", "model.tensor_model",
                                                                  "model.sequence_parallel", "ddp."))]
-    return train(tiny_config(*COMMON, "train.device=cpu", *single, *overrides, *NO_DROPOUT, *EAGER,
-                             recipe=RECIPES.get(layout, "llama3_tiny")))
+    return _one_process_run(RECIPES.get(layout, "llama3_tiny"), tuple(single))
+
+
+@functools.cache  # pp2_dp2 and pp2_zero3 have the same one-process run
+def _one_process_run(recipe: str, single: tuple[str, ...]):
+    from helpers.runs import tiny_config
+    from graphstep.training.loop import train
+
+    return train(tiny_config(*COMMON, "train.device=cpu", *single, *NO_DROPOUT, *EAGER, recipe=recipe))
+
+
+# the dropout-free run of each layout compared with one process
+ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop", "pp2_moe": "nodrop"}
 
 
 @pytest.mark.ranks4
-@pytest.mark.parametrize("layout", [name for name, modes in MODES_4.items() if "nodrop" in modes])
+@pytest.mark.parametrize("layout", list(ONE_PROCESS))
 def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, layout):
     """Dropout off: 2 stages over replicated data parallel with overlap (tied), tensor parallel (tied), FSDP2 (tied)
     or an MoE model (whose expert biases move
@@ -317,11 +338,11 @@ def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, la
     one = torch.tensor(single.losses, dtype=torch.float64)
     norms = torch.tensor([row["grad_norm"] for row in single.rows], dtype=torch.float64)
     for report in reports_4:
-        four = torch.tensor(report[f"{layout}/nodrop"]["losses"], dtype=torch.float64)
-        assert four.shape == one.shape == (4,)
+        run = report[f"{layout}/{ONE_PROCESS[layout]}"]
+        four = torch.tensor(run["losses"], dtype=torch.float64)
+        assert four.shape == one.shape == (ITERS,)
         torch.testing.assert_close(four, one, rtol=2e-5, atol=0)
-        torch.testing.assert_close(torch.tensor(report[f"{layout}/nodrop"]["grad_norm"], dtype=torch.float64), norms,
-                                   rtol=1e-4, atol=0)
+        torch.testing.assert_close(torch.tensor(run["grad_norm"], dtype=torch.float64), norms, rtol=1e-4, atol=0)
 
 
 @pytest.mark.cuda
@@ -339,25 +360,27 @@ def test_pipeline_on_two_gpus_graphed_equal_eager(tmp_path):
     assert_graphed_equals_eager(run_layouts(tmp_path, "cuda", timeout=900), {**LAYOUTS, **TIED})
 
 
-def exchange_worker(out: str) -> None:
+def exchange() -> dict:
     """Each rank posts a receive from its peer, then a send to it, then waits on both: the order a pipeline
-    schedule uses. A replay that waited on each receive as soon as it re-posted it would block both ranks."""
+    schedule uses. A replay that waited on each receive as soon as it re-posted it would block both ranks (the
+    group's timeout of 30 s ends the launch)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     import graphstep
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
-    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    rank = dist.get_rank(group)
+    peer = dist.get_global_rank(group, 1 - rank)
     results = {}
     try:
         for mode in ("eager", "graphed"):
             weight, inbox = torch.full((4,), float(rank + 1)), torch.zeros(4)
 
             def step(x):
-                recv = dist.irecv(inbox, peer)
-                send = dist.isend(x * weight, peer)
+                recv = dist.irecv(inbox, peer, group=group)
+                send = dist.isend(x * weight, peer, group=group)
                 recv.wait()
                 send.wait()
                 weight.add_(inbox * 0.5)
@@ -367,11 +390,11 @@ def exchange_worker(out: str) -> None:
                 step = graphstep.graph_step(step, warmup_steps=1, device="cpu")
             results[mode] = [step(torch.arange(4.0) + i).tolist() for i in range(5)] + [weight.tolist()]
     finally:
-        (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
         graphstep.close_all()
-        dist.destroy_process_group()
+        dist.destroy_process_group(group)
+    return results
 
 
-def test_replayed_exchange_waits_where_the_capture_waited(tmp_path):
-    for report in torchrun_reports(__file__, "exchange_worker", tmp_path, 2, timeout=180):
-        assert report["graphed"] == report["eager"] and len(report["eager"]) == 6
+def test_replayed_exchange_waits_where_the_capture_waited(reports):
+    for report in reports:
+        assert report["exchange"]["graphed"] == report["exchange"]["eager"] and len(report["exchange"]["eager"]) == 6
