@@ -24,7 +24,7 @@ from helpers.launch import exact_list, report_runs, torchrun_reports
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks4]
 
-ITERS = 4
+ITERS = 3  # eager, captured, replayed
 COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=1",
           "model.use_te_rng_tracker=true", "peft.dim=8", "peft.alpha=16"]
 # samples of 2 per step: 2 micro-batches per rank in every graphed layout (gradient accumulation): 16 on the 4
@@ -150,7 +150,7 @@ def test_graphed_adapters_over_sharded_layouts_equal_eager_bit_for_bit(reports, 
             assert exact_list(run["losses"]) == exact_list(eager["losses"]), mode
             assert run["adapters"] == eager["adapters"] and run["shard"] == eager["shard"], mode
             if mode != "eager":
-                assert run["states"] == ["eager", "captured", "replayed", "replayed"], mode
+                assert run["states"] == ["eager", "captured", "replayed"], mode
     losses = [r[f"{layout}/eager"]["losses"] for r in reports]
     assert all(lo == losses[0] for lo in losses)  # every rank logs the global loss
 
