@@ -70,7 +70,8 @@ LAYOUTS_X = {
     "tp2": [*EP2[1:], "model.tensor_model_parallel_size=2"],  # every expert on every rank, the tokens split over tp
 }
 MODES_X = {"ep2_edp2": ("eager", "graphed", "nodrop"), "ep2_tp2": ("eager", "graphed", "nodrop"),
-           "ep2_tp2_sp": ("eager", "graphed", "layers"), "ep2_zero3": ("eager", "graphed", "nodrop"), "ep2_zero2": ("eager", "graphed", "attn"),
+           "ep2_tp2_sp": ("eager", "graphed", "layers"), "ep2_zero3": ("eager", "graphed", "nodrop"),
+           "ep2_zero2": ("eager", "graphed", "attn"),
            "ep2_recompute": ("eager", "graphed", "full", "full_eager"), "tp2": ("eager", "graphed", "nodrop")}
 RESUMED_X = ("ep2_zero3", "ep2_tp2_sp")  # their graphed runs save at iteration 2; resumed there
 # full recompute (no dropout: R35), graphed against eager, and against the same layout without recompute
