@@ -27,8 +27,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.ranks4]
 ITERS = 3  # eager, captured, replayed
 COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_graph_warmup_steps=1",
           "model.use_te_rng_tracker=true", "peft.dim=8", "peft.alpha=16"]
-# samples of 2 per step: 2 micro-batches per rank in every graphed layout (gradient accumulation): 16 on the 4
-# FSDP2 ranks, 8 on 2 tensor-parallel x 2 data-parallel ranks (and on the 4 replicas they are compared with: 1 each)
+# global batches of micro-batches of 2: 16 samples on the 4 FSDP2 ranks, 8 on 2 tensor-parallel x 2 data-parallel
+# ranks -- 2 micro-batches per rank in every layout (gradient accumulation); the 4 replicas the tensor-parallel runs
+# are compared with take the same 8 samples, 1 micro-batch each
 BATCH_4, BATCH_2 = ["train.global_batch_size=16"], ["train.global_batch_size=8"]
 DROPOUT = ["peft.dropout=0.1"]
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0", "peft.dropout=0.0"]
