@@ -14,7 +14,6 @@ their natural (checkpoint) layout -- the fused projections' ``lora_B`` rows and 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import pytest
