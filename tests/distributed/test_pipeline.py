@@ -15,8 +15,9 @@ posted before either is waited on (``exchange``).
 
 A second launch, of 4 ranks, runs ``LAYOUTS_4``: 2 stages combined with
 replicated data parallel (overlapped), tensor + sequence parallel, FSDP2,
-MoE and hybrid models and recompute; the 8-rank 3-D layouts are in
-test_pipeline_3d.py.
+MoE and hybrid models, expert parallel (an MoE model's experts split over
+each stage's 2 ranks, its checkpoint resumed) and recompute; the 8-rank 3-D
+layouts are in test_pipeline_3d.py.
 """
 
 from __future__ import annotations
@@ -83,12 +84,15 @@ LAYOUTS_4 = {
     "pp2_zero3": [*PP2, *DP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
                   "model.share_embeddings_and_output_weights=true"],
     "pp2_moe": [*PP2, *DP2, *MOE],  # 3 MoE layers (qwen3_moe_tiny), 2 + 1
+    # 2 stages x 2 expert-parallel ranks: each stage's MoE blocks all-gather the tokens of that stage's 2 ranks,
+    # each rank holding 4 of the 8 experts; aux loss (the recipe's) and expert bias on
+    "pp2_ep2": [*PP2, *DP2, *MOE, "model.expert_model_parallel_size=2"],
     "pp2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4"],  # nemotron_h_tiny's M-*E: M- on the first stage, *E last
     "pp2_recompute": [*PP2, *DP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
                       "model.attention_dropout=0.0"],
     "pp2_full_recompute": [*PP2, *DP2, "model.recompute_granularity=full", *NO_DROPOUT],
 }
-RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}  # the others: llama3_tiny
+RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}  # the others: llama3_tiny
 # the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
 MODES_4 = {
     "pp2_dp2": {"nodrop": [*NO_DROPOUT, *EAGER]},
@@ -97,9 +101,14 @@ MODES_4 = {
     "pp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
     "pp2_moe": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]", *LAYER_WARMUP],
                 "nodrop": [*NO_DROPOUT, *EAGER]},
+    # resumed at iteration 2 from the checkpoint its graphed run saved (SAVES), graphed: 3 eager, 4 captured
+    "pp2_ep2": {"nodrop": [*NO_DROPOUT, *EAGER], "resumed": [*GRAPHED, "checkpoint.load=<out>/pp2_ep2/iter_0000002"]},
     "pp2_hybrid": {"layers": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[mamba,attn,moe]",
                               *LAYER_WARMUP]},
 }
+
+# the graphed runs that also save a checkpoint (at iteration 2, under the launch's output folder)
+SAVES = {"pp2_ep2": ["checkpoint.save_interval=2", "checkpoint.save=<out>/pp2_ep2"]}
 
 
 def layouts_worker(out: str, device: str, which: str) -> None:
@@ -111,7 +120,8 @@ def layouts_worker(out: str, device: str, which: str) -> None:
     from graphstep.parallel.dims import local_tensor
 
     layouts = globals()[which]
-    runs = {f"{name}/{mode}": (name, [*layout, *(GRAPHED if mode == "graphed" else EAGER)])
+    runs = {f"{name}/{mode}": (name, [*layout, *(GRAPHED if mode == "graphed" else EAGER),
+                                       *(SAVES.get(name, []) if mode == "graphed" else [])])
             for name, layout in layouts.items() for mode in ("eager", "graphed")}
     if which == "LAYOUTS":
         runs.update({f"{name}/nodrop": (name, [*layout, *NO_DROPOUT, *EAGER]) for name, layout in layouts.items()})
@@ -129,6 +139,7 @@ def layouts_worker(out: str, device: str, which: str) -> None:
         name, overrides = spec
         if name == "exchange":
             return exchange()
+        overrides = [o.replace("<out>", str(out)) for o in overrides]
         cfg = tiny_config(*COMMON, f"train.device={device}", *overrides, recipe=RECIPES.get(name, "llama3_tiny"))
         result = train(cfg, keep_model=True)
         embedding = getattr(result.model, "embedding", None)
@@ -270,8 +281,9 @@ def reports_4(tmp_path_factory):
 def test_pipelines_on_four_ranks_equal_eager(reports_4):
     """pp2 x dp2 (each stage's gradients all-reduced over its data-parallel group, overlapped with the stage's last
     backward, inside the graph), pp2 x tp2
-    with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and ZeRO-3, MoE and hybrid models and
-    recompute over 2 stages: the whole-schedule graphs and the per-layer graphs equal eager bit for bit."""
+    with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and ZeRO-3, MoE (also pp2 x ep2: the experts
+    split over each stage's 2 ranks) and hybrid models and recompute over 2 stages: the whole-schedule graphs and
+    the per-layer graphs equal eager bit for bit."""
     _assert_graphed_runs_equal_eager(reports_4, LAYOUTS_4, MODES_4)
     shards = [r["pp2_dp2/eager"]["shard"] for r in reports_4]  # (pp, dp) = (0,0), (0,1), (1,0), (1,1)
     assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
@@ -280,11 +292,12 @@ def test_pipelines_on_four_ranks_equal_eager(reports_4):
 
 
 @pytest.mark.ranks4
-@pytest.mark.parametrize("layout", ["pp2_moe", "pp2_hybrid"])
+@pytest.mark.parametrize("layout", ["pp2_moe", "pp2_ep2", "pp2_hybrid"])
 def test_moe_metrics_over_stages_are_the_whole_models(reports_4, layout):
     """Every rank logs the MoE metrics of all the model's MoE layers over its own micro-batches (the hybrid's
-    first stage holds none): the stages of a pipeline log the same, graphed as eager."""
-    for pipeline in ((0, 2), (1, 3)):  # rank = 2 pp + dp
+    first stage holds none; with expert parallel each rank routes its own tokens, whichever rank's experts run
+    them): the stages of a pipeline log the same, graphed as eager."""
+    for pipeline in ((0, 2), (1, 3)):  # rank = 2 pp + dp (with expert parallel: 2 pp + ep)
         logged = reports_4[pipeline[0]][f"{layout}/eager"]["moe"]
         assert len(logged) == 4 and all(aux > 0 and load >= 1 for aux, _, load in logged)
         for rank in pipeline:
@@ -310,11 +323,12 @@ def test_sharded_stages_keep_the_tied_copies_equal(reports_4, layout):
 def _one_process(layout: str):
     single = [o for o in LAYOUTS_4[layout] if not o.startswith(("model.pipeline_model_parallel_size",
                                                                  "model.num_layers_in_first", "model.tensor_model",
-                                                                 "model.sequence_parallel", "ddp."))]
+                                                                 "model.sequence_parallel", "ddp.",
+                                                                 "model.expert_model_parallel_size"))]
     return _one_process_run(RECIPES.get(layout, "llama3_tiny"), tuple(single))
 
 
-@functools.cache  # pp2_dp2 and pp2_zero3 have the same one-process run
+@functools.cache  # pp2_dp2 and pp2_zero3 have the same one-process run, and so have pp2_moe and pp2_ep2
 def _one_process_run(recipe: str, single: tuple[str, ...]):
     from helpers.runs import tiny_config
     from graphstep.training.loop import train
@@ -323,7 +337,8 @@ def _one_process_run(recipe: str, single: tuple[str, ...]):
 
 
 # the dropout-free run of each layout compared with one process
-ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop", "pp2_moe": "nodrop"}
+ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop", "pp2_moe": "nodrop",
+               "pp2_ep2": "nodrop"}
 
 
 @pytest.mark.ranks4
@@ -331,9 +346,11 @@ ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop"
 def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, layout):
     """Dropout off: 2 stages over replicated data parallel with overlap (tied), tensor parallel (tied), FSDP2 (tied)
     or an MoE model (whose expert biases move
-    with the token counts of each stage's data-parallel ranks) compute what one process computes with the same
+    with the token counts of each stage's data-parallel ranks), its experts split over each stage's ranks or not,
+    compute what one process computes with the same
     global batch, to float tolerance: the losses, and the gradient norm (each element counted once over the mesh,
-    the last stage's copy of a tied embedding not at all)."""
+    each expert once over the stages and expert-parallel ranks, the last stage's copy of a tied embedding not at
+    all)."""
     single = _one_process(layout)
     one = torch.tensor(single.losses, dtype=torch.float64)
     norms = torch.tensor([row["grad_norm"] for row in single.rows], dtype=torch.float64)
@@ -343,6 +360,31 @@ def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, la
         assert four.shape == one.shape == (ITERS,)
         torch.testing.assert_close(four, one, rtol=2e-5, atol=0)
         torch.testing.assert_close(torch.tensor(run["grad_norm"], dtype=torch.float64), norms, rtol=1e-4, atol=0)
+
+
+@pytest.mark.ranks4
+def test_expert_parallel_stages_hold_their_own_experts_and_resume_exactly(reports_4):
+    """pp2 x ep2 (rank = 2 pp + ep): each rank holds its stage's layers and half of their experts, so the 4 ranks'
+    weights differ; without dropout it computes what the same model over pp2 x dp2 computes (the expert
+    gradients summed over the ranks whose tokens reached them, the norm counting each expert once); and resumed
+    at iteration 2 from the checkpoint its graphed run saved (dropout on), it continues bit for bit: the losses,
+    the evaluation at 4 and every rank's weights."""
+    assert len({r["pp2_ep2/eager"]["shard"] for r in reports_4}) == 4
+    first, last = reports_4[0]["pp2_ep2/eager"]["names"], reports_4[2]["pp2_ep2/eager"]["names"]
+    assert first == reports_4[1]["pp2_ep2/eager"]["names"] and last == reports_4[3]["pp2_ep2/eager"]["names"]
+    layers = [{n.split(".")[1] for n in names if n.startswith("layers.")} for names in (first, last)]
+    assert layers == [{"0", "1"}, {"2"}]
+    for report in reports_4:
+        ep, dp = report["pp2_ep2/nodrop"], report["pp2_moe/nodrop"]
+        torch.testing.assert_close(torch.tensor(ep["losses"], dtype=torch.float64),
+                                   torch.tensor(dp["losses"], dtype=torch.float64), rtol=2e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(ep["grad_norm"], dtype=torch.float64),
+                                   torch.tensor(dp["grad_norm"], dtype=torch.float64), rtol=1e-4, atol=0)
+        whole, resumed = report["pp2_ep2/graphed"], report["pp2_ep2/resumed"]
+        assert resumed["states"] == ["eager", "captured"] and whole["states"] == STATES["graphed"]
+        assert resumed["losses"] == whole["losses"][2:] and len(resumed["losses"]) == 2
+        assert resumed["eval"] == whole["eval"][1:] and len(resumed["eval"]) == 1
+        assert resumed["shard"] == whole["shard"]
 
 
 @pytest.mark.cuda

@@ -39,6 +39,9 @@ def test_one_ranks_layout_holds_the_pairs_routed_to_its_experts_and_drops_the_ot
         assert not x[ends[-1]:].any()  # the rows after this rank's experts stay zero
 
 
+PP2 = ("model.pipeline_model_parallel_size=2", "model.num_layers=4")
+
+
 def _rules(*overrides: str, world: int = 2) -> list:
     from graphstep.validation import validate_config
 
@@ -52,7 +55,17 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.expert_model_parallel_size=2"], 3, "do not divide into groups of 2"),
     (["model.expert_model_parallel_size=2", "model.moe_expert_capacity_factor=1.0"], 2, "dropless"),
     (["model.expert_model_parallel_size=2", "model.moe_sync_free=false"], 2, "sync-free"),
-    (["model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2"], 4, "pipeline stages"),
+    # expert parallel over pipeline stages: allgather over replicated data parallel, eager or the whole iteration
+    # graphed; the rest is refused, the nearest working layout named
+    (["model.expert_model_parallel_size=2", *PP2, "model.moe_token_dispatcher_type=alltoall"], 4,
+     "alltoall dispatcher over pipeline stages"),
+    (["model.expert_model_parallel_size=2", *PP2, "ddp.use_distributed_optimizer=true"], 4,
+     "with expert parallel over pipeline stages (model.pipeline_model_parallel_size=2) is not implemented"),
+    (["model.expert_model_parallel_size=2", *PP2, "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
+      "model.cuda_graph_modules=[attn,moe]", "model.cuda_graph_warmup_steps=2"], 4,
+     "per-layer graphs (model.cuda_graph_impl=local) with expert parallel over pipeline stages"),
+    (["model.expert_model_parallel_size=2", *PP2, "model.recompute_granularity=selective"], 4,
+     "activation recompute (model.recompute_granularity=selective) with expert parallel over pipeline stages"),
     (["model.expert_model_parallel_size=2", "model.tensor_model_parallel_size=2",
       "model.moe_token_dispatcher_type=alltoall"], 4, "alltoall dispatcher with model.tensor_model_parallel_size=2"),
     (["model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true",
@@ -87,6 +100,23 @@ def test_accepted_expert_parallel_layouts_break_no_rule():
                   "model.cuda_graph_modules=[attn]") == []
     assert _rules("model.expert_model_parallel_size=2", "model.recompute_granularity=full",
                   "model.recompute_method=uniform", "model.recompute_num_layers=1") == []
+    # over pipeline stages (EP x PP x DP): eager, and the whole iteration in one graph
+    assert _rules("model.expert_model_parallel_size=2", *PP2, world=4) == []
+    assert _rules("model.expert_model_parallel_size=2", *PP2, world=8) == []
+    assert _rules("model.expert_model_parallel_size=2", *PP2, "model.cuda_graph_impl=full_iteration",
+                  "model.use_te_rng_tracker=true", "model.cuda_graph_warmup_steps=1", world=4) == []
+
+
+def test_expert_parallel_over_stages_passes_every_rule_and_refuses_what_other_rules_own():
+    """pp2 x ep2 breaks no rule at all, graphed whole; with tensor parallel (R29: an MoE model's token shares are
+    summed over the tensor-parallel ranks) and virtual stages (R28: an MoE model) it is refused there, R31 quiet."""
+    layout = ("model.expert_model_parallel_size=2", *PP2, "train.micro_batch_size=1", "train.global_batch_size=8",
+              "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1")
+    assert _all_rules(*layout, world=4) == []
+    tp = _all_rules(*layout, "model.tensor_model_parallel_size=2", world=8)
+    assert {v.rule for v in tp} == {"R29"} and "an MoE model and model.tensor_model_parallel_size=2" in tp[0].message
+    vpp = _all_rules(*layout, "model.virtual_pipeline_model_parallel_size=2", world=4)
+    assert {v.rule for v in vpp} == {"R28"} and any("an MoE model" in v.message for v in vpp)
 
 
 def _all_rules(*overrides: str, world: int = 2) -> list:

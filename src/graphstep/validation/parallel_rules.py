@@ -489,12 +489,13 @@ def _r31(v: View) -> list[Violation]:
         refuse(["model.moe_sync_free"], "model.moe_sync_free=false is not implemented with expert parallel: "
                "allgather runs the sync-free grouped GEMM only, alltoall picks its GEMM from the sizes it reads.",
                "set model.moe_sync_free=true.")
-    others = [(pipeline_parallel_size(cfg) > 1, "model.pipeline_model_parallel_size", "pipeline stages"),
-              (m.hybrid_override_pattern is not None, "model.hybrid_override_pattern", "a hybrid (Mamba) model")]
-    for on, name, what in others:
-        if on:
-            refuse([name], f"{what} with expert parallel is not implemented.", f"set {name} to its default.")
+    if m.hybrid_override_pattern is not None:
+        refuse(["model.hybrid_override_pattern"], "a hybrid (Mamba) model with expert parallel is not implemented.",
+               "set model.hybrid_override_pattern to its default.")
     tp, fsdp = tensor_parallel_size(cfg), shards_data_parallel(cfg)
+    pp = pipeline_parallel_size(cfg)
+    if pp > 1:
+        _ep_over_stages(v, pp, dispatcher, fsdp, refuse)
     if dispatcher == "alltoall" and (tp > 1 or fsdp):
         with_what = f"model.tensor_model_parallel_size={tp}" if tp > 1 else f"FSDP2 ({_fsdp_f(cfg)})"
         refuse(["model.moe_token_dispatcher_type", *(["model.tensor_model_parallel_size"] if tp > 1
@@ -518,6 +519,35 @@ def _r31(v: View) -> list[Violation]:
     if cfg.compile.enable is True:
         refuse(["compile.enable"], "compile.enable with expert parallel is not implemented.", "set compile.enable=false.")
     return out
+
+
+def _ep_over_stages(v: View, pp: int, dispatcher: str | None, fsdp: bool, refuse: Any) -> None:
+    """Expert parallel over pipeline stages (EP x PP x DP, Megatron Bridge's Qwen3-30B-A3B and DeepSeek-V3
+    layouts): each stage's MoE blocks exchange tokens among the expert-parallel ranks of that stage, over
+    replicated data parallel, the allgather dispatcher, the whole iteration in one graph (or eager). What the
+    tests do not show equal to eager and to the same model without expert parallel is refused here; tensor
+    parallel and virtual stages with an MoE model over stages are R29's and R28's."""
+    cfg, m = v.cfg, v.cfg.model
+    stages = f"model.pipeline_model_parallel_size={pp}"
+    nearest = (f"the nearest layout that works: {stages} with expert parallel over replicated data parallel, the "
+               "allgather dispatcher and model.cuda_graph_impl=full_iteration (or none)")
+    if dispatcher == "alltoall":
+        refuse(["model.moe_token_dispatcher_type", "model.pipeline_model_parallel_size"], f"the alltoall "
+               f"dispatcher over pipeline stages ({stages}) is not implemented: it reads its split sizes on the host "
+               "in every MoE block, inside the schedule that torch's first step also runs on uninitialised "
+               "inputs to infer the stages' shapes.", f"set model.moe_token_dispatcher_type=allgather; {nearest}.")
+    if fsdp:
+        refuse(["model.pipeline_model_parallel_size", *_fsdp_fields(cfg)], f"FSDP2 ({_fsdp_f(cfg)}) with expert "
+               f"parallel over pipeline stages ({stages}) is not implemented.", f"train with replicated data "
+               f"parallel (the default ddp settings); {nearest}.")
+    if v.per_layer:
+        refuse(["model.pipeline_model_parallel_size", "model.cuda_graph_impl"], f"per-layer graphs ({_impl_f(v)}) "
+               f"with expert parallel over pipeline stages ({stages}) are not implemented.",
+               f"set model.cuda_graph_impl=full_iteration; {nearest}.")
+    if m.recompute_granularity is not None:
+        refuse(["model.pipeline_model_parallel_size", "model.recompute_granularity"], "activation recompute "
+               f"(model.recompute_granularity={_fmt(m.recompute_granularity)}) with expert parallel over pipeline "
+               f"stages ({stages}) is not implemented.", f"set model.recompute_granularity=null; {nearest}.")
 
 
 PARALLEL_RULES = (("R25", _r25), ("R26", _r26), ("R27", _r27), ("R28", _r28), ("R29", _r29), ("R30", _r30),
