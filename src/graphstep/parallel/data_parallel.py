@@ -92,7 +92,8 @@ class ExpertParallelReducer:
     """Data parallel with expert-parallel experts (``model.expert_model_parallel_size``).
 
     The dense gradients (GradBuffers keeps them first in the flat buffer) are
-    averaged over every rank as by :class:`GradReducer`. An expert's
+    averaged over every data-parallel rank (of this rank's pipeline stage) as
+    by :class:`GradReducer`. An expert's
     gradient already sums the losses of its expert-parallel ranks (their
     tokens reached it through the all-gather); it is summed over the ranks
     holding the same experts (``edp_group``; None when no other rank holds

@@ -8,6 +8,12 @@ tensor-parallel ranks too under tensor parallel), under FSDP2 in its
 reduce-scatter, which shards each expert over the ``edp`` ranks
 (parallel/fsdp.py: torchtitan's FSDP of the experts over the data-parallel
 ranks outside the expert-parallel ones).
+
+Over pipeline stages the ``(edp, ep)`` mesh of a rank is that of its stage
+(the mesh's ``pp`` index fixed), so a stage's MoE blocks exchange tokens among
+its own ``ep`` ranks, hold experts of its own layers only, and reduce them over
+its own ``edp`` ranks (rule R31: the ``allgather`` dispatcher over replicated
+data parallel).
 """
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     ``model``, or its compiled wrapper.
 
     The rules (validation/parallel_rules.py, R25-R31) admit only the combinations that work today: expert parallel
-    with tensor parallel or FSDP2 (not both), context parallel never with expert parallel, compile with none of
-    tensor, context and expert parallel and FSDP2.
+    with tensor parallel or FSDP2 (not both), or over pipeline stages with replicated data parallel (each stage's
+    ``mesh[EP]`` is that stage's expert-parallel ranks), context parallel never with expert parallel, compile with
+    none of tensor, context and expert parallel and FSDP2.
     """
     if mesh is None and dims.needs_mesh:
         raise RuntimeError(f"the layout {dims.describe()} needs a device mesh (parallel/dims.py build_mesh)")

@@ -39,8 +39,9 @@ parallel/; these rules say which configurations it takes:
   divide over the expert-parallel ranks, dispatched the ways graphstep
   implements (``allgather``: all-gather, dropless and sync-free; ``alltoall``:
   Megatron's all-to-all, whose host sync R11 keeps out of graphs), with
-  tensor parallel or FSDP2 (``allgather``), and what it does not combine with
-  yet.
+  tensor parallel or FSDP2 (``allgather``), over pipeline stages (``allgather``
+  over replicated data parallel, eager or the whole iteration graphed), and
+  what it does not combine with yet.
 
 docs/rules.md describes every rule with an example override and its fix.
 """
