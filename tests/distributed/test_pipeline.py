@@ -92,7 +92,8 @@ LAYOUTS_4 = {
                       "model.attention_dropout=0.0"],
     "pp2_full_recompute": [*PP2, *DP2, "model.recompute_granularity=full", *NO_DROPOUT],
 }
-RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}  # the others: llama3_tiny
+# the others: llama3_tiny
+RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}
 # the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
 MODES_4 = {
     "pp2_dp2": {"nodrop": [*NO_DROPOUT, *EAGER]},
