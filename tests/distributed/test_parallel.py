@@ -35,6 +35,9 @@ COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_gra
 # iterations 1-4: one warm-up, captured at 2, replayed at 3 and 4; evaluations after each of them (the last one
 # at the end): the evaluation graph warms up at 1, captures at 2 and replays at 3 and 4
 REPLAYED = ["eager", "captured", "replayed", "replayed"]  # the states of a graphed run
+# the 2-GPU runs: 8 iterations, evaluations at 2, 4, 6, 8 (the evaluation graph warms up twice, captures at 6 and
+# replays at 8)
+GPU_SCHEDULE = ["train.train_iters=8", "model.cuda_graph_warmup_steps=2", "train.eval_iters=2", "train.eval_interval=2"]
 GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
 EAGER = ["model.cuda_graph_impl=none"]  # the recipe's default is full_iteration
 LAYOUTS = {
@@ -85,7 +88,8 @@ def layouts_worker(out: str, device: str, which: str) -> None:
         runs.update({f"{name}/nodrop": [*layouts[name], *NO_DROPOUT, *EAGER] for name in COMPARED})
         runs["dp2/nodrop"] = [*NO_DROPOUT, *EAGER]
     report_runs(Path(out), device, runs, lambda overrides: train_report(
-        train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)))
+        train(tiny_config(*COMMON, *(GPU_SCHEDULE if device == "cuda" else []), f"train.device={device}", *overrides),
+              keep_model=True)))
 
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
