@@ -64,7 +64,7 @@ def checkpoint_worker(out: str, one_ckpt: str, which: str) -> None:
     def run(name: str) -> dict:
         layout, graphs = runs[name]
         report = _dropout_resume(out_dir / name, [*graphs, *layouts[layout]])
-        if name in layouts:  # the test process resumes the 2-rank layouts' checkpoints of it
+        if name in layouts:  # the 2-rank layouts save it at 5, for the test process to resume
             report["from_one"] = _from_one(one_ckpt, [*GRAPHED, *layouts[layout]],
                                            out_dir / f"{name}-from-one" if which == "LAYOUTS" else None)
         return report
