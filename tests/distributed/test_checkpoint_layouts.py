@@ -102,9 +102,9 @@ def layouts_worker(out: str) -> None:
         if name in EXACT:
             runs[f"{name}/whole"] = (recipe, [*layout, *DROPOUT, save])
             load = f"checkpoint.load={out_dir / name}/iter_0000002"
-            # what these two would save is read by no test: they save nothing
-            runs[f"{name}/resumed"] = (recipe, [*layout, *DROPOUT, load])
-            runs[f"{name}/continued"] = (recipe, [*layout, *NO_DROPOUT, *EAGER, load])
+            runs[f"{name}/resumed"] = (recipe, [*layout, *DROPOUT, load, f"checkpoint.save={out_dir / name}-resumed"])
+            runs[f"{name}/continued"] = (recipe, [*layout, *NO_DROPOUT, *EAGER, load,
+                                                  f"checkpoint.save={out_dir / name}-continued"])
         else:
             runs[f"{name}/whole"] = (recipe, [*layout, *NO_DROPOUT, save])
     for name, (target, layout) in RESHARDED_4.items():
