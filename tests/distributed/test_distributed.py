@@ -27,16 +27,20 @@ from helpers.launch import exact_list, param_digest, report_runs, subprocess_env
 
 pytestmark = pytest.mark.slow
 
-ITERS = 8
+ITERS = 4
 
-# name -> overrides on top of conftest.TINY (dropout off, see the module docstring)
+# name -> overrides on top of helpers.runs.TINY (dropout off, see the module docstring)
 DP_RUNS = {
     "eager": ["model.cuda_graph_impl=none"],
     "full_iteration": ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"],
     "attn_mlp": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
 }
-COMMON = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0", f"train.train_iters={ITERS}",
-          "logger.log_interval=1", "train.eval_iters=2", "train.eval_interval=4"]
+COMMON = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0", "logger.log_interval=1"]
+# the CPU runs: one warm-up iteration, captured at 2, replayed at 3 and 4; an evaluation after each iteration (the
+# last one at the end): the evaluation graph warms up at 1, captures at 2 and replays at 3 and 4
+CPU_SCHEDULE = [f"train.train_iters={ITERS}", "model.cuda_graph_warmup_steps=1", "train.eval_iters=1",
+                "train.eval_interval=1"]
+CPU_RUNS = {name: [*overrides, *CPU_SCHEDULE] for name, overrides in DP_RUNS.items()}
 
 
 # --------------------------------------------------------------------------
@@ -61,12 +65,13 @@ def dp_worker(out: str, device: str, runs: str) -> None:
 
 
 def _resume_case(out: Path, device: str) -> dict:
-    """2 ranks: save at iteration 3, resume from it; iterations 4..6 must equal the uninterrupted run."""
+    """2 ranks: save at iteration 3 (after the first replay), resume from it; iterations 4 and 5 (warm-up and
+    capture) must equal the uninterrupted run's."""
     from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     ckpt = out / "ckpt"
-    base = [f"train.device={device}", "model.cuda_graph_impl=full_iteration", "train.train_iters=6",
+    base = [f"train.device={device}", "model.cuda_graph_impl=full_iteration", "train.train_iters=5",
             "logger.log_interval=1", "model.cuda_graph_warmup_steps=1", f"checkpoint.save={ckpt}",
             "checkpoint.save_interval=3"]
     whole = train(tiny_config(*base))  # dropout on: per-rank RNG streams are in the checkpoint
@@ -86,7 +91,7 @@ def run_workers(tmp: Path, device: str, runs: dict[str, list[str]], timeout: flo
 
 @pytest.fixture(scope="module")
 def dp_reports(tmp_path_factory):
-    return run_workers(tmp_path_factory.mktemp("dp"), "cpu", DP_RUNS, timeout=240)
+    return run_workers(tmp_path_factory.mktemp("dp"), "cpu", CPU_RUNS, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +99,7 @@ def single_process():
     from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
-    return train(tiny_config(*COMMON, "model.cuda_graph_impl=none"))
+    return train(tiny_config(*COMMON, *CPU_SCHEDULE, "model.cuda_graph_impl=none"))
 
 
 @pytest.mark.parametrize("name", ["full_iteration", "attn_mlp"])
@@ -104,8 +109,8 @@ def test_graphed_data_parallel_equals_eager_bit_for_bit(dp_reports, name):
         assert len(run["losses"]) == ITERS
         assert exact_list(run["losses"]) == exact_list(eager["losses"])
         assert run["params"] == eager["params"]
-        assert len(run["eval"]) == 2 and run["eval"] == eager["eval"]  # the eval graph holds the loss all-reduce
-    assert dp_reports[0][name]["states"][2:5] == ["eager", "captured", "replayed"]
+        assert len(run["eval"]) == ITERS and run["eval"] == eager["eval"]  # the eval graph holds the loss all-reduce
+        assert run["states"] == ["eager", "captured", "replayed", "replayed"]
 
 
 @pytest.mark.parametrize("name", list(DP_RUNS))
@@ -127,7 +132,7 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(dp_reports, sing
 
 def test_data_parallel_resume_is_exact(dp_reports):
     case = dp_reports[0]["resume"]
-    assert case["resumed_iters"] == [4, 5, 6]
+    assert case["resumed_iters"] == [4, 5] and len(case["whole"]) == 5
     assert exact_list(case["resumed"]) == exact_list(case["whole"][3:])
     assert dp_reports[1]["resume"] == case
 
@@ -139,7 +144,8 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_exits_without_hang(tmp
     overrides = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.seq_length=32",
                  "train.micro_batch_size=2", "train.global_batch_size=8", "train.eval_iters=0", "train.device=cpu",
                  "logger.progress_bar=false", "data.corpus_max_bytes=300000", "data.split=90,10,0",
-                 "model.cuda_graph_impl=full_iteration", "train.train_iters=100000", "logger.log_interval=1",
+                 "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1",
+                 "train.train_iters=100000", "logger.log_interval=1",
                  f"logger.metrics_path={metrics}"]
     proc = subprocess.Popen(torchrun(2, "-m", "graphstep", "train", *overrides), env=subprocess_env(), cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -147,7 +153,7 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_exits_without_hang(tmp
         # how long the two ranks take to start is not under test (two suites and a training run at once on 2
         # cores took over a minute); stopping once they train is
         deadline = time.monotonic() + 300
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):  # past the capture
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # past the capture (at 2)
             assert proc.poll() is None, f"training ended before the signal:\n{proc.communicate()[0][-3000:]}"
             assert time.monotonic() < deadline, "training did not start within 300 s"
             time.sleep(0.1)
@@ -190,17 +196,17 @@ def test_graphs_are_freed_before_the_process_group_is_destroyed(monkeypatch, how
         real_close(self)
         events.append("graphs closed")
 
-    def fail_at_6(iteration: int) -> None:  # after iteration 6: the graphs were captured at 4
-        if iteration == 6 and how == "exception":
+    def fail_at_3(iteration: int) -> None:  # after iteration 3: the graphs were captured at 2, replayed at 3
+        if iteration == 3 and how == "exception":
             raise RuntimeError("boom")
-        if iteration == 6 and how == "sigterm":
+        if iteration == 3 and how == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(loop, "init_data_parallel", lambda cfg, settings: Recorded())
     monkeypatch.setattr(run_graphs.Runner, "close", close)
     cfg = tiny_config("model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true",
-                      "train.train_iters=8")
-    hooks = loop.RunHooks(after_iteration=fail_at_6)
+                      "model.cuda_graph_warmup_steps=1", "train.train_iters=4")
+    hooks = loop.RunHooks(after_iteration=fail_at_3)
     if how == "exception":
         with pytest.raises(RuntimeError, match="boom"):
             loop.train(cfg, hooks=hooks)
@@ -254,7 +260,8 @@ def test_r16_stops_a_data_parallel_nccl_run_before_the_process_group_exists():
 
 
 GPU_ITERS = 30
-GPU_RUNS = {name: [*overrides, f"train.train_iters={GPU_ITERS}"] for name, overrides in DP_RUNS.items()}
+GPU_RUNS = {name: [*overrides, f"train.train_iters={GPU_ITERS}", "train.eval_iters=2", "train.eval_interval=4"]
+            for name, overrides in DP_RUNS.items()}
 
 
 @pytest.mark.cuda
@@ -267,7 +274,7 @@ def test_two_gpus_graphs_equal_eager_and_exit_without_hang(tmp_path, capsys):
             assert report[name]["params"] == report["eager"]["params"], name
             assert report[name]["states"][2:5] == ["eager", "captured", "replayed"], name
         resume = report["resume"]
-        assert resume["resumed_iters"] == [4, 5, 6]
+        assert resume["resumed_iters"] == [4, 5]
         assert exact_list(resume["resumed"]) == exact_list(resume["whole"][3:])
     for name in GPU_RUNS:
         assert reports[0][name]["losses"] == reports[1][name]["losses"]
