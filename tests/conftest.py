@@ -53,7 +53,7 @@ def one_rank_group(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The costliest test files first, so that under xdist (``--dist loadfile --loadscope-no-reorder``,
+    """The costliest test files first, so that under xdist (``--dist loadfile --no-loadscope-reorder``,
     scripts/test) no long torchrun launch is left to start when the other worker has run out of files: files with
     4- or 8-rank launches, then the other multi-rank files, then by their number of tests marked ``slow``, then by
     their number of tests. Within a file the order stays."""
