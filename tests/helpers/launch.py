@@ -38,10 +38,23 @@ def worker(test_file: str | Path, function: str, *args: Any) -> list[str]:
 
 def torchrun_reports(test_file: str | Path, function: str, tmp: Path, nproc: int, *args: Any,
                      timeout: float) -> list[dict]:
-    """``function(tmp, *args)`` of ``test_file`` on ``nproc`` torchrun ranks; each rank's ``tmp/rank<r>.json``."""
-    proc = run_group(torchrun(nproc, *worker(test_file, function, tmp, *args)), timeout=timeout, cwd=tmp)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    """``function(tmp, *args)`` of ``test_file`` on ``nproc`` torchrun ranks; each rank's ``tmp/rank<r>.json``.
+    Each rank's output is also kept in its own file (torchrun's ``--log-dir``/``--tee``), so that a failure shows
+    the end of every rank's, not only of the last rank to fail."""
+    logs = Path(tmp) / "torchrun-logs"
+    cmd = torchrun(nproc, f"--log-dir={logs}", "--tee=3", *worker(test_file, function, tmp, *args))
+    proc = run_group(cmd, timeout=timeout, cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:] + rank_logs(logs)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def rank_logs(logs: Path, chars: int = 1500) -> str:
+    """The end of each rank's stderr under torchrun's ``--log-dir`` ``logs`` (``<run>/attempt_<n>/<rank>/``)."""
+    out = []
+    for path in sorted(logs.glob("*/attempt_*/*/stderr.log"), key=lambda p: (p.parent.parent.name, int(p.parent.name))):
+        out.append(f"\n--- rank {path.parent.name} ({path.parent.parent.name}), stderr ---\n"
+                   f"{path.read_text(errors='replace')[-chars:]}")
+    return "".join(out)
 
 
 def run_group(cmd: list[str], *, timeout: float, cwd: Path, env: dict[str, str] | None = None

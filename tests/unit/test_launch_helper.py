@@ -35,3 +35,21 @@ def test_a_launch_past_its_timeout_is_killed_with_the_processes_it_started(tmp_p
 def test_a_launch_within_its_timeout_returns_its_output_and_exit_status(tmp_path):
     proc = run_group(["bash", "-c", "echo out; echo err >&2; exit 3"], timeout=30, cwd=tmp_path)
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out\n", "err\n")
+
+
+def failing_worker(out: str) -> None:
+    """A torchrun worker whose rank 0 fails with a message of its own while rank 1 fails with a long traceback."""
+    import os
+
+    if os.environ["RANK"] == "0":
+        raise SystemExit("rank 0's own reason")
+    raise RuntimeError("x" * 20000)
+
+
+def test_a_failed_launch_shows_the_end_of_every_rank_s_output(tmp_path):
+    from helpers.launch import torchrun_reports
+
+    with pytest.raises(AssertionError) as failed:
+        torchrun_reports(__file__, "failing_worker", tmp_path, 2, timeout=120)
+    assert "--- rank 0 " in str(failed.value) and "rank 0's own reason" in str(failed.value)
+    assert "--- rank 1 " in str(failed.value)
