@@ -232,12 +232,15 @@ def probe_mesh_flatten() -> None:
 
 def module_view(module: nn.Module) -> nn.Module:
     """A shallow copy of ``module`` with submodule, parameter and buffer tables of its own (nn.Module's
-    ``_modules``, ``_parameters``, ``_buffers``): it holds the same objects, and setting a submodule on the copy
-    leaves ``module`` as it was (an interleaved pipeline's chunk views, parallel/interleaved.py)."""
+    ``_modules``, ``_parameters``, ``_buffers``) and hook tables of its own: it holds the same objects, setting a
+    submodule on the copy leaves ``module`` as it was, and a hook registered on the copy (FSDP2's, on an
+    interleaved pipeline's chunk: parallel/interleaved.py) runs on the copy's calls only."""
     view = copy.copy(module)
     try:
         view._modules, view._parameters = dict(module._modules), dict(module._parameters)
         view._buffers = dict(module._buffers)
+        for key in [k for k, v in vars(module).items() if "hooks" in k and isinstance(v, dict)]:
+            setattr(view, key, type(vars(module)[key])(vars(module)[key]))  # hooks registered on it stay its own
     except AttributeError as e:
         raise PROBES["probe_module_view"].error(str(e)) from e
     return view
@@ -251,6 +254,8 @@ def probe_module_view() -> None:
     view[1] = nn.Identity()
     expect(isinstance(whole[1], nn.Linear) and view[0] is whole[0], "the copy's submodules are its own table")
     expect(next(view.parameters()) is whole[0].weight, "the copy holds the same parameters")
+    view.register_forward_pre_hook(lambda *_: None)
+    expect(not whole._forward_pre_hooks, "a hook registered on the copy is the copy's only")
 
 
 def wrap_stage_setup(schedule: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

@@ -16,8 +16,9 @@ posted before either is waited on (``exchange``).
 A second launch, of 4 ranks, runs ``LAYOUTS_4``: 2 stages combined with
 replicated data parallel (overlapped), tensor + sequence parallel, FSDP2,
 MoE and hybrid models, expert parallel (an MoE model's experts split over
-each stage's 2 ranks, its checkpoint resumed) and recompute; the 8-rank 3-D
-layouts are in test_pipeline_3d.py.
+each stage's 2 ranks, its checkpoint resumed) and recompute, and 2 stages x 2
+virtual stages (interleaved 1F1B) with tensor + sequence parallel and with
+FSDP2 ZeRO-3; the 8-rank 3-D layouts are in test_pipeline_3d.py.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ DP2 = ["train.global_batch_size=16"]  # 2 data-parallel ranks x 4 micro-batches 
 MOE = ["train.micro_batch_size=2", "model.hidden_dropout=0.1", "model.moe_router_enable_expert_bias=true",
        "model.moe_router_bias_update_rate=0.01", "model.moe_router_score_function=sigmoid",
        "data.corpus_max_bytes=300000", "data.split=90,10,0"]
+VPP2 = ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2", "model.num_layers=4",
+        "train.eval_iters=1"]
 LAYOUTS_4 = {
     # replicated data parallel, the buckets' all-reduces overlapped with each stage's last backward; tied embeddings
     "pp2_dp2": [*PP2, *DP2, "ddp.overlap_grad_reduce=true", "ddp.bucket_size=5000",
@@ -91,6 +94,11 @@ LAYOUTS_4 = {
     "pp2_recompute": [*PP2, *DP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
                       "model.attention_dropout=0.0"],
     "pp2_full_recompute": [*PP2, *DP2, "model.recompute_granularity=full", *NO_DROPOUT],
+    # virtual stages (interleaved 1F1B): 4 layers in 4 chunks, pipeline rank 0 holding chunks 0 and 2, rank 1
+    # chunks 1 and 3 (parallel/interleaved.py); x 2 tensor-parallel ranks with sequence parallel, dropout off (its
+    # eager run is the one compared with one process), and x FSDP2 ZeRO-3, each chunk a root of its own
+    "vpp2_tp2_sp": [*VPP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true", *NO_DROPOUT],
+    "vpp2_zero3": [*VPP2, *DP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
 }
 # the others: llama3_tiny
 RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}
@@ -100,6 +108,7 @@ MODES_4 = {
     "pp2_tp2_sp": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP]},
     "pp2_zero2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP]},
     "pp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
+    "vpp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
     "pp2_moe": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]", *LAYER_WARMUP],
                 "nodrop": [*NO_DROPOUT, *EAGER]},
     # resumed at iteration 2 from the checkpoint its graphed run saved (SAVES), graphed: 3 eager, 4 captured
@@ -283,13 +292,28 @@ def test_pipelines_on_four_ranks_equal_eager(reports_4):
     """pp2 x dp2 (each stage's gradients all-reduced over its data-parallel group, overlapped with the stage's last
     backward, inside the graph), pp2 x tp2
     with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and ZeRO-3, MoE (also pp2 x ep2: the experts
-    split over each stage's 2 ranks) and hybrid models and recompute over 2 stages: the whole-schedule graphs and
-    the per-layer graphs equal eager bit for bit."""
+    split over each stage's 2 ranks) and hybrid models and recompute over 2 stages, and 2 stages x 2 virtual stages
+    over tp2 with sequence parallel and over FSDP2 ZeRO-3: the whole-schedule graphs and the per-layer graphs equal
+    eager bit for bit."""
     _assert_graphed_runs_equal_eager(reports_4, LAYOUTS_4, MODES_4)
     shards = [r["pp2_dp2/eager"]["shard"] for r in reports_4]  # (pp, dp) = (0,0), (0,1), (1,0), (1,1)
     assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
     shards = [r["pp2_zero3/eager"]["shard"] for r in reports_4]  # FSDP2: each data-parallel rank its own shard
     assert len(set(shards)) == 4
+
+
+@pytest.mark.ranks4
+@pytest.mark.parametrize("layout", ["vpp2_tp2_sp", "vpp2_zero3"])
+def test_virtual_stages_over_sharded_ranks_hold_their_chunks(reports_4, layout):
+    """rank = 2 pp + tp (or dp): pipeline rank 0 holds the embedding and layers 0 and 2 (chunks 0 and 2), rank 1
+    layers 1 and 3 and the output layer (chunks 1 and 3), each of the 4 ranks its own shards of them."""
+    assert len({r[f"{layout}/eager"]["shard"] for r in reports_4}) == 4
+    names = [r[f"{layout}/eager"]["names"] for r in reports_4]
+    assert names[0] == names[1] and names[2] == names[3]
+    layers = [{n.split(".")[1] for n in held if n.startswith("layers.")} for held in (names[0], names[2])]
+    assert layers == [{"0", "2"}, {"1", "3"}]
+    assert names[0][0] == "embedding.weight" and "output_layer.weight" not in names[0]
+    assert names[2][-1] == "output_layer.weight" and "embedding.weight" not in names[2]
 
 
 @pytest.mark.ranks4
@@ -325,6 +349,7 @@ def _one_process(layout: str):
     single = [o for o in LAYOUTS_4[layout] if not o.startswith(("model.pipeline_model_parallel_size",
                                                                  "model.num_layers_in_first", "model.tensor_model",
                                                                  "model.sequence_parallel", "ddp.",
+                                                                 "model.virtual_pipeline_model_parallel_size",
                                                                  "model.expert_model_parallel_size"))]
     return _one_process_run(RECIPES.get(layout, "llama3_tiny"), tuple(single))
 
@@ -339,7 +364,7 @@ def _one_process_run(recipe: str, single: tuple[str, ...]):
 
 # the dropout-free run of each layout compared with one process
 ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop", "pp2_moe": "nodrop",
-               "pp2_ep2": "nodrop"}
+               "pp2_ep2": "nodrop", "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop"}
 
 
 @pytest.mark.ranks4
@@ -348,6 +373,7 @@ def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, la
     """Dropout off: 2 stages over replicated data parallel with overlap (tied), tensor parallel (tied), FSDP2 (tied)
     or an MoE model (whose expert biases move
     with the token counts of each stage's data-parallel ranks), its experts split over each stage's ranks or not,
+    and 2 stages x 2 virtual stages over tensor + sequence parallel or FSDP2 ZeRO-3,
     compute what one process computes with the same
     global batch, to float tolerance: the losses, and the gradient norm (each element counted once over the mesh,
     each expert once over the stages and expert-parallel ranks, the last stage's copy of a tied embedding not at

@@ -22,8 +22,13 @@ PARAMETER_MARKS = ("tied_copy",)  # what graphstep marks on a parameter and FSDP
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: torch.dtype, *,
-               prefetch: bool = False, experts_mesh: DeviceMesh | None = None) -> None:
+               prefetch: bool = False, experts_mesh: DeviceMesh | None = None,
+               roots: list[nn.Module] | None = None) -> None:
     """``fully_shard`` every decoder layer, then the model, on ``mesh`` (the dp dimension), in place.
+
+    ``roots``: the modules to shard last in place of the model -- an interleaved pipeline rank's chunk views
+    (parallel/interleaved.py), each a root of its own over its layers and its embedding or final norm and output
+    layer, as torchtitan shards each virtual stage's model; ``prefetch`` then stays within each chunk.
 
     ``prefetch`` (``ddp.overlap_param_gather``): each layer starts the next layer's all-gather before its own
     forward, instead of FSDP2's implicit prefetch. ``experts_mesh`` (the edp dimension, with expert parallel):
@@ -48,19 +53,24 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
             experts.set_gradient_divide_factor(float(mesh.size()))
             experts.set_force_sum_reduction_for_comms(True)  # a sum, then the division: gloo has no PREMUL_SUM
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    for root in roots if roots is not None else [model]:
+        fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    if roots is not None:
+        model.__dict__["_fsdp_roots"] = roots  # not submodules: the chunk views share the model's modules
     for name, p in model.named_parameters():
         for key, value in marks.get(name, {}).items():
             setattr(p, key, value)
     if prefetch:
-        for layer, following in zip(layers, layers[1:]):
-            layer.set_modules_to_forward_prefetch([following])
+        for root in roots if roots is not None else [model]:
+            runs = [layer for _, layer in root.layers.named_children()]
+            for layer, following in zip(runs, runs[1:]):
+                layer.set_modules_to_forward_prefetch([following])
 
 
 def reshard_all(model: nn.Module) -> None:
     """Free every FSDP2 module's unsharded parameters (after a forward-only step; backward does it itself)."""
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
+    for module in [*model.modules(), *model.__dict__.get("_fsdp_roots", [])]:
         if isinstance(module, FSDPModule):
             module.reshard()

@@ -58,7 +58,13 @@ Edge = tuple[int, int]  # (sending global rank, receiving global rank)
 def chunk_view(model: nn.Module, chunk: Chunk) -> nn.Module:
     """A view of the rank's GPTModel that runs ``chunk`` only: the same parameters and submodules (a shallow copy
     with its own submodule table), holding the chunk's layers, the embedding only on chunk 0 and the final norm and
-    output layer only on the last chunk. Its ``stage_forward`` is GPTModel's, over what the view holds."""
+    output layer only on the last chunk. Its ``stage_forward`` is GPTModel's, over what the view holds.
+
+    One view per chunk and model: a second call returns the first call's view (FSDP2 shards each chunk's view as
+    a root of its own before the pipeline is built: parallel/parallelize.py)."""
+    views = model.__dict__.setdefault("_chunk_views", {})
+    if chunk.index in views:
+        return views[chunk.index]
     view = module_view(model)  # setting a submodule below leaves the rank's model as it is
     view.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in chunk.layers})
     if not chunk.embedding:
@@ -66,12 +72,15 @@ def chunk_view(model: nn.Module, chunk: Chunk) -> nn.Module:
     if not chunk.loss:
         view.final_layernorm = None
         view.output_layer = None
+    views[chunk.index] = view
     return view
 
 
 class _ChunkModule(_StageModule):
     """What one chunk's ``PipelineStage`` runs; it follows the rank's model into training or evaluation mode
-    (the view is not a child of the rank's model, so ``model.eval()`` does not reach it)."""
+    (the view is not a child of the rank's model, so ``model.eval()`` does not reach it). It calls the view, as
+    :class:`_StageModule` calls the model: under FSDP2 each chunk's view is a root of its own, whose hooks gather
+    the chunk's embedding or final norm and output layer."""
 
     def __init__(self, view: nn.Module, model: nn.Module) -> None:
         super().__init__(view)
@@ -79,7 +88,7 @@ class _ChunkModule(_StageModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.model.training = self.owner.training
-        return self.model.stage_forward(x)
+        return self.model(x)
 
 
 def pipeline_edges(mesh: WorldMesh) -> list[Edge]:

@@ -20,9 +20,11 @@ from ..config import Config
 from ..cuda_graph.settings import CudaGraphSettings
 from .compile import apply_compile, compile_mode_of
 from .context_parallel import apply_context_parallel
-from .dims import CP, EDP, EP, TP, ParallelDims, WorldMesh
+from .dims import CP, EDP, EP, PP, TP, ParallelDims, WorldMesh
 from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_fsdp
+from .interleaved import chunk_view
+from .pipeline import model_chunks
 from .tensor_parallel import apply_tensor_parallel
 
 
@@ -66,7 +68,18 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     #    exists only once the parameters are final.
     #    Expert-parallel experts are sharded over the edp ranks only (the other ranks hold other experts); the
     #    other parameters over the data-parallel and context-parallel ranks (dp_cp; dp with one cp rank).
+    #    With virtual pipeline stages each of the rank's chunks is a root of its own (parallel/interleaved.py).
     if dims.fsdp is not None:
         apply_fsdp(model, mesh[dims.grad_dim], dims.fsdp, param_dtype, prefetch=dims.prefetch,
-                   experts_mesh=mesh[EDP] if dims.ep > 1 else None)
+                   experts_mesh=mesh[EDP] if dims.ep > 1 else None, roots=_chunk_roots(model, dims, mesh, cfg))
     return step_model
+
+
+def _chunk_roots(model: nn.Module, dims: ParallelDims, mesh: WorldMesh, cfg: Config) -> list[nn.Module] | None:
+    """The views of this pipeline rank's chunks when it holds several (virtual stages), the ones its interleaved
+    pipeline runs (parallel/interleaved.py ``chunk_view``); None otherwise."""
+    if dims.pp == 1:
+        return None
+    stage = mesh[PP].get_local_rank()
+    mine = [c for c in model_chunks(cfg.model, dims.pp) if c.index % dims.pp == stage]
+    return [chunk_view(model, c) for c in mine] if len(mine) > 1 else None

@@ -108,8 +108,8 @@ def llama3_70b() -> Config:
     sequence parallel x 4 pipeline stages of 5 virtual stages each (interleaved 1F1B, 4 layers a chunk) x 2
     context-parallel ranks -- 32 GPUs for one data-parallel replica -- micro-batch 1, global batch 512. Bridge
     also sets the distributed optimizer, overlapped gradient reduction and a bf16 pipeline dtype; graphstep's
-    rules refuse virtual stages with tensor parallel (R28) and context parallel with stages (R30) today:
-    ``graphstep config validate --recipe llama3_70b`` names the refusals, what the layout needs per GPU and the
+    rules take its virtual stages with tensor parallel but refuse context parallel with stages (R30) today:
+    ``graphstep config validate --recipe llama3_70b`` names the refusal, what the layout needs per GPU and the
     nearest layout the rules accept.
     """
     cfg = _llama3(graph_ready(Config()), 80, 8192, 28672, 64, 8, False)

@@ -622,8 +622,9 @@ def layout_world_size(cfg: Config) -> int:
 
 
 def _relaxations(cfg: Config) -> list[tuple[str, dict[str, Any]]]:
-    """Layout features to turn off, in order, to reach a layout the rules accept at the same world size: the
-    newest combinations first (virtual stages, then context parallel, whose ranks become data-parallel ones)."""
+    """Layout features to turn off to reach a layout the rules accept at the same world size (``nearest_accepted``
+    turns off the fewest; among as many, the first here): the newest combinations first (virtual stages, then
+    context parallel, whose ranks become data-parallel ones)."""
     m, out = cfg.model, []
     if m.virtual_pipeline_model_parallel_size is not None or m.pipeline_model_parallel_layout is not None:
         fields: dict[str, Any] = {"model.virtual_pipeline_model_parallel_size": None,
@@ -639,8 +640,9 @@ def _relaxations(cfg: Config) -> list[tuple[str, dict[str, Any]]]:
 
 
 def nearest_accepted(cfg: Config, world: int) -> tuple[str, dict[str, Any]] | None:
-    """The first of ``cfg``'s relaxations (applied one after another) that the layout rules accept on ``world``
-    ranks, as ``(what it drops, the fields)``; None when the config passes already or none does."""
+    """The fewest of ``cfg``'s relaxations (together; among as many, the first in their order) that the layout
+    rules accept on ``world`` ranks, as ``(what they drop, the fields)``; None when the config passes already or
+    none does."""
     from ..validation import validate_config
 
     def refused(c: Config) -> bool:
@@ -648,12 +650,12 @@ def nearest_accepted(cfg: Config, world: int) -> tuple[str, dict[str, Any]] | No
 
     if not refused(cfg):
         return None
-    names, fields = [], {}
-    for name, more in _relaxations(cfg):
-        names.append(name)
-        fields.update(more)
-        if not refused(with_fields(cfg, fields)):
-            return ", ".join(names), fields
+    relaxations = _relaxations(cfg)
+    for size in range(1, len(relaxations) + 1):
+        for chosen in itertools.combinations(relaxations, size):
+            fields = {k: v for _, more in chosen for k, v in more.items()}
+            if not refused(with_fields(cfg, fields)):
+                return ", ".join(name for name, _ in chosen), fields
     return None
 
 

@@ -52,6 +52,7 @@ LAYOUTS = (
     Layout("pp2 x tp2", 4, (*PP2, *TP2)),
     Layout("pp2 x FSDP2 ZeRO-3 (dp2)", 4, (*PP2, *FSDP3)),
     Layout("pp2 x vpp2 x tp2", 4, (*VPP, *TP2)),
+    Layout("pp2 x vpp2 x FSDP2 ZeRO-3 (dp2)", 4, (*VPP, *FSDP3)),
     Layout("cp2 x tp2", 4, (*CP2, *TP2)),
     Layout("cp2 x FSDP2 ZeRO-3 (dp2)", 4, (*CP2, *FSDP3)),
     Layout("pp2 x cp2", 4, (*PP2, *CP2)),
