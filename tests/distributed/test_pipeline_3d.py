@@ -5,8 +5,11 @@ trains every layout of ``LAYOUTS`` eagerly and with the full-iteration,
 optimizer and evaluation graphs -- the whole schedule, its sends and receives,
 the tensor-parallel collectives and the data-parallel reduction (the bucketed
 all-reduce, or FSDP2's gathers and reduce-scatters) captured once per rank --
-and writes the per-iteration losses, the evaluation losses and a digest of the
-shards it holds. On the CPU the graphs run on the replay backend over gloo.
+and writes the per-iteration losses, the evaluation losses, a digest of the
+shards it holds and the names of its parameters. One layout adds 2 virtual
+stages per pipeline rank (the interleaved 1F1B schedule, each chunk an FSDP2
+root of its own) to tensor + sequence parallel and the distributed optimizer:
+Megatron Bridge's large recipes (TP x PP x VPP over sharded data parallel). On the CPU the graphs run on the replay backend over gloo.
 The 4-rank combinations (2 stages with tensor parallel, FSDP2, MoE, hybrid
 models, recompute) are in test_pipeline.py.
 """
@@ -36,6 +39,12 @@ LAYOUTS = {  # rank = 4 pp + 2 dp + tp
     "pp2_dp2_tp2": [],  # replicated data parallel, the full sequence between the stages
     "pp2_zero3_tp2_sp": ["model.sequence_parallel=true", "ddp.use_megatron_fsdp=true",
                          "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    # 2 virtual stages per pipeline rank: 4 layers in 4 chunks of 1, pipeline rank 0 holding chunks 0 and 2, rank 1
+    # chunks 1 and 3; the 4 micro-batches per pipeline run in 2 rounds of 2. The distributed optimizer (Bridge's
+    # ddp.use_distributed_optimizer=true) is FSDP2 ZeRO-2 here
+    "pp2_vpp2_zero2_tp2_sp": ["model.num_layers=4", "model.num_layers_in_first_pipeline_stage=null",
+                              "model.virtual_pipeline_model_parallel_size=2", "model.sequence_parallel=true",
+                              "ddp.use_distributed_optimizer=true"],
 }
 
 
@@ -48,7 +57,8 @@ def layouts_worker(out: str, device: str) -> None:
             for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
 
     def run(overrides: list[str]) -> dict:
-        return train_report(train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True))
+        result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
+        return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()]}
 
     report_runs(Path(out), device, runs, run)
 
@@ -66,13 +76,22 @@ def _assert_graphed_equals_eager(reports: list[dict]) -> None:
 
 @pytest.mark.ranks8
 def test_three_dimensional_layouts_on_eight_ranks_equal_eager(tmp_path):
-    """pp2 x dp2 x tp2, data parallel replicated or FSDP2 ZeRO-3 (with sequence parallel): the whole schedule
-    graphed equals eager bit for bit on every rank, and every rank holds the part of the model its place says."""
+    """pp2 x dp2 x tp2, data parallel replicated or FSDP2 ZeRO-3 (with sequence parallel), and pp2 x vpp2 x dp2 x
+    tp2 over the distributed optimizer (with sequence parallel): the whole schedule graphed equals eager bit for
+    bit on every rank, and every rank holds the part of the model its place says."""
     reports = torchrun_reports(__file__, "layouts_worker", tmp_path, 8, "cpu", timeout=600)
     _assert_graphed_equals_eager(reports)
     shards = [r["pp2_dp2_tp2/eager"]["shard"] for r in reports]  # replicas hold the same shards
     assert [shards.index(s) for s in shards] == [0, 1, 0, 1, 4, 5, 4, 5] and len(set(shards)) == 4
     assert len({r["pp2_zero3_tp2_sp/eager"]["shard"] for r in reports}) == 8  # FSDP2: each rank its own
+    vpp = [r["pp2_vpp2_zero2_tp2_sp/eager"] for r in reports]
+    assert len({r["shard"] for r in vpp}) == 8
+    names = [r["names"] for r in vpp]  # pipeline rank 0: ranks 0-3, chunks 0 and 2; rank 1: ranks 4-7, 1 and 3
+    assert all(n == names[0] for n in names[:4]) and all(n == names[4] for n in names[4:])
+    layers = [{n.split(".")[1] for n in held if n.startswith("layers.")} for held in (names[0], names[4])]
+    assert layers == [{"0", "2"}, {"1", "3"}]
+    assert names[0][0] == "embedding.weight" and "output_layer.weight" not in names[0]
+    assert names[4][-1] == "output_layer.weight" and "embedding.weight" not in names[4]
 
 
 @pytest.mark.cuda

@@ -80,10 +80,6 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.pipeline_model_parallel_size=2", "model.pipeline_schedule=interleaved_zero_bubble"], 2, "R28",
      "each rank holds one stage"),
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
-      "model.tensor_model_parallel_size=2", "ddp.use_megatron_fsdp=true",
-      "ddp.data_parallel_sharding_strategy=optim_grads_params", "train.global_batch_size=16"], 8, "R28",
-     "both tensor parallel and FSDP2 is not implemented"),
-    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
       "model.recompute_granularity=full"], 2, "R28", "with activation recompute is not implemented"),
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
       "model.num_layers_in_first_pipeline_stage=1", "model.num_layers=3"], 2, "R28", "virtual stages"),
@@ -138,12 +134,15 @@ def test_accepted_pipeline_layouts_break_no_rule():
     assert _rules(*vpp, "model.num_layers=6", "model.account_for_embedding_in_pipeline_split=true",
                   "model.account_for_loss_in_pipeline_split=true") == []
     assert _rules("model.pipeline_model_parallel_layout=EttttL", world=1) == []
-    # virtual stages over tensor + sequence parallel, FSDP2 ZeRO-3 and ZeRO-2 (tests/distributed/test_pipeline.py)
-    assert _rules(*vpp, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true", world=4) == []
+    # virtual stages over tensor + sequence parallel, FSDP2 ZeRO-3 and ZeRO-2 (tests/distributed/test_pipeline.py),
+    # and over both together (tests/distributed/test_pipeline_3d.py: the distributed optimizer)
+    tp_sp = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+    assert _rules(*vpp, *tp_sp, world=4) == []
     for fsdp in (["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
                  ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads"],
                  ["ddp.use_distributed_optimizer=true"]):
         assert _rules(*vpp, *fsdp, "train.global_batch_size=16", world=4) == []
+        assert _rules(*vpp, *tp_sp, *fsdp, "train.global_batch_size=16", world=8) == []
 
 
 @pytest.mark.parametrize("overrides,world", [

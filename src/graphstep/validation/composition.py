@@ -22,6 +22,7 @@ from . import validate_config
 
 FSDP3 = ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params")
 FSDP2_ZERO2 = ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads")
+DIST_OPT = ("ddp.use_distributed_optimizer=true",)  # Megatron Bridge's sharding: FSDP2 ZeRO-2
 TP2 = ("model.tensor_model_parallel_size=2", "model.sequence_parallel=true")
 PP2 = ("model.pipeline_model_parallel_size=2", "model.share_embeddings_and_output_weights=false")
 VPP = (*PP2, "model.virtual_pipeline_model_parallel_size=2")
@@ -57,6 +58,7 @@ LAYOUTS = (
     Layout("cp2 x FSDP2 ZeRO-3 (dp2)", 4, (*CP2, *FSDP3)),
     Layout("pp2 x cp2", 4, (*PP2, *CP2)),
     Layout("3-D: pp2 x FSDP2 ZeRO-3 (dp2) x tp2", 8, (*PP2, *FSDP3, *TP2)),
+    Layout("3-D: pp2 x vpp2 x distributed optimizer (dp2) x tp2", 8, (*VPP, *DIST_OPT, *TP2)),
     Layout("MoE, expert parallel (ep2)", 2, EP2, "qwen3_moe_tiny"),
     Layout("MoE, ep2 x tp2", 4, (*EP2, *TP2), "qwen3_moe_tiny"),
     Layout("MoE, ep2 x FSDP2 ZeRO-3", 2, (*EP2, *FSDP3), "qwen3_moe_tiny"),

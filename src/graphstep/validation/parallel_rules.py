@@ -26,8 +26,8 @@ parallel/; these rules say which configurations it takes:
   rounds of ``pp``, and what is not implemented (another activation dtype,
   tied embeddings across more than 2 stages or with virtual stages, GPipe or
   per-layer graphs with virtual stages, virtual stages with an MoE or hybrid
-  model, recompute, or tensor parallel and FSDP2 together -- each of the two
-  alone works with them) is refused;
+  model, recompute) is refused -- virtual stages combine with tensor
+  (+ sequence) parallel, FSDP2, or both;
 * R29 -- what pipeline parallelism does not combine with yet (compile, shape
   buckets, an MoE model under tensor parallel, ...; tensor parallelism, FSDP2,
   MoE and hybrid models, recompute and the overlapped gradient reduction
@@ -324,11 +324,6 @@ def _interleaved_violations(v: View, pp: int, chunks: int, schedule: str) -> lis
                       "model.share_embeddings_and_output_weights=true is not implemented (the tied copies live in "
                       "two chunks).", "set model.share_embeddings_and_output_weights=false, or "
                       "model.virtual_pipeline_model_parallel_size=null."))
-    if tensor_parallel_size(v.cfg) > 1 and shards_data_parallel(v.cfg):  # each alone works (tests/distributed)
-        out.append(_v("R28", ["model.tensor_model_parallel_size", *_fsdp_fields(v.cfg), *vfield], f"{what} with "
-                      "both tensor parallel and FSDP2 is not implemented (virtual stages take either).",
-                      "use virtual stages with tensor parallel or with FSDP2, or both over plain pipeline stages "
-                      "(model.virtual_pipeline_model_parallel_size=null)."))
     others = [(m.num_moe_experts is not None, ["model.num_moe_experts"], "an MoE model"),
               (m.hybrid_override_pattern is not None, ["model.hybrid_override_pattern"], "a hybrid (Mamba) model"),
               (m.recompute_granularity is not None, ["model.recompute_granularity"], "activation recompute")]
