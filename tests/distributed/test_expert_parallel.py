@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from helpers.launch import report_runs, torchrun_reports
-from helpers.reports import load_weights, natural_digests, train_report, whole_model_digests
+from helpers.reports import graphed_states, load_weights, natural_digests, train_report, whole_model_digests
 
 pytestmark = pytest.mark.slow
 
@@ -153,11 +153,6 @@ def combined_runs(out: Path) -> dict[str, list[str]]:
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
     return torchrun_reports(__file__, "layouts_worker", tmp, nproc, device, layouts, timeout=timeout)
-
-
-def graphed_states(iters: int) -> list[str]:
-    """A graphed run's states with ``cuda_graph_warmup_steps=1``: one eager iteration, the capture, replays."""
-    return ["eager", "captured", *["replayed"] * (iters - 2)]
 
 
 def check_layout(reports: list[dict], layout: str, rtol: float = 2e-5, iters: int = ITERS, evals: int = ITERS,

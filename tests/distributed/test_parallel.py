@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from helpers.launch import report_runs, subprocess_env, torchrun, torchrun_reports
-from helpers.reports import assert_graphed_equals_eager, train_report
+from helpers.reports import assert_graphed_equals_eager, graphed_states, train_report
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_gra
           "train.eval_iters=1", "train.eval_interval=1", "model.use_te_rng_tracker=true"]
 # iterations 1-4: one warm-up, captured at 2, replayed at 3 and 4; evaluations after each of them (the last one
 # at the end): the evaluation graph warms up at 1, captures at 2 and replays at 3 and 4
-REPLAYED = ["eager", "captured", "replayed", "replayed"]  # the states of a graphed run
+REPLAYED = graphed_states(ITERS)  # the states of a graphed run
 # the 2-GPU runs: 8 iterations, evaluations at 2, 4, 6, 8 (the evaluation graph warms up twice, captures at 6 and
 # replays at 8)
 GPU_SCHEDULE = ["train.train_iters=8", "model.cuda_graph_warmup_steps=2", "train.eval_iters=2", "train.eval_interval=2"]

@@ -32,7 +32,7 @@ import torch
 
 from graphstep.training.moe_hooks import KEYS as MOE_KEYS
 from helpers.launch import report_runs, torchrun_reports
-from helpers.reports import assert_graphed_equals_eager, train_report
+from helpers.reports import assert_graphed_equals_eager, graphed_states, train_report
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +44,7 @@ COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_gra
 # and is captured (and replayed) at 4
 # per-layer graphs over pipeline stages warm up for 2 iterations (rule R29): 1, 2 eager, 3 captured, 4 replayed
 LAYER_WARMUP = ["model.cuda_graph_warmup_steps=2"]
-STATES = {"graphed": ["eager", "captured", "replayed", "replayed"],
-          "layers": ["eager", "eager", "captured", "replayed"]}
+STATES = {"graphed": graphed_states(ITERS), "layers": graphed_states(ITERS, warmup=2)}
 GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
 EAGER = ["model.cuda_graph_impl=none"]
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]

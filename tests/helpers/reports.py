@@ -24,6 +24,11 @@ def train_report(result) -> dict:
             "eval": result.eval_losses, "shard": shard_digest(result.model), "graphs": result.graphs}
 
 
+def graphed_states(iters: int, warmup: int = 1) -> list[str]:
+    """A graphed run's states, iteration by iteration: ``warmup`` eager iterations, the capture, then replays."""
+    return ["eager"] * warmup + ["captured"] + ["replayed"] * (iters - warmup - 1)
+
+
 def assert_graphed_equals_eager(reports: list[dict], layouts: dict) -> None:
     """Every rank's graphed run of each layout: the eager run's losses and weights, bit for bit."""
     for layout in layouts:
