@@ -53,7 +53,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
             experts.set_gradient_divide_factor(float(mesh.size()))
             experts.set_force_sum_reduction_for_comms(True)  # a sum, then the division: gloo has no PREMUL_SUM
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    for root in roots if roots is not None else [model]:
+    shard_roots = roots if roots is not None else [model]
+    for root in shard_roots:
         fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     if roots is not None:
         model.__dict__["_fsdp_roots"] = roots  # not submodules: the chunk views share the model's modules
@@ -61,7 +62,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
         for key, value in marks.get(name, {}).items():
             setattr(p, key, value)
     if prefetch:
-        for root in roots if roots is not None else [model]:
+        for root in shard_roots:
             runs = [layer for _, layer in root.layers.named_children()]
             for layer, following in zip(runs, runs[1:]):
                 layer.set_modules_to_forward_prefetch([following])
