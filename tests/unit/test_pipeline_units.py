@@ -75,8 +75,12 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
       "model.share_embeddings_and_output_weights=true"], 2, "R28", "two chunks"),
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
-      "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true", "model.cuda_graph_warmup_steps=2"], 2, "R28",
-     "per-layer graphs"),
+      "model.pipeline_schedule=interleaved_zero_bubble", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
+      "model.cuda_graph_warmup_steps=2"], 2, "R28", "input and weight gradients in one replay"),
+    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
+      "model.pipeline_schedule=interleaved_zero_bubble", "model.cuda_graph_impl=transformer_engine",
+      "model.use_te_rng_tracker=true", "model.cuda_graph_warmup_steps=2"], 2, "R28",
+     "model.pipeline_schedule=interleaved_1f1b (per-layer graphs)"),
     (["model.pipeline_model_parallel_size=2", "model.pipeline_schedule=interleaved_zero_bubble"], 2, "R28",
      "each rank holds one stage"),
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
@@ -129,6 +133,14 @@ def test_accepted_pipeline_layouts_break_no_rule():
     assert _rules(*vpp, "model.pipeline_schedule=interleaved_zero_bubble") == []
     assert _rules(*vpp, "model.pipeline_schedule=interleaved_1f1b", "model.cuda_graph_impl=full_iteration",
                   "model.use_te_rng_tracker=true") == []
+    assert _rules(*vpp, "model.pipeline_schedule=interleaved_zero_bubble", "model.cuda_graph_impl=full_iteration",
+                  "model.use_te_rng_tracker=true") == []
+    # per-layer graphs over virtual stages under interleaved 1F1B (tests/distributed/test_interleaved.py)
+    for impl in ("local", "transformer_engine"):
+        for schedule in ("1f1b", "interleaved_1f1b"):
+            assert _rules(*vpp, f"model.pipeline_schedule={schedule}", f"model.cuda_graph_impl={impl}",
+                          "model.cuda_graph_modules=[attn,mlp]", "model.use_te_rng_tracker=true",
+                          "model.cuda_graph_warmup_steps=2") == []
     assert _rules("model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_layout=Et|t|t|tL") == []
     assert _rules("model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_layout=Ett|ttL") == []
     assert _rules(*vpp, "model.num_layers=6", "model.account_for_embedding_in_pipeline_split=true",
