@@ -320,7 +320,7 @@ def test_per_layer_graphs_hold_every_micro_batch_in_flight(one_rank_group, devic
     assert all(torch.equal(a, b) for a, b in zip(runs[False][1], runs[True][1]))
 
 
-# an interleaved order of two chunks over 4 micro-batches (as on the first rank of interleaved 1F1B): chunk A's
+# an interleaved order of two chunks over 4 micro-batches, in the manner of interleaved 1F1B's warm-up: chunk A's
 # forwards of micro-batches 0 and 1, then chunk B's of the same two; A runs all 4 forwards before its first backward
 INTERLEAVED = ["FA0", "FA1", "FB0", "FB1", "FA2", "BB0", "FA3", "BB1", "BA0", "FB2", "BA1", "FB3", "BB2", "BA2", "BB3",
                "BA3"]
