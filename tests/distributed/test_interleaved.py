@@ -3,8 +3,10 @@
 One torchrun launch of 2 gloo ranks runs ``layouts_worker``: each layout of
 ``LAYOUTS`` eagerly and with the full-iteration graph (the whole interleaved
 schedule, sends and receives included, in one graph per rank; the optimizer
-and evaluation graphs too), and with dropout off the interleaved pipeline
-and the one-stage-per-rank pipeline of the same model. Each rank writes per
+and evaluation graphs too), the layouts of ``PER_LAYER`` with per-layer
+graphs (each chunk's layers graphed, sends and receives eager), and with
+dropout off the interleaved pipeline and the one-stage-per-rank pipeline of
+the same model. Each rank writes per
 run the per-iteration losses, the evaluation losses, a digest of the
 parameters it holds and their names, and every send and receive the
 schedules posted (``_batch_p2p``) with the process group it went on. The
@@ -43,6 +45,17 @@ LAYOUTS = {  # 2 ranks x 2 virtual stages = 4 chunks; rank 0 holds chunks 0 and 
     "account": ["model.num_layers=2", "model.virtual_pipeline_model_parallel_size=2",
                 "model.account_for_embedding_in_pipeline_split=true", "model.account_for_loss_in_pipeline_split=true"],
 }
+# per-layer graphs over the chunks' layers, interleaved 1F1B; two warm-up steps (R29: the order and the micro-batches
+# in flight come from the last one). Each chunk counts its own micro-batches (cuda_graph/layers.py, chains).
+LAYER_WARMUP = ["model.cuda_graph_warmup_steps=2"]
+PER_LAYER = {"vpp2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP],
+             "layout": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]", *LAYER_WARMUP]}
+# the graphed modules of each rank: vpp2 graphs attn and mlp of 2 layers per rank, layout whole layers (0, 1, 3 on
+# rank 0; 2 on rank 1, whose chunk 3 holds only the loss)
+LAYER_MODULES = {"vpp2": [4, 4], "layout": [3, 1]}
+# slots (sets of graphs, one per micro-batch in flight in a chunk): interleaved 1F1B over 2 ranks with 4 micro-batches
+# runs all 4 forwards of chunk 0 on rank 0 before their first backward, and 3 of chunk 1 on rank 1
+SLOTS = [4, 3]
 # which whole-model layers each rank holds
 HELD = {"vpp2": [{0, 2}, {1, 3}], "vpp2_zero_bubble": [{0, 2}, {1, 3}], "layout": [{0, 1, 3}, {2}],
         "account": [{1}, {0}]}
@@ -61,6 +74,7 @@ def layouts_worker(out: str, device: str) -> None:
 
     runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
             for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
+    runs.update({f"{name}/layers": [*LAYOUTS[name], *graphs] for name, graphs in PER_LAYER.items()})
     runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT, *EAGER] for name, layout in SAME_MODEL.items()})
     # the graphed vpp2 run saves at iteration 2; a run resumes from there
     save = Path(out) / "vpp2-ckpt"
@@ -126,6 +140,21 @@ def test_graphed_interleaved_pipeline_equals_eager_bit_for_bit(reports, layout):
     assert reports[0][f"{layout}/eager"]["losses"] == reports[1][f"{layout}/eager"]["losses"]
 
 
+@pytest.mark.parametrize("layout", list(PER_LAYER))
+def test_per_layer_graphs_over_virtual_stages_equal_eager_bit_for_bit(reports, layout):
+    """Per-layer graphs on the layers of a rank's two chunks, dropout on: every chunk counts the micro-batches it
+    runs on its own (interleaved 1F1B runs chunk 0's forwards of micro-batches 0 and 1 before chunk 2's of
+    micro-batch 0), so micro-batch i of a chunk replays slot i mod slots; losses, evaluation losses (eager layers)
+    and every rank's final parameters are the eager run's bits."""
+    for rank, report in enumerate(reports):
+        eager, graphed = report[f"{layout}/eager"], report[f"{layout}/layers"]
+        assert graphed["states"] == graphed_states(ITERS, warmup=2)
+        assert graphed["graphs"] == 2 * LAYER_MODULES[layout][rank] * SLOTS[rank]  # forward and backward per slot
+        assert graphed["losses"] == eager["losses"]  # JSON floats: the exact bits
+        assert graphed["eval"] == eager["eval"]
+        assert graphed["shard"] == eager["shard"]
+
+
 @pytest.mark.parametrize("layout", [*LAYOUTS, "pp2"])
 def test_the_schedule_is_torchs_interleaved_one(reports, layout):
     expected = {"vpp2_zero_bubble": "ScheduleInterleavedZeroBubble", "pp2": "Schedule1F1B"}
@@ -149,7 +178,7 @@ def test_every_send_and_receive_goes_on_the_group_of_its_direction(reports, layo
     schedules post (activations and gradients, training and evaluation, eager and captured) is on its own."""
     for rank, report in enumerate(reports):
         peer = 1 - rank
-        for mode in ("eager", "graphed"):
+        for mode in ("eager", "graphed", *(["layers"] if layout in PER_LAYER else [])):
             run = report[f"{layout}/{mode}"]
             directed = run["directed"]
             assert set(directed) == {"0->1", "1->0"} and directed["0->1"] != directed["1->0"]
@@ -193,10 +222,12 @@ def test_zero_bubble_computes_what_interleaved_1f1b_computes(reports):
 @pytest.mark.cuda
 def test_interleaved_on_two_gpus_graphed_equals_eager(tmp_path):
     """On NCCL, where one communicator per pair could deadlock or misorder a captured interleaved schedule: every
-    layout graphed equals eager bit for bit, every transfer on the group of its direction."""
+    layout graphed (whole, and per layer) equals eager bit for bit, every transfer on the group of its direction."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine)")
     reports = torchrun_reports(__file__, "layouts_worker", tmp_path, 2, "cuda", timeout=900)
     assert_graphed_equals_eager(reports, LAYOUTS)
+    for layout in PER_LAYER:
+        test_per_layer_graphs_over_virtual_stages_equal_eager_bit_for_bit(reports, layout)
     for layout in LAYOUTS:
         test_every_send_and_receive_goes_on_the_group_of_its_direction(reports, layout)

@@ -75,8 +75,12 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
       "model.share_embeddings_and_output_weights=true"], 2, "R28", "two chunks"),
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
-      "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true", "model.cuda_graph_warmup_steps=2"], 2, "R28",
-     "per-layer graphs"),
+      "model.pipeline_schedule=interleaved_zero_bubble", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
+      "model.cuda_graph_warmup_steps=2"], 2, "R28", "input and weight gradients in one replay"),
+    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
+      "model.pipeline_schedule=interleaved_zero_bubble", "model.cuda_graph_impl=transformer_engine",
+      "model.use_te_rng_tracker=true", "model.cuda_graph_warmup_steps=2"], 2, "R28",
+     "model.pipeline_schedule=interleaved_1f1b (per-layer graphs)"),
     (["model.pipeline_model_parallel_size=2", "model.pipeline_schedule=interleaved_zero_bubble"], 2, "R28",
      "each rank holds one stage"),
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
@@ -129,6 +133,14 @@ def test_accepted_pipeline_layouts_break_no_rule():
     assert _rules(*vpp, "model.pipeline_schedule=interleaved_zero_bubble") == []
     assert _rules(*vpp, "model.pipeline_schedule=interleaved_1f1b", "model.cuda_graph_impl=full_iteration",
                   "model.use_te_rng_tracker=true") == []
+    assert _rules(*vpp, "model.pipeline_schedule=interleaved_zero_bubble", "model.cuda_graph_impl=full_iteration",
+                  "model.use_te_rng_tracker=true") == []
+    # per-layer graphs over virtual stages under interleaved 1F1B (tests/distributed/test_interleaved.py)
+    for impl in ("local", "transformer_engine"):
+        for schedule in ("1f1b", "interleaved_1f1b"):
+            assert _rules(*vpp, f"model.pipeline_schedule={schedule}", f"model.cuda_graph_impl={impl}",
+                          "model.cuda_graph_modules=[attn,mlp]", "model.use_te_rng_tracker=true",
+                          "model.cuda_graph_warmup_steps=2") == []
     assert _rules("model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_layout=Et|t|t|tL") == []
     assert _rules("model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_layout=Ett|ttL") == []
     assert _rules(*vpp, "model.num_layers=6", "model.account_for_embedding_in_pipeline_split=true",
@@ -306,6 +318,91 @@ def test_per_layer_graphs_hold_every_micro_batch_in_flight(one_rank_group, devic
     assert layers.captured and len(layers.slots) == slots and layers.state == "replayed"
     assert all(torch.equal(a, b) for a, b in zip(runs[False][0], runs[True][0])), runs
     assert all(torch.equal(a, b) for a, b in zip(runs[False][1], runs[True][1]))
+
+
+# an interleaved order of two chunks over 4 micro-batches, in the manner of interleaved 1F1B's warm-up: chunk A's
+# forwards of micro-batches 0 and 1, then chunk B's of the same two; A runs all 4 forwards before its first backward
+INTERLEAVED = ["FA0", "FA1", "FB0", "FB1", "FA2", "BB0", "FA3", "BB1", "BA0", "FB2", "BA1", "FB3", "BB2", "BA2", "BB3",
+               "BA3"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_graph_chains_count_their_own_micro_batches(device):
+    """Per-layer attn and mlp graphs over two chunks of one model (layers 0-1 and 2-3, the second fed the first's
+    detached output as a pipeline receive would), run in INTERLEAVED's order with dropout, gradients in graphstep's
+    buffers: each chunk is a chain of its own, so its micro-batch i replays slot i mod 4 (chunk A holds 4 in
+    flight, B 2); losses and weights equal eager bit for bit. Counted from the first module alone, chunk B's
+    micro-batches 0 and 1 would both replay the slot of chunk A's micro-batch 1."""
+    import torch.nn.functional as F
+
+    from graphstep.cuda_graph.errors import GraphUsageError
+    from graphstep.cuda_graph.layers import LayerGraphs, select_modules
+    from graphstep.cuda_graph.registry import get_backend
+    from graphstep.cuda_graph.rng import initialize_rng_tracker
+    from graphstep.models.transformer import GPTModel, ModelShape
+    from graphstep.training.optim import GradBuffers
+
+    g = torch.Generator().manual_seed(5)
+    data = [[tuple(torch.randint(0, 64, (2, 16), generator=g).to(device) for _ in range(2)) for _ in range(4)]
+            for _ in range(4)]  # 4 steps of 4 micro-batches: (tokens, labels)
+
+    made: list[LayerGraphs] = []  # closed at the end: the backend is the process's
+
+    def run(graphed: bool, chains: list[int] | None = None) -> tuple[list, list]:
+        tracker = initialize_rng_tracker(0, device)
+        model = GPTModel(ModelShape.from_config(ModelConfig(**SHAPE, hidden_dropout=0.1, attention_dropout=0.1)))
+        model.to(device).train()
+        grads = GradBuffers(model)
+        layers = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend(device), generators=tracker.generators,
+                             chains=chains) if graphed else None
+        made.extend([layers] if layers is not None else [])
+        losses = []
+        for i, batches in enumerate(data):
+            if layers is not None:
+                if i == 2:
+                    layers.capture()
+                layers.start_step()
+            grads.zero()
+            held, total = {}, torch.zeros((), device=device)
+            for op in INTERLEAVED:
+                mb = int(op[2])
+                tokens, labels = batches[mb]
+                if op.startswith("FA"):
+                    h = model.embedding(tokens)
+                    for layer in model.layers[:2]:
+                        h = layer(h)
+                    held[op] = h
+                elif op.startswith("FB"):
+                    x = held[f"FA{mb}"].detach().requires_grad_()
+                    h = x
+                    for layer in model.layers[2:]:
+                        h = layer(h)
+                    logits = F.linear(model.final_layernorm(h), model.output_layer.weight)
+                    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten()) / len(batches)
+                    held[op] = (x, loss)
+                    total += loss.detach()
+                elif op.startswith("BB"):
+                    held[f"FB{mb}"][1].backward()
+                else:
+                    held[f"FA{mb}"].backward(held[f"FB{mb}"][0].grad)
+            with torch.no_grad():
+                torch._foreach_add_([p.data for p in grads.params], grads.grads, alpha=-0.1)
+            losses.append(total)
+        if layers is not None:
+            assert layers.captured and len(layers.slots) == 4 and layers.state == "replayed"
+            assert "2 chains" in layers.describe()
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    eager = run(False)
+    graphed = run(True, [0] * 4 + [1] * 4)  # attn and mlp of layers 0 and 1, then of layers 2 and 3
+    assert all(torch.equal(a, b) for a, b in zip(eager[0], graphed[0])), (eager[0], graphed[0])
+    assert all(torch.equal(a, b) for a, b in zip(eager[1], graphed[1]))
+    try:
+        with pytest.raises(GraphUsageError, match="before the backward of the previous call"):
+            run(True)  # one chain: chunk B's micro-batch 1 replays the slot its micro-batch 0 still holds
+    finally:
+        for layers in made:
+            layers.close()
 
 
 def test_library_layer_graphs_with_marked_steps_capture_at_a_step_start():

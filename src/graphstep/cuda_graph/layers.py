@@ -45,6 +45,19 @@ step replays a slot's graphs again between other slots' graphs, which one
 shared pool would not allow. With one micro-batch in flight (any plain
 micro-batch loop) there is one slot and nothing changes.
 
+Chains. A micro-batch starts with the forward of the first graphed module;
+that holds while every micro-batch runs through all of the graphed modules
+in turn. An interleaved pipeline rank runs several chunks of the model
+(virtual stages) and interleaves them: chunk 0 runs micro-batches 0 and 1
+before chunk 2 runs micro-batch 0. The owner then names each module's
+*chain* (``chains``: one per chunk, :func:`apply_layer_graphs` finds the
+chunk that holds each module), and each chain counts its own micro-batches
+and micro-batches in flight, from its own first module: micro-batch ``i``
+of a chain replays slot ``i mod slots``, the slot count being the most any
+chain had in flight. The chains' graphs replay in orders that vary from one
+micro-batch to the next, so with several chains every graph has a pool of
+its own, even with one slot.
+
 FSDP2. When FSDP2 modules (``fully_shard``) manage the graphed modules'
 parameters, their gathered parameters are kept allocated where the graphs
 read them, and the capture runs with those modules unsharded (cuda_graph/fsdp.py).
@@ -86,6 +99,7 @@ class LayerGraphs:
         retain_graph: bool = False,
         warmup_calls: int | None = None,
         fsdp_modules: Sequence[nn.Module] = (),
+        chains: Sequence[int] | None = None,
     ) -> None:
         if not modules:
             raise ValueError("no module to graph: the selected scopes match no submodule of the model")
@@ -100,21 +114,30 @@ class LayerGraphs:
         self.order: list[tuple[str, int]] = []  # ("fwd"|"bwd", graph index) of the last warm-up micro-batch
         # ("fwd"|"bwd", micro-batch, graph index) of the current warm-up step, when the owner marks steps
         self.step_order: list[tuple[str, int, int]] | None = None
-        self._micro_batch = -1  # micro-batches started in this step
-        self._in_flight = [0, 0]  # warm-up: first-module forwards whose backward has not run; the most seen
+        # per chain, keyed by its first graph (module docstring): micro-batches started in this step; in warm-up,
+        # the first graph's forwards whose backward has not run, and the most seen
+        self._micro_batch: dict[int, int] = {}
+        self._in_flight: dict[int, list[int]] = {}
         self._feeds: dict[tuple[int, int], tuple[int, int]] = {}  # (graph, input) -> (producer, output)
         # id(output tensor) -> (producer, output, tensor) during this micro-batch; holding the tensor keeps its id unique
         self._last_out: dict[int, tuple[int, int, torch.Tensor]] = {}
         self.training_calls = 0
         self.state = GraphState.EAGER
         self._capturing = False  # a graphed module inside another one runs as part of the outer capture
-        for name, module in modules:
+        self.chain_of: list[int] = []  # per graph: its chain's first graph, whose forward starts a micro-batch
+        starts: dict[int, int] = {}  # chain given -> its first graph
+        if chains is not None and len(chains) != len(modules):
+            raise ValueError(f"{len(chains)} chains for {len(modules)} modules: one chain per module")
+        for k, (name, module) in enumerate(modules):
             if id(module) in self._by_module:
                 continue
             g = ModuleGraph(module, module.forward, name, retain_graph=retain_graph)
             self._by_module[id(module)] = g
             self.graphs.append(g)
+            self.chain_of.append(starts.setdefault(chains[k] if chains is not None else 0, len(self.graphs) - 1))
             module.forward = self._dispatcher(len(self.graphs) - 1)
+        self._micro_batch = {start: -1 for start in starts.values()}
+        self._in_flight = {start: [0, 0] for start in starts.values()}
 
     @property
     def captured(self) -> bool:
@@ -123,7 +146,9 @@ class LayerGraphs:
     def describe(self) -> str:
         names = sorted({g.name.split(".")[-1] for g in self.graphs})
         slots = f", {len(self.slots)} micro-batches in flight" if len(self.slots) > 1 else ""
-        return f"per-layer graphs ({self.semantics.value} semantics, {len(self.graphs)} modules: {', '.join(names)}{slots})"
+        chains = f", {len(self._micro_batch)} chains" if len(self._micro_batch) > 1 else ""
+        return (f"per-layer graphs ({self.semantics.value} semantics, {len(self.graphs)} modules: {', '.join(names)}"
+                f"{slots}{chains})")
 
     def start_step(self) -> None:
         """A new step begins: micro-batches count from 0 (the slot of micro-batch ``i`` is ``i mod slots``).
@@ -131,14 +156,16 @@ class LayerGraphs:
         With ``warmup_calls``, the automatic capture happens here, at the first step start after that many
         training forwards, with the last warm-up step's order and micro-batches in flight.
         """
-        self._micro_batch = -1
+        for start in self._micro_batch:
+            self._micro_batch[start] = -1
         if self.captured:
             return
         if self.step_order and self.warmup_calls is not None and self.training_calls >= self.warmup_calls:
             self.capture()
             return
         self.step_order = []
-        self._in_flight[:] = [0, 0]  # in place: the recorded hooks hold this list
+        for counts in self._in_flight.values():
+            counts[:] = [0, 0]  # in place: the recorded hooks hold these lists
 
     # ---- dispatch -----------------------------------------------------------
     def _dispatcher(self, index: int) -> Callable[..., Any]:
@@ -147,20 +174,23 @@ class LayerGraphs:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self._capturing or not (torch.is_grad_enabled() and graph.module.training):
                 return graph.forward_fn(*args, **kwargs)
-            if index == 0:
-                self._start_micro_batch()
+            chain = self.chain_of[index]
+            if index == chain:
+                self._start_micro_batch(chain)
             if not self.captured:
                 return self._warmup_call(index, args, kwargs)
             self.state = GraphState.REPLAYED
-            return apply_graphed(self.slots[self._micro_batch % len(self.slots)][index], args, kwargs)
+            return apply_graphed(self.slots[self._micro_batch[chain] % len(self.slots)][index], args, kwargs)
 
         return forward
 
-    def _start_micro_batch(self) -> None:
-        self.training_calls += 1
-        self._micro_batch += 1
+    def _start_micro_batch(self, chain: int) -> None:
+        self._micro_batch[chain] += 1
+        if chain == 0:
+            self.training_calls += 1
         if not self.captured:
-            if self.step_order is None and self.warmup_calls is not None and self.training_calls > self.warmup_calls:
+            unmarked = chain == 0 and self.step_order is None and self.warmup_calls is not None
+            if unmarked and self.training_calls > self.warmup_calls:
                 self.capture()  # with the order recorded over the previous micro-batch (steps unmarked)
                 return
             self.order.clear()
@@ -169,8 +199,9 @@ class LayerGraphs:
     def _warmup_call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         graph = self.graphs[index]
         self.order.append(("fwd", index))
+        chain = self.chain_of[index]
         if self.step_order is not None:
-            self.step_order.append(("fwd", self._micro_batch, index))
+            self.step_order.append(("fwd", self._micro_batch[chain], index))
         leaves, _ = tree_flatten((args, kwargs))
         for i, a in enumerate(leaves):
             entry = self._last_out.get(id(a)) if isinstance(a, torch.Tensor) else None
@@ -186,14 +217,17 @@ class LayerGraphs:
             self._last_out[id(o)] = (index, k, o)
             if o.requires_grad:
                 o.register_hook(hook)
-        if index == 0 and any(o.requires_grad for o in outs):
-            self._in_flight[0] += 1
-            self._in_flight[1] = max(self._in_flight)
+        if index == chain and any(o.requires_grad for o in outs):
+            counts = self._in_flight[chain]
+            counts[0] += 1
+            counts[1] = max(counts)
         return out
 
     def _bwd_recorder(self, index: int) -> Callable[[torch.Tensor], None]:
         # not self: autograd (C++) holds the hook, and a reference back would be a hidden cycle
-        order, step_order, in_flight, mb, done = self.order, self.step_order, self._in_flight, self._micro_batch, []
+        chain = self.chain_of[index]
+        order, step_order, done = self.order, self.step_order, []
+        in_flight, mb = self._in_flight[chain], self._micro_batch[chain]
 
         def hook(grad: torch.Tensor) -> None:
             if done:  # once per call, however many outputs it has
@@ -203,7 +237,7 @@ class LayerGraphs:
                 order.append(("bwd", index))
             if step_order is not None:
                 step_order.append(("bwd", mb, index))
-            if index == 0:
+            if index == chain:
                 in_flight[0] -= 1
 
         return hook
@@ -211,7 +245,7 @@ class LayerGraphs:
     # ---- capture ------------------------------------------------------------
     def slot_count(self) -> int:
         """Micro-batches in flight at most in the last warm-up step (1 when the owner does not mark steps)."""
-        return max(1, self._in_flight[1]) if self.step_order is not None else 1
+        return max(1, *(most for _, most in self._in_flight.values())) if self.step_order is not None else 1
 
     def slot_capture_order(self, slots: int) -> list[tuple[str, int, int]]:
         """(kind, slot, graph index) in the order the last warm-up step first ran each slot's graph."""
@@ -248,15 +282,17 @@ class LayerGraphs:
             raise GraphUsageError(f"cannot capture: no warm-up training call reached {', '.join(missing[:4])}")
         backend, gens = self.backend, list(self.generators())
         slots = self.slot_count()
+        # one slot of one chain replays in one order every micro-batch; otherwise a pool per graph (module docstring)
+        shared = slots == 1 and len(self._micro_batch) == 1
         self.slots[1:] = [[g.copy(f"{g.name}[{s}]") for g in self.graphs] for s in range(1, slots)]
         for slot in self.slots:
             for g in slot:
-                g.shared_pool = slots == 1  # see the module docstring
+                g.shared_pool = shared
         saved = _save_state(self.graphs, gens + default_generators(backend.device))
         alloc0, reserved0 = backend.memory()
         n_reports = len(backend.reports)
         self._capturing = True
-        order = ([(kind, 0, i) for kind, i in self.capture_order()] if slots == 1
+        order = ([(kind, 0, i) for kind, i in self.capture_order()] if shared
                  else self.slot_capture_order(slots))
         try:
             with gathered(self.fsdp_modules):
@@ -383,9 +419,22 @@ def select_modules(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, 
 
 
 def apply_layer_graphs(model: nn.Module, settings: CudaGraphSettings, backend: GraphBackend, *,
-                       generators: Callable[[], Iterable[torch.Generator]] | None = None) -> LayerGraphs:
-    """Wrap the scoped submodules of ``model`` for per-layer capture (``settings.impl`` local or transformer_engine)."""
+                       generators: Callable[[], Iterable[torch.Generator]] | None = None,
+                       chunks: Sequence[nn.Module] = ()) -> LayerGraphs:
+    """Wrap the scoped submodules of ``model`` for per-layer capture (``settings.impl`` local or transformer_engine).
+
+    ``chunks``: the parts of ``model`` that run their micro-batches each on its own count (the virtual stages of
+    a pipeline rank, which share ``model``'s layers); each selected module's chain is the chunk that holds it."""
     modules = select_modules(model, settings.modules)
     return LayerGraphs(modules, backend, semantics=settings.impl, generators=generators,
                        retain_graph=settings.retain_backward_graph,
-                       fsdp_modules=prepare_fsdp(model, [m for _, m in modules]))
+                       fsdp_modules=prepare_fsdp(model, [m for _, m in modules]),
+                       chains=[chunk_holding(m, chunks) for _, m in modules] if len(chunks) > 1 else None)
+
+
+def chunk_holding(module: nn.Module, chunks: Sequence[nn.Module]) -> int:
+    """The index of the one chunk among ``chunks`` whose submodules include ``module``."""
+    holders = [k for k, chunk in enumerate(chunks) if any(m is module for m in chunk.modules())]
+    if len(holders) != 1:
+        raise ValueError(f"{type(module).__name__} is held by {len(holders)} of the {len(chunks)} chunks, not one")
+    return holders[0]

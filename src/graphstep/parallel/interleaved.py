@@ -21,6 +21,12 @@ autograd's accumulation (the hook that moves it into graphstep's gradient
 buffer does not fire): :meth:`InterleavedPipeline.run` moves what is left in
 ``param.grad`` into ``main_grad`` after the schedule, inside the captured step.
 
+Per-layer graphs (cuda_graph/layers.py) graph the layers of the rank's model,
+which its chunk views share; :meth:`InterleavedPipeline.chunk_models` names
+the chunks, so that each counts the micro-batches it runs on its own (its
+layers' *chain*). Not under zero bubble (rule R28): a layer's backward graph
+computes the input and the weight gradients in one replay.
+
 Communicators. With several chunks per rank, a pair of neighbouring ranks
 exchanges activations and gradients in both directions, for several chunks,
 in an order that differs between the two ranks' programs. On one
@@ -185,6 +191,10 @@ class InterleavedPipeline(Pipeline):
         return (f"interleaved pipeline: chunks {', '.join(str(c.index) for c in self.chunks)} of {self.num_chunks} "
                 f"(layers {layers}), {type(self.train_schedule).__name__}, sends and receives on a process group "
                 f"per direction ({len(self.p2p_groups)} here)")
+
+    def chunk_models(self) -> list[nn.Module]:
+        """The chunks' views, in the order of ``chunks``: each runs the step's micro-batches on its own count."""
+        return [module.model for module in self.modules]
 
     def _stages(self) -> list[Any]:
         stage = _directed_stage_class()

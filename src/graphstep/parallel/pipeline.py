@@ -205,6 +205,10 @@ class Pipeline:
         self._step_kwargs = {"return_outputs": False} if "return_outputs" in inspect.signature(kind.step).parameters \
             else {}
 
+    def chunk_models(self) -> list[nn.Module]:
+        """The parts of the rank's model that its schedule runs as stages: here the one stage, the whole model."""
+        return [self.model]
+
     def eval_schedule(self, n: int) -> Any:
         """A forward-only schedule for ``n`` micro-batches, over a stage of its own (its own receive buffers)."""
         if n not in self._eval:

@@ -179,8 +179,11 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     #    forwards the engine keeps as the modules' own; the steps of step 4 look the forward up at each call,
     #    so they run the graphed modules from now on. Before step 6, which wraps the iteration that warms the
     #    layer graphs up and captures them.
-    layers = apply_layer_graphs(model, settings, backend, generators=capture.generators) if settings.per_layer \
-        else None
+    #    A pipeline rank's chunks (virtual stages) share the model's layers and each counts its own micro-batches.
+    pipeline = getattr(train_step, "pipeline", None)
+    layers = apply_layer_graphs(model, settings, backend, generators=capture.generators,
+                                chunks=pipeline.chunk_models() if pipeline is not None else ()) \
+        if settings.per_layer else None
     # 6. The iteration: forward/backward of all micro-batches, as one graph with full_iteration (never together
     #    with step 5: R4) and a separate graph for evaluation. train_step holds the data-parallel reductions, so
     #    the ranks meet before each capture of these graphs (a barrier; Megatron does the same).

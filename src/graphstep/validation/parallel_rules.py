@@ -332,10 +332,14 @@ def _interleaved_violations(v: View, pp: int, chunks: int, schedule: str) -> lis
             out.append(_v("R28", [*fields, *vfield], f"{what} with {name} is not implemented.",
                           f"use {name} over plain pipeline stages (model.virtual_pipeline_model_parallel_size=null), "
                           "or virtual stages over replicated data parallel, tensor parallel or FSDP2."))
-    if v.per_layer:
-        out.append(_v("R28", ["model.cuda_graph_impl", *vfield], f"{what} with per-layer graphs ({_impl_f(v)}) is "
-                      "not implemented.", "set model.cuda_graph_impl=full_iteration (the whole interleaved schedule "
-                      "in one graph per rank), or model.virtual_pipeline_model_parallel_size=null."))
+    if v.per_layer and schedule == "interleaved_zero_bubble":
+        out.append(_v("R28", ["model.cuda_graph_impl", "model.pipeline_schedule", *vfield], f"{what} with "
+                      f"model.pipeline_schedule=interleaved_zero_bubble and per-layer graphs ({_impl_f(v)}) is not "
+                      "implemented: a layer's backward graph computes its input and weight gradients in one replay, "
+                      "so zero bubble's weight gradients, summed later in param.grad, would be summed in the graph "
+                      "per micro-batch instead (other bits with bf16 parameters) and deferred nowhere.",
+                      "set model.pipeline_schedule=interleaved_1f1b (per-layer graphs), or "
+                      "model.cuda_graph_impl=full_iteration (zero bubble in one graph per rank)."))
     return out
 
 
