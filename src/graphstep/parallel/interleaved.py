@@ -171,7 +171,7 @@ class InterleavedPipeline(Pipeline):
         self.stage_index, self.stages = chunks[0].index, num_chunks
         self.is_first, self.is_last = chunks[0].index == 0, chunks[-1].index == num_chunks - 1
         self.modules = [_ChunkModule(chunk_view(model, c), model) for c in chunks]
-        self.loss = _StageLoss()
+        self.loss = _StageLoss(getattr(model, "context", None))
         kind = ScheduleInterleavedZeroBubble if schedule == "interleaved_zero_bubble" else ScheduleInterleaved1F1B
         # scale_grads=False: the loss function divides by the micro-batch count, as TrainStep does
         self.train_schedule = _setup_leaves_no_trace(kind(self._stages(), num_micro_batches, loss_fn=self.loss,
