@@ -6,8 +6,8 @@ the continuations below eagerly):
 * pipeline x tensor parallel and pipeline x FSDP2 with dropout on, saving at iteration 2 of 4, and resumed there
   (dropout on: the resumed losses and every rank's final weights equal the uninterrupted run's bit for bit), and
   resumed there with dropout off -- the continuation the other layouts' continuations are compared with;
-* an interleaved pipeline (pp2 x vpp2 x dp2), context x tensor parallel and expert x tensor parallel with dropout
-  off, saving at 2 of 4;
+* an interleaved pipeline (pp2 x vpp2 x dp2), context x tensor parallel, pipeline x context parallel and expert x
+  tensor parallel with dropout off, saving at 2 of 4;
 * the interleaved checkpoint loaded by one stage per rank (pp2 x dp2), which continues to iteration 4.
 
 Every resume at another layout also writes what it loaded straight back (``-loaded``: the resumed run's state
@@ -58,6 +58,8 @@ SAVED = {
     # checkpoint's fp32 master weights, not from the bf16 copy beside them
     "cp2_tp2_sp": ("llama3_tiny", ["model.context_parallel_size=2", "model.cp_comm_type=all_gather", *TP2_SP, *BF16],
                    []),
+    # 2 stages x 2 context-parallel ranks, loaded by one process: one stage, the whole sequences
+    "pp2_cp2": ("llama3_tiny", [*PP2, "model.context_parallel_size=2", "model.cp_comm_type=all_gather"], []),
     "ep2_tp2_sp": ("qwen3_moe_tiny", [*MOE, "model.expert_model_parallel_size=2", *TP2_SP, "train.global_batch_size=8"],
                    [*MOE, "train.global_batch_size=8"]),
 }
