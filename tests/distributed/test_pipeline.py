@@ -135,7 +135,10 @@ MODES_4 = {
                 "nodrop": [*NO_DROPOUT, *EAGER],
                 "one_stage": [*NO_DROPOUT, *EAGER, "model.pipeline_model_parallel_size=1",
                               "model.num_layers_in_first_pipeline_stage=null", "model.tensor_model_parallel_size=2"],
-                "resumed": [*GRAPHED, "checkpoint.load=<out>/pp2_cp2/iter_0000002"]},
+                "resumed": [*GRAPHED, "checkpoint.load=<out>/pp2_cp2/iter_0000002"],
+                # graphed, the core attention recomputed in the backward (its all-gathered keys and values kept)
+                "recompute": [*NO_DROPOUT, *GRAPHED, "model.recompute_granularity=selective",
+                              "model.recompute_modules=[core_attn]"]},
     "pp2_cp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
 }
 
@@ -425,18 +428,22 @@ def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, sf
 
 
 @pytest.mark.ranks4
-def test_context_parallel_stages_log_the_one_stage_loss_and_resume_exactly(reports_4):
+def test_context_parallel_stages_match_the_one_stage_run_recompute_and_resume_exactly(reports_4):
     """pp2 x cp2 (rank = 2 pp + cp): the two context-parallel ranks of a stage hold the same weights (their
     gradients averaged over the stage's dp x cp ranks), and both stages' copies of the tied embedding the same
     bits; over FSDP2 each rank holds its own shard. Without dropout its loss is the one-stage context-parallel
-    run's (cp2 x tp2, the same global batch), evaluation too, to float tolerance; resumed at iteration 2 from the checkpoint its graphed
+    run's (cp2 x tp2, the same global batch), evaluation too, to float tolerance, and graphed with the core
+    attention recomputed it is the eager run's bit for bit; resumed at iteration 2 from the checkpoint its graphed
     run saved (dropout on), it continues bit for bit: the losses, the evaluation at 4 and every rank's weights."""
     shards = [r["pp2_cp2/eager"]["shard"] for r in reports_4]
     assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
     assert len({r["pp2_cp2/eager"]["embedding"] for r in reports_4}) == 1
     assert len({r["pp2_cp2_zero3/eager"]["shard"] for r in reports_4}) == 4
     for report in reports_4:
-        staged, one_stage = report["pp2_cp2/nodrop"], report["pp2_cp2/one_stage"]
+        staged, one_stage, recomputed = (report[f"pp2_cp2/{mode}"] for mode in ("nodrop", "one_stage", "recompute"))
+        assert recomputed["states"] == STATES["graphed"]
+        assert (recomputed["losses"], recomputed["eval"], recomputed["shard"]) == \
+            (staged["losses"], staged["eval"], staged["shard"])
         assert len(one_stage["losses"]) == ITERS and len(one_stage["eval"]) == ITERS // 2
         for key, pick in (("losses", lambda r: r), ("eval", lambda r: [v for _, v in r])):
             torch.testing.assert_close(torch.tensor(pick(staged[key]), dtype=torch.float64),

@@ -160,8 +160,9 @@ def _rules(*overrides: str, world: int = 4) -> list:
     (["model.context_parallel_size=2", "model.cp_comm_type=a2a"], 4, "Ulysses", "cp_comm_type=all_gather"),
     (["model.context_parallel_size=2", "model.cp_comm_type=a2a+p2p"], 4, "hierarchical", "all_gather"),
     (["model.cp_comm_type=ring"], 4, "not a context-parallel communication type", "all_gather"),
-    (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2"], 4, "with pipeline stages",
-     "pipeline_model_parallel_size=1"),
+    (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2"],
+     4, "2 pipeline-stage x 2 context-parallel x 2 tensor-parallel ranks do not divide the world size 4",
+     "multiple of 8"),
     (["model.context_parallel_size=2", "model.num_moe_experts=4"], 4, "with an MoE model",
      "model.context_parallel_size=1"),
     (["model.context_parallel_size=2", "model.hybrid_override_pattern=M-M-"], 4, "hybrid (Mamba)",
@@ -188,6 +189,18 @@ def test_rule_r30_refuses_what_context_parallel_does_not_do_with_the_reason_and_
     (["model.context_parallel_size=2", "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"], 4),
     (["model.context_parallel_size=4", "model.recompute_granularity=full", "model.cuda_graph_impl=full_iteration",
       "model.attention_dropout=0.0", "model.hidden_dropout=0.0"], 4),
+    # over pipeline stages: plain, per-layer graphs (warmed up for 2 iterations: R29), FSDP2, and virtual stages
+    # with tensor + sequence parallel (Megatron Bridge's Llama 3 70B layout in small)
+    (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2",
+      "model.share_embeddings_and_output_weights=true"], 4),
+    (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=local",
+      "model.cuda_graph_modules=[attn,mlp]", "model.cuda_graph_warmup_steps=2"], 4),
+    (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2", "ddp.use_megatron_fsdp=true",
+      "ddp.data_parallel_sharding_strategy=optim_grads_params", "model.cuda_graph_impl=full_iteration"], 8),
+    (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2", "model.num_layers=4",
+      "model.virtual_pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2",
+      "model.sequence_parallel=true", "model.share_embeddings_and_output_weights=false",
+      "model.cuda_graph_impl=full_iteration"], 8),
 ])
 def test_context_parallel_layouts_that_work_break_no_rule(overrides, world):
     assert _rules(*overrides, world=world) == []
