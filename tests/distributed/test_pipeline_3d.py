@@ -11,8 +11,8 @@ stages per pipeline rank (the interleaved 1F1B schedule, each chunk an FSDP2
 root of its own) to tensor + sequence parallel and the distributed optimizer:
 Megatron Bridge's large recipes (TP x PP x VPP over sharded data parallel).
 Another puts 2 context-parallel ranks in place of the data-parallel ones:
-Bridge's Llama 3 70B layout (TP x PP x VPP x CP) in small, also run without
-dropout and compared with one process. On the CPU the graphs run on the
+Bridge's Llama 3 70B layout (TP x PP x VPP x CP, the distributed optimizer)
+in small, also run without dropout and compared with one process. On the CPU the graphs run on the
 replay backend over gloo. The 4-rank combinations (2 stages with tensor
 parallel, FSDP2, context parallel, MoE, hybrid models, recompute) are in
 test_pipeline.py.
@@ -51,15 +51,17 @@ LAYOUTS = {  # rank = 4 pp + 2 dp + tp
     # virtual stages: the 4 micro-batches per pipeline run in 2 rounds of 2. The distributed optimizer (Bridge's
     # ddp.use_distributed_optimizer=true) is FSDP2 ZeRO-2 here
     "pp2_vpp2_zero2_tp2_sp": [*VPP2, "model.sequence_parallel=true", "ddp.use_distributed_optimizer=true"],
-    # Megatron Bridge's Llama 3 70B layout in small (TP x PP x VPP x CP, sequence parallel): rank = 4 pp + 2 cp + tp,
-    # one data-parallel replica, 4 micro-batches of 2; SFT rows (the file under the launch's folder), whose loss
-    # masks keep other numbers of tokens on the two context-parallel ranks
-    "pp2_vpp2_cp2_tp2_sp": [*VPP2, "model.sequence_parallel=true", "model.context_parallel_size=2",
-                            "train.global_batch_size=8", "data.dataset=sft", "data.data_path=<out>/sft.jsonl",
-                            "data.split=80,20,0", "model.seq_length=64"],
+    # Megatron Bridge's Llama 3 70B layout in small (TP x PP x VPP x CP, sequence parallel, the distributed
+    # optimizer): rank = 4 pp + 2 cp + tp, one data-parallel replica, the optimizer state sharded over the 2
+    # context-parallel ranks, 4 micro-batches of 2; SFT rows (the file under the launch's folder), whose loss masks
+    # keep other numbers of tokens on the two context-parallel ranks
+    "pp2_vpp2_cp2_zero2_tp2_sp": [*VPP2, "model.sequence_parallel=true", "model.context_parallel_size=2",
+                                  "ddp.use_distributed_optimizer=true", "train.global_batch_size=8",
+                                  "data.dataset=sft", "data.data_path=<out>/sft.jsonl", "data.split=80,20,0",
+                                  "model.seq_length=64"],
 }
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
-COMPARED = ("pp2_vpp2_cp2_tp2_sp",)  # also run without dropout, and compared with one process
+COMPARED = ("pp2_vpp2_cp2_zero2_tp2_sp",)  # also run without dropout, and compared with one process
 
 
 def layouts_worker(out: str, device: str) -> None:
@@ -98,8 +100,7 @@ def _assert_graphed_equals_eager(reports: list[dict]) -> None:
 @pytest.mark.ranks8
 def test_three_dimensional_layouts_on_eight_ranks_equal_eager(tmp_path):
     """pp2 x dp2 x tp2, data parallel replicated or FSDP2 ZeRO-3 (with sequence parallel), pp2 x vpp2 x dp2 x
-    tp2 over the distributed optimizer (with sequence parallel) and pp2 x vpp2 x cp2 x tp2 (with sequence
-    parallel): the whole schedule graphed equals eager bit for bit on every rank, and every rank holds the part
+    tp2 and pp2 x vpp2 x cp2 x tp2 over the distributed optimizer (with sequence parallel): the whole schedule graphed equals eager bit for bit on every rank, and every rank holds the part
     of the model its place says."""
     reports = run_layouts(tmp_path, "cpu", timeout=600)
     _assert_graphed_equals_eager(reports)
@@ -118,22 +119,22 @@ def test_three_dimensional_layouts_on_eight_ranks_equal_eager(tmp_path):
 
 
 def _assert_context_parallel_stages(reports: list[dict], data: Path) -> None:
-    """pp2 x vpp2 x cp2 x tp2 (rank = 4 pp + 2 cp + tp): the context-parallel ranks of a stage and tensor-parallel
-    rank hold the same weights, each pipeline rank its chunks' layers; without dropout it computes what one process
-    computes with the same global batch (the SFT file under ``data``), to float tolerance: losses and evaluation."""
+    """pp2 x vpp2 x cp2 x tp2 over the distributed optimizer (rank = 4 pp + 2 cp + tp): each rank holds its own
+    shards (FSDP2 ZeRO-2 over the 2 context-parallel ranks, of its tensor-parallel shards), each pipeline rank its
+    chunks' layers; without dropout it computes what one process computes with the same global batch (the SFT file
+    under ``data``), to float tolerance: losses and evaluation."""
     from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
-    layout = "pp2_vpp2_cp2_tp2_sp"
-    shards = [r[f"{layout}/eager"]["shard"] for r in reports]
-    assert [shards.index(s) for s in shards] == [0, 1, 0, 1, 4, 5, 4, 5] and len(set(shards)) == 4
+    layout = "pp2_vpp2_cp2_zero2_tp2_sp"
+    assert len({r[f"{layout}/eager"]["shard"] for r in reports}) == 8
     layers = [{n.split(".")[1] for n in reports[r][f"{layout}/eager"]["names"] if n.startswith("layers.")}
               for r in (0, 4)]
     assert layers == [{"0", "2"}, {"1", "3"}]
     single = [o.replace("<out>", str(data)) for o in COMMON + LAYOUTS[layout]
               if not o.startswith(("model.pipeline_model_parallel_size", "model.num_layers_in_first",
                                    "model.virtual_pipeline", "model.tensor_model", "model.sequence_parallel",
-                                   "model.context_parallel_size"))]
+                                   "model.context_parallel_size", "ddp."))]
     one = train(tiny_config(*single, "train.device=cpu", *NO_DROPOUT, *EAGER))
     for report in reports:
         run = report[f"{layout}/nodrop"]
