@@ -61,7 +61,9 @@ def chunk_view(model: nn.Module, chunk: Chunk) -> nn.Module:
     output layer only on the last chunk. Its ``stage_forward`` is GPTModel's, over what the view holds.
 
     One view per chunk and model: a second call returns the first call's view (FSDP2 shards each chunk's view as
-    a root of its own before the pipeline is built: parallel/parallelize.py)."""
+    a root of its own before the pipeline is built: parallel/parallelize.py). The view is made after context
+    parallel is applied (parallelize's step 2) and copies the model's attributes, ``context`` among them; its
+    attention modules are the model's own, which hold ``context`` too."""
     views = model.__dict__.setdefault("_chunk_views", {})
     if chunk.index in views:
         return views[chunk.index]
