@@ -19,7 +19,8 @@ MoE and hybrid models, expert parallel (an MoE model's experts split over
 each stage's 2 ranks, its checkpoint resumed) and recompute, 2 stages x 2
 virtual stages (interleaved 1F1B) with tensor + sequence parallel and with
 FSDP2 ZeRO-3, and 2 stages x 2 context-parallel ranks (tied embeddings, its
-checkpoint resumed; and over FSDP2 ZeRO-3) on SFT rows, whose loss masks keep
+checkpoint resumed; over FSDP2 ZeRO-3; with 2 virtual stages under zero
+bubble) on SFT rows, whose loss masks keep
 other numbers of tokens on the two context-parallel ranks; the 8-rank 3-D
 layouts are in test_pipeline_3d.py.
 """
@@ -113,6 +114,10 @@ LAYOUTS_4 = {
     "pp2_cp2": [*PP2, *CP2, *SFT, "model.share_embeddings_and_output_weights=true"],
     "pp2_cp2_zero3": [*PP2, *CP2, *SFT, "ddp.use_megatron_fsdp=true",
                       "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    # 2 x 2 virtual stages x 2 context-parallel ranks under zero bubble, whose weight gradients come after the
+    # input gradients (each attention's reduce-scatter runs with the latter)
+    "vpp2_cp2_zb": [*VPP2, *CP2, *SFT, "model.pipeline_schedule=interleaved_zero_bubble",
+                    "model.share_embeddings_and_output_weights=false"],
 }
 # the others: llama3_tiny
 RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}
@@ -140,6 +145,7 @@ MODES_4 = {
                 "recompute": [*NO_DROPOUT, *GRAPHED, "model.recompute_granularity=selective",
                               "model.recompute_modules=[core_attn]"]},
     "pp2_cp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
+    "vpp2_cp2_zb": {"nodrop": [*NO_DROPOUT, *EAGER]},
 }
 
 # the graphed runs that also save a checkpoint (at iteration 2, under the launch's output folder)
@@ -321,8 +327,8 @@ def test_pipelines_on_four_ranks_equal_eager(reports_4):
     backward, inside the graph), pp2 x tp2
     with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and ZeRO-3, MoE (also pp2 x ep2: the experts
     split over each stage's 2 ranks) and hybrid models and recompute over 2 stages, 2 stages x 2 virtual stages
-    over tp2 with sequence parallel and over FSDP2 ZeRO-3, and pp2 x cp2 (also over FSDP2 ZeRO-3): the
-    whole-schedule graphs and the per-layer graphs equal eager bit for bit."""
+    over tp2 with sequence parallel and over FSDP2 ZeRO-3, and pp2 x cp2 (also over FSDP2 ZeRO-3, and pp2 x vpp2 x
+    cp2 under zero bubble): the whole-schedule graphs and the per-layer graphs equal eager bit for bit."""
     _assert_graphed_runs_equal_eager(reports_4, LAYOUTS_4, MODES_4)
     shards = [r["pp2_dp2/eager"]["shard"] for r in reports_4]  # (pp, dp) = (0,0), (0,1), (1,0), (1,1)
     assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
@@ -379,7 +385,7 @@ def _one_process(layout: str, data: Path):
               if not o.startswith(("model.pipeline_model_parallel_size", "model.num_layers_in_first",
                                    "model.tensor_model", "model.sequence_parallel", "ddp.",
                                    "model.virtual_pipeline_model_parallel_size", "model.expert_model_parallel_size",
-                                   "model.context_parallel_size", "model.cp_comm_type"))]
+                                   "model.context_parallel_size", "model.cp_comm_type", "model.pipeline_schedule"))]
     return _one_process_run(RECIPES.get(layout, "llama3_tiny"), tuple(single))
 
 
@@ -394,7 +400,7 @@ def _one_process_run(recipe: str, single: tuple[str, ...]):
 # the dropout-free run of each layout compared with one process
 ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop", "pp2_moe": "nodrop",
                "pp2_ep2": "nodrop", "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop", "pp2_cp2": "nodrop",
-               "pp2_cp2_zero3": "nodrop"}
+               "pp2_cp2_zero3": "nodrop", "vpp2_cp2_zb": "nodrop"}
 
 
 @pytest.fixture(scope="module")
@@ -412,7 +418,8 @@ def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, sf
     or an MoE model (whose expert biases move
     with the token counts of each stage's data-parallel ranks), its experts split over each stage's ranks or not,
     2 stages x 2 virtual stages over tensor + sequence parallel or FSDP2 ZeRO-3, and 2 stages x 2 context-parallel
-    ranks (tied; and over FSDP2 ZeRO-3) on SFT rows, compute what one process computes with the same
+    ranks (tied; over FSDP2 ZeRO-3; with 2 virtual stages under zero bubble) on SFT rows, compute what one process
+    computes with the same
     global batch, to float tolerance: the losses, and the gradient norm (each element counted once over the mesh,
     each expert once over the stages and expert-parallel ranks, the last stage's copy of a tied embedding not at
     all)."""
