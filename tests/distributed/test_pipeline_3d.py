@@ -100,8 +100,8 @@ def _assert_graphed_equals_eager(reports: list[dict]) -> None:
 @pytest.mark.ranks8
 def test_three_dimensional_layouts_on_eight_ranks_equal_eager(tmp_path):
     """pp2 x dp2 x tp2, data parallel replicated or FSDP2 ZeRO-3 (with sequence parallel), pp2 x vpp2 x dp2 x
-    tp2 and pp2 x vpp2 x cp2 x tp2 over the distributed optimizer (with sequence parallel): the whole schedule graphed equals eager bit for bit on every rank, and every rank holds the part
-    of the model its place says."""
+    tp2 and pp2 x vpp2 x cp2 x tp2 over the distributed optimizer (with sequence parallel): the whole schedule
+    graphed equals eager bit for bit on every rank, and every rank holds the part of the model its place says."""
     reports = run_layouts(tmp_path, "cpu", timeout=600)
     _assert_graphed_equals_eager(reports)
     shards = [r["pp2_dp2_tp2/eager"]["shard"] for r in reports]  # replicas hold the same shards
