@@ -6,9 +6,10 @@ the continuations below eagerly):
 * pipeline x tensor parallel and pipeline x FSDP2 with dropout on, saving at iteration 2 of 4, and resumed there
   (dropout on: the resumed losses and every rank's final weights equal the uninterrupted run's bit for bit), and
   resumed there with dropout off -- the continuation the other layouts' continuations are compared with;
-* an interleaved pipeline (pp2 x vpp2 x dp2), context x tensor parallel and expert x tensor parallel with dropout
-  off, saving at 2 of 4;
-* the interleaved checkpoint loaded by one stage per rank (pp2 x dp2), which continues to iteration 4.
+* an interleaved pipeline (pp2 x vpp2 x dp2), context x tensor parallel, pipeline x context parallel and expert x
+  tensor parallel with dropout off, saving at 2 of 4;
+* the interleaved checkpoint loaded by one stage per rank (pp2 x dp2), and the pipeline x context-parallel one
+  by the same stages over data-parallel ranks (pp2 x dp2: context parallel 2 -> 1), each continuing to iteration 4.
 
 Every resume at another layout also writes what it loaded straight back (``-loaded``: the resumed run's state
 saved at the resume iteration, before any step), so a test compares it, entry by entry and gathered whole, with
@@ -58,12 +59,16 @@ SAVED = {
     # checkpoint's fp32 master weights, not from the bf16 copy beside them
     "cp2_tp2_sp": ("llama3_tiny", ["model.context_parallel_size=2", "model.cp_comm_type=all_gather", *TP2_SP, *BF16],
                    []),
+    # 2 stages x 2 context-parallel ranks, loaded by one process: one stage, the whole sequences
+    "pp2_cp2": ("llama3_tiny", [*PP2, "model.context_parallel_size=2", "model.cp_comm_type=all_gather"], []),
     "ep2_tp2_sp": ("qwen3_moe_tiny", [*MOE, "model.expert_model_parallel_size=2", *TP2_SP, "train.global_batch_size=8"],
                    [*MOE, "train.global_batch_size=8"]),
 }
 EXACT = ("pp2_tp2_sp", "pp2_zero3")  # saved with dropout on and resumed at the same layout
-# the interleaved checkpoint, loaded by one stage per rank
-RESHARDED_4 = {"vpp2_dp2": ("pp2_dp2", [*PP2, *DP2, "model.num_layers=4"])}
+# the interleaved checkpoint, loaded by one stage per rank; the context-parallel one by 2 stages x 2 data-parallel
+# ranks (the same global batch of 8)
+RESHARDED_4 = {"vpp2_dp2": ("pp2_dp2", [*PP2, *DP2, "model.num_layers=4"]),
+               "pp2_cp2": ("pp2_dp2_from_cp2", PP2)}
 
 
 def config(recipe: str, *overrides: str):
@@ -167,11 +172,14 @@ def test_resume_at_the_same_layout_is_exact(saved, layout):
         assert resumed["digest"] == whole["digest"]
 
 
-def test_interleaved_checkpoint_loads_into_one_stage_per_rank(saved):
-    """pp2 x vpp2 x dp2 -> pp2 x dp2: what the run loaded is what the interleaved run saved, and it continues."""
+@pytest.mark.parametrize("source", list(RESHARDED_4))
+def test_checkpoint_loads_into_other_stages_at_four_ranks(saved, source):
+    """pp2 x vpp2 x dp2 -> pp2 x dp2 (one stage per rank), pp2 x cp2 -> pp2 x dp2 (context parallel 2 -> 1, the
+    stages kept): what the run loaded is what the saving run saved, and it continues close to it."""
     tmp, reports = saved
-    assert_same_entries(tmp / "pp2_dp2-loaded" / "iter_0000002", tmp / "vpp2_dp2" / "iter_0000002")
-    _close(reports[0]["vpp2_dp2/to_pp2_dp2"]["losses"], reports[0]["vpp2_dp2/whole"]["losses"][2:])
+    target = RESHARDED_4[source][0]
+    assert_same_entries(tmp / f"{target}-loaded" / "iter_0000002", tmp / source / "iter_0000002")
+    _close(reports[0][f"{source}/to_{target}"]["losses"], reports[0][f"{source}/whole"]["losses"][2:])
 
 
 @pytest.mark.parametrize("layout", list(SAVED))

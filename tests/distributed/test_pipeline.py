@@ -16,9 +16,13 @@ posted before either is waited on (``exchange``).
 A second launch, of 4 ranks, runs ``LAYOUTS_4``: 2 stages combined with
 replicated data parallel (overlapped), tensor + sequence parallel, FSDP2,
 MoE and hybrid models, expert parallel (an MoE model's experts split over
-each stage's 2 ranks, its checkpoint resumed) and recompute, and 2 stages x 2
+each stage's 2 ranks, its checkpoint resumed) and recompute, 2 stages x 2
 virtual stages (interleaved 1F1B) with tensor + sequence parallel and with
-FSDP2 ZeRO-3; the 8-rank 3-D layouts are in test_pipeline_3d.py.
+FSDP2 ZeRO-3, and 2 stages x 2 context-parallel ranks (tied embeddings, its
+checkpoint resumed; over FSDP2 ZeRO-3; with 2 virtual stages under zero
+bubble) on SFT rows, whose loss masks keep
+other numbers of tokens on the two context-parallel ranks; the 8-rank 3-D
+layouts are in test_pipeline_3d.py.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import pytest
 import torch
 
 from graphstep.training.moe_hooks import KEYS as MOE_KEYS
+from helpers.data import write_sft
 from helpers.launch import report_runs, torchrun_reports
 from helpers.reports import assert_graphed_equals_eager, graphed_states, train_report
 
@@ -72,6 +77,11 @@ MOE = ["train.micro_batch_size=2", "model.hidden_dropout=0.1", "model.moe_router
        "data.corpus_max_bytes=300000", "data.split=90,10,0"]
 VPP2 = ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2", "model.num_layers=4",
         "train.eval_iters=1"]
+CP2 = ["model.context_parallel_size=2", "model.cp_comm_type=all_gather"]
+# SFT rows padded to 64 tokens (run_layouts writes the file): the loss mask keeps other numbers of tokens on the two
+# context-parallel ranks, so only ContextParallel's loss (the count all-reduced over the last stage's ranks) gives
+# the mean over the whole sequences
+SFT = ["data.dataset=sft", "data.data_path=<out>/sft.jsonl", "data.split=80,20,0", "model.seq_length=64"]
 LAYOUTS_4 = {
     # replicated data parallel, the buckets' all-reduces overlapped with each stage's last backward; tied embeddings
     "pp2_dp2": [*PP2, *DP2, "ddp.overlap_grad_reduce=true", "ddp.bucket_size=5000",
@@ -98,6 +108,16 @@ LAYOUTS_4 = {
     # eager run is the one compared with one process), and x FSDP2 ZeRO-3, each chunk a root of its own
     "vpp2_tp2_sp": [*VPP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true", *NO_DROPOUT],
     "vpp2_zero3": [*VPP2, *DP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    # 2 stages x 2 context-parallel ranks (rank = 2 pp + cp): each stage's attention gathers the keys and values of
+    # its own 2 ranks, the stages exchange half sequences, the last stage's loss is ContextParallel's; tied
+    # embeddings; its checkpoint resumed. And over FSDP2 ZeRO-3, which shards each stage over its 2 cp ranks
+    "pp2_cp2": [*PP2, *CP2, *SFT, "model.share_embeddings_and_output_weights=true"],
+    "pp2_cp2_zero3": [*PP2, *CP2, *SFT, "ddp.use_megatron_fsdp=true",
+                      "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    # 2 x 2 virtual stages x 2 context-parallel ranks under zero bubble, whose weight gradients come after the
+    # input gradients (each attention's reduce-scatter runs with the latter)
+    "vpp2_cp2_zb": [*VPP2, *CP2, *SFT, "model.pipeline_schedule=interleaved_zero_bubble",
+                    "model.share_embeddings_and_output_weights=false"],
 }
 # the others: llama3_tiny
 RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}
@@ -114,10 +134,23 @@ MODES_4 = {
     "pp2_ep2": {"nodrop": [*NO_DROPOUT, *EAGER], "resumed": [*GRAPHED, "checkpoint.load=<out>/pp2_ep2/iter_0000002"]},
     "pp2_hybrid": {"layers": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[mamba,attn,moe]",
                               *LAYER_WARMUP]},
+    # beside nodrop, the one-stage context-parallel run of the same model and data, dropout off: cp2 x tp2, so that
+    # it has one data-parallel rank too (an evaluation reads train.eval_iters micro-batches per data-parallel rank)
+    "pp2_cp2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP],
+                "nodrop": [*NO_DROPOUT, *EAGER],
+                "one_stage": [*NO_DROPOUT, *EAGER, "model.pipeline_model_parallel_size=1",
+                              "model.num_layers_in_first_pipeline_stage=null", "model.tensor_model_parallel_size=2"],
+                "resumed": [*GRAPHED, "checkpoint.load=<out>/pp2_cp2/iter_0000002"],
+                # graphed, the core attention recomputed in the backward (its all-gathered keys and values kept)
+                "recompute": [*NO_DROPOUT, *GRAPHED, "model.recompute_granularity=selective",
+                              "model.recompute_modules=[core_attn]"]},
+    "pp2_cp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
+    "vpp2_cp2_zb": {"nodrop": [*NO_DROPOUT, *EAGER]},
 }
 
 # the graphed runs that also save a checkpoint (at iteration 2, under the launch's output folder)
-SAVES = {"pp2_ep2": ["checkpoint.save_interval=2", "checkpoint.save=<out>/pp2_ep2"]}
+SAVES = {"pp2_ep2": ["checkpoint.save_interval=2", "checkpoint.save=<out>/pp2_ep2"],
+         "pp2_cp2": ["checkpoint.save_interval=2", "checkpoint.save=<out>/pp2_cp2"]}
 
 
 def layouts_worker(out: str, device: str, which: str) -> None:
@@ -162,6 +195,8 @@ def layouts_worker(out: str, device: str, which: str) -> None:
 
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
+    if layouts == "LAYOUTS_4":
+        write_sft(tmp / "sft.jsonl")  # the context-parallel layouts' data (SFT)
     return torchrun_reports(__file__, "layouts_worker", tmp, nproc, device, layouts, timeout=timeout)
 
 
@@ -291,9 +326,9 @@ def test_pipelines_on_four_ranks_equal_eager(reports_4):
     """pp2 x dp2 (each stage's gradients all-reduced over its data-parallel group, overlapped with the stage's last
     backward, inside the graph), pp2 x tp2
     with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and ZeRO-3, MoE (also pp2 x ep2: the experts
-    split over each stage's 2 ranks) and hybrid models and recompute over 2 stages, and 2 stages x 2 virtual stages
-    over tp2 with sequence parallel and over FSDP2 ZeRO-3: the whole-schedule graphs and the per-layer graphs equal
-    eager bit for bit."""
+    split over each stage's 2 ranks) and hybrid models and recompute over 2 stages, 2 stages x 2 virtual stages
+    over tp2 with sequence parallel and over FSDP2 ZeRO-3, and pp2 x cp2 (also over FSDP2 ZeRO-3, and pp2 x vpp2 x
+    cp2 under zero bubble): the whole-schedule graphs and the per-layer graphs equal eager bit for bit."""
     _assert_graphed_runs_equal_eager(reports_4, LAYOUTS_4, MODES_4)
     shards = [r["pp2_dp2/eager"]["shard"] for r in reports_4]  # (pp, dp) = (0,0), (0,1), (1,0), (1,1)
     assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
@@ -344,12 +379,13 @@ def test_sharded_stages_keep_the_tied_copies_equal(reports_4, layout):
     assert first[0] == last[0] == "embedding.weight" and "output_layer.weight" not in first + last
 
 
-def _one_process(layout: str):
-    single = [o for o in LAYOUTS_4[layout] if not o.startswith(("model.pipeline_model_parallel_size",
-                                                                 "model.num_layers_in_first", "model.tensor_model",
-                                                                 "model.sequence_parallel", "ddp.",
-                                                                 "model.virtual_pipeline_model_parallel_size",
-                                                                 "model.expert_model_parallel_size"))]
+def _one_process(layout: str, data: Path):
+    """``layout``'s model and data in one process (``data``: the folder of the SFT file)."""
+    single = [o.replace("<out>", str(data)) for o in LAYOUTS_4[layout]
+              if not o.startswith(("model.pipeline_model_parallel_size", "model.num_layers_in_first",
+                                   "model.tensor_model", "model.sequence_parallel", "ddp.",
+                                   "model.virtual_pipeline_model_parallel_size", "model.expert_model_parallel_size",
+                                   "model.context_parallel_size", "model.cp_comm_type", "model.pipeline_schedule"))]
     return _one_process_run(RECIPES.get(layout, "llama3_tiny"), tuple(single))
 
 
@@ -363,21 +399,31 @@ def _one_process_run(recipe: str, single: tuple[str, ...]):
 
 # the dropout-free run of each layout compared with one process
 ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop", "pp2_moe": "nodrop",
-               "pp2_ep2": "nodrop", "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop"}
+               "pp2_ep2": "nodrop", "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop", "pp2_cp2": "nodrop",
+               "pp2_cp2_zero3": "nodrop", "vpp2_cp2_zb": "nodrop"}
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory) -> Path:
+    """A folder with the SFT file the context-parallel layouts read (the one run_layouts writes)."""
+    folder = tmp_path_factory.mktemp("sft")
+    write_sft(folder / "sft.jsonl")
+    return folder
 
 
 @pytest.mark.ranks4
 @pytest.mark.parametrize("layout", list(ONE_PROCESS))
-def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, layout):
+def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, sft_data, layout):
     """Dropout off: 2 stages over replicated data parallel with overlap (tied), tensor parallel (tied), FSDP2 (tied)
     or an MoE model (whose expert biases move
     with the token counts of each stage's data-parallel ranks), its experts split over each stage's ranks or not,
-    and 2 stages x 2 virtual stages over tensor + sequence parallel or FSDP2 ZeRO-3,
-    compute what one process computes with the same
+    2 stages x 2 virtual stages over tensor + sequence parallel or FSDP2 ZeRO-3, and 2 stages x 2 context-parallel
+    ranks (tied; over FSDP2 ZeRO-3; with 2 virtual stages under zero bubble) on SFT rows, compute what one process
+    computes with the same
     global batch, to float tolerance: the losses, and the gradient norm (each element counted once over the mesh,
     each expert once over the stages and expert-parallel ranks, the last stage's copy of a tied embedding not at
     all)."""
-    single = _one_process(layout)
+    single = _one_process(layout, sft_data)
     one = torch.tensor(single.losses, dtype=torch.float64)
     norms = torch.tensor([row["grad_norm"] for row in single.rows], dtype=torch.float64)
     for report in reports_4:
@@ -386,6 +432,34 @@ def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, la
         assert four.shape == one.shape == (ITERS,)
         torch.testing.assert_close(four, one, rtol=2e-5, atol=0)
         torch.testing.assert_close(torch.tensor(run["grad_norm"], dtype=torch.float64), norms, rtol=1e-4, atol=0)
+
+
+@pytest.mark.ranks4
+def test_context_parallel_stages_match_the_one_stage_run_recompute_and_resume_exactly(reports_4):
+    """pp2 x cp2 (rank = 2 pp + cp): the two context-parallel ranks of a stage hold the same weights (their
+    gradients averaged over the stage's dp x cp ranks), and both stages' copies of the tied embedding the same
+    bits; over FSDP2 each rank holds its own shard. Without dropout its loss is the one-stage context-parallel
+    run's (cp2 x tp2, the same global batch), evaluation too, to float tolerance, and graphed with the core
+    attention recomputed it is the eager run's bit for bit; resumed at iteration 2 from the checkpoint its graphed
+    run saved (dropout on), it continues bit for bit: the losses, the evaluation at 4 and every rank's weights."""
+    shards = [r["pp2_cp2/eager"]["shard"] for r in reports_4]
+    assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
+    assert len({r["pp2_cp2/eager"]["embedding"] for r in reports_4}) == 1
+    assert len({r["pp2_cp2_zero3/eager"]["shard"] for r in reports_4}) == 4
+    for report in reports_4:
+        staged, one_stage, recomputed = (report[f"pp2_cp2/{mode}"] for mode in ("nodrop", "one_stage", "recompute"))
+        assert recomputed["states"] == STATES["graphed"]
+        assert (recomputed["losses"], recomputed["eval"], recomputed["shard"]) == \
+            (staged["losses"], staged["eval"], staged["shard"])
+        assert len(one_stage["losses"]) == ITERS and len(one_stage["eval"]) == ITERS // 2
+        for key, pick in (("losses", lambda r: r), ("eval", lambda r: [v for _, v in r])):
+            torch.testing.assert_close(torch.tensor(pick(staged[key]), dtype=torch.float64),
+                                       torch.tensor(pick(one_stage[key]), dtype=torch.float64), rtol=2e-5, atol=0)
+        whole, resumed = report["pp2_cp2/graphed"], report["pp2_cp2/resumed"]
+        assert resumed["states"] == ["eager", "captured"] and whole["states"] == STATES["graphed"]
+        assert resumed["losses"] == whole["losses"][2:] and len(resumed["losses"]) == 2
+        assert resumed["eval"] == whole["eval"][1:] and len(resumed["eval"]) == 1
+        assert resumed["shard"] == whole["shard"]
 
 
 @pytest.mark.ranks4

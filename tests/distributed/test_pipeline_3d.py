@@ -9,9 +9,13 @@ and writes the per-iteration losses, the evaluation losses, a digest of the
 shards it holds and the names of its parameters. One layout adds 2 virtual
 stages per pipeline rank (the interleaved 1F1B schedule, each chunk an FSDP2
 root of its own) to tensor + sequence parallel and the distributed optimizer:
-Megatron Bridge's large recipes (TP x PP x VPP over sharded data parallel). On the CPU the graphs run on the replay backend over gloo.
-The 4-rank combinations (2 stages with tensor parallel, FSDP2, MoE, hybrid
-models, recompute) are in test_pipeline.py.
+Megatron Bridge's large recipes (TP x PP x VPP over sharded data parallel).
+Another puts 2 context-parallel ranks in place of the data-parallel ones:
+Bridge's Llama 3 70B layout (TP x PP x VPP x CP, the distributed optimizer)
+in small, also run without dropout and compared with one process. On the CPU the graphs run on the
+replay backend over gloo. The 4-rank combinations (2 stages with tensor
+parallel, FSDP2, context parallel, MoE, hybrid models, recompute) are in
+test_pipeline.py.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.data import write_sft
 from helpers.launch import report_runs, torchrun_reports
 from helpers.reports import train_report
 
@@ -35,32 +40,50 @@ COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_gra
           "model.tensor_model_parallel_size=2", "train.global_batch_size=16"]  # 4 micro-batches of 2 per pipeline
 GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
 EAGER = ["model.cuda_graph_impl=none"]
+# 2 virtual stages per pipeline rank: 4 layers in 4 chunks of 1, pipeline rank 0 holding chunks 0 and 2, rank 1
+# chunks 1 and 3
+VPP2 = ["model.num_layers=4", "model.num_layers_in_first_pipeline_stage=null",
+        "model.virtual_pipeline_model_parallel_size=2"]
 LAYOUTS = {  # rank = 4 pp + 2 dp + tp
     "pp2_dp2_tp2": [],  # replicated data parallel, the full sequence between the stages
     "pp2_zero3_tp2_sp": ["model.sequence_parallel=true", "ddp.use_megatron_fsdp=true",
                          "ddp.data_parallel_sharding_strategy=optim_grads_params"],
-    # 2 virtual stages per pipeline rank: 4 layers in 4 chunks of 1, pipeline rank 0 holding chunks 0 and 2, rank 1
-    # chunks 1 and 3; the 4 micro-batches per pipeline run in 2 rounds of 2. The distributed optimizer (Bridge's
+    # virtual stages: the 4 micro-batches per pipeline run in 2 rounds of 2. The distributed optimizer (Bridge's
     # ddp.use_distributed_optimizer=true) is FSDP2 ZeRO-2 here
-    "pp2_vpp2_zero2_tp2_sp": ["model.num_layers=4", "model.num_layers_in_first_pipeline_stage=null",
-                              "model.virtual_pipeline_model_parallel_size=2", "model.sequence_parallel=true",
-                              "ddp.use_distributed_optimizer=true"],
+    "pp2_vpp2_zero2_tp2_sp": [*VPP2, "model.sequence_parallel=true", "ddp.use_distributed_optimizer=true"],
+    # Megatron Bridge's Llama 3 70B layout in small (TP x PP x VPP x CP, sequence parallel, the distributed
+    # optimizer): rank = 4 pp + 2 cp + tp, one data-parallel replica, the optimizer state sharded over the 2
+    # context-parallel ranks, 4 micro-batches of 2; SFT rows (the file under the launch's folder), whose loss masks
+    # keep other numbers of tokens on the two context-parallel ranks
+    "pp2_vpp2_cp2_zero2_tp2_sp": [*VPP2, "model.sequence_parallel=true", "model.context_parallel_size=2",
+                                  "ddp.use_distributed_optimizer=true", "train.global_batch_size=8",
+                                  "data.dataset=sft", "data.data_path=<out>/sft.jsonl", "data.split=80,20,0",
+                                  "model.seq_length=64"],
 }
+NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+COMPARED = ("pp2_vpp2_cp2_zero2_tp2_sp",)  # also run without dropout, and compared with one process
 
 
 def layouts_worker(out: str, device: str) -> None:
-    """The torchrun worker: each layout eager and graphed."""
+    """The torchrun worker: each layout eager and graphed (those of ``COMPARED`` also without dropout)."""
     from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
     runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
             for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
+    runs.update({f"{name}/nodrop": [*LAYOUTS[name], *NO_DROPOUT, *EAGER] for name in COMPARED})
 
     def run(overrides: list[str]) -> dict:
+        overrides = [o.replace("<out>", out) for o in overrides]
         result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
         return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()]}
 
     report_runs(Path(out), device, runs, run)
+
+
+def run_layouts(tmp: Path, device: str, timeout: float) -> list[dict]:
+    write_sft(tmp / "sft.jsonl")
+    return torchrun_reports(__file__, "layouts_worker", tmp, 8, device, timeout=timeout)
 
 
 def _assert_graphed_equals_eager(reports: list[dict]) -> None:
@@ -76,10 +99,10 @@ def _assert_graphed_equals_eager(reports: list[dict]) -> None:
 
 @pytest.mark.ranks8
 def test_three_dimensional_layouts_on_eight_ranks_equal_eager(tmp_path):
-    """pp2 x dp2 x tp2, data parallel replicated or FSDP2 ZeRO-3 (with sequence parallel), and pp2 x vpp2 x dp2 x
-    tp2 over the distributed optimizer (with sequence parallel): the whole schedule graphed equals eager bit for
-    bit on every rank, and every rank holds the part of the model its place says."""
-    reports = torchrun_reports(__file__, "layouts_worker", tmp_path, 8, "cpu", timeout=600)
+    """pp2 x dp2 x tp2, data parallel replicated or FSDP2 ZeRO-3 (with sequence parallel), pp2 x vpp2 x dp2 x
+    tp2 and pp2 x vpp2 x cp2 x tp2 over the distributed optimizer (with sequence parallel): the whole schedule
+    graphed equals eager bit for bit on every rank, and every rank holds the part of the model its place says."""
+    reports = run_layouts(tmp_path, "cpu", timeout=600)
     _assert_graphed_equals_eager(reports)
     shards = [r["pp2_dp2_tp2/eager"]["shard"] for r in reports]  # replicas hold the same shards
     assert [shards.index(s) for s in shards] == [0, 1, 0, 1, 4, 5, 4, 5] and len(set(shards)) == 4
@@ -92,10 +115,37 @@ def test_three_dimensional_layouts_on_eight_ranks_equal_eager(tmp_path):
     assert layers == [{"0", "2"}, {"1", "3"}]
     assert names[0][0] == "embedding.weight" and "output_layer.weight" not in names[0]
     assert names[4][-1] == "output_layer.weight" and "embedding.weight" not in names[4]
+    _assert_context_parallel_stages(reports, tmp_path)
+
+
+def _assert_context_parallel_stages(reports: list[dict], data: Path) -> None:
+    """pp2 x vpp2 x cp2 x tp2 over the distributed optimizer (rank = 4 pp + 2 cp + tp): each rank holds its own
+    shards (FSDP2 ZeRO-2 over the 2 context-parallel ranks, of its tensor-parallel shards), each pipeline rank its
+    chunks' layers; without dropout it computes what one process computes with the same global batch (the SFT file
+    under ``data``), to float tolerance: losses and evaluation."""
+    from helpers.runs import tiny_config
+    from graphstep.training.loop import train
+
+    layout = "pp2_vpp2_cp2_zero2_tp2_sp"
+    assert len({r[f"{layout}/eager"]["shard"] for r in reports}) == 8
+    layers = [{n.split(".")[1] for n in reports[r][f"{layout}/eager"]["names"] if n.startswith("layers.")}
+              for r in (0, 4)]
+    assert layers == [{"0", "2"}, {"1", "3"}]
+    single = [o.replace("<out>", str(data)) for o in COMMON + LAYOUTS[layout]
+              if not o.startswith(("model.pipeline_model_parallel_size", "model.num_layers_in_first",
+                                   "model.virtual_pipeline", "model.tensor_model", "model.sequence_parallel",
+                                   "model.context_parallel_size", "ddp."))]
+    one = train(tiny_config(*single, "train.device=cpu", *NO_DROPOUT, *EAGER))
+    for report in reports:
+        run = report[f"{layout}/nodrop"]
+        for got, want in ((run["losses"], one.losses), ([v for _, v in run["eval"]], [v for _, v in one.eval_losses])):
+            assert len(got) == len(want) > 0
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                                       rtol=2e-5, atol=0)
 
 
 @pytest.mark.cuda
 def test_three_dimensional_layouts_on_eight_gpus_equal_eager(tmp_path):
     if torch.cuda.device_count() < 8:
         pytest.skip("needs 8 GPUs (the nvidia-h100-x8 machine)")
-    _assert_graphed_equals_eager(torchrun_reports(__file__, "layouts_worker", tmp_path, 8, "cuda", timeout=900))
+    _assert_graphed_equals_eager(run_layouts(tmp_path, "cuda", timeout=900))

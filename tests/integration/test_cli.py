@@ -37,24 +37,25 @@ def test_validate_clean_recipe_exits_0(capsys):
     assert "no rule violated" in capsys.readouterr().out
 
 
-BRIDGE_LAYOUT_REFUSED = {"llama3_70b"}  # Bridge's TP x PP x VPP x CP layout: R28 and R30 refuse parts of it today
+BRIDGE_LAYOUT = {"llama3_70b"}  # Bridge's TP x PP x VPP x CP layout: 32 ranks, validated at that world size below
 
 
-@pytest.mark.parametrize("name", sorted(set(RECIPES) - BRIDGE_LAYOUT_REFUSED))
+@pytest.mark.parametrize("name", sorted(set(RECIPES) - BRIDGE_LAYOUT))
 def test_every_recipe_validates(name):
     from graphstep.validation import validate_config
 
     assert validate_config(get_recipe(name)) == []
 
 
-def test_the_70b_recipe_is_refused_only_for_cp_with_stages():
-    """Bridge's TP4 x PP4 x VPP5 x CP2: virtual stages with tensor parallel pass (R28), context parallel with
-    stages does not (R30)."""
+def test_the_70b_recipe_passes_at_its_world_size_and_names_it_below():
+    """Bridge's TP4 x PP4 x VPP5 x CP2: virtual stages with tensor parallel (R28) and context parallel with stages
+    (R30) pass on 32 ranks; on 16 the rules say how many ranks the layout takes."""
     from graphstep.validation import validate_config
 
-    found = validate_config(get_recipe("llama3_70b"), env={}, world_size=32)
-    assert [v.rule for v in found] == ["R30"]
-    assert "context parallel with pipeline stages is not implemented" in found[0].message
+    assert validate_config(get_recipe("llama3_70b"), env={}, world_size=32) == []
+    found = [v for v in validate_config(get_recipe("llama3_70b"), env={}, world_size=16) if v.rule == "R30"]
+    assert len(found) == 1 and "4 pipeline-stage x 2 context-parallel x 4 tensor-parallel ranks do not divide the " \
+        "world size 16" in found[0].message and found[0].fix == "launch a multiple of 32 processes."
 
 
 def _validate_out(capsys, monkeypatch, *argv: str) -> tuple[int, str]:
@@ -63,7 +64,7 @@ def _validate_out(capsys, monkeypatch, *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def test_validate_70b_prints_bridges_layout_needs_and_the_nearest_accepted_layout(capsys, monkeypatch):
+def test_validate_70b_accepts_bridges_layout_and_says_what_it_needs(capsys, monkeypatch):
     import torch
 
     from graphstep.cuda_graph.devices import GiB
@@ -72,7 +73,7 @@ def test_validate_70b_prints_bridges_layout_needs_and_the_nearest_accepted_layou
     from graphstep.validation import validate_config
 
     code, out = _validate_out(capsys, monkeypatch, "--recipe", "llama3_70b", "--gpu-memory", "80")
-    assert code == 2 and "R30" in out and "R28" not in out  # virtual stages x tensor parallel pass
+    assert code == 0 and "no rule violated" in out  # virtual stages x tensor parallel x context parallel pass
     assert "validated at world size 32, the fewest ranks the layout takes" in out
     assert "32 GPUs (tp 4 x pp 4 x cp 2 x dp 1)" in out
     cfg = get_recipe("llama3_70b")
@@ -81,19 +82,43 @@ def test_validate_70b_prints_bridges_layout_needs_and_the_nearest_accepted_layou
     est = estimate_memory(cfg, torch.device("cuda"), layout)
     assert est.total > HEADROOM * 80 * GiB and est.stage == 0 and est.in_flight == 4 + 3 / 5  # Megatron's 4 (1 + 3/20)
     assert f"about {est.total / GiB:.1f} GiB of 80.0 GiB per GPU (does not fit" in out
+    assert "nearest layout the rules accept" not in out
+    assert "as 4 data-parallel (FSDP2 optim_grads_params) x 8 tensor-parallel" in out  # the smallest that fits
+    # the GPU memory the layout needs as it is, and Bridge's distributed optimizer keeping it on the same 32 GPUs
+    assert f"as it is, it needs GPUs of at least {est.total / HEADROOM / GiB:.1f} GiB" in out
+    line = next(ln for ln in out.splitlines() if "keeping the layout with ddp.use_distributed_optimizer=true" in ln)
+    sharded = apply_overrides(get_recipe("llama3_70b"), ["ddp.use_distributed_optimizer=true"])
+    kept = ParallelDims.from_config(sharded, 32)
+    assert (kept.tp, kept.pp, kept.cp, kept.dp, kept.fsdp) == (4, 4, 2, 1, "optim_grads")
+    assert validate_config(sharded, env={}, world_size=32) == []
+    total = estimate_memory(sharded, torch.device("cuda"), kept).total
+    assert total <= HEADROOM * 80 * GiB and line.endswith(f"about {total / GiB:.1f} GiB per rank as "
+                                                         f"{kept.describe()}: on the same 32 GPUs")
+
+
+def test_validate_names_the_nearest_accepted_layout(capsys, monkeypatch):
+    """Bridge's 70B layout with ring attention (``cp_comm_type=p2p``, refused by R30): the nearest layout the rules
+    accept turns the fewest layout features off -- context parallel, its ranks data-parallel -- with its estimate."""
+    from graphstep.validation import validate_config
+
+    code, out = _validate_out(capsys, monkeypatch, "--recipe", "llama3_70b", "model.cp_comm_type=p2p",
+                              "--gpu-memory", "80")
+    assert code == 2 and "R30" in out and "ring attention" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("nearest layout the rules accept"))
     assert "(without context parallel (its ranks data-parallel))" in line and "virtual stages" not in line
     overrides = line.split(": add ")[1].split(": ")[0].split()
     assert overrides == ["model.context_parallel_size=1"]
-    near = apply_overrides(get_recipe("llama3_70b"), overrides)
+    near = apply_overrides(get_recipe("llama3_70b"), ["model.cp_comm_type=p2p", *overrides])
     assert [v.rule for v in validate_config(near, env={}, world_size=32) if v.rule.startswith("R")] == []
-    assert "as 4 data-parallel (FSDP2 optim_grads_params) x 8 tensor-parallel" in out  # the smallest that fits
+    assert "4 pipeline-stage x 2 data-parallel x 4 tensor-parallel + sequence-parallel ranks" in line
+    after = out.splitlines()[out.splitlines().index(line) + 1]
+    assert after.startswith("  memory per rank: about ") and "of 80.0 GiB per GPU" in after
 
 
 def test_validate_world_size_and_gpu_memory_options(capsys, monkeypatch):
     code, out = _validate_out(capsys, monkeypatch, "--recipe", "llama3_70b", "--world-size", "64", "--gpu-memory",
                               "141")
-    assert code == 2 and "validated at world size" not in out and "64 GPUs (tp 4 x pp 4 x cp 2 x dp 2)" in out
+    assert code == 0 and "validated at world size" not in out and "64 GPUs (tp 4 x pp 4 x cp 2 x dp 2)" in out
     assert "of 141.0 GiB per GPU (fits" in out
     code, out = _validate_out(capsys, monkeypatch, "--recipe", "llama3_tiny", "--gpu-memory", "80")
     assert code == 0 and "1 GPU (tp 1 x pp 1 x cp 1 x dp 1)" in out and "(fits, 95% usable)" in out

@@ -21,6 +21,7 @@ def test_cells_name_the_refusing_rules():
     columns = dict(COLUMNS)
     assert cell(by_name["pp2 x tp2"], columns["full_iteration"]) == "yes"
     assert cell(by_name["3-D: pp2 x FSDP2 ZeRO-3 (dp2) x tp2"], columns["full_iteration"]) == "yes"
-    assert cell(by_name["pp2 x cp2"], columns["full_iteration"]) == "R30"
+    assert cell(by_name["pp2 x cp2"], columns["full_iteration"]) == "yes"
+    assert cell(by_name["pp2 x cp2"], columns["compile"]) == "R29, R30"
     assert cell(by_name["interleaved pipeline (pp2 x vpp2)"], columns["per-layer graphs"]) == "yes"
     assert cell(by_name["interleaved pipeline (pp2 x vpp2)"], columns["full_iteration + recompute"]) == "R28"

@@ -160,8 +160,9 @@ def _rules(*overrides: str, world: int = 4) -> list:
     (["model.context_parallel_size=2", "model.cp_comm_type=a2a"], 4, "Ulysses", "cp_comm_type=all_gather"),
     (["model.context_parallel_size=2", "model.cp_comm_type=a2a+p2p"], 4, "hierarchical", "all_gather"),
     (["model.cp_comm_type=ring"], 4, "not a context-parallel communication type", "all_gather"),
-    (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2"], 4, "with pipeline stages",
-     "pipeline_model_parallel_size=1"),
+    (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2"],
+     4, "2 pipeline-stage x 2 context-parallel x 2 tensor-parallel ranks do not divide the world size 4",
+     "multiple of 8"),
     (["model.context_parallel_size=2", "model.num_moe_experts=4"], 4, "with an MoE model",
      "model.context_parallel_size=1"),
     (["model.context_parallel_size=2", "model.hybrid_override_pattern=M-M-"], 4, "hybrid (Mamba)",
@@ -188,6 +189,18 @@ def test_rule_r30_refuses_what_context_parallel_does_not_do_with_the_reason_and_
     (["model.context_parallel_size=2", "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"], 4),
     (["model.context_parallel_size=4", "model.recompute_granularity=full", "model.cuda_graph_impl=full_iteration",
       "model.attention_dropout=0.0", "model.hidden_dropout=0.0"], 4),
+    # over pipeline stages: plain, per-layer graphs (warmed up for 2 iterations: R29), FSDP2, and virtual stages
+    # with tensor + sequence parallel (Megatron Bridge's Llama 3 70B layout in small)
+    (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2",
+      "model.share_embeddings_and_output_weights=true"], 4),
+    (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=local",
+      "model.cuda_graph_modules=[attn,mlp]", "model.cuda_graph_warmup_steps=2"], 4),
+    (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2", "ddp.use_megatron_fsdp=true",
+      "ddp.data_parallel_sharding_strategy=optim_grads_params", "model.cuda_graph_impl=full_iteration"], 8),
+    (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2", "model.num_layers=4",
+      "model.virtual_pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2",
+      "model.sequence_parallel=true", "model.share_embeddings_and_output_weights=false",
+      "model.cuda_graph_impl=full_iteration"], 8),
 ])
 def test_context_parallel_layouts_that_work_break_no_rule(overrides, world):
     assert _rules(*overrides, world=world) == []
@@ -198,3 +211,47 @@ def test_context_parallel_ranks_read_the_data_of_their_data_parallel_rank():
     found = _rules("model.context_parallel_size=2", "model.tensor_model_parallel_size=2", "train.global_batch_size=3",
                    world=8)
     assert [v.rule for v in found] == ["V13"] and "x 2 data-parallel rank(s)" in found[0].message
+
+
+def test_over_pipeline_stages_the_last_stage_s_loss_is_context_parallel_s_and_chunks_keep_the_context():
+    """The schedule's loss function on the last stage computes ``ContextParallel.loss`` for the step's micro-batches
+    (their loss masks, in order) and a plain token loss for torch's shape-inference call on a copy of the labels
+    (no collective there); the views that run an interleaved rank's chunks keep ``context`` on the view and share
+    the attention modules that hold it."""
+    from graphstep.config import apply_overrides
+    from graphstep.models import build_model
+    from graphstep.models.transformer import Attention, token_loss
+    from graphstep.parallel.context_parallel import ContextParallel
+    from graphstep.parallel.interleaved import chunk_view
+    from graphstep.parallel.pipeline import _StageLoss, model_chunks, split_stage
+    from helpers.runs import tiny_config
+
+    class Doubled(ContextParallel):  # a loss told apart from the token loss, without a process group
+        def loss(self, logits, labels, loss_mask):
+            return 2 * token_loss(logits, labels, loss_mask)
+
+    cp = Doubled(None, 0, 2)
+    torch.manual_seed(0)
+    logits, labels = torch.randn(4, 8, 16), torch.randint(0, 16, (4, 8))
+    mask = (torch.rand(4, 8) < 0.6).float()
+    total, stage_loss = torch.zeros(()), _StageLoss(cp)
+    stage_loss.start([{"loss_mask": mask[:2]}, {"loss_mask": mask[2:]}], labels, total, 2)
+    shape_inference = stage_loss(logits[:2], labels[:2].clone())
+    assert torch.equal(shape_inference, token_loss(logits[:2], labels[:2])) and stage_loss.index == 0
+    halves = [stage_loss(logits[i:i + 2], labels[i:i + 2]) for i in (0, 2)]
+    expected = [2 * token_loss(logits[i:i + 2], labels[i:i + 2], mask[i:i + 2]) for i in (0, 2)]
+    assert all(torch.equal(h, e / 2) for h, e in zip(halves, expected)) and stage_loss.index == 2
+    assert torch.equal(total, expected[0] + expected[1])
+
+    cfg = apply_overrides(tiny_config(), ["model.num_layers=4", "model.pipeline_model_parallel_size=2",
+                                          "model.virtual_pipeline_model_parallel_size=2"])
+    model = split_stage(build_model(cfg.model, "cpu"), cfg.model, 2, 0)
+    model.context = cp  # what apply_context_parallel sets, without a device mesh
+    attentions = [module for module in model.modules() if isinstance(module, Attention)]
+    for module in attentions:
+        module.context = cp
+    views = [chunk_view(model, c) for c in model_chunks(cfg.model, 2) if c.index % 2 == 0]
+    assert len(views) == 2 and all(view.context is cp for view in views)
+    held = [module for view in views for module in view.modules() if isinstance(module, Attention)]
+    assert len(held) == len(attentions) == 2 and all(module.context is cp for module in held)
+    assert {id(module) for module in held} == {id(module) for module in attentions}

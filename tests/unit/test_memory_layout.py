@@ -150,6 +150,23 @@ def test_the_suggested_layout_passes_the_check_and_the_layout_rules(monkeypatch,
     assert [v for v in validate_config(cfg, env={}, world_size=ranks) if v.rule in layout_rules] == []
 
 
+def test_long_sequences_are_offered_stages_with_context_parallel():
+    """Llama 3 70B at 128k tokens on 80 GiB GPUs: the smallest layout that fits splits the sequence over 8
+    context-parallel ranks and the layers over 2 pipeline stages (R30 takes context parallel with stages); no
+    layout without stages fits on as few GPUs."""
+    cfg = apply_overrides(get_recipe("llama3_70b"), ["model.seq_length=131072"])
+    budget = HEADROOM * 80 * GiB
+    layout, estimate = memory.suggest_layout(cfg, CUDA, budget)
+    assert (layout.pp, layout.cp, layout.tp, layout.dp, layout.fsdp) == (2, 8, 8, 2, ZERO3)
+    assert estimate.total <= budget and moved_estimate(cfg, layout).total == estimate.total
+    fields = memory.layout_fields(cfg, layout)
+    assert fields["model.virtual_pipeline_model_parallel_size"] is None and fields["model.pipeline_schedule"] == "1f1b"
+    counts = parameter_counts(cfg)
+    no_stages = [c for c in candidate_layouts(cfg) if c.ranks <= layout.ranks and c.pp == 1]
+    assert no_stages and all(memory._estimate(memory.with_fields(cfg, memory.layout_fields(cfg, c)), CUDA, c,
+                                              counts).total > budget for c in no_stages)
+
+
 def test_nothing_fits_says_so(monkeypatch, llama3_8b):
     monkeypatch.setattr(memory, "available_memory", lambda device: GiB)  # not even sharded 1024 ways
     with pytest.raises(RunSetupError, match=r"no layout of up to 1024 such devices fits"):

@@ -111,7 +111,8 @@ def _rules(*overrides: str, world: int = 2) -> list:
      "retain_graph"),
     (["model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2", "model.num_moe_experts=4",
       "model.moe_ffn_hidden_size=64", "model.moe_router_topk=2"], 4, "R29", "token shares"),
-    (["model.pipeline_model_parallel_size=2", "model.context_parallel_size=2"], 4, "R30", "pipeline stages"),
+    (["model.pipeline_model_parallel_size=2", "model.context_parallel_size=2"], 2, "R30",
+     "2 pipeline-stage x 2 context-parallel ranks do not divide the world size 2"),
 ])
 def test_pipeline_rules_refuse_with_the_reason(overrides, world, rule, words):
     found = _rules(*overrides, world=world)

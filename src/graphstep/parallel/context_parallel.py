@@ -37,6 +37,16 @@ heads it holds (the mesh is ``(..., cp, tp)``), and with sequence parallelism
 the projections all-gather the rank's chunks over ``tp`` first. FSDP2 shards
 over the ``dp x cp`` ranks (``dp_cp``, parallel/dims.py), as torchtitan does.
 
+Pipeline stages, plain or virtual, compose too (Megatron Bridge's Llama 3
+70B layout, TP x PP x VPP x CP): the mesh is ``(pp, dp, cp, tp)``, so every
+stage's attention gathers over its own context-parallel group, and the
+stages exchange the rank's ``seq / cp`` tokens of every sample. The last
+stage computes :meth:`ContextParallel.loss` inside the schedule's loss
+function (parallel/pipeline.py ``_StageLoss``), and each stage reduces its
+gradients over its own ``dp x cp`` ranks. An interleaved rank's chunks run
+through views of its model (parallel/interleaved.py ``chunk_view``) that
+keep ``context`` and share the attention modules holding it.
+
 Collectives are c10d ones waited at once (models/moe_parallel.py says why:
 gloo's functional reduce-scatter is not reliable).
 """

@@ -67,7 +67,9 @@ def chunk_view(model: nn.Module, chunk: Chunk) -> nn.Module:
     output layer only on the last chunk. Its ``stage_forward`` is GPTModel's, over what the view holds.
 
     One view per chunk and model: a second call returns the first call's view (FSDP2 shards each chunk's view as
-    a root of its own before the pipeline is built: parallel/parallelize.py)."""
+    a root of its own before the pipeline is built: parallel/parallelize.py). The view is made after context
+    parallel is applied (parallelize's step 2) and copies the model's attributes, ``context`` among them; its
+    attention modules are the model's own, which hold ``context`` too."""
     views = model.__dict__.setdefault("_chunk_views", {})
     if chunk.index in views:
         return views[chunk.index]
@@ -177,7 +179,7 @@ class InterleavedPipeline(Pipeline):
         self.stage_index, self.stages = chunks[0].index, num_chunks
         self.is_first, self.is_last = chunks[0].index == 0, chunks[-1].index == num_chunks - 1
         self.modules = [_ChunkModule(chunk_view(model, c), model) for c in chunks]
-        self.loss = _StageLoss()
+        self.loss = _StageLoss(getattr(model, "context", None))
         kind = ScheduleInterleavedZeroBubble if schedule == "interleaved_zero_bubble" else ScheduleInterleaved1F1B
         # scale_grads=False: the loss function divides by the micro-batch count, as TrainStep does
         self.train_schedule = _setup_leaves_no_trace(kind(self._stages(), num_micro_batches, loss_fn=self.loss,

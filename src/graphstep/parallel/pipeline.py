@@ -160,9 +160,18 @@ class _StageLoss:
     TrainStep backpropagates. A call with labels that are not a slice of the
     step's (torch's shape inference on a schedule's first step runs the loss
     on a copy) is computed and not counted.
+
+    With context parallel (``context``: the stage model's ContextParallel) the
+    loss is the one a stage-less model returns, :meth:`ContextParallel.loss`:
+    ``cp x`` the rank's summed token losses over the mask tokens of the whole
+    sequences, counted with a device all-reduce over the stage's
+    context-parallel group (every context-parallel rank of the last stage
+    calls it for the same micro-batches, in the same order). The uncounted
+    shape-inference call stays a plain token loss: no collective there.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, context: Any = None) -> None:
+        self.context = context
         self.masks: list[torch.Tensor | None] = []
         self.target: torch.Tensor | None = None
         self.total: torch.Tensor | None = None
@@ -176,7 +185,11 @@ class _StageLoss:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.target is None or view_base(labels) is not self.target:
             return token_loss(logits, labels)
-        loss = token_loss(logits, labels, self.masks[self.index])
+        mask = self.masks[self.index]
+        if self.context is not None:
+            loss = self.context.loss(logits, labels, mask)
+        else:
+            loss = token_loss(logits, labels, mask)
         self.index += 1
         self.total.add_(loss.detach())
         return loss / self.scale if self.scale != 1 else loss
@@ -194,7 +207,7 @@ class Pipeline:
         self.stage_index, self.stages = stage_index, stages
         self.is_first, self.is_last = stage_index == 0, stage_index == stages - 1
         self.module = _StageModule(model)
-        self.loss = _StageLoss()
+        self.loss = _StageLoss(getattr(model, "context", None))
         stage = PipelineStage(self.module, stage_index, stages, device, group=group)
         kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
         # scale_grads=False: the loss function divides by the micro-batch count, as TrainStep does

@@ -106,11 +106,13 @@ def llama3_70b() -> Config:
 
     Megatron Bridge's pre-training layout for it (``llama3_70b_pretrain_config``): 4 tensor-parallel ranks with
     sequence parallel x 4 pipeline stages of 5 virtual stages each (interleaved 1F1B, 4 layers a chunk) x 2
-    context-parallel ranks -- 32 GPUs for one data-parallel replica -- micro-batch 1, global batch 512. Bridge
-    also sets the distributed optimizer, overlapped gradient reduction and a bf16 pipeline dtype; graphstep's
-    rules take its virtual stages with tensor parallel but refuse context parallel with stages (R30) today:
-    ``graphstep config validate --recipe llama3_70b`` names the refusal, what the layout needs per GPU and the
-    nearest layout the rules accept.
+    context-parallel ranks -- 32 GPUs for one data-parallel replica -- micro-batch 1, global batch 512; graphstep's
+    rules take it as written (context parallel over virtual stages with tensor parallel: R28, R30). Bridge also
+    sets the distributed optimizer, overlapped gradient reduction and a bf16 pipeline dtype, which this recipe
+    leaves to overrides: ``graphstep config validate --recipe llama3_70b`` says what the layout needs per GPU
+    without them (more than an 80 GiB GPU holds), the smallest layout that fits, and that with
+    ``ddp.use_distributed_optimizer=true`` (the optimizer state sharded over the 2 context-parallel ranks) the
+    same layout fits on the same 32 GPUs.
     """
     cfg = _llama3(graph_ready(Config()), 80, 8192, 28672, 64, 8, False)
     m = cfg.model

@@ -452,7 +452,7 @@ def candidate_layouts(cfg: Config) -> list[ParallelDims]:
     Dense models: FSDP2 ZeRO-3 over the ``dp`` data-parallel ranks (plain ranks when ``dp`` is 1) x ``tp`` in 1,
     2, 4, 8 dividing the heads, query groups, MLP width and vocabulary (R25), with sequence parallel whenever it
     divides the sequence, x ``pp`` pipeline stages that split the layers evenly (R28) x ``cp`` context-parallel
-    ranks without stages (R30), whose chunks cut the sequence evenly. MoE models: FSDP2 x ``ep`` expert-parallel
+    ranks whose chunks cut the sequence evenly (R30), with or without stages. MoE models: FSDP2 x ``ep`` expert-parallel
     ranks (R27, R31: no tensor parallel, stages or context parallel with them), ``ep`` the largest power of 2
     dividing both the experts and ``dp``. Hybrid (Mamba) models: none (R27).
     """
@@ -476,7 +476,7 @@ def candidate_layouts(cfg: Config) -> list[ParallelDims]:
     while ranks <= MAX_RANKS:
         found = []
         for pp, cp, tp in itertools.product(pps, cps, tps):
-            if ranks % (pp * cp * tp) or (pp > 1 and cp > 1):
+            if ranks % (pp * cp * tp):
                 continue
             dp = ranks // (pp * cp * tp)
             sp = tp > 1 and (m.seq_length // cp) % tp == 0
@@ -672,8 +672,11 @@ def layout_report(cfg: Config, world: int, gpu_memory: float, device: torch.devi
     try:
         counts = parameter_counts(cfg)
         lines += _fit_lines(cfg, device, layout, counts, budget, gpu_memory)
+        kept = _keeping_the_layout(cfg, device, layout, counts, budget)
     except Exception as exc:  # a shape the meta build or the stage split cannot take: the rules say why
         return lines + [f"memory per rank: no estimate ({type(exc).__name__}: {exc})"]
+    if kept is not None:
+        lines.append(f"  {kept}")
     near = nearest_accepted(cfg, world)
     if near is not None:
         what, fields = near
@@ -684,6 +687,33 @@ def layout_report(cfg: Config, world: int, gpu_memory: float, device: torch.devi
         lines.append(f"nearest layout the rules accept ({what}): add {' '.join(changed)}: {moved_layout.describe()}")
         lines += ["  " + line for line in _fit_lines(moved, device, moved_layout, counts, budget, gpu_memory)]
     return lines
+
+
+def _keeping_the_layout(cfg: Config, device: torch.device, layout: ParallelDims, counts: ParameterCounts,
+                        budget: float) -> str | None:
+    """For a layout that does not fit ``budget`` bytes per GPU: the GPU memory it needs as it is, and the fewest
+    GPUs (up to ``MAX_RANKS``) on which the same tensor x pipeline x context-parallel layout fits with its
+    gradients and optimizer state sharded over the data-parallel x context-parallel ranks -- Megatron's
+    distributed optimizer (``ddp.use_distributed_optimizer``, FSDP2 ``optim_grads`` here), which more
+    data-parallel replicas share -- where the layout rules accept it. None when the layout fits."""
+    estimate = _estimate(cfg, device, layout, counts)
+    if estimate.total <= budget:
+        return None
+    needs = f"as it is, it needs GPUs of at least {_gib(estimate.total / HEADROOM)} ({HEADROOM:.0%} usable)"
+    fields = {} if layout.fsdp is not None else {"ddp.use_distributed_optimizer": True}
+    moved = with_fields(cfg, fields)
+    ranks = layout.ranks
+    while ranks <= MAX_RANKS:
+        wider = ParallelDims.from_config(moved, ranks)
+        sharded = _estimate(moved, device, wider, counts)
+        if sharded.total <= budget and _accepted(moved, wider):
+            how = " ".join(f"{k}={_override_value(v)}" for k, v in fields.items())
+            where = f"on the same {ranks} GPUs" if ranks == layout.ranks else launch(ranks, device)
+            return (f"{needs}; keeping the layout" + (f" with {how} (gradients and optimizer state sharded over "
+                    f"the {wider.grad_ranks} data-parallel x context-parallel ranks)" if how else "")
+                    + f", it needs about {_gib(sharded.total)} per rank as {wider.describe()}: {where}")
+        ranks *= 2
+    return needs
 
 
 def _fit_lines(cfg: Config, device: torch.device, layout: ParallelDims, counts: ParameterCounts, budget: float,

@@ -57,6 +57,7 @@ LAYOUTS = (
     Layout("cp2 x tp2", 4, (*CP2, *TP2)),
     Layout("cp2 x FSDP2 ZeRO-3 (dp2)", 4, (*CP2, *FSDP3)),
     Layout("pp2 x cp2", 4, (*PP2, *CP2)),
+    Layout("pp2 x vpp2 x cp2 x tp2", 8, (*VPP, *CP2, *TP2)),
     Layout("3-D: pp2 x FSDP2 ZeRO-3 (dp2) x tp2", 8, (*PP2, *FSDP3, *TP2)),
     Layout("3-D: pp2 x vpp2 x distributed optimizer (dp2) x tp2", 8, (*VPP, *DIST_OPT, *TP2)),
     Layout("MoE, expert parallel (ep2)", 2, EP2, "qwen3_moe_tiny"),

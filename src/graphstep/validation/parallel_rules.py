@@ -35,8 +35,10 @@ parallel/; these rules say which configurations it takes:
 * R30 -- context parallel: the layout fits the world and the sequence (2 x cp
   equal chunks, and each rank's share divides over sequence-parallel ranks),
   the communication type is the one graphstep implements (``all_gather``), and
-  what it does not combine with yet (pipeline stages, MoE and hybrid models,
-  expert parallel, sequence-length buckets, compile) is refused;
+  what it does not combine with yet (MoE and hybrid models, expert parallel,
+  sequence-length buckets, compile) is refused; pipeline stages, plain or
+  virtual, combine with it (each stage's attention gathers over its own
+  context-parallel ranks; the last stage's loss is ContextParallel's);
 * R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
   divide over the expert-parallel ranks, dispatched the ways graphstep
   implements (``allgather``: all-gather, dropless and sync-free; ``alltoall``:
@@ -398,12 +400,13 @@ def _r30(v: View) -> list[Violation]:
     def refuse(fields: list[str], why: str, fix: str) -> None:
         out.append(_v("R30", [*fields, field], f"model.context_parallel_size={cp}: {why}", fix))
 
-    tp, world = tensor_parallel_size(cfg), max(v.world_size, 1)
-    if world % (cp * tp):
-        refuse(["model.tensor_model_parallel_size"] if tp > 1 else [], f"{cp} context-parallel" + (
+    tp, pp, world = tensor_parallel_size(cfg), pipeline_parallel_size(cfg), max(v.world_size, 1)
+    if world % (pp * cp * tp):
+        refuse([f for f, n in (("model.pipeline_model_parallel_size", pp), ("model.tensor_model_parallel_size", tp))
+                if n > 1], (f"{pp} pipeline-stage x " if pp > 1 else "") + f"{cp} context-parallel" + (
             f" x {tp} tensor-parallel" if tp > 1 else "") + f" ranks do not divide the world size {world} "
-            "(torchrun's WORLD_SIZE): the device mesh is data-parallel x context-parallel x tensor-parallel ranks.",
-            f"launch a multiple of {cp * tp} processes.")
+            "(torchrun's WORLD_SIZE): the device mesh is pipeline-stage x data-parallel x context-parallel x "
+            "tensor-parallel ranks.", f"launch a multiple of {pp * cp * tp} processes.")
     seq = _int(m.seq_length)
     if seq is not None and seq % (2 * cp):
         refuse(["model.seq_length"], f"model.seq_length={seq} does not cut into 2 x {cp} equal chunks (each rank "
@@ -413,10 +416,7 @@ def _r30(v: View) -> list[Violation]:
         refuse(["model.seq_length", "model.sequence_parallel"], f"each rank's {seq // cp} tokens of "
                f"model.seq_length={seq} do not divide over {tp} sequence-parallel ranks.",
                f"set model.seq_length to a multiple of {2 * cp * tp}.")
-    others = [(pipeline_parallel_size(cfg) > 1, ["model.pipeline_model_parallel_size"], "pipeline stages",
-               "set model.pipeline_model_parallel_size=1 (context parallel over data-parallel, tensor-parallel or "
-               "FSDP2 ranks), or model.context_parallel_size=1."),
-              (m.num_moe_experts is not None, ["model.num_moe_experts"], "an MoE model (its blocks and "
+    others = [(m.num_moe_experts is not None, ["model.num_moe_experts"], "an MoE model (its blocks and "
                "expert-parallel token exchanges are not split by sequence)", "set model.context_parallel_size=1 "
                "(with model.expert_model_parallel_size to split the MoE model), or use a dense model."),
               ((_int(m.expert_model_parallel_size) or 1) > 1, ["model.expert_model_parallel_size"], "expert "
