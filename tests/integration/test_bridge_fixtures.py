@@ -17,7 +17,7 @@ from graphstep.validation import validate_config
 from helpers.launch import TESTS
 
 FIXTURES = TESTS / "fixtures" / "bridge"
-WORLD = {"llama3_70b": "8"}  # the 70B layout: tensor parallel over 8 ranks
+WORLD = {"llama3_70b": "32"}  # the 70B layout: tp4 x pp4 (x 5 virtual stages) x cp2, one data-parallel replica
 
 
 def overrides(recipe: str) -> list[str]:
@@ -46,11 +46,28 @@ def test_the_70b_recipe_has_llama3_70bs_shape():
             m.vocab_size, m.seq_length) == (80, 8192, 28672, 64, 8, 128256, 8192)
 
 
+def test_bridges_70b_layout_as_written_validates_and_fits_80_gib(monkeypatch, capsys):
+    """Bridge's own layout for Llama 3 70B (TP4 x PP4 x VPP5 x CP2, the distributed optimizer), not one graphstep
+    chose: accepted, and with its optimizer state sharded over the context-parallel ranks it fits 80 GiB GPUs."""
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    cfg = config("--recipe", "llama3_70b", *overrides("llama3_70b"))
+    m = cfg.model
+    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size,
+            m.context_parallel_size, m.sequence_parallel) == (4, 4, 5, 2, True)
+    assert cfg.ddp.use_distributed_optimizer is True and cfg.ddp.overlap_grad_reduce is True
+    assert validate_config(cfg) == []
+    assert main(["config", "validate", "--recipe", "llama3_70b", *overrides("llama3_70b"), "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "4 pipeline-stage x 1 data-parallel (FSDP2 optim_grads) x 2 context-parallel x 4 tensor-parallel" in out
+    assert "per GPU (fits" in out, out
+
+
 def test_bridges_tensor_by_pipeline_70b_layout_validates(monkeypatch):
+    """Bridge's 70B layout without context parallel and virtual stages, on 16 ranks."""
     monkeypatch.setenv("WORLD_SIZE", "16")
-    cfg = config("--recipe", "llama3_70b", *overrides("llama3_70b"), "model.tensor_model_parallel_size=4",
-                 "model.pipeline_model_parallel_size=4", "model.pipeline_dtype=bf16")
-    assert cfg.ddp.overlap_grad_reduce is True  # as Bridge's recipe sets it
+    cfg = config("--recipe", "llama3_70b", *overrides("llama3_70b"), "model.context_parallel_size=1",
+                 "model.virtual_pipeline_model_parallel_size=null")
+    assert (cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size) == (4, 4)
     assert validate_config(cfg) == []
 
 
