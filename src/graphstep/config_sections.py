@@ -21,6 +21,14 @@ from typing import Any
 from .errors import ConfigError  # noqa: F401  (graphstep.config exports it from here)
 
 
+def token_dispatcher(value: Any) -> Any:
+    """The dispatcher graphstep runs for ``model.moe_token_dispatcher_type = value``: ``flex`` runs as
+    ``alltoall``. Megatron's flex dispatcher sends each token to the ranks holding its experts and combines the
+    results back, as its alltoall dispatcher does, through DeepEP or HybridEP kernels
+    (``moe_flex_dispatcher_backend``); graphstep makes that exchange with torch's all-to-all."""
+    return "alltoall" if value == "flex" else value
+
+
 def opt(default: Any, help: str, **meta: Any) -> Any:
     """A dataclass field with its help text (mutable defaults are copied)."""
     if isinstance(default, (list, dict)):
@@ -103,7 +111,7 @@ class ModelConfig:
     moe_token_dispatcher_type: str = opt(
         "allgather", "Token dispatcher: allgather (sync-free, capturable whole) or alltoall (Megatron's all-to-all: "
         "reads split sizes on the host, graph [attn,moe_router,moe_preprocess]; R11) across expert-parallel ranks, "
-        "the same local dispatch on one; flex is not implemented (rule R23)."
+        "the same local dispatch on one; flex (Megatron's DeepEP/HybridEP dispatcher) runs as alltoall (rule R23)."
     )
     moe_sync_free: bool = opt(True, "Dropless MoE keeps group sizes on the device (no host sync; capturable).")
 
@@ -320,13 +328,13 @@ class ModelConfig:
     high_priority_a2a_comm_stream: bool = noop(False, "High-priority stream for MoE all-to-all.", "torch's streams")
     moe_flex_dispatcher_backend: str | None = noop(
         None, "Backend of the flex dispatcher: deepep or hybridep.",
-        "nothing: read only with moe_token_dispatcher_type=flex, which R23 refuses")
-    moe_flex_dispatcher_num_sms: int | None = noop(None, "SMs of the flex dispatcher.", "nothing (flex: R23)")
-    moe_hybridep_num_sms: int | None = noop(None, "SMs of HybridEP.", "nothing (flex: R23)")
-    moe_hybridep_num_sms_preprocessing: int | None = noop(None, "SMs of HybridEP preprocessing.", "nothing (flex: R23)")
-    moe_hybridep_pad_uneven_dispatch_inputs: bool = noop(False, "HybridEP padding.", "nothing (flex: R23)")
-    moe_permute_fusion_into_hybridep: bool = noop(False, "Permutation fused into HybridEP.", "nothing (flex: R23)")
-    moe_deepep_num_sms: int | None = noop(None, "SMs of DeepEP.", "nothing (flex: R23)")
+        "nothing: flex runs as alltoall, over torch's all-to-all (R23)")
+    moe_flex_dispatcher_num_sms: int | None = noop(None, "SMs of the flex dispatcher.", "nothing (flex runs as alltoall: R23)")
+    moe_hybridep_num_sms: int | None = noop(None, "SMs of HybridEP.", "nothing (flex runs as alltoall: R23)")
+    moe_hybridep_num_sms_preprocessing: int | None = noop(None, "SMs of HybridEP preprocessing.", "nothing (flex runs as alltoall: R23)")
+    moe_hybridep_pad_uneven_dispatch_inputs: bool = noop(False, "HybridEP padding.", "nothing (flex runs as alltoall: R23)")
+    moe_permute_fusion_into_hybridep: bool = noop(False, "Permutation fused into HybridEP.", "nothing (flex runs as alltoall: R23)")
+    moe_deepep_num_sms: int | None = noop(None, "SMs of DeepEP.", "nothing (flex runs as alltoall: R23)")
     moe_pad_experts_for_cuda_graph_inference: bool = noop(
         False, "Inference: pad experts for CUDA graphs.", "nothing: graphstep trains (its MoE graphs are sync-free)")
     overlap_p2p_comm: bool = noop(False, "Overlap pipeline send/receive with computation.", "torch's pipeline schedule")

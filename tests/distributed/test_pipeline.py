@@ -128,6 +128,8 @@ MODES_4 = {
     "pp2_zero2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP]},
     "pp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
     "vpp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
+    # per-layer graphs over virtual stages: each chunk of a rank counts its own micro-batches (cuda_graph/layers.py)
+    "vpp2_tp2_sp": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP]},
     "pp2_moe": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]", *LAYER_WARMUP],
                 "nodrop": [*NO_DROPOUT, *EAGER]},
     # resumed at iteration 2 from the checkpoint its graphed run saved (SAVES), graphed: 3 eager, 4 captured

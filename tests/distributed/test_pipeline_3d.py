@@ -27,7 +27,7 @@ import torch
 
 from helpers.data import write_sft
 from helpers.launch import report_runs, torchrun_reports
-from helpers.reports import train_report
+from helpers.reports import graphed_states, train_report
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +62,9 @@ LAYOUTS = {  # rank = 4 pp + 2 dp + tp
 }
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
 COMPARED = ("pp2_vpp2_cp2_zero2_tp2_sp",)  # also run without dropout, and compared with one process
+# also run with per-layer graphs (over stages they warm up for 2 steps: rule R29), dropout on
+LAYERS = ("pp2_vpp2_zero2_tp2_sp", "pp2_vpp2_cp2_zero2_tp2_sp")
+PER_LAYER = ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", "model.cuda_graph_warmup_steps=2"]
 
 
 def layouts_worker(out: str, device: str) -> None:
@@ -72,6 +75,7 @@ def layouts_worker(out: str, device: str) -> None:
     runs = {f"{name}/{mode}": [*layout, *(GRAPHED if mode == "graphed" else EAGER)]
             for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
     runs.update({f"{name}/nodrop": [*LAYOUTS[name], *NO_DROPOUT, *EAGER] for name in COMPARED})
+    runs.update({f"{name}/layers": [*LAYOUTS[name], *PER_LAYER] for name in LAYERS})
 
     def run(overrides: list[str]) -> dict:
         overrides = [o.replace("<out>", out) for o in overrides]
@@ -95,13 +99,19 @@ def _assert_graphed_equals_eager(reports: list[dict]) -> None:
             assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"], (layout, rank)
             assert graphed["shard"] == eager["shard"], (layout, rank)
             assert eager["losses"] == reports[0][f"{layout}/eager"]["losses"], (layout, rank)  # one loss logged
+            if layout in LAYERS:
+                layers = report[f"{layout}/layers"]
+                assert layers["states"] == graphed_states(ITERS, warmup=2), (layout, rank)
+                assert (layers["losses"], layers["eval"], layers["shard"]) == \
+                    (eager["losses"], eager["eval"], eager["shard"]), (layout, rank)
 
 
 @pytest.mark.ranks8
 def test_three_dimensional_layouts_on_eight_ranks_equal_eager(tmp_path):
     """pp2 x dp2 x tp2, data parallel replicated or FSDP2 ZeRO-3 (with sequence parallel), pp2 x vpp2 x dp2 x
     tp2 and pp2 x vpp2 x cp2 x tp2 over the distributed optimizer (with sequence parallel): the whole schedule
-    graphed equals eager bit for bit on every rank, and every rank holds the part of the model its place says."""
+    graphed, and for the virtual-stage layouts the per-layer graphs, equal eager bit for bit on every rank, and
+    every rank holds the part of the model its place says."""
     reports = run_layouts(tmp_path, "cpu", timeout=600)
     _assert_graphed_equals_eager(reports)
     shards = [r["pp2_dp2_tp2/eager"]["shard"] for r in reports]  # replicas hold the same shards

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..config_sections import token_dispatcher
 from ..cuda_graph.rng import DATA_PARALLEL_RNG
 from ..cuda_graph.torch_compat import foreach_zero_
 from .moe_dispatch import (
@@ -117,7 +118,7 @@ class MoEShape:
             pad_to_capacity=m.moe_pad_expert_input_to_capacity,
             sync_free=m.moe_sync_free,
             pre_softmax=getattr(m, "moe_router_pre_softmax", False),
-            dispatcher=m.moe_token_dispatcher_type,
+            dispatcher=token_dispatcher(m.moe_token_dispatcher_type),  # flex runs as alltoall
         )
 
 

@@ -155,6 +155,9 @@ def accepted_notes(cfg: Config) -> list[str]:
             elif get(cfg, key) is True:
                 out.append(f"{key}=true: nothing to gather in FP8, the data-parallel ranks hold whole replicas")
     m = cfg.model
+    if m.moe_token_dispatcher_type == "flex" and m.num_moe_experts is not None:
+        out.append("model.moe_token_dispatcher_type=flex: runs as alltoall -- each token sent to the ranks holding "
+                   "its experts with torch's all-to-all, not DeepEP or HybridEP kernels (moe_flex_dispatcher_backend)")
     modules = [str(x) for x in m.cuda_graph_modules] if isinstance(m.cuda_graph_modules, list) else []
     if m.cuda_graph_impl == "local":
         out.append(f"model.cuda_graph_impl=local with per-layer scopes ({modules or 'the whole layer'}): a graphstep "

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from graphstep.config import Config
+from graphstep.config_sections import token_dispatcher
 from graphstep.cuda_graph.settings import IMPL_VALUES, MOE_SCOPES, PER_LAYER, SCOPE_NAMES
 
 from .migrations import coverage_field
@@ -247,7 +248,12 @@ def _alltoall_ranks(v: View) -> int | None:
     """
     m = v.cfg.model
     ep = _int(m.expert_model_parallel_size)
-    return ep if _str(m.moe_token_dispatcher_type) == "alltoall" and ep is not None and ep > 1 else None
+    return ep if _dispatcher(m) == "alltoall" and ep is not None and ep > 1 else None
+
+
+def _dispatcher(m: Any) -> str | None:
+    """The dispatcher that runs: ``model.moe_token_dispatcher_type``, ``flex`` as ``alltoall`` (config_sections.py)."""
+    return token_dispatcher(_str(m.moe_token_dispatcher_type))
 
 
 def _r11(v: View) -> list[Violation]:
@@ -276,7 +282,7 @@ def _r11(v: View) -> list[Violation]:
 
 def _r12(v: View) -> list[Violation]:
     m = v.cfg.model
-    if (v.has("moe_preprocess") and _experts(v) and _str(m.moe_token_dispatcher_type) == "alltoall"
+    if (v.has("moe_preprocess") and _experts(v) and _dispatcher(m) == "alltoall"
             and m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity is not True):
         return [_v("R12", v.cov + ("model.moe_token_dispatcher_type", "model.moe_expert_capacity_factor",
                                    "model.moe_pad_expert_input_to_capacity"), f"{v.cov[0]} has moe_preprocess with "

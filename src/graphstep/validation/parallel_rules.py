@@ -56,7 +56,7 @@ from typing import Any
 
 from graphstep.config import Config
 
-from .graph_rules import View, _impl_f
+from .graph_rules import View, _dispatcher, _impl_f
 from .report import Violation, as_int as _int, as_str as _str, fmt as _fmt
 from .report import violation as _v
 from .stage_split import StageSplitError, nearest_layout, split_chunks, virtual_stages
@@ -485,8 +485,9 @@ def _r31(v: View) -> list[Violation]:
         refuse([], f"the {dp} data-parallel rank(s) do not divide into groups of {ep} expert-parallel ranks "
                "(the expert-parallel ranks are data-parallel ranks that share their tokens).",
                f"launch a multiple of {ep} data-parallel ranks.")
-    # Both dispatchers are implemented (R23 refuses any other value); alltoall's host sync is R11's.
-    dispatcher = _str(m.moe_token_dispatcher_type)
+    # Both dispatchers are implemented, flex runs as alltoall (R23 refuses any other value); alltoall's host sync
+    # is R11's.
+    dispatcher = _dispatcher(m)
     if m.moe_expert_capacity_factor is not None:
         refuse(["model.moe_expert_capacity_factor"], "expert parallel is dropless; a capacity factor is not "
                "implemented with it.", "set model.moe_expert_capacity_factor=null.")

@@ -571,8 +571,9 @@ def _r22(v: View) -> list[Violation]:
 
 # Megatron's allgather and alltoall dispatchers both reduce to a local permutation on one expert-parallel
 # rank, which is what graphstep's MoE layer does (models/moe_dispatch.py); across ranks both are implemented
-# (models/moe_parallel.py; expert parallelism is R31).
-DISPATCHERS = ("allgather", "alltoall")
+# (models/moe_parallel.py; expert parallelism is R31). Its flex dispatcher makes alltoall's exchange with DeepEP
+# or HybridEP kernels: graphstep runs it as alltoall (config_sections.py token_dispatcher).
+DISPATCHERS = ("allgather", "alltoall", "flex")
 
 
 def _r23(v: View) -> list[Violation]:
@@ -586,10 +587,10 @@ def _r23(v: View) -> list[Violation]:
     if _str(value) in DISPATCHERS:
         return []
     return [_v("R23", ["model.moe_token_dispatcher_type"], f"model.moe_token_dispatcher_type={_fmt(value)} is not "
-               "implemented: graphstep dispatches tokens locally, which is what allgather and alltoall do on one "
+               "implemented: graphstep dispatches tokens locally, which is what allgather, alltoall and flex do on one "
                "expert-parallel rank, and across expert-parallel ranks all-gathers them (allgather) or sends them to "
-               "their experts' ranks (alltoall; R31).",
-               "set model.moe_token_dispatcher_type=allgather (its default) or alltoall.")]
+               "their experts' ranks (alltoall, and flex as alltoall; R31).",
+               "set model.moe_token_dispatcher_type=allgather (its default), alltoall or flex.")]
 
 
 def _r24(v: View) -> list[Violation]:
