@@ -149,6 +149,28 @@ def test_alltoall_dispatcher_keeps_the_moe_block_out_of_graphs(graphs, words):
     assert _all_rules(*allgather, *graphs) == []
 
 
+def test_flex_dispatcher_is_judged_and_run_as_alltoall():
+    """Megatron's flex dispatcher (DeepEP/HybridEP kernels) runs as graphstep's alltoall: the same rules (R11 keeps
+    its block out of graphs, Megatron's partial graphs pass), the same MoE block, and one note in the log."""
+    from graphstep.models import build_model
+    from graphstep.models.moe import MoEBlock
+    from graphstep.validation import accepted_notes
+
+    flex = ("model.expert_model_parallel_size=2", "model.moe_token_dispatcher_type=flex")
+    found = _all_rules(*flex, "model.cuda_graph_impl=full_iteration")
+    assert [v.rule for v in found] == ["R11"] and "alltoall dispatcher" in found[0].message, found
+    assert _all_rules(*flex, "model.cuda_graph_impl=local",
+                      "model.cuda_graph_modules=[attn,moe_router,moe_preprocess]") == []
+    cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=16,
+                      vocab_size=64, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                      moe_token_dispatcher_type="flex")
+    blocks = [b for b in build_model(cfg, "cpu").modules() if isinstance(b, MoEBlock)]
+    assert blocks and {b.moe.dispatcher for b in blocks} == {"alltoall"}
+    notes = accepted_notes(apply_overrides(Config(), ["model.num_moe_experts=4", "model.moe_token_dispatcher_type=flex"]))
+    assert any(n.startswith("model.moe_token_dispatcher_type=flex: runs as alltoall") for n in notes), notes
+
+
+
 def test_alltoall_dispatcher_takes_megatrons_partial_graphs_and_eager_runs():
     assert _all_rules(*ALLTOALL, "model.cuda_graph_impl=local",
                       "model.cuda_graph_modules=[attn,moe_router,moe_preprocess]") == []

@@ -177,11 +177,11 @@ CASES = {
     "R22": Case("R22", ("ddp.grad_reduce_in_fp32=false",), "ddp.grad_reduce_in_fp32=false with 2 data-parallel "
                 "ranks is not implemented", "set ddp.grad_reduce_in_fp32=true", (), {"WORLD_SIZE": "2"},
                 {"WORLD_SIZE": "1"}),
-    "R23": Case("R23", ("model.moe_token_dispatcher_type=flex",), "model.moe_token_dispatcher_type=flex is not "
+    "R23": Case("R23", ("model.moe_token_dispatcher_type=deepep",), "model.moe_token_dispatcher_type=deepep is not "
                 "implemented", "set model.moe_token_dispatcher_type=allgather",
-                ("model.moe_token_dispatcher_type=alltoall",)),
+                ("model.moe_token_dispatcher_type=flex",)),
     "R23-garbage": Case("R23", ("model.moe_token_dispatcher_type=anything",), "=anything is not implemented",
-                        "or alltoall", ("model.moe_token_dispatcher_type=allgather",)),
+                        "alltoall or flex", ("model.moe_token_dispatcher_type=allgather",)),
     "R24": Case("R24", ("train.skip_step_on_nan=true", "train.check_for_nan_on_device=false"),
                 "train.skip_step_on_nan=true needs the device-side flag it skips on",
                 "set train.check_for_nan_on_device=true", ("train.skip_step_on_nan=true",)),
