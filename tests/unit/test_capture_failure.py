@@ -349,6 +349,37 @@ def test_graph_step_without_warmup_over_fsdp2_with_sgd_equals_eager(one_rank_gro
     assert all(torch.equal(a, b) for a, b in zip(eager_shards, graphed_shards))
 
 
+def test_storages_freed_inside_the_capture_are_told_apart_when_one_reuses_the_others_address():
+    """Two storages the capture allocates and frees in turn (FSDP2's all-gather outputs of two modules): the second
+    often gets the address the first freed. Each is given its size back at the start of a replay, whatever its
+    address was (the replay backend once tracked them by address, skipped the second and wrote into its freed
+    memory: a segmentation fault when the allocator reused the address)."""
+    for attempt in range(30):
+        n = (256, 1024, 4096, 16384, 65536)[attempt % 5] + 64 * (attempt // 5)  # sizes the heap reuses often
+        held: list[torch.Tensor] = []
+        addresses: list[int] = []
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            for b in held:  # allocated again before their use (after the capture)
+                b.untyped_storage().resize_(4 * n)
+            total = x.new_zeros(())
+            for i in range(2):
+                if len(held) < 2:  # the first step: allocated inside the capture
+                    held.append(torch.empty(n))
+                    addresses.append(held[-1].data_ptr())
+                held[i].copy_(x).mul_(i + 2)  # no temporary of the buffers' size: the freed one is the one reused
+                total = total + held[i].sum()
+                held[i].untyped_storage().resize_(0)  # freed after its use
+            return total
+
+        graphed = graphstep.graph_step(step, warmup_steps=0, backend="replay")
+        outs = [float(graphed(torch.full((n,), float(i)))) for i in range(3)]
+        assert outs == [5.0 * n * i for i in range(3)]
+        if addresses[0] == addresses[1]:
+            return  # the second storage took the first's address, and the replays were right
+    pytest.skip("the allocator never gave the second storage the first's address in 30 captures")
+
+
 def test_storage_allocated_and_freed_inside_the_capture_is_allocated_again_on_replay():
     """A CUDA graph's pool keeps what its capture allocated; the replay backend gives such a storage its
     size back at the start of every replay (it crashed writing into the freed storage)."""

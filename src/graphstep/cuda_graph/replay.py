@@ -252,8 +252,10 @@ class _Recorder(TorchDispatchMode):
         self.tape = tape
         self.generators = generators
         self.device = device
-        self.created: set[int] = set()
-        self.sized: set[int] = set()  # storages whose size at the start of a replay is taken care of
+        self.created: set[int] = set()  # addresses of the storages the captured work allocated
+        # the storages (ids; the tape keeps each alive) whose size at the start of a replay is taken care of: by
+        # identity, not address -- a storage the capture frees gives its address to the next allocation
+        self.sized: set[int] = set()
         self.backup = StateBackup()  # memory that existed before the capture, restored when it ends
         self.issued: dict[int, _Communication] = {}  # id of a c10d op's Work -> the tape entry that re-runs it
 
@@ -348,7 +350,11 @@ class _Recorder(TorchDispatchMode):
     def note_storage(self, storage: torch.UntypedStorage) -> None:
         """A storage (re)allocated by the captured work itself: never backed up or restored."""
         self.created.add(storage.data_ptr())
-        self.sized.add(storage.data_ptr())  # allocated by a recorded resize: replay repeats that resize
+        self._sized(storage)  # allocated by a recorded resize: replay repeats that resize
+
+    def _sized(self, storage: torch.UntypedStorage) -> None:
+        self.sized.add(id(storage))
+        self.tape.keep.append(storage)  # alive while the tape is: its id names no other storage
 
     def note_resize(self, storage: torch.UntypedStorage, resize: Callable[[torch.UntypedStorage, int], Any]) -> None:
         """Before a resize of ``storage``: if the capture allocated it, every replay starts with it at its size now.
@@ -359,9 +365,9 @@ class _Recorder(TorchDispatchMode):
         storage the capture allocated and then freed must be allocated again before the first op that writes it.
         """
         key = storage.data_ptr()
-        if key == 0 or key not in self.created or key in self.sized:
+        if key == 0 or key not in self.created or id(storage) in self.sized:
             return
-        self.sized.add(key)
+        self._sized(storage)
         size = storage.nbytes()
         self.tape.add_first(lambda: resize(storage, size) if storage.nbytes() != size else None)
 
