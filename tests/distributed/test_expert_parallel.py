@@ -17,7 +17,10 @@ The ``ep2`` layout also runs Megatron's ``alltoall`` dispatcher: eagerly, and
 with Megatron's per-layer graphs ``[attn, moe_router, moe_preprocess]`` (the
 all-to-alls and the experts eager between them), which equal the eager run
 bit for bit; with dropout off it equals the ``allgather`` run and plain data
-parallel to float tolerance.
+parallel to float tolerance. It runs over FSDP2 too: the distributed optimizer
+(ZeRO-2, both overlap flags, as Megatron Bridge's Qwen3-30B-A3B recipe sets
+them), eager and with those graphs, bit for bit; ZeRO-3 without dropout, equal
+to ``allgather`` over ZeRO-3 and plain data parallel to float tolerance.
 """
 
 from __future__ import annotations
@@ -72,12 +75,14 @@ LAYOUTS_X = {
     "ep2_zero3": [*FSDP, "ddp.data_parallel_sharding_strategy=optim_grads_params"],
     "ep2_zero2": [*FSDP, "ddp.data_parallel_sharding_strategy=optim_grads"],
     "ep2_recompute": [*EP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"],
+    "ep2_zero2_a2a": [*EP2, *ALLTOALL, *ZERO2],  # alltoall over the distributed optimizer, the experts over edp2
     "tp2": [*EP2[1:], "model.tensor_model_parallel_size=2"],  # every expert on every rank, the tokens split over tp
 }
 MODES_X = {"ep2_edp2": ("eager", "graphed", "nodrop"), "ep2_tp2": ("eager", "graphed", "nodrop"),
            "ep2_tp2_sp": ("eager", "graphed", "layers"), "ep2_zero3": ("eager", "graphed", "nodrop"),
            "ep2_zero2": ("eager", "graphed", "attn"),
-           "ep2_recompute": ("eager", "graphed", "full", "full_eager"), "tp2": ("eager", "graphed", "nodrop")}
+           "ep2_recompute": ("eager", "graphed", "full", "full_eager"), "tp2": ("eager", "graphed", "nodrop"),
+           "ep2_zero2_a2a": ("eager", "megatron", "nodrop")}
 RESUMED_X = ("ep2_zero3", "ep2_tp2_sp")  # their graphed runs save at iteration 2; resumed there
 # full recompute (no dropout: R35), graphed against eager, and against the same layout without recompute
 # ("ep2_edp2/nodrop")
@@ -150,6 +155,7 @@ def combined_runs(out: Path) -> dict[str, list[str]]:
     graphed ZeRO-3 and ep2 x tp2 (sequence parallel) runs saving at iteration 2, resumed there."""
     modes = {"eager": [*DROPOUT, *EAGER], "graphed": [*DROPOUT, *GRAPHED], "layers": [*DROPOUT, *LAYERS],
              "attn": [*DROPOUT, "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn]"],
+             "megatron": [*DROPOUT, *MEGATRON],
              "nodrop": [*EAGER, *NO_AUX], "full": [*FULL_RECOMPUTE, *GRAPHED, *NO_AUX],
              "full_eager": [*FULL_RECOMPUTE, *EAGER, *NO_AUX]}
     runs = {f"{name}/{mode}": [*layout, *modes[mode]] for name, layout in LAYOUTS_X.items() for mode in MODES_X[name]}
@@ -303,11 +309,12 @@ def test_expert_parallel_groups_on_four_ranks(reports4):
 
 @pytest.mark.ranks4
 def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(reports4):
-    """ep2 x tp2 (with and without sequence parallel), ep2 x FSDP2 ZeRO-3 and ZeRO-2, ep2 x edp2 with selective and
+    """ep2 x tp2 (with and without sequence parallel), ep2 x FSDP2 ZeRO-3 and ZeRO-2 (with the alltoall dispatcher
+    too, over the distributed optimizer: the experts sharded over edp2), ep2 x edp2 with selective and
     full recompute, and a MoE model on dp2 x tp2 without expert parallel: the full-iteration graphs and the per-layer
-    graphs equal eager bit for bit -- losses, MoE metrics, evaluation losses, each rank's parameter shards and the
-    expert biases --, a run with full recompute equals the run without it to float tolerance (the router counts its
-    statistics once: its metrics too), without
+    graphs (Megatron's [attn, moe_router, moe_preprocess] with alltoall) equal eager bit for bit -- losses, MoE
+    metrics, evaluation losses, each rank's parameter shards and the expert biases --, a run with full recompute
+    equals the run without it to float tolerance (the router counts its statistics once: its metrics too), without
     dropout and the load-balancing loss each layout equals plain data parallel over the 4 ranks to float tolerance,
     every rank holds the same whole model, and graphed ZeRO-3 and ep2 x tp2 (sequence parallel) runs resumed from
     their checkpoints continue bit for bit."""
@@ -318,7 +325,7 @@ def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(reports4):
             assert len(eager["losses"]) == ITERS_4 and len(eager["eval"]) == 1, layout
             assert set(eager["states"]) == {"eager"} and eager["losses"][-1] < eager["losses"][0], layout
             assert any(b != 0.0 for bias in eager["bias"] for b in bias), layout  # the expert bias moved
-            for mode in set(modes) & {"graphed", "layers", "attn"}:
+            for mode in set(modes) & {"graphed", "layers", "attn", "megatron"}:
                 graphed = report[f"{layout}/{mode}"]
                 assert graphed["states"] == graphed_states(ITERS_4), (layout, mode)
                 assert graphed["losses"] == eager["losses"], (layout, mode)  # JSON floats: the exact bits
@@ -337,7 +344,7 @@ def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(reports4):
                 torch.testing.assert_close(torch.tensor(report[f"{layout}/nodrop"]["losses"], dtype=torch.float64),
                                            torch.tensor(report["plain"]["losses"], dtype=torch.float64),
                                            rtol=2e-5, atol=0)
-        for mode in ("eager", "graphed"):  # every rank logs the same loss and applies the same bias update
+        for mode in set(modes) & {"eager", "graphed"}:  # every rank logs the same loss and applies the same bias update
             assert all(r[f"{layout}/{mode}"]["losses"] == reports[0][f"{layout}/{mode}"]["losses"] for r in reports)
             assert all(r[f"{layout}/{mode}"]["bias"] == reports[0][f"{layout}/{mode}"]["bias"] for r in reports)
         # every rank holds the same whole model (gathered), the replicated parameters whose gradients are each
@@ -351,6 +358,9 @@ def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(reports4):
     assert len({r["ep2_tp2/eager"]["shard"] for r in reports}) == 4
     # FSDP2 (edp, ep) = (0,0), (0,1), (1,0), (1,1): each rank holds its own shard of everything
     assert len({r["ep2_zero3/eager"]["shard"] for r in reports}) == 4
+    assert len({r["ep2_zero2_a2a/eager"]["shard"] for r in reports}) == 4
+    assert all(r[f"ep2_zero2_a2a/{mode}"]["dispatch"] == ["alltoall"] for r in reports
+               for mode in MODES_X["ep2_zero2_a2a"])
     for layout in RESUMED_X:  # a resume at the same layout continues bit for bit (losses, shards, expert biases)
         for report in reports:
             saved, resumed = report[f"{layout}/graphed"], report[f"{layout}/resumed"]  # saved at 2 and 4
