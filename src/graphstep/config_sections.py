@@ -559,8 +559,9 @@ class DDPConfig:
     )
     overlap_grad_reduce: bool = opt(
         False, "Replicated data parallel: each gradient bucket's all-reduce starts during the last micro-batch's "
-        "backward, as soon as the bucket is complete (inside the full-iteration graph too). FSDP2 reduce-scatters "
-        "each layer during the backward on its own stream whatever this says."
+        "backward, as soon as the bucket is complete (inside the full-iteration graph too); not with expert "
+        "parallel (R31). FSDP2 reduce-scatters each layer during the backward on its own stream whatever this says, "
+        "expert parallel or not."
     )
     overlap_param_gather: bool = opt(
         False, "FSDP2: each decoder layer prefetches the next layer's parameter all-gather explicitly before its "

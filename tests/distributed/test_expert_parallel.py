@@ -17,7 +17,10 @@ The ``ep2`` layout also runs Megatron's ``alltoall`` dispatcher: eagerly, and
 with Megatron's per-layer graphs ``[attn, moe_router, moe_preprocess]`` (the
 all-to-alls and the experts eager between them), which equal the eager run
 bit for bit; with dropout off it equals the ``allgather`` run and plain data
-parallel to float tolerance.
+parallel to float tolerance. It runs over FSDP2 too: the distributed optimizer
+(ZeRO-2, both overlap flags, as Megatron Bridge's Qwen3-30B-A3B recipe sets
+them), eager and with those graphs, bit for bit; ZeRO-3 without dropout, equal
+to ``allgather`` over ZeRO-3 and plain data parallel to float tolerance.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ LAYERS = ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"]
 EAGER = ["model.cuda_graph_impl=none"]
 ALLTOALL = ["model.moe_token_dispatcher_type=alltoall"]
 MEGATRON = ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe_router,moe_preprocess]"]
+# FSDP2 as Bridge's Qwen3-30B-A3B recipe asks for it (the distributed optimizer: ZeRO-2, with both overlap flags),
+# and ZeRO-3 (FSDP2 reduce-scatters during the backward whatever ddp.overlap_grad_reduce says)
+ZERO2 = ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true"]
+ZERO3 = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
+         "ddp.overlap_grad_reduce=true"]
 LAYOUTS = {"ep2": ["model.expert_model_parallel_size=2", "train.global_batch_size=8"]}
 STATS = ("aux_loss_sum", "z_loss_sum", "tokens_per_expert")  # per-rank router statistics (bias_tokens_per_expert too)
 # the same runs with every expert on every rank (plain data parallel)
@@ -67,12 +75,14 @@ LAYOUTS_X = {
     "ep2_zero3": [*FSDP, "ddp.data_parallel_sharding_strategy=optim_grads_params"],
     "ep2_zero2": [*FSDP, "ddp.data_parallel_sharding_strategy=optim_grads"],
     "ep2_recompute": [*EP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"],
+    "ep2_zero2_a2a": [*EP2, *ALLTOALL, *ZERO2],  # alltoall over the distributed optimizer, the experts over edp2
     "tp2": [*EP2[1:], "model.tensor_model_parallel_size=2"],  # every expert on every rank, the tokens split over tp
 }
 MODES_X = {"ep2_edp2": ("eager", "graphed", "nodrop"), "ep2_tp2": ("eager", "graphed", "nodrop"),
            "ep2_tp2_sp": ("eager", "graphed", "layers"), "ep2_zero3": ("eager", "graphed", "nodrop"),
            "ep2_zero2": ("eager", "graphed", "attn"),
-           "ep2_recompute": ("eager", "graphed", "full", "full_eager"), "tp2": ("eager", "graphed", "nodrop")}
+           "ep2_recompute": ("eager", "graphed", "full", "full_eager"), "tp2": ("eager", "graphed", "nodrop"),
+           "ep2_zero2_a2a": ("eager", "megatron", "nodrop")}
 RESUMED_X = ("ep2_zero3", "ep2_tp2_sp")  # their graphed runs save at iteration 2; resumed there
 # full recompute (no dropout: R35), graphed against eager, and against the same layout without recompute
 # ("ep2_edp2/nodrop")
@@ -104,6 +114,10 @@ def layouts_worker(out: str, device: str, which: str) -> None:
         runs["ep2/a2a_eager"] = [*LAYOUTS["ep2"], *ALLTOALL, *DROPOUT, *EAGER]
         runs["ep2/a2a_layers"] = [*LAYOUTS["ep2"], *ALLTOALL, *DROPOUT, *MEGATRON]
         runs["ep2/a2a_nodrop"] = [*LAYOUTS["ep2"], *ALLTOALL, *EAGER]
+        runs["ep2/a2a_zero2_eager"] = [*LAYOUTS["ep2"], *ALLTOALL, *ZERO2, *DROPOUT, *EAGER]
+        runs["ep2/a2a_zero2_layers"] = [*LAYOUTS["ep2"], *ALLTOALL, *ZERO2, *DROPOUT, *MEGATRON]
+        runs["ep2/a2a_zero3_nodrop"] = [*LAYOUTS["ep2"], *ALLTOALL, *ZERO3, *EAGER]
+        runs["ep2/zero3_nodrop"] = [*LAYOUTS["ep2"], *ZERO3, *EAGER]
         runs["ep2/graphed"] += ["checkpoint.save_interval=2", f"checkpoint.save={out / 'ckpt'}"]
         runs["ep2/resumed"] = [*LAYOUTS["ep2"], *DROPOUT, *GRAPHED, f"checkpoint.load={out / 'ckpt' / 'iter_0000002'}"]
     digested = {name for name in runs if name.endswith("/eager")} | {"ep2/graphed"}
@@ -115,6 +129,7 @@ def layouts_worker(out: str, device: str, which: str) -> None:
         return {
             **train_report(result),
             "moe": [[r[k] for k in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance")] for r in result.rows],
+            "grad_norms": [r["grad_norm"] for r in result.rows],
             "bias": [r.expert_bias.tolist() for r in moe_routers(result.model)],
             "dispatch": sorted({"alltoall" if m.experts.expert_parallel is not None else "allgather"
                                 for m in result.model.modules() if isinstance(m, MoEBlock)}),
@@ -140,6 +155,7 @@ def combined_runs(out: Path) -> dict[str, list[str]]:
     graphed ZeRO-3 and ep2 x tp2 (sequence parallel) runs saving at iteration 2, resumed there."""
     modes = {"eager": [*DROPOUT, *EAGER], "graphed": [*DROPOUT, *GRAPHED], "layers": [*DROPOUT, *LAYERS],
              "attn": [*DROPOUT, "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn]"],
+             "megatron": [*DROPOUT, *MEGATRON],
              "nodrop": [*EAGER, *NO_AUX], "full": [*FULL_RECOMPUTE, *GRAPHED, *NO_AUX],
              "full_eager": [*FULL_RECOMPUTE, *EAGER, *NO_AUX]}
     runs = {f"{name}/{mode}": [*layout, *modes[mode]] for name, layout in LAYOUTS_X.items() for mode in MODES_X[name]}
@@ -238,6 +254,29 @@ def test_alltoall_dispatcher_equals_allgather_and_plain_data_parallel(reports):
                                    rtol=2e-5, atol=0)
 
 
+def test_alltoall_dispatcher_over_fsdp2_graphed_equals_eager_and_allgather(reports):
+    """Bridge's Qwen3-30B-A3B settings on 2 ranks: alltoall over the distributed optimizer (FSDP2 ZeRO-2, the experts
+    an FSDP2 module of their own) with both overlap flags; Megatron's per-layer graphs equal eager bit for bit.
+    Without dropout alltoall over ZeRO-3 computes what allgather over ZeRO-3 and plain data parallel compute: the
+    gradient norms too, which see the experts' gradients reduce-scattered (divided over the data-parallel ranks)."""
+    for report in reports:
+        eager, layers = report["ep2/a2a_zero2_eager"], report["ep2/a2a_zero2_layers"]
+        assert eager["dispatch"] == layers["dispatch"] == report["ep2/a2a_zero3_nodrop"]["dispatch"] == ["alltoall"]
+        assert set(eager["states"]) == {"eager"} and eager["losses"][-1] < eager["losses"][0]
+        assert layers["states"] == graphed_states(ITERS)
+        for key in ("losses", "grad_norms", "moe", "eval", "shard", "bias"):  # JSON floats: the exact bits
+            assert layers[key] == eager[key], key
+        assert eager["shard"] != report["ep2/a2a_eager"]["shard"]  # FSDP2 shards what replicated runs hold whole
+        alltoall = report["ep2/a2a_zero3_nodrop"]
+        for other, keys in (("zero3_nodrop", ("losses", "grad_norms")), ("plain", ("losses",)),
+                            ("a2a_nodrop", ("losses",))):
+            for key in keys:
+                torch.testing.assert_close(torch.tensor(alltoall[key], dtype=torch.float64),
+                                           torch.tensor(report[f"ep2/{other}"][key], dtype=torch.float64),
+                                           rtol=2e-5, atol=0, msg=f"{other} {key}")
+    assert reports[0]["ep2/a2a_zero2_eager"]["losses"] == reports[1]["ep2/a2a_zero2_eager"]["losses"]
+
+
 def test_expert_parallel_checkpoints_resume_exactly_and_load_into_one_process(reports, tmp_path_factory):
     """Each rank saves its experts (DTensor shards) under the names one process uses: a resume at the same layout
     continues bit for bit (losses, experts, expert biases), and one process loads all experts of the final one."""
@@ -270,11 +309,12 @@ def test_expert_parallel_groups_on_four_ranks(reports4):
 
 @pytest.mark.ranks4
 def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(reports4):
-    """ep2 x tp2 (with and without sequence parallel), ep2 x FSDP2 ZeRO-3 and ZeRO-2, ep2 x edp2 with selective and
+    """ep2 x tp2 (with and without sequence parallel), ep2 x FSDP2 ZeRO-3 and ZeRO-2 (with the alltoall dispatcher
+    too, over the distributed optimizer: the experts sharded over edp2), ep2 x edp2 with selective and
     full recompute, and a MoE model on dp2 x tp2 without expert parallel: the full-iteration graphs and the per-layer
-    graphs equal eager bit for bit -- losses, MoE metrics, evaluation losses, each rank's parameter shards and the
-    expert biases --, a run with full recompute equals the run without it to float tolerance (the router counts its
-    statistics once: its metrics too), without
+    graphs (Megatron's [attn, moe_router, moe_preprocess] with alltoall) equal eager bit for bit -- losses, MoE
+    metrics, evaluation losses, each rank's parameter shards and the expert biases --, a run with full recompute
+    equals the run without it to float tolerance (the router counts its statistics once: its metrics too), without
     dropout and the load-balancing loss each layout equals plain data parallel over the 4 ranks to float tolerance,
     every rank holds the same whole model, and graphed ZeRO-3 and ep2 x tp2 (sequence parallel) runs resumed from
     their checkpoints continue bit for bit."""
@@ -285,7 +325,7 @@ def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(reports4):
             assert len(eager["losses"]) == ITERS_4 and len(eager["eval"]) == 1, layout
             assert set(eager["states"]) == {"eager"} and eager["losses"][-1] < eager["losses"][0], layout
             assert any(b != 0.0 for bias in eager["bias"] for b in bias), layout  # the expert bias moved
-            for mode in set(modes) & {"graphed", "layers", "attn"}:
+            for mode in set(modes) & {"graphed", "layers", "attn", "megatron"}:
                 graphed = report[f"{layout}/{mode}"]
                 assert graphed["states"] == graphed_states(ITERS_4), (layout, mode)
                 assert graphed["losses"] == eager["losses"], (layout, mode)  # JSON floats: the exact bits
@@ -304,7 +344,7 @@ def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(reports4):
                 torch.testing.assert_close(torch.tensor(report[f"{layout}/nodrop"]["losses"], dtype=torch.float64),
                                            torch.tensor(report["plain"]["losses"], dtype=torch.float64),
                                            rtol=2e-5, atol=0)
-        for mode in ("eager", "graphed"):  # every rank logs the same loss and applies the same bias update
+        for mode in set(modes) & {"eager", "graphed"}:  # every rank logs the same loss and applies the same bias update
             assert all(r[f"{layout}/{mode}"]["losses"] == reports[0][f"{layout}/{mode}"]["losses"] for r in reports)
             assert all(r[f"{layout}/{mode}"]["bias"] == reports[0][f"{layout}/{mode}"]["bias"] for r in reports)
         # every rank holds the same whole model (gathered), the replicated parameters whose gradients are each
@@ -318,6 +358,9 @@ def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(reports4):
     assert len({r["ep2_tp2/eager"]["shard"] for r in reports}) == 4
     # FSDP2 (edp, ep) = (0,0), (0,1), (1,0), (1,1): each rank holds its own shard of everything
     assert len({r["ep2_zero3/eager"]["shard"] for r in reports}) == 4
+    assert len({r["ep2_zero2_a2a/eager"]["shard"] for r in reports}) == 4
+    assert all(r[f"ep2_zero2_a2a/{mode}"]["dispatch"] == ["alltoall"] for r in reports
+               for mode in MODES_X["ep2_zero2_a2a"])
     for layout in RESUMED_X:  # a resume at the same layout continues bit for bit (losses, shards, expert biases)
         for report in reports:
             saved, resumed = report[f"{layout}/graphed"], report[f"{layout}/resumed"]  # saved at 2 and 4

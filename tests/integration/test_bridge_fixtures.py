@@ -17,7 +17,9 @@ from graphstep.validation import validate_config
 from helpers.launch import TESTS
 
 FIXTURES = TESTS / "fixtures" / "bridge"
-WORLD = {"llama3_70b": "32"}  # the 70B layout: tp4 x pp4 (x 5 virtual stages) x cp2, one data-parallel replica
+# the 70B layout: tp4 x pp4 (x 5 virtual stages) x cp2, one data-parallel replica; Qwen3-30B-A3B's: ep16 over 16
+# FSDP2 ranks
+WORLD = {"llama3_70b": "32", "qwen3_30b_a3b": "16"}
 
 
 def overrides(recipe: str) -> list[str]:
@@ -69,6 +71,26 @@ def test_bridges_tensor_by_pipeline_70b_layout_validates(monkeypatch):
                  "model.virtual_pipeline_model_parallel_size=null")
     assert (cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size) == (4, 4)
     assert validate_config(cfg) == []
+
+
+def test_bridges_qwen3_30b_a3b_layout_as_written_validates_and_fits_80_gib(monkeypatch, capsys):
+    """Bridge's own 16-GPU layout for Qwen3-30B-A3B, as its recipe writes it: 16 expert-parallel ranks, the flex
+    dispatcher (run as alltoall), the distributed optimizer (FSDP2 ZeRO-2) with both overlap flags, and Transformer
+    Engine graphs of the router and preprocess stages -- accepted, and it fits 80 GiB GPUs."""
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    cfg = config("--recipe", "qwen3_30b_a3b", *overrides("qwen3_30b_a3b"))
+    m, d = cfg.model, cfg.ddp
+    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size,
+            m.expert_model_parallel_size, m.moe_token_dispatcher_type) == (1, 1, 1, 16, "flex")
+    assert (d.use_distributed_optimizer, d.overlap_grad_reduce, d.overlap_param_gather) == (True, True, True)
+    assert (m.cuda_graph_impl, list(m.cuda_graph_scope), cfg.train.global_batch_size) == \
+        ("transformer_engine", ["moe_router", "moe_preprocess"], 1024)
+    assert validate_config(cfg) == []
+    assert main(["config", "validate", "--recipe", "qwen3_30b_a3b", *overrides("qwen3_30b_a3b"),
+                 "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "16 data-parallel (FSDP2 optim_grads) (16 expert-parallel) ranks" in out, out
+    assert "flex: runs as alltoall" in out and "per GPU (fits" in out, out
 
 
 def test_the_pretrain_yaml_validates(capsys):

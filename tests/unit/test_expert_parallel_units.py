@@ -68,8 +68,8 @@ def _rules(*overrides: str, world: int = 2) -> list:
      "activation recompute (model.recompute_granularity=selective) with expert parallel over pipeline stages"),
     (["model.expert_model_parallel_size=2", "model.tensor_model_parallel_size=2",
       "model.moe_token_dispatcher_type=alltoall"], 4, "alltoall dispatcher with model.tensor_model_parallel_size=2"),
-    (["model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true",
-      "model.moe_token_dispatcher_type=alltoall"], 2, "alltoall dispatcher with FSDP2"),
+    (["model.expert_model_parallel_size=2", "ddp.overlap_grad_reduce=true"], 2,
+     "ddp.overlap_grad_reduce with expert parallel over replicated data parallel is not implemented"),
     (["model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=local",
       "model.use_te_rng_tracker=true", "model.cuda_graph_modules=[attn,moe]"], 2, "per-layer graphs of the MoE block"),
     (["model.expert_model_parallel_size=2", "compile.enable=true"], 2, "compile.enable"),
@@ -98,6 +98,15 @@ def test_accepted_expert_parallel_layouts_break_no_rule():
     assert _rules("model.expert_model_parallel_size=2", "ddp.use_megatron_fsdp=true", "model.cuda_graph_impl=local",
                   "ddp.data_parallel_sharding_strategy=optim_grads", "model.use_te_rng_tracker=true",
                   "model.cuda_graph_modules=[attn]") == []
+    # the alltoall dispatcher over FSDP2 (the distributed optimizer, ZeRO-2: Megatron's per-layer graphs too; ZeRO-3),
+    # and ddp.overlap_grad_reduce where FSDP2 reduce-scatters during the backward
+    assert _rules(*ALLTOALL, "ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
+                  "ddp.overlap_param_gather=true", "model.cuda_graph_impl=transformer_engine",
+                  "model.use_te_rng_tracker=true", "model.cuda_graph_scope=[attn,moe_router,moe_preprocess]") == []
+    assert _rules(*ALLTOALL, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
+                  "ddp.overlap_grad_reduce=true", world=4) == []
+    assert _rules("model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true",
+                  "ddp.overlap_grad_reduce=true", world=4) == []
     assert _rules("model.expert_model_parallel_size=2", "model.recompute_granularity=full",
                   "model.recompute_method=uniform", "model.recompute_num_layers=1") == []
     # over pipeline stages (EP x PP x DP): eager, and the whole iteration in one graph

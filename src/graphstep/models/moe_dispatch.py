@@ -201,10 +201,15 @@ class GroupedExperts(nn.Module):
             return w1.to_local(), w2.to_local()
         return w1, w2
 
-    def forward(self, x: torch.Tensor, gemm: str, groups: torch.Tensor | None) -> torch.Tensor:
-        """x through :meth:`grouped` (``groups``: the offsets) or :meth:`tiled` (the tile owners) as a module call,
-        so that hooks on the experts run: FSDP2 gathers the expert-parallel experts it shards (parallel/fsdp.py)."""
-        return self.grouped(x, groups) if gemm == "grouped_mm" else self.tiled(x, groups)
+    def forward(self, x: torch.Tensor, gemm: str, groups: torch.Tensor | list[int] | None) -> torch.Tensor:
+        """x through :meth:`grouped` (``groups``: the offsets), :meth:`per_expert` (``gemm="loop"``, ``groups``: the
+        host sizes) or :meth:`tiled` (the tile owners) as a module call, so that hooks on the experts run: FSDP2
+        gathers the expert-parallel experts it shards (parallel/fsdp.py)."""
+        if gemm == "grouped_mm":
+            return self.grouped(x, groups)
+        if gemm == "loop":
+            return self.per_expert(x, groups)
+        return self.tiled(x, groups)
 
     def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x [P, hidden] grouped by ``offsets`` (int32 cumulative ends) -> [P, hidden]."""

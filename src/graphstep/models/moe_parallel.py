@@ -167,10 +167,10 @@ def alltoall_experts(experts: GroupedExperts, x: torch.Tensor, tokens_per_expert
     rows = _AllToAll.apply(x, recv_splits, send_splits, ep)  # by source rank, then my expert
     by_expert = _regroup(rows, got)  # by my expert, then source rank
     per_expert = [sum(c) for c in _transpose(got)]
+    # a module call, so that FSDP2 gathers the experts it shards before and reduce-scatters their gradients after
     if grouped:
-        ends = torch.tensor(per_expert, device=x.device).cumsum(0).to(torch.int32)
-        out = experts.grouped(by_expert, ends)
+        out = experts(by_expert, "grouped_mm", torch.tensor(per_expert, device=x.device).cumsum(0).to(torch.int32))
     else:
-        out = experts.per_expert(by_expert, per_expert)
+        out = experts(by_expert, "loop", per_expert)
     back = _regroup(out, _transpose(got))  # by source rank again, in the order the rows came
     return _AllToAll.apply(back, send_splits, recv_splits, ep)

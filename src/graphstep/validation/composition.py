@@ -28,16 +28,19 @@ PP2 = ("model.pipeline_model_parallel_size=2", "model.share_embeddings_and_outpu
 VPP = (*PP2, "model.virtual_pipeline_model_parallel_size=2")
 CP2 = ("model.context_parallel_size=2", "model.cp_comm_type=all_gather")
 EP2 = ("model.expert_model_parallel_size=2",)
+ALLTOALL = ("model.moe_token_dispatcher_type=alltoall",)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A row: ``name`` as the table shows it, the recipe, its ranks and the overrides that ask for it."""
+    """A row: ``name`` as the table shows it, the recipe, its ranks and the overrides that ask for it; ``scopes``:
+    its per-layer graphs where they are not the recipe's (PER_LAYER_SCOPES)."""
 
     name: str
     world: int
     overrides: tuple[str, ...]
     recipe: str = "llama3_tiny"
+    scopes: str | None = None
 
 
 LAYOUTS = (
@@ -63,6 +66,11 @@ LAYOUTS = (
     Layout("MoE, expert parallel (ep2)", 2, EP2, "qwen3_moe_tiny"),
     Layout("MoE, ep2 x tp2", 4, (*EP2, *TP2), "qwen3_moe_tiny"),
     Layout("MoE, ep2 x FSDP2 ZeRO-3", 2, (*EP2, *FSDP3), "qwen3_moe_tiny"),
+    # Megatron Bridge's Qwen3-30B-A3B settings: alltoall over the distributed optimizer, both overlap flags, graphs
+    # of the attention, router and preprocess (the dispatch reads its split sizes on the host: R11)
+    Layout("MoE, ep2 alltoall x distributed optimizer", 2, (*EP2, *ALLTOALL, *DIST_OPT, "ddp.overlap_grad_reduce=true",
+                                                             "ddp.overlap_param_gather=true"), "qwen3_moe_tiny",
+           "[attn,moe_router,moe_preprocess]"),
     Layout("MoE over pp2", 2, PP2, "qwen3_moe_tiny"),
     Layout("MoE, pp2 x tp2", 4, (*PP2, *TP2), "qwen3_moe_tiny"),
     Layout("MoE, pp2 x ep2", 4, (*PP2, *EP2), "qwen3_moe_tiny"),
@@ -89,7 +97,7 @@ def layout_config(layout: Layout, column: tuple[str, ...]) -> Config:
     overrides = ["train.micro_batch_size=1", f"train.global_batch_size={4 * layout.world}", *layout.overrides,
                  *column]
     if "model.cuda_graph_impl=local" in column:
-        overrides.append(f"model.cuda_graph_modules={PER_LAYER_SCOPES[layout.recipe]}")
+        overrides.append(f"model.cuda_graph_modules={layout.scopes or PER_LAYER_SCOPES[layout.recipe]}")
     return apply_overrides(cfg, overrides)
 
 

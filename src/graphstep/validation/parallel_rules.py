@@ -502,11 +502,9 @@ def _r31(v: View) -> list[Violation]:
     pp = pipeline_parallel_size(cfg)
     if pp > 1:
         _ep_over_stages(v, pp, dispatcher, fsdp, refuse)
-    if dispatcher == "alltoall" and (tp > 1 or fsdp):
-        with_what = f"model.tensor_model_parallel_size={tp}" if tp > 1 else f"FSDP2 ({_fsdp_f(cfg)})"
-        refuse(["model.moe_token_dispatcher_type", *(["model.tensor_model_parallel_size"] if tp > 1
-                                                      else _fsdp_fields(cfg))],
-               f"the alltoall dispatcher with {with_what} is not implemented.",
+    if dispatcher == "alltoall" and tp > 1:
+        refuse(["model.moe_token_dispatcher_type", "model.tensor_model_parallel_size"],
+               f"the alltoall dispatcher with model.tensor_model_parallel_size={tp} is not implemented.",
                "set model.moe_token_dispatcher_type=allgather (the default).")
     if fsdp and v.covers("moe"):
         refuse([*v.cov, *_fsdp_fields(cfg)], f"per-layer graphs of the MoE block ({_impl_f(v)}) with FSDP2 "
@@ -519,9 +517,12 @@ def _r31(v: View) -> list[Violation]:
                "as one.", "graph the whole block (scope moe, or [] for the whole layer), or model.cuda_graph_impl="
                "full_iteration; or set model.moe_token_dispatcher_type=alltoall for Megatron's "
                "[attn,moe_router,moe_preprocess].")
-    if cfg.ddp.overlap_grad_reduce is True:
-        refuse(["ddp.overlap_grad_reduce"], "ddp.overlap_grad_reduce with expert parallel is not implemented.",
-               "set ddp.overlap_grad_reduce=false.")
+    if cfg.ddp.overlap_grad_reduce is True and not fsdp:
+        # FSDP2 reduce-scatters each layer's gradients (the experts' too) during the backward whatever the field says
+        refuse(["ddp.overlap_grad_reduce"], "ddp.overlap_grad_reduce with expert parallel over replicated data "
+               "parallel is not implemented: the expert and the other gradients are reduced over different groups "
+               "after the backward.", "set ddp.overlap_grad_reduce=false, or shard with FSDP2 "
+               "(ddp.use_distributed_optimizer=true), whose reduce-scatters overlap the backward.")
     if cfg.compile.enable is True:
         refuse(["compile.enable"], "compile.enable with expert parallel is not implemented.", "set compile.enable=false.")
     return out
