@@ -2,9 +2,9 @@
 
 The companion of cuda_graph/torch_compat.py (which holds the mechanism's
 private accesses, the probe registry and :class:`TorchCompatError`): tensor
-parallel's partition hook, the device mesh's flattened views, the pipelining schedules' set-up and backward
-switch, a module's shallow view (an interleaved pipeline's chunks), DTensor's local tensor, a view's base,
-dynamo's compile callbacks and reset, and transformers' mask helpers. Each access is a small named function
+parallel's partition hook, the parallel style's apply, the device mesh's flattened views, the pipelining
+schedules' set-up and backward switch, a module's shallow view (an interleaved pipeline's chunks), DTensor's
+local tensor, a view's base, dynamo's compile callbacks and reset, and transformers' mask helpers. Each access is a small named function
 with a probe registered in the same ``PROBES``; a missing name raises a
 TorchCompatError naming the torch (or transformers) version when the feature is
 used. docs/library.md lists them with the versions they were verified on.
@@ -199,6 +199,37 @@ def probe_rowwise_partition() -> None:
     from torch.distributed.tensor.parallel import RowwiseParallel
 
     _probe_partition(RowwiseParallel, rowwise_with_partition)
+
+
+# --------------------------------------------------------------------------
+# parallel styles of graphstep's own: ParallelStyle with a public apply
+
+
+@functools.cache
+def module_style() -> type:
+    """``ModuleStyle``, made on first use (as above): a ``ParallelStyle`` whose subclasses implement the public
+    :meth:`apply` (``parallelize_module`` calls the style's abstract ``_apply``, which hands it on)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ModuleStyle(ParallelStyle):
+        def apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            """Parallelize ``module`` over ``device_mesh`` in place and return it (the style's own)."""
+            raise NotImplementedError
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            return self.apply(module, device_mesh)
+
+    return ModuleStyle
+
+
+@probe("ParallelStyle._apply", purpose="expert parallel as a parallel style (parallelize_module applies it)",
+       verified=(CPU_2_13,))
+def probe_parallel_style() -> None:
+    from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+    expect("_apply" in getattr(ParallelStyle, "__abstractmethods__", ()), "_apply is the style's abstract method")
+    expect("._apply(" in inspect.getsource(parallelize_module), "parallelize_module calls it")
+    module_style()()
 
 
 # --------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def layouts_worker(out: str, device: str, which: str) -> None:
             "moe": [[r[k] for k in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance")] for r in result.rows],
             "grad_norms": [r["grad_norm"] for r in result.rows],
             "bias": [r.expert_bias.tolist() for r in moe_routers(result.model)],
-            "dispatch": sorted({"alltoall" if m.experts.expert_parallel is not None else "allgather"
+            "dispatch": sorted({"alltoall" if m.experts.experts.sizes_on_host else "allgather"
                                 for m in result.model.modules() if isinstance(m, MoEBlock)}),
             "digest": natural_digests(result.model) if digest else None,
             "experts": local_digest([p for n, p in result.model.named_parameters() if ".experts.experts." in n]),

@@ -265,10 +265,10 @@ def test_alltoall_block_on_one_rank_equals_the_block(one_rank_group, device):
     on an sm90+ GPU in bf16), DTensor experts. Losses and gradients equal the plain block's to rounding."""
     runs = _one_rank_runs(device, "alltoall", ("plain", "eager"))
     blocks = runs["eager"][2]
-    assert blocks and all(b.experts.expert_parallel is not None and not b.sync_free for b in blocks)
+    assert blocks and all(b.experts.experts.sizes_on_host and not b.sync_free for b in blocks)
     grouped = device == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
     assert {b.gemm for b in blocks} == {"grouped_mm" if grouped else "loop"}
-    assert all(b.experts.expert_parallel is None for b in runs["plain"][2])
+    assert not any(b.experts.experts.sizes_on_host for b in runs["plain"][2])
     torch.testing.assert_close(torch.stack(runs["eager"][0]).float(), torch.stack(runs["plain"][0]).float(),
                                **_close(device))
     eager, plain = runs["eager"][3], runs["plain"][3]
@@ -278,17 +278,21 @@ def test_alltoall_block_on_one_rank_equals_the_block(one_rank_group, device):
     assert len({float(loss) for loss in runs["eager"][0]}) == len(runs["eager"][0])  # the weights moved every step
 
 
-def test_alltoall_block_refuses_what_it_cannot_run():
-    from graphstep.models.moe import ExpertParallel, MoEBlock, MoEShape
+def test_alltoall_block_refuses_what_it_cannot_run(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graphstep.models.moe import MoEBlock, MoEShape
     from graphstep.models.transformer import ModelShape
+    from graphstep.parallel.dims import EDP, EP
+    from graphstep.parallel.expert_parallel import apply_expert_parallel
 
     def block(gemm: str = "auto", **kw) -> MoEBlock:
         m = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_moe_experts=4,
                         moe_ffn_hidden_size=32, moe_token_dispatcher_type="alltoall", **kw)
         return MoEBlock(ModelShape.from_config(m), MoEShape.from_config(m), gemm=gemm)
 
-    place = ExpertParallel(group=None, rank=0, size=1)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=(EDP, EP))
     with pytest.raises(ValueError, match="grouped_mm or loop expert GEMM, not tiled"):
-        block("tiled").expert_parallel = place
+        apply_expert_parallel(block("tiled"), mesh)
     with pytest.raises(ValueError, match="model.moe_expert_capacity_factor=null"):
-        block(moe_expert_capacity_factor=1.0).expert_parallel = place
+        apply_expert_parallel(block(moe_expert_capacity_factor=1.0), mesh)

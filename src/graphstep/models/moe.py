@@ -32,18 +32,20 @@ exactly ``capacity`` slots; with or without
 ``moe_pad_expert_input_to_capacity`` the same static layout runs, as the
 outputs are the same).
 
-Expert parallel (``model.expert_model_parallel_size``, parallel/expert_parallel.py):
-each rank holds ``num_moe_experts / ep`` experts; the exchanges are in
-:mod:`.moe_parallel`. With ``moe_token_dispatcher_type=allgather`` the block
-all-gathers the tokens of its expert-parallel ranks, runs its own experts on
-the pairs routed to them and reduce-scatters the weighted sums back
-(:meth:`MoEBlock._expert_parallel_forward`): dropless and sync-free, so the
-block and the whole iteration capture without dropping a token. With
-``alltoall`` (Megatron's all-to-all dispatcher) the stages above run as on
-one rank, the preprocess layout unpadded, and the experts stage sends each
-pair to its expert's rank and back (:func:`.moe_parallel.alltoall_experts`):
-it reads the split sizes on the host, so it stays eager while
-``moe_router`` and ``moe_preprocess`` are graphed.
+The block does not know whether it is distributed. Expert parallel
+(``model.expert_model_parallel_size``) is parallel/expert_parallel.py's
+``ExpertParallel`` style, applied to each block from outside: it shards the
+stacked expert weights over the expert-parallel ranks and installs the token
+exchange (:mod:`.moe_parallel`). With ``moe_token_dispatcher_type=allgather``
+the block runs as that style's ``AllGatherMoEBlock`` (all-gather in, its own
+experts, reduce-scatter out: dropless and sync-free, so the block and the
+whole iteration capture without dropping a token); with ``alltoall`` the
+stages above run as on one rank, the preprocess layout unpadded, and the
+style's input and output functions on :class:`~.moe_dispatch.GroupedExperts`
+send each pair to its expert's rank and back. Those read the split sizes on
+the host (``GroupedExperts.sizes_on_host``), so the experts stay eager while
+``moe_router`` and ``moe_preprocess`` are graphed; that flag is all the block
+reads of it, to pick an unpadded GEMM and to say it is not sync-free.
 
 Model-level helpers for the trainer: :func:`moe_stats`,
 :func:`reset_moe_stats`, :func:`update_expert_bias`,
@@ -68,12 +70,10 @@ from .moe_dispatch import (
     dispatch,
     dropless_layout,
     dropless_rows,
-    expert_parallel_layout,
     grouped_mm_works,
     tile_owner,
     tile_size,
 )
-from .moe_parallel import ExpertParallel, alltoall_experts, gather, gather_tokens, scatter_sums
 from .moe_router import TopKRouter, fp32_or_wider
 from .transformer import ModelShape, RMSNorm, SwiGLU, hidden_dropout
 
@@ -198,8 +198,8 @@ class PreprocessStage(nn.Module):
 class ExpertsStage(nn.Module):
     """Dispatch + expert GEMMs: (normed [N, h], row, tokens_per_expert, offsets) -> expert_out [P, h].
 
-    ``expert_parallel`` (set by the block for the ``alltoall`` dispatcher):
-    the rows go to their expert's rank and back (a host sync).
+    The GEMMs are a call of the experts module, so that hooks on it run (FSDP2's
+    gathers, the all-to-all of parallel/expert_parallel.py).
     """
 
     def __init__(self, s: ModelShape, moe: MoEShape) -> None:
@@ -207,7 +207,6 @@ class ExpertsStage(nn.Module):
         self.experts = GroupedExperts(moe.num_experts, s.hidden_size, moe.ffn_hidden_size)
         self.moe = moe
         self.gemm = "auto"
-        self.expert_parallel: ExpertParallel | None = None
 
     def forward(
         self, normed: torch.Tensor, row: torch.Tensor, tokens_per_expert: torch.Tensor, offsets: torch.Tensor
@@ -220,19 +219,13 @@ class ExpertsStage(nn.Module):
         else:
             rows = dropless_rows(N * moe.topk, moe.num_experts, align)
         x = dispatch(normed, row, rows)
-        if self.expert_parallel is not None:
-            if self.gemm not in ("grouped_mm", "loop"):
-                raise ValueError(f"the alltoall dispatcher runs the grouped_mm or loop expert GEMM (its groups are "
-                                 f"not padded to tiles), got gemm={self.gemm!r}")
-            return alltoall_experts(self.experts, x, tokens_per_expert, self.expert_parallel,
-                                    grouped=self.gemm == "grouped_mm")
         if capacity_mode:
-            return self.experts.tiled(x, None)
+            return self.experts(x, "tiled", None)
         if self.gemm == "grouped_mm":
-            return self.experts.grouped(x, offsets)
+            return self.experts(x, "grouped_mm", offsets)
         if self.gemm == "tiled":
-            return self.experts.tiled(x, tile_owner(offsets, x.shape[0], align))
-        return self.experts.loop(x, tokens_per_expert)
+            return self.experts(x, "tiled", tile_owner(offsets, x.shape[0], align))
+        return self.experts(x, "loop", tokens_per_expert)
 
 
 class CombineStage(nn.Module):
@@ -265,10 +258,11 @@ def weighted_sum(expert_out: torch.Tensor, row: torch.Tensor, probs: torch.Tenso
     return (fp32_or_wider(picked) * probs.unsqueeze(-1)).sum(dim=1)
 
 
-def choose_gemm(moe: MoEShape, device: torch.device, dtype: torch.dtype, alltoall: bool = False) -> str:
+def choose_gemm(moe: MoEShape, device: torch.device, dtype: torch.dtype, unpadded: bool = False) -> str:
     """``grouped_mm`` where it is sync-free here, else ``tiled``; ``loop`` without moe_sync_free.
 
-    ``alltoall`` (expert parallel): ``grouped_mm`` where it works, else ``loop`` -- the sizes are on the host.
+    ``unpadded`` (the sizes are read on the host anyway: the alltoall dispatcher): ``grouped_mm`` where it works,
+    else ``loop``.
     """
     if moe.capacity_factor is not None:
         return "tiled"
@@ -276,7 +270,7 @@ def choose_gemm(moe: MoEShape, device: torch.device, dtype: torch.dtype, alltoal
         return "loop"
     if grouped_mm_works(device, dtype):
         return "grouped_mm"
-    return "loop" if alltoall else "tiled"
+    return "loop" if unpadded else "tiled"
 
 
 class MoEBlock(nn.Module):
@@ -292,37 +286,17 @@ class MoEBlock(nn.Module):
             raise ValueError(f"MoEBlock gemm must be auto, grouped_mm, tiled or loop, got {gemm!r}")
         self.moe = moe
         self.gemm = gemm
-        self._gemm_asked = gemm
+        self.gemm_asked = gemm  # gemm is this once decided; "auto" again decides it at the next forward
         self.router_stage = RouterStage(s, moe)
         self.preprocess_stage = PreprocessStage(moe)
         self.experts = ExpertsStage(s, moe)
         self.combine_stage = CombineStage(s, moe)
-        self.expert_parallel = None  # set with model.expert_model_parallel_size
-
-    @property
-    def expert_parallel(self) -> ExpertParallel | None:
-        """This rank's expert-parallel place (parallel/expert_parallel.py), or None: every expert is here."""
-        return self._expert_parallel
-
-    @expert_parallel.setter
-    def expert_parallel(self, place: ExpertParallel | None) -> None:
-        alltoall = place is not None and self.moe.dispatcher == "alltoall"
-        if place is not None and self.moe.dispatcher not in ("allgather", "alltoall"):
-            raise ValueError(f"model.moe_token_dispatcher_type={self.moe.dispatcher!r} is not implemented across "
-                             "expert-parallel ranks; set it to allgather or alltoall")
-        if place is not None and self.moe.capacity_factor is not None:
-            raise ValueError("expert parallel is dropless: set model.moe_expert_capacity_factor=null")
-        if alltoall and self._gemm_asked == "tiled":
-            raise ValueError("the alltoall dispatcher runs the grouped_mm or loop expert GEMM, not tiled")
-        self._expert_parallel = place
-        self.experts.expert_parallel = place if alltoall else None
-        self.gemm = self._gemm_asked  # "auto" is decided again at the next forward, for this dispatch
 
     @property
     def sync_free(self) -> bool:
         """Whether the whole block runs without a host sync (rule R11 allows scope ``moe`` then)."""
-        if self.experts.expert_parallel is not None:
-            return False  # the alltoall dispatcher reads its split sizes on the host
+        if self.experts.experts.sizes_on_host:
+            return False  # a hook on the experts reads their group sizes on the host (the alltoall dispatcher)
         return self.moe.capacity_factor is not None or (self.moe.sync_free and self.gemm != "loop")
 
     def set_aux_loss_scale(self, scale: float) -> None:
@@ -339,44 +313,16 @@ class MoEBlock(nn.Module):
     def _choose_gemm(self, x: torch.Tensor) -> None:
         """Fix the expert GEMM at the first forward, once the device and dtype are known."""
         if self.gemm == "auto":
-            self.gemm = choose_gemm(self.moe, x.device, x.dtype, alltoall=self.experts.expert_parallel is not None)
+            self.gemm = choose_gemm(self.moe, x.device, x.dtype, unpadded=self.experts.experts.sizes_on_host)
         self.preprocess_stage.gemm = self.experts.gemm = self.gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts.gemm != self.gemm or self.gemm == "auto":
             self._choose_gemm(x)
-        if self.expert_parallel is not None and self.experts.expert_parallel is None:
-            return self._expert_parallel_forward(x)
         normed, probs, idx, *shared = self.router_stage(x)
         row, tokens_per_expert, offsets = self.preprocess_stage(probs.detach(), idx)
         expert_out = self.experts(normed, row, tokens_per_expert, offsets)
         return self.combine_stage(x, expert_out, row, probs, *shared)
-
-    def _expert_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The ``allgather`` dispatcher: all-gather in, reduce-scatter out; dropless, sync-free, static shapes.
-
-        The expert-parallel ranks all-gather their tokens and routing; each
-        runs its own experts on every pair routed to them (a dropless layout
-        with device-side offsets into the grouped GEMM) and sums each token's
-        weighted outputs of those experts; a reduce-scatter adds the ranks'
-        sums and hands each rank its own tokens back. The backward of the
-        all-gather is a reduce-scatter and vice versa, so the router and the
-        tokens get their gradients from every rank's experts.
-        """
-        ep, moe = self.expert_parallel, self.moe
-        normed, probs, idx, *shared = self.router_stage(x)
-        normed_all = gather_tokens(normed, ep)
-        probs_all = gather_tokens(probs, ep)
-        idx_all = gather(idx, ep)
-        local = moe.num_experts // ep.size
-        align = tile_size(idx_all.numel(), local) if self.gemm == "tiled" else 1
-        row, _counts, offsets, rows = expert_parallel_layout(idx_all, ep.rank * local, local, align)
-        expert_in = dispatch(normed_all, row, rows)
-        groups = offsets if self.gemm == "grouped_mm" else tile_owner(offsets, rows, align)
-        expert_out = self.experts.experts(expert_in, self.gemm, groups)
-        mine = weighted_sum(expert_out, row, probs_all, drops=True)  # zero for pairs of other ranks' experts
-        y = scatter_sums(mine, ep)
-        return self.combine_stage.finish(x, y.to(x.dtype), *shared)
 
 
 # --------------------------------------------------------------------------

@@ -193,6 +193,9 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.linear_fc1 = StackedLinear(num_experts, 2 * ffn, hidden)
         self.linear_fc2 = StackedLinear(num_experts, hidden, ffn)
+        # True while a hook on this module reads the group sizes on the host (the all-to-all token exchange of
+        # parallel/expert_parallel.py): the MoE block then runs an unpadded GEMM and is not sync-free.
+        self.sizes_on_host = False
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The stacked weights of this rank's experts (the local part under expert parallelism)."""
@@ -202,13 +205,14 @@ class GroupedExperts(nn.Module):
         return w1, w2
 
     def forward(self, x: torch.Tensor, gemm: str, groups: torch.Tensor | list[int] | None) -> torch.Tensor:
-        """x through :meth:`grouped` (``groups``: the offsets), :meth:`per_expert` (``gemm="loop"``, ``groups``: the
-        host sizes) or :meth:`tiled` (the tile owners) as a module call, so that hooks on the experts run: FSDP2
-        gathers the expert-parallel experts it shards (parallel/fsdp.py)."""
+        """x through :meth:`grouped` (``groups``: the offsets), :meth:`per_expert` or :meth:`loop` (``gemm="loop"``,
+        ``groups``: the sizes on the host or on the device) or :meth:`tiled` (the tile owners) as a module call, so
+        that hooks on the experts run: FSDP2 gathers the expert-parallel experts it shards (parallel/fsdp.py), the
+        alltoall dispatcher moves the rows to their experts' ranks and back (parallel/expert_parallel.py)."""
         if gemm == "grouped_mm":
             return self.grouped(x, groups)
         if gemm == "loop":
-            return self.per_expert(x, groups)
+            return self.per_expert(x, groups) if isinstance(groups, list) else self.loop(x, groups)
         return self.tiled(x, groups)
 
     def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,22 @@
-"""Expert-parallel exchanges of the MoE block: the ``allgather`` and ``alltoall`` token dispatchers.
+"""Expert-parallel token exchanges: the collectives of the ``allgather`` and ``alltoall`` token dispatchers.
+
+parallel/expert_parallel.py's ``ExpertParallel`` style installs them around
+the MoE block's experts; the block itself (models/moe.py) has no
+expert-parallel code.
 
 ``model.expert_model_parallel_size`` = ``ep`` splits the experts over ``ep``
 ranks: rank ``r`` holds experts ``[r * local, (r + 1) * local)``. Both
 dispatchers are dropless; they differ in what crosses the wire and whether
 the host reads anything (docs/parallel.md, "Expert parallel"):
 
-* ``allgather`` (:func:`gather_tokens`, :func:`scatter_sums`, used by
-  ``MoEBlock._expert_parallel_forward``): every rank all-gathers the ranks'
-  tokens and routing, runs its experts on the pairs routed to them in a
-  static layout and reduce-scatters the weighted sums. No shape depends on
+* ``allgather`` (:func:`gather_tokens`, :func:`scatter_sums`, around the
+  experts in parallel/expert_parallel.py's ``AllGatherMoEBlock``): every
+  rank all-gathers the ranks' tokens and routing, runs its experts on the
+  pairs routed to them in a static layout and reduce-scatters the weighted
+  sums. No shape depends on
   the routing and nothing is read on the host: the block captures whole.
-* ``alltoall`` (:func:`alltoall_experts`, Megatron Core's
+* ``alltoall`` (:func:`alltoall_dispatch` and :func:`alltoall_combine`, the
+  input and output functions of the experts module; Megatron Core's
   ``MoEAlltoAllTokenDispatcher``): each rank sorts its own pairs by global
   expert (the ``moe_preprocess`` stage, on the device), the ranks exchange
   their per-expert counts, the host reads them as the all-to-all split sizes
@@ -33,12 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .moe_dispatch import GroupedExperts
-
 
 @dataclass(frozen=True)
-class ExpertParallel:
-    """This rank's place among the expert-parallel ranks of a MoE block (parallel/expert_parallel.py sets it)."""
+class ExpertPlace:
+    """This rank's place among the expert-parallel ranks of a MoE block (parallel/expert_parallel.py makes it)."""
 
     group: Any  # the process group of the ranks that share their tokens
     rank: int
@@ -49,14 +53,14 @@ class ExpertParallel:
 # allgather: all-gather in, reduce-scatter out
 
 
-def gather(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+def gather(t: torch.Tensor, ep: ExpertPlace) -> torch.Tensor:
     """The expert-parallel ranks' ``t`` concatenated along dim 0, in rank order (no gradient)."""
     out = t.new_empty((ep.size * t.shape[0], *t.shape[1:]))
     _c10d("all_gather_single", "all_gather_into_tensor")(out, t.contiguous(), group=ep.group)
     return out
 
 
-def _scatter_sum(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+def _scatter_sum(t: torch.Tensor, ep: ExpertPlace) -> torch.Tensor:
     """This rank's chunk (along dim 0) of the sum of the expert-parallel ranks' ``t``."""
     out = t.new_empty((t.shape[0] // ep.size, *t.shape[1:]))
     _c10d("reduce_scatter_single", "reduce_scatter_tensor")(out, t.contiguous(), group=ep.group)
@@ -72,7 +76,7 @@ class _GatherTokens(torch.autograd.Function):
     """All-gather along dim 0; the gradient is reduce-scattered back to the ranks the rows came from."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    def forward(ctx: Any, t: torch.Tensor, ep: ExpertPlace) -> torch.Tensor:
         ctx.ep = ep
         return gather(t, ep)
 
@@ -85,7 +89,7 @@ class _ScatterSums(torch.autograd.Function):
     """Reduce-scatter along dim 0; the gradient is all-gathered."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    def forward(ctx: Any, t: torch.Tensor, ep: ExpertPlace) -> torch.Tensor:
         ctx.ep = ep
         return _scatter_sum(t, ep)
 
@@ -94,12 +98,12 @@ class _ScatterSums(torch.autograd.Function):
         return gather(grad, ctx.ep), None
 
 
-def gather_tokens(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+def gather_tokens(t: torch.Tensor, ep: ExpertPlace) -> torch.Tensor:
     """All-gather ``t`` over the expert-parallel ranks; its gradient is reduce-scattered."""
     return _GatherTokens.apply(t, ep)
 
 
-def scatter_sums(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+def scatter_sums(t: torch.Tensor, ep: ExpertPlace) -> torch.Tensor:
     """Sum ``t`` over the expert-parallel ranks and keep this rank's chunk; its gradient is all-gathered."""
     return _ScatterSums.apply(t, ep)
 
@@ -108,7 +112,7 @@ def scatter_sums(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
 # alltoall: the routed rows travel to their expert's rank and back
 
 
-def _all_to_all(t: torch.Tensor, out_splits: list[int], in_splits: list[int], ep: ExpertParallel) -> torch.Tensor:
+def _all_to_all(t: torch.Tensor, out_splits: list[int], in_splits: list[int], ep: ExpertPlace) -> torch.Tensor:
     """Rows ``in_splits[r]`` of ``t`` go to rank ``r``; ``out_splits[r]`` rows come from rank ``r``, in rank order."""
     out = t.new_empty((sum(out_splits), *t.shape[1:]))
     dist.all_to_all_single(out, t.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
@@ -121,7 +125,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                ep: ExpertParallel) -> torch.Tensor:
+                ep: ExpertPlace) -> torch.Tensor:
         ctx.splits, ctx.ep = (out_splits, in_splits), ep
         return _all_to_all(t, out_splits, in_splits, ep)
 
@@ -145,15 +149,23 @@ def _transpose(sizes: list[list[int]]) -> list[list[int]]:
     return [list(col) for col in zip(*sizes)]
 
 
-def alltoall_experts(experts: GroupedExperts, x: torch.Tensor, tokens_per_expert: torch.Tensor,
-                     ep: ExpertParallel, grouped: bool) -> torch.Tensor:
-    """This rank's pairs through the experts of every expert-parallel rank: x [P, h] -> [P, h] (eager: host sync).
+@dataclass(frozen=True)
+class AllToAllRoute:
+    """How one call's rows travel: the split sizes of the all-to-all there and back (host ints) and the received
+    counts ``got[rank s][my expert e]``, by which the rows are regrouped by expert and back."""
+
+    got: list[list[int]]
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+def alltoall_dispatch(x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                      ep: ExpertPlace) -> tuple[torch.Tensor, list[int], AllToAllRoute]:
+    """This rank's pairs to the ranks of their experts: (rows for this rank's experts sorted by local expert,
+    their counts per local expert (host ints), the route back for :func:`alltoall_combine`) (eager: host sync).
 
     ``x`` holds this rank's (token, choice) pairs sorted by global expert and
-    ``tokens_per_expert [E]`` their counts (``moe_preprocess``, align 1). The
-    output row ``i`` is the output of the expert that row ``i`` of ``x`` was
-    routed to. ``grouped``: ``torch._grouped_mm`` with offsets from the
-    received counts, else one GEMM per local expert.
+    ``tokens_per_expert [E]`` their counts (``moe_preprocess``, align 1).
     """
     local = tokens_per_expert.numel() // ep.size
     received = torch.empty_like(tokens_per_expert)
@@ -163,14 +175,14 @@ def alltoall_experts(experts: GroupedExperts, x: torch.Tensor, tokens_per_expert
     counts = torch.cat([tokens_per_expert, received]).tolist()
     sent = [counts[r * local:(r + 1) * local] for r in range(ep.size)]  # [rank r][its expert e]: my pairs
     got = [counts[(ep.size + s) * local:(ep.size + s + 1) * local] for s in range(ep.size)]  # [rank s][my expert e]
-    send_splits, recv_splits = [sum(c) for c in sent], [sum(c) for c in got]
-    rows = _AllToAll.apply(x, recv_splits, send_splits, ep)  # by source rank, then my expert
+    route = AllToAllRoute(got, [sum(c) for c in sent], [sum(c) for c in got])
+    rows = _AllToAll.apply(x, route.recv_splits, route.send_splits, ep)  # by source rank, then my expert
     by_expert = _regroup(rows, got)  # by my expert, then source rank
-    per_expert = [sum(c) for c in _transpose(got)]
-    # a module call, so that FSDP2 gathers the experts it shards before and reduce-scatters their gradients after
-    if grouped:
-        out = experts(by_expert, "grouped_mm", torch.tensor(per_expert, device=x.device).cumsum(0).to(torch.int32))
-    else:
-        out = experts(by_expert, "loop", per_expert)
-    back = _regroup(out, _transpose(got))  # by source rank again, in the order the rows came
-    return _AllToAll.apply(back, send_splits, recv_splits, ep)
+    return by_expert, [sum(c) for c in _transpose(got)], route
+
+
+def alltoall_combine(out: torch.Tensor, route: AllToAllRoute, ep: ExpertPlace) -> torch.Tensor:
+    """The experts' outputs of :func:`alltoall_dispatch`'s rows back to the ranks they came from: row ``i`` is the
+    output of the expert that row ``i`` of that call's ``x`` was routed to."""
+    back = _regroup(out, _transpose(route.got))  # by source rank again, in the order the rows came
+    return _AllToAll.apply(back, route.send_splits, route.recv_splits, ep)

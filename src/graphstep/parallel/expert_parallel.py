@@ -1,9 +1,23 @@
-"""Expert parallel: each rank holds ``num_moe_experts / ep`` experts of every MoE block.
+"""Expert parallel as a DTensor parallel style: each rank holds ``num_moe_experts / ep`` experts of every MoE block.
 
-The ``ep`` ranks of one ``edp`` index share their tokens (the exchanges are
-the block's, models/moe_parallel.py); the ``edp`` ranks hold the same experts
-and sum their gradients: over replicas in the training step
-(parallel/data_parallel.py, ``ExpertParallelReducer``, with the
+:class:`ExpertParallel` (``parallelize_module`` applies it to each MoE
+block) shards the stacked expert weights over ``ep`` with
+``distribute_module`` and installs the token exchange
+(models/moe_parallel.py), so the block (models/moe.py) does not know whether
+it is distributed:
+
+* ``alltoall``: the exchange is the experts module's input and output
+  functions -- the rows go to their experts' ranks before its GEMMs and come
+  back after (torchtitan's ``ExpertParallel``, Megatron's all-to-all
+  dispatcher).
+* ``allgather``: the exchange surrounds more than the experts (the ranks'
+  tokens and routing are gathered before the layout, the weighted sums
+  reduce-scattered after), so the style owns the block's forward:
+  :class:`AllGatherMoEBlock`, the block's class under this dispatcher.
+
+The ``ep`` ranks of one ``edp`` index share their tokens; the ``edp`` ranks
+hold the same experts and sum their gradients: over replicas in the training
+step (parallel/data_parallel.py, ``ExpertParallelReducer``, with the
 tensor-parallel ranks too under tensor parallel), under FSDP2 in its
 reduce-scatter, which shards each expert over the ``edp`` ranks
 (parallel/fsdp.py: torchtitan's FSDP of the experts over the data-parallel
@@ -18,46 +32,169 @@ data parallel).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import parallelize_module
 
+from ..engines_compat import module_style
+from ..models.moe import MoEBlock, weighted_sum
+from ..models.moe_dispatch import (
+    GroupedExperts,
+    StackedLinear,
+    dispatch,
+    expert_parallel_layout,
+    tile_owner,
+    tile_size,
+)
+from ..models.moe_parallel import (
+    AllToAllRoute,
+    ExpertPlace,
+    alltoall_combine,
+    alltoall_dispatch,
+    gather,
+    gather_tokens,
+    scatter_sums,
+)
 from .dims import EP
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Give each rank ``num_moe_experts / ep`` experts of every MoE block, in place (``mesh``: (edp, ep), or (ep,)
-    when FSDP2 shards the experts over edp next).
+    """Apply :class:`ExpertParallel` to every MoE block of ``model``, in place (``mesh``: (edp, ep), or (ep,) when
+    FSDP2 shards the experts over edp next)."""
+    for block in [m for m in model.modules() if isinstance(m, MoEBlock)]:
+        parallelize_module(block, mesh, ExpertParallel())
+
+
+class ExpertParallel(module_style()):  # type: ignore[misc, valid-type]
+    """The parallel style of a MoE block over ``device_mesh`` (edp, ep) or (ep,): its experts sharded over ``ep``,
+    its tokens exchanged among the ``ep`` ranks by the block's dispatcher (``model.moe_token_dispatcher_type``).
 
     Every rank built all experts from the same seed; it keeps its slice of
     the stacked expert weights as a DTensor sharded over ``ep`` and replicated
     over ``edp`` (the ranks holding the same experts), so the optimizer, the
-    gradient norm and checkpoints treat them as any sharded parameter. The
-    block all-gathers its expert-parallel ranks' tokens (models/moe.py).
+    gradient norm and checkpoints treat them as any sharded parameter, and an
+    expert-parallel run starts from the weights of a plain one.
     """
-    from ..models.moe import ExpertParallel, MoEBlock
 
-    ep_mesh = mesh[EP]
-    place = ExpertParallel(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=ep_mesh.size())
-    for block in model.modules():
-        if not isinstance(block, MoEBlock):
-            continue
-        block.expert_parallel = place
-        for linear in (block.experts.experts.linear_fc1, block.experts.experts.linear_fc2):
-            w = linear.weight
-            local = w.detach().chunk(place.size, dim=0)[place.rank].contiguous()
-            placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
-            dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=w.shape, stride=w.stride())
-            linear.weight = nn.Parameter(dt, requires_grad=w.requires_grad)
-            linear.weight.expert_parallel = True  # its gradient is reduced over its edp group (data_parallel.py)
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        block = module
+        _check(block)
+        ep_mesh = device_mesh[EP]
+        place = ExpertPlace(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=ep_mesh.size())
+        experts = block.experts.experts
+        if block.moe.dispatcher == "alltoall":
+            exchange = _AllToAllExchange(place)
+            distribute_module(experts, device_mesh, _shard_experts(place), exchange.dispatch, exchange.combine)
+            experts.sizes_on_host = True
+        else:
+            distribute_module(experts, device_mesh, _shard_experts(place))
+            block.__class__ = AllGatherMoEBlock
+            block.expert_place = place
+        block.gemm = block.gemm_asked  # "auto" is decided again at the next forward, for this dispatch
+        return block
 
 
-def expert_modules(model: nn.Module) -> list[nn.Module]:
+def _check(block: MoEBlock) -> None:
+    """What expert parallel cannot run, refused before anything changes."""
+    if block.moe.dispatcher not in ("allgather", "alltoall"):
+        raise ValueError(f"model.moe_token_dispatcher_type={block.moe.dispatcher!r} is not implemented across "
+                         "expert-parallel ranks; set it to allgather or alltoall")
+    if block.moe.capacity_factor is not None:
+        raise ValueError("expert parallel is dropless: set model.moe_expert_capacity_factor=null")
+    if block.moe.dispatcher == "alltoall" and block.gemm_asked == "tiled":
+        raise ValueError("the alltoall dispatcher runs the grouped_mm or loop expert GEMM, not tiled")
+
+
+def _shard_experts(place: ExpertPlace) -> Any:
+    """``distribute_module``'s partition: each stacked expert weight as this rank's slice along the experts, a
+    DTensor sharded over ``ep`` (Shard(0)) and replicated over ``edp``."""
+
+    def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if not isinstance(module, StackedLinear):
+            return
+        w = module.weight
+        local = w.detach().chunk(place.size, dim=0)[place.rank].contiguous()
+        placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
+        dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=w.shape, stride=w.stride())
+        module.weight = nn.Parameter(dt, requires_grad=w.requires_grad)
+        module.weight.expert_parallel = True  # its gradient is reduced over its edp group (data_parallel.py)
+
+    return partition
+
+
+class _AllToAllExchange:
+    """The ``alltoall`` dispatcher as the experts module's input and output functions: the rows to their experts'
+    ranks before the GEMMs, back after (host split sizes: eager)."""
+
+    def __init__(self, place: ExpertPlace) -> None:
+        self.place = place
+        self.route: AllToAllRoute | None = None  # the split sizes of the call in flight, for its way back
+
+    def dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        """(this rank's rows sorted by global expert, gemm, groups) -> (the rows of this rank's experts, gemm,
+        their groups from the received counts)."""
+        x, gemm, groups = inputs
+        if gemm == "grouped_mm":  # the offsets of the unpadded layout: ends of the groups
+            counts = torch.diff(groups, prepend=groups.new_zeros(1)).to(torch.int64)
+        elif gemm == "loop":
+            counts = groups
+        else:
+            raise ValueError(f"the alltoall dispatcher runs the grouped_mm or loop expert GEMM (its groups are "
+                             f"not padded to tiles), got gemm={gemm!r}")
+        by_expert, per_expert, self.route = alltoall_dispatch(x, counts, self.place)
+        if gemm == "loop":
+            return by_expert, gemm, per_expert
+        return by_expert, gemm, torch.tensor(per_expert, device=x.device).cumsum(0).to(torch.int32)
+
+    def combine(self, module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        """The experts' outputs back to the ranks the rows came from, in the order they came."""
+        route, self.route = self.route, None
+        return alltoall_combine(out, route, self.place)
+
+
+class AllGatherMoEBlock(MoEBlock):
+    """A MoE block under the ``allgather`` dispatcher (:class:`ExpertParallel` gives a block this class): all-gather
+    in, reduce-scatter out; dropless, sync-free, static shapes.
+
+    The expert-parallel ranks all-gather their tokens and routing; each
+    runs its own experts on every pair routed to them (a dropless layout
+    with device-side offsets into the grouped GEMM) and sums each token's
+    weighted outputs of those experts; a reduce-scatter adds the ranks'
+    sums and hands each rank its own tokens back. The backward of the
+    all-gather is a reduce-scatter and vice versa, so the router and the
+    tokens get their gradients from every rank's experts. The block's stages
+    and parameters are the same; only its forward differs.
+    """
+
+    expert_place: ExpertPlace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts.gemm != self.gemm or self.gemm == "auto":
+            self._choose_gemm(x)
+        ep, moe = self.expert_place, self.moe
+        normed, probs, idx, *shared = self.router_stage(x)
+        normed_all = gather_tokens(normed, ep)
+        probs_all = gather_tokens(probs, ep)
+        idx_all = gather(idx, ep)
+        local = moe.num_experts // ep.size
+        align = tile_size(idx_all.numel(), local) if self.gemm == "tiled" else 1
+        row, _counts, offsets, rows = expert_parallel_layout(idx_all, ep.rank * local, local, align)
+        expert_in = dispatch(normed_all, row, rows)
+        groups = offsets if self.gemm == "grouped_mm" else tile_owner(offsets, rows, align)
+        expert_out = self.experts.experts(expert_in, self.gemm, groups)
+        mine = weighted_sum(expert_out, row, probs_all, drops=True)  # zero for pairs of other ranks' experts
+        y = scatter_sums(mine, ep)
+        return self.combine_stage.finish(x, y.to(x.dtype), *shared)
+
+
+def expert_modules(model: nn.Module) -> list[GroupedExperts]:
     """The expert-parallel experts of every MoE block (GroupedExperts), in layer order."""
-    from ..models.moe import MoEBlock
-
-    return [m.experts.experts for m in model.modules() if isinstance(m, MoEBlock) and m.expert_parallel is not None]
+    return [m.experts.experts for m in model.modules()
+            if isinstance(m, MoEBlock) and is_expert_parameter(m.experts.experts.linear_fc1.weight)]
 
 
 def is_expert_parameter(p: torch.Tensor) -> bool:

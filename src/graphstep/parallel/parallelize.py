@@ -50,8 +50,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     #    keys and values of the other context-parallel ranks' chunks, and the loss counts the whole sequences.
     if dims.cp > 1:
         apply_context_parallel(model, mesh[CP])
-    # 3. Expert parallel: each rank keeps its experts, sharded over ep (after tensor parallel, as Megatron's expert
-    #    tensor parallel would shard the experts it keeps).
+    # 3. Expert parallel: the ExpertParallel style on each MoE block -- each rank keeps its experts, sharded over
+    #    ep, and the style installs the token exchange (after tensor parallel, as Megatron's expert tensor parallel
+    #    would shard the experts it keeps; before FSDP2, which shards over edp the experts each rank kept).
     if dims.ep > 1:
         apply_expert_parallel(model, mesh[EP] if dims.fsdp is not None else mesh[(EDP, EP)])
     # 4. Activation recompute is built into the model's layers (models/transformer.py reads
