@@ -353,8 +353,9 @@ class _Recorder(TorchDispatchMode):
         self._sized(storage)  # allocated by a recorded resize: replay repeats that resize
 
     def _sized(self, storage: torch.UntypedStorage) -> None:
-        self.sized.add(id(storage))
-        self.tape.keep.append(storage)  # alive while the tape is: its id names no other storage
+        if id(storage) not in self.sized:  # FSDP2 resizes the same storages again and again: each is kept once
+            self.sized.add(id(storage))
+            self.tape.keep.append(storage)  # alive while the tape is: its id names no other storage
 
     def note_resize(self, storage: torch.UntypedStorage, resize: Callable[[torch.UntypedStorage, int], Any]) -> None:
         """Before a resize of ``storage``: if the capture allocated it, every replay starts with it at its size now.
