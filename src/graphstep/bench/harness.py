@@ -290,13 +290,16 @@ def host_ops(step: Callable[[Iterator[Any]], Any], data: Iterator[Any], *, iters
 
     cProfile (:func:`host_profile`) sees only the calling thread; autograd runs a CUDA backward on its own
     device thread, whose nodes (``autograd::engine::evaluate_function: ...Backward``, a graphed module's
-    backward replay among them) this table shows. Each entry: ``op``, ``calls``, ``self_ms``, ``total_ms``.
+    backward replay among them) this table shows. On a GPU the CUDA runtime calls are among them too
+    (``cudaLaunchKernel``, ``cudaGraphLaunch``, and any ``cudaStreamSynchronize`` or device-to-host copy: a
+    host wait shows as their time). Each entry: ``op``, ``calls``, ``self_ms``, ``total_ms``.
     """
     from torch.profiler import ProfilerActivity, profile
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _: None)
     sync(device)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
         for _ in range(iters):
             step(data)
         sync(device)

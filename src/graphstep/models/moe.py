@@ -7,18 +7,21 @@ shapes, no host sync) because the per-layer graph engine captures a
 submodule's forward and backward::
 
     normed, probs, idx[, shared] = router_stage(x)                 # scope moe_router
-    row, tokens_per_expert, offsets = preprocess_stage(probs, idx)  # scope moe_preprocess
-    expert_out = experts(normed, row, tokens_per_expert, offsets)   # dispatch + GEMMs: eager
-    y = combine_stage(x, expert_out, row, probs[, shared])          # moe_router (post-processing)
+    expert_in, row, groups = preprocess_stage(normed, probs, idx)  # scope moe_preprocess
+    expert_out = experts(expert_in, groups)                        # expert GEMMs: eager
+    y = combine_stage(x, expert_out, row, probs[, shared])         # moe_router (post-processing)
 
 * ``router_stage``: pre-MLP RMSNorm, fp32 router, top-k, aux/z losses
   (attached to the gradient, statistics accumulated in place) and the shared
   expert (:mod:`.moe_router`).
-* ``preprocess_stage``: the permutation metadata (:mod:`.moe_dispatch`),
-  all on the device.
-* ``experts``: gathers each expert-input row and runs the expert GEMMs. With
-  Megatron's dropless routing this is where the host reads group sizes, so
-  Megatron graphs only router + preprocess and runs this eagerly.
+* ``preprocess_stage``: the permutation metadata (:mod:`.moe_dispatch`) and
+  the permutation itself (each token's row copied to its experts' rows), all
+  on the device -- as Megatron Core's ``moe_preprocess`` scope holds its token
+  dispatcher's ``dispatch_preprocess``, the permute included. What stays
+  eager between the graphs of the partial scopes is the expert GEMMs alone.
+* ``experts``: the expert GEMMs over the permuted rows. With Megatron's
+  dropless routing this is where the host reads group sizes, so Megatron
+  graphs only router + preprocess and runs this eagerly.
   graphstep's sync-free path (``model.moe_sync_free``, the default) keeps
   sizes and offsets on the device, so the whole block (scope ``moe``) and
   the whole iteration can be captured without dropping tokens.
@@ -178,8 +181,11 @@ def layout_align(gemm: str, num_tokens: int, moe: MoEShape) -> int:
 
 
 class PreprocessStage(nn.Module):
-    """Scope ``moe_preprocess``: (probs [N, k], idx [N, k]) -> (row [N, k], tokens_per_expert [E], offsets [E]).
+    """Scope ``moe_preprocess``: (normed [N, h], probs [N, k], idx [N, k]) -> (expert_in [P, h], row [N, k], groups).
 
+    ``row[n, j]`` is the expert-input row of token ``n``'s ``j``-th choice; ``groups`` what the expert GEMM
+    (:class:`ExpertsStage`) takes: the group ends (``grouped_mm``), the expert of each tile (``tiled``), the group
+    sizes (``loop``, read on the host there) or, drop-and-pad, the group ends of the fixed capacity slots.
     ``gemm`` (set by the block before the first call) decides the padding.
     """
 
@@ -188,15 +194,24 @@ class PreprocessStage(nn.Module):
         self.moe = moe
         self.gemm = "auto"
 
-    def forward(self, probs: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        N, E = idx.shape[0], self.moe.num_experts
-        if self.moe.capacity_factor is not None:
-            return capacity_layout(probs, idx, E, expert_capacity(N, self.moe))
-        return dropless_layout(idx, E, layout_align(self.gemm, N, self.moe))
+    def forward(self, normed: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        N, E, moe = idx.shape[0], self.moe.num_experts, self.moe
+        if moe.capacity_factor is not None:
+            row, _kept, offsets = capacity_layout(probs, idx, E, expert_capacity(N, moe))
+            return dispatch(normed, row, E * expert_capacity(N, moe)), row, offsets
+        align = layout_align(self.gemm, N, moe)
+        rows = dropless_rows(N * moe.topk, E, align)
+        row, tokens_per_expert, offsets = dropless_layout(idx, E, align)
+        expert_in = dispatch(normed, row, rows)
+        if self.gemm == "grouped_mm":
+            return expert_in, row, offsets
+        if self.gemm == "tiled":
+            return expert_in, row, tile_owner(offsets, rows, align)
+        return expert_in, row, tokens_per_expert
 
 
 class ExpertsStage(nn.Module):
-    """Dispatch + expert GEMMs: (normed [N, h], row, tokens_per_expert, offsets) -> expert_out [P, h].
+    """The expert GEMMs: (expert_in [P, h], groups) -> expert_out [P, h] (``groups``: see :class:`PreprocessStage`).
 
     The GEMMs are a call of the experts module, so that hooks on it run (FSDP2's
     gathers, the all-to-all of parallel/expert_parallel.py).
@@ -208,24 +223,10 @@ class ExpertsStage(nn.Module):
         self.moe = moe
         self.gemm = "auto"
 
-    def forward(
-        self, normed: torch.Tensor, row: torch.Tensor, tokens_per_expert: torch.Tensor, offsets: torch.Tensor
-    ) -> torch.Tensor:
-        N, moe = normed.shape[0], self.moe
-        capacity_mode = moe.capacity_factor is not None
-        align = layout_align(self.gemm, N, moe)
-        if capacity_mode:
-            rows = moe.num_experts * expert_capacity(N, moe)
-        else:
-            rows = dropless_rows(N * moe.topk, moe.num_experts, align)
-        x = dispatch(normed, row, rows)
-        if capacity_mode:
-            return self.experts(x, "tiled", None)
-        if self.gemm == "grouped_mm":
-            return self.experts(x, "grouped_mm", offsets)
-        if self.gemm == "tiled":
-            return self.experts(x, "tiled", tile_owner(offsets, x.shape[0], align))
-        return self.experts(x, "loop", tokens_per_expert)
+    def forward(self, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        if self.moe.capacity_factor is not None:
+            return self.experts(x, "tiled", None)  # tile t is expert t's capacity slots
+        return self.experts(x, self.gemm, groups)
 
 
 class CombineStage(nn.Module):
@@ -320,8 +321,8 @@ class MoEBlock(nn.Module):
         if self.experts.gemm != self.gemm or self.gemm == "auto":
             self._choose_gemm(x)
         normed, probs, idx, *shared = self.router_stage(x)
-        row, tokens_per_expert, offsets = self.preprocess_stage(probs.detach(), idx)
-        expert_out = self.experts(normed, row, tokens_per_expert, offsets)
+        expert_in, row, groups = self.preprocess_stage(normed, probs.detach(), idx)
+        expert_out = self.experts(expert_in, groups)
         return self.combine_stage(x, expert_out, row, probs, *shared)
 
 
