@@ -69,14 +69,16 @@ TIED = {"pp2_tied": ["model.pipeline_model_parallel_size=2", "model.num_layers_i
                      "model.share_embeddings_and_output_weights=true"]}
 # 4 ranks, one launch (4 processes on CI's 2 cores): 2 pipelines of 2 stages (the gradients all-reduced over each
 # stage's data-parallel group), and the stages combined with tensor + sequence parallel, FSDP2, MoE and hybrid models
-# and activation recompute; one batch per evaluation
-PP2 = ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2", "train.eval_iters=1"]
-DP2 = ["train.global_batch_size=16"]  # 2 data-parallel ranks x 4 micro-batches of 2
+# and activation recompute; one batch per evaluation. 2 micro-batches of 2 per pipeline and step, as many as stages
+# (what a combination adds is in every micro-batch; the 1F1B steady state with more is LAYOUTS')
+PP2 = ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2", "train.eval_iters=1",
+       "train.global_batch_size=4"]
+DP2 = ["train.global_batch_size=8"]  # 2 data-parallel ranks x 2 micro-batches of 2
 MOE = ["train.micro_batch_size=2", "model.hidden_dropout=0.1", "model.moe_router_enable_expert_bias=true",
        "model.moe_router_bias_update_rate=0.01", "model.moe_router_score_function=sigmoid",
        "data.corpus_max_bytes=300000", "data.split=90,10,0"]
 VPP2 = ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2", "model.num_layers=4",
-        "train.eval_iters=1"]
+        "train.eval_iters=1", "train.global_batch_size=4"]
 CP2 = ["model.context_parallel_size=2", "model.cp_comm_type=all_gather"]
 # SFT rows padded to 64 tokens (run_layouts writes the file): the loss mask keeps other numbers of tokens on the two
 # context-parallel ranks, so only ContextParallel's loss (the count all-reduced over the last stage's ranks) gives

@@ -37,7 +37,7 @@ COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_gra
           "train.eval_iters=1", "train.eval_interval=2", "model.use_te_rng_tracker=true",
           "model.share_embeddings_and_output_weights=false", "model.num_layers=3",
           "model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2",
-          "model.tensor_model_parallel_size=2", "train.global_batch_size=16"]  # 4 micro-batches of 2 per pipeline
+          "model.tensor_model_parallel_size=2", "train.global_batch_size=8"]  # 2 micro-batches of 2 per pipeline
 GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
 EAGER = ["model.cuda_graph_impl=none"]
 # 2 virtual stages per pipeline rank: 4 layers in 4 chunks of 1, pipeline rank 0 holding chunks 0 and 2, rank 1
@@ -47,15 +47,15 @@ VPP2 = ["model.num_layers=4", "model.num_layers_in_first_pipeline_stage=null",
 LAYOUTS = {  # rank = 4 pp + 2 dp + tp
     "pp2_zero3_tp2_sp": ["model.sequence_parallel=true", "ddp.use_megatron_fsdp=true",
                          "ddp.data_parallel_sharding_strategy=optim_grads_params"],
-    # virtual stages: the 4 micro-batches per pipeline run in 2 rounds of 2. The distributed optimizer (Bridge's
+    # virtual stages: the 2 micro-batches per pipeline run in 1 round of 2. The distributed optimizer (Bridge's
     # ddp.use_distributed_optimizer=true) is FSDP2 ZeRO-2 here
     "pp2_vpp2_zero2_tp2_sp": [*VPP2, "model.sequence_parallel=true", "ddp.use_distributed_optimizer=true"],
     # Megatron Bridge's Llama 3 70B layout in small (TP x PP x VPP x CP, sequence parallel, the distributed
     # optimizer): rank = 4 pp + 2 cp + tp, one data-parallel replica, the optimizer state sharded over the 2
-    # context-parallel ranks, 4 micro-batches of 2; SFT rows (the file under the launch's folder), whose loss masks
+    # context-parallel ranks, 2 micro-batches of 2; SFT rows (the file under the launch's folder), whose loss masks
     # keep other numbers of tokens on the two context-parallel ranks
     "pp2_vpp2_cp2_zero2_tp2_sp": [*VPP2, "model.sequence_parallel=true", "model.context_parallel_size=2",
-                                  "ddp.use_distributed_optimizer=true", "train.global_batch_size=8",
+                                  "ddp.use_distributed_optimizer=true", "train.global_batch_size=4",
                                   "data.dataset=sft", "data.data_path=<out>/sft.jsonl", "data.split=80,20,0",
                                   "model.seq_length=64"],
 }
