@@ -132,6 +132,9 @@ class MetricWriters:
             self.tb.close()
             self.tb = None
         if self.wandb is not None:
+            # rows are logged with an explicit step, which W&B holds open until a later step comes: commit the last
+            # one here rather than leave it to finish()
+            self.wandb.log({}, commit=True)
             self.wandb.finish()
             self.wandb = None
 
