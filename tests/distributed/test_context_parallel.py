@@ -12,6 +12,8 @@ more to compare with one process:
 * ``cp2_zero2``: the same with ZeRO-2 (the distributed optimizer), with per-layer graphs too;
 * ``cp2_dp2_recompute``: full activation recompute (the backward re-runs each layer's all-gather), dropout off
   (rule R35), buckets of 5000 elements: the same bits as ``cp2_dp2`` without dropout, with the same buckets;
+  and, graphed, ``cp2_tp2_sp`` with selective recompute and ``cp2_fsdp2`` with full recompute: the same bits as
+  their runs without dropout;
 * ``cp2_dp2`` with ``ddp.overlap_grad_reduce`` (dropout off): the same bits as without overlap;
 * ``cp2_dp2`` saved at iteration 2 and resumed (graphed, dropout on): the same bits as without the stop.
 
@@ -56,6 +58,11 @@ PER_LAYER = {"cp2_dp2": ["model.cuda_graph_impl=local", "model.cuda_graph_module
              # inside FSDP2's layers: its gathers and reduce-scatters eager between the layer graphs
              "cp2_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]}
 COMPARED = ("cp2_dp2", "cp2_tp2_sp", "cp2_fsdp2")  # with dropout off, against one process
+# graphed with activation recompute, dropout off: selective recompute of the core attention over tensor parallel,
+# full recompute over FSDP2 ZeRO-3 (each layer gathered again in the backward); against the layout's nodrop run
+RECOMPUTED = {"cp2_tp2_sp": ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"],
+              "cp2_fsdp2": ["model.recompute_granularity=full", "model.recompute_method=uniform",
+                            "model.recompute_num_layers=1"]}
 NODROP = {"cp2_dp2": BUCKETS}  # cp2_dp2's dropout-free run: the reference of the overlap and recompute runs too
 
 
@@ -70,6 +77,8 @@ def layouts_worker(out: str, device: str) -> None:
     runs.update({f"{name}/nodrop": [*LAYOUTS[name], *NODROP.get(name, []), *NO_DROPOUT, *EAGER]
                  for name in COMPARED})
     runs["cp2_dp2_overlap/nodrop"] = [*runs["cp2_dp2/nodrop"], "ddp.overlap_grad_reduce=true"]
+    runs.update({f"{name}/recompute": [*LAYOUTS[name], *NO_DROPOUT, *GRAPHED, *recompute]
+                 for name, recompute in RECOMPUTED.items()})
     # a checkpoint at iteration 2 of the graphed cp2_dp2 run, and a run resumed from it (dropout on)
     save = Path(out) / "cp2_dp2-checkpoints"
     runs["cp2_dp2/graphed"] += [f"checkpoint.save={save}", "checkpoint.save_interval=2"]
@@ -179,6 +188,18 @@ def test_recompute_with_context_parallel_computes_what_it_computes_without(repor
     for report in reports:
         recomputed, plain = report["cp2_dp2_recompute/eager"], report["cp2_dp2/nodrop"]
         assert recomputed["losses"] == plain["losses"] and recomputed["shard"] == plain["shard"]
+
+
+@pytest.mark.parametrize("layout", list(RECOMPUTED))
+def test_recompute_over_sharded_context_parallel_layouts_graphed_computes_the_same_bits(reports, layout):
+    """cp2 x tp2 with the core attention recomputed and cp2 x FSDP2 ZeRO-3 with full recompute, graphed: the
+    recomputed regions re-run the key/value all-gathers, DTensor's collectives and FSDP2's gathers inside the
+    captured backward, and the run equals the layout's eager run without recompute bit for bit."""
+    for report in reports:
+        recomputed, plain = report[f"{layout}/recompute"], report[f"{layout}/nodrop"]
+        assert recomputed["states"] == graphed_states(ITERS) and recomputed["graphs"] == 3
+        for key in ("losses", "grad_norms", "eval", "shard"):
+            assert recomputed[key] == plain[key], key
 
 
 @pytest.mark.cuda

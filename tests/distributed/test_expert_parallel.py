@@ -78,8 +78,8 @@ LAYOUTS_X = {
     "ep2_zero2_a2a": [*EP2, *ALLTOALL, *ZERO2],  # alltoall over the distributed optimizer, the experts over edp2
     "tp2": [*EP2[1:], "model.tensor_model_parallel_size=2"],  # every expert on every rank, the tokens split over tp
 }
-MODES_X = {"ep2_edp2": ("eager", "graphed", "nodrop"), "ep2_tp2": ("eager", "graphed", "nodrop"),
-           "ep2_tp2_sp": ("eager", "graphed", "layers"), "ep2_zero3": ("eager", "graphed", "nodrop"),
+MODES_X = {"ep2_edp2": ("eager", "graphed", "nodrop"), "ep2_tp2": ("eager", "graphed", "nodrop", "recompute"),
+           "ep2_tp2_sp": ("eager", "graphed", "layers"), "ep2_zero3": ("eager", "graphed", "nodrop", "recompute"),
            "ep2_zero2": ("eager", "graphed", "attn"),
            "ep2_recompute": ("eager", "graphed", "full", "full_eager"), "tp2": ("eager", "graphed", "nodrop"),
            "ep2_zero2_a2a": ("eager", "megatron", "nodrop")}
@@ -157,6 +157,7 @@ def combined_runs(out: Path) -> dict[str, list[str]]:
              "attn": [*DROPOUT, "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn]"],
              "megatron": [*DROPOUT, *MEGATRON],
              "nodrop": [*EAGER, *NO_AUX], "full": [*FULL_RECOMPUTE, *GRAPHED, *NO_AUX],
+             "recompute": [*FULL_RECOMPUTE, *GRAPHED, *NO_AUX],
              "full_eager": [*FULL_RECOMPUTE, *EAGER, *NO_AUX]}
     runs = {f"{name}/{mode}": [*layout, *modes[mode]] for name, layout in LAYOUTS_X.items() for mode in MODES_X[name]}
     runs["plain"] = [*EP2[1:], *EAGER, *NO_AUX]
@@ -366,6 +367,19 @@ def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(reports4):
             saved, resumed = report[f"{layout}/graphed"], report[f"{layout}/resumed"]  # saved at 2 and 4
             assert len(saved["losses"]) == ITERS_4 and resumed["losses"] == saved["losses"][2:], layout
             assert resumed["shard"] == saved["shard"] and resumed["bias"] == saved["bias"], layout
+
+
+@pytest.mark.ranks4
+@pytest.mark.parametrize("layout", [name for name, modes in MODES_X.items() if "recompute" in modes])
+def test_full_recompute_over_expert_and_tensor_parallel_or_fsdp2_graphed(reports4, layout):
+    """ep2 x tp2 and ep2 x FSDP2 ZeRO-3 with full recompute, graphed: each recomputed layer re-runs its token
+    all-gathers, DTensor's collectives and FSDP2's gathers inside the captured backward, and the router counts its
+    statistics once; the run equals the layout's eager run without recompute (dropout and aux loss off)."""
+    for report in reports4:
+        recomputed, plain = report[f"{layout}/recompute"], report[f"{layout}/nodrop"]
+        assert recomputed["states"] == graphed_states(ITERS_4)
+        for key in ("losses", "moe", "grad_norms", "eval", "shard", "bias"):
+            assert recomputed[key] == plain[key], key
 
 
 @pytest.mark.cuda

@@ -14,6 +14,10 @@ parallelism).
 A second set of runs with dropout off compares layouts with each other: a
 tensor-parallel or FSDP2 run computes what one process computes with the same
 global batch, up to the order of floating-point sums.
+
+A third set recomputes activations over the sharded layers (``RECOMPUTE``):
+graphed equals eager, and the recomputing run computes the bits of the same
+layout without recompute.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import pytest
 import torch
 
 from helpers.launch import report_runs, subprocess_env, torchrun, torchrun_reports
-from helpers.reports import assert_graphed_equals_eager, graphed_states, train_report
+from helpers.reports import assert_graphed_equals_eager, core_attention_calls, graphed_states, train_report
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +67,21 @@ PER_LAYER = {"tp2_sp": ["model.cuda_graph_impl=local", "model.cuda_graph_modules
              "fsdp_zero2_prefetch": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
              # 4 ranks: per-layer graphs over tensor-parallel layers inside FSDP2 (ZeRO-2) layers
              "tp2_sp_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]}
+# activation recompute over sharded layers: selective recompute of the core attention over tp2_sp with hidden
+# dropout on (none inside the recomputed attention: R35) against the same run without recompute, full recompute
+# (no dropout: R35) over FSDP2 ZeRO-3 against fsdp_zero3/nodrop, and selective recompute of the attention and MLP
+# cores inside ZeRO-2's per-layer graphs (their backward graphs re-run the cores); each eager, graphed
+SELECTIVE = ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
+             "model.attention_dropout=0.0"]
+SELECTIVE_BOTH = ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]", *NO_DROPOUT]
+FULL_RECOMPUTE = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1",
+                  *NO_DROPOUT]
+RECOMPUTE = {"tp2_sp": {"recompute": [*SELECTIVE, *EAGER], "recompute_graphed": [*SELECTIVE, *GRAPHED],
+                        "without": ["model.attention_dropout=0.0", *EAGER]},
+             "fsdp_zero3": {"recompute": [*FULL_RECOMPUTE, *EAGER], "recompute_graphed": [*FULL_RECOMPUTE, *GRAPHED]},
+             "fsdp_zero2": {"recompute": [*SELECTIVE_BOTH, *EAGER],
+                            "recompute_layers": [*SELECTIVE_BOTH, *PER_LAYER["fsdp_zero2"]]}}
+WITHOUT = {"tp2_sp": "without", "fsdp_zero3": "nodrop"}  # each recompute run's twin without recompute
 # 4 ranks: 2 data-parallel x 2 tensor-parallel, the data-parallel dimension sharded by FSDP2 or replicated
 LAYOUTS_2D = {
     "tp2_sp_fsdp2": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
@@ -87,9 +106,17 @@ def layouts_worker(out: str, device: str, which: str) -> None:
     if which == "LAYOUTS":
         runs.update({f"{name}/nodrop": [*layouts[name], *NO_DROPOUT, *EAGER] for name in COMPARED})
         runs["dp2/nodrop"] = [*NO_DROPOUT, *EAGER]
-    report_runs(Path(out), device, runs, lambda overrides: train_report(
-        train(tiny_config(*COMMON, *(GPU_SCHEDULE if device == "cuda" else []), f"train.device={device}", *overrides),
-              keep_model=True)))
+        runs.update({f"{name}/{mode}": [*layouts[name], *extra] for name, modes in RECOMPUTE.items()
+                     for mode, extra in modes.items()})
+
+    def run(overrides: list[str]) -> dict:
+        with core_attention_calls() as calls:
+            result = train(tiny_config(*COMMON, *(GPU_SCHEDULE if device == "cuda" else []), f"train.device={device}",
+                                       *overrides), keep_model=True)
+        return {**train_report(result), "grad_norms": [r["grad_norm"] for r in result.rows],
+                "attention_calls": calls[0]}
+
+    report_runs(Path(out), device, runs, run)
 
 
 def run_layouts(tmp: Path, device: str, timeout: float, nproc: int = 2, layouts: str = "LAYOUTS") -> list[dict]:
@@ -144,6 +171,33 @@ def test_per_layer_graphs_over_sharded_layers_equal_eager(reports, layout):
         assert graphed["losses"] == eager["losses"] and graphed["eval"] == eager["eval"]
         assert graphed["shard"] == eager["shard"]
         assert graphed["states"] == REPLAYED
+
+
+@pytest.mark.parametrize("layout", list(RECOMPUTE))
+def test_recompute_over_sharded_layers_graphed_equals_eager(reports, layout):
+    """The recomputed regions re-run DTensor's collectives and FSDP2's gathers inside the backward, eagerly, inside
+    the full-iteration graph and inside ZeRO-2's per-layer graphs: graphed equals eager bit for bit -- losses,
+    gradient norms, evaluation losses and each rank's shard -- and the eager run calls the core attention twice
+    per training forward (once more in the backward)."""
+    for report in reports:
+        eager = report[f"{layout}/recompute"]
+        assert eager["attention_calls"] == 2 * report[f"{layout}/eager"]["attention_calls"] > 0
+        for mode in set(RECOMPUTE[layout]) - {"recompute", "without"}:
+            graphed = report[f"{layout}/{mode}"]
+            assert graphed["states"] == REPLAYED and graphed["graphs"] > 0, mode
+            for key in ("losses", "grad_norms", "eval", "shard"):
+                assert graphed[key] == eager[key], (mode, key)
+
+
+@pytest.mark.parametrize("layout", list(WITHOUT))
+def test_recompute_over_sharded_layers_computes_what_the_layout_computes_without(reports, layout):
+    """Recompute re-runs the same ops on the same inputs (no dropout inside a recomputed region: R35): the run
+    without it, bit for bit."""
+    for report in reports:
+        recomputed, without = report[f"{layout}/recompute"], report[f"{layout}/{WITHOUT[layout]}"]
+        assert recomputed["attention_calls"] == 2 * without["attention_calls"]
+        for key in ("losses", "grad_norms", "eval", "shard"):
+            assert recomputed[key] == without[key], key
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

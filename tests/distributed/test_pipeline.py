@@ -16,7 +16,8 @@ posted before either is waited on (``exchange``).
 A second launch, of 4 ranks, runs ``LAYOUTS_4``: 2 stages combined with
 replicated data parallel (overlapped), tensor + sequence parallel, FSDP2,
 MoE and hybrid models, expert parallel (an MoE model's experts split over
-each stage's 2 ranks, its checkpoint resumed) and recompute, 2 stages x 2
+each stage's 2 ranks, its checkpoint resumed) and recompute (also over the
+tensor + sequence parallel and the FSDP2 ZeRO-3 stages), 2 stages x 2
 virtual stages (interleaved 1F1B) with tensor + sequence parallel and with
 FSDP2 ZeRO-3, and 2 stages x 2 context-parallel ranks (tied embeddings, its
 checkpoint resumed; over FSDP2 ZeRO-3; with 2 virtual stages under zero
@@ -126,9 +127,15 @@ RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_hybrid
 # the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
 MODES_4 = {
     "pp2_dp2": {"nodrop": [*NO_DROPOUT, *EAGER]},
-    "pp2_tp2_sp": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP]},
+    # graphed with the core attention recomputed in the backward (its DTensor collectives re-run there)
+    "pp2_tp2_sp": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP],
+                   "recompute": [*GRAPHED, "model.recompute_granularity=selective",
+                                 "model.recompute_modules=[core_attn]"]},
     "pp2_zero2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP]},
-    "pp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
+    # graphed with full recompute (no dropout: R35), each recomputed layer gathered again by FSDP2 in the backward
+    "pp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER],
+                  "recompute": [*NO_DROPOUT, *GRAPHED, "model.recompute_granularity=full",
+                                "model.recompute_method=uniform", "model.recompute_num_layers=1"]},
     "vpp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
     # per-layer graphs over virtual stages: each chunk of a rank counts its own micro-batches (cuda_graph/layers.py)
     "vpp2_tp2_sp": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP]},
@@ -376,6 +383,18 @@ def test_sharded_stages_keep_the_tied_copies_equal(reports_4, layout):
         assert copies[0] == copies[2] and copies[1] == copies[3] and copies[0] != copies[1], mode
     first, last = reports_4[0][f"{layout}/eager"]["names"], reports_4[2][f"{layout}/eager"]["names"]
     assert first[0] == last[0] == "embedding.weight" and "output_layer.weight" not in first + last
+
+
+@pytest.mark.ranks4
+@pytest.mark.parametrize("layout,without", [("pp2_tp2_sp", "eager"), ("pp2_zero3", "nodrop")])
+def test_sharded_stages_recompute_graphed_as_without_recompute(reports_4, layout, without):
+    """Selective recompute over pp2 x tp2 (sequence parallel) and full recompute over pp2 x FSDP2 ZeRO-3, dropout
+    off, the whole schedule graphed: the eager run of the same layout without recompute, bit for bit."""
+    for report in reports_4:
+        recomputed, plain = report[f"{layout}/recompute"], report[f"{layout}/{without}"]
+        assert recomputed["states"] == STATES["graphed"] and recomputed["graphs"] > 0
+        for key in ("losses", "grad_norm", "eval", "shard"):
+            assert recomputed[key] == plain[key], key
 
 
 def _one_process(layout: str, data: Path):

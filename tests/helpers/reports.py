@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -22,6 +24,26 @@ def train_report(result) -> dict:
     """What a layout test compares of a training run: losses, states, evaluation losses, this rank's weights."""
     return {"losses": [r["loss"] for r in result.rows], "states": [r["state"] for r in result.rows],
             "eval": result.eval_losses, "shard": shard_digest(result.model), "graphs": result.graphs}
+
+
+@contextlib.contextmanager
+def core_attention_calls() -> Iterator[list[int]]:
+    """Counts the training calls of the attention's core (models/transformer.py ``Attention.core_attention``) while
+    the block runs: a recomputed one (selective ``core_attn`` or full recompute) is called again in the backward.
+    A replayed graph calls nothing."""
+    from graphstep.models.transformer import Attention
+
+    real, calls = Attention.core_attention, [0]
+
+    def counted(self, *args, **kwargs):
+        calls[0] += self.training
+        return real(self, *args, **kwargs)
+
+    Attention.core_attention = counted
+    try:
+        yield calls
+    finally:
+        Attention.core_attention = real
 
 
 def graphed_states(iters: int, warmup: int = 1) -> list[str]:

@@ -150,6 +150,25 @@ def test_the_suggested_layout_passes_the_check_and_the_layout_rules(monkeypatch,
     assert [v for v in validate_config(cfg, env={}, world_size=ranks) if v.rule in layout_rules] == []
 
 
+def test_recompute_is_kept_over_the_advised_layout_and_advised_over_a_sharded_one(monkeypatch, llama3_8b):
+    """R27 takes activation recompute with FSDP2 and tensor parallel: the advice keeps a run's full recompute, whose
+    estimate needs fewer GPUs (llama3_8b on 80 GiB: 2 FSDP2 ranks, where 2 x 2 tensor-parallel ranks are needed
+    without it), and a sharded run whose sample does not fit beside its weights is told full recompute."""
+    monkeypatch.setattr(memory, "available_memory", lambda device: 80 * GiB)
+    cfg = apply_overrides(get_recipe("llama3_8b"), ["model.recompute_granularity=full"])
+    with pytest.raises(RunSetupError) as info:
+        check_memory_fits(cfg, CUDA)
+    layout, overrides, ranks = _suggested(str(info.value))
+    assert (ranks, layout.tp, layout.fsdp) == (2, 1, ZERO3) and not any("recompute" in o for o in overrides)
+    assert moved_estimate(cfg, layout).total <= HEADROOM * 80 * GiB < moved_estimate(llama3_8b, layout).total
+    monkeypatch.setattr(memory, "available_memory", lambda device: 60 * GiB)
+    sharded = apply_overrides(get_recipe("llama3_8b"), [*ZERO3_ARGS, "model.tensor_model_parallel_size=2",
+                                                        "model.sequence_parallel=true"])
+    with pytest.raises(RunSetupError, match="do not fit beside the weights and optimizer state: "
+                                            "model.recompute_granularity=full or a shorter model.seq_length"):
+        check_memory_fits(sharded, CUDA, layout=ParallelDims(dp_shard=2, tp=2, sequence_parallel=True, fsdp=ZERO3))
+
+
 def test_long_sequences_are_offered_stages_with_context_parallel():
     """Llama 3 70B at 128k tokens on 80 GiB GPUs: the smallest layout that fits splits the sequence over 8
     context-parallel ranks and the layers over 2 pipeline stages (R30 takes context parallel with stages); no

@@ -102,10 +102,17 @@ def test_tensor_parallel_streams_differ_per_rank_and_data_parallel_streams_do_no
     assert not torch.equal(r0[MODEL_PARALLEL_RNG], r1[MODEL_PARALLEL_RNG])  # their own heads / tokens
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_sequence_parallel_model_on_a_one_rank_mesh_graphs_equal_eager(one_rank_group, device):
+# the GPU twins of the CPU launches' recompute over tensor parallel (tests/distributed/test_parallel.py)
+RECOMPUTE_CUDA = [pytest.param("cuda", granularity, marks=CUDA) for granularity in ("selective", "full")]
+
+
+@pytest.mark.parametrize("device,recompute", [("cpu", None), pytest.param("cuda", None, marks=CUDA),
+                                              *RECOMPUTE_CUDA])
+def test_sequence_parallel_model_on_a_one_rank_mesh_graphs_equal_eager(one_rank_group, device, recompute):
     """GPTModel through the tensor-parallel plan (DTensor parameters, SequenceParallel norms, the
-    vocabulary-parallel logits) captured whole with its AdamW-free SGD step: equal to eager, bit for bit."""
+    vocabulary-parallel logits) captured whole with its AdamW-free SGD step: equal to eager, bit for bit. With
+    activation recompute (the attention and MLP cores, or whole layers) the captured backward re-runs the
+    recomputed regions' DTensor collectives, and the eager run equals the one without recompute."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from graphstep.models.transformer import GPTModel, ModelShape
@@ -113,10 +120,11 @@ def test_sequence_parallel_model_on_a_one_rank_mesh_graphs_equal_eager(one_rank_
     from graphstep.parallel.dims import local_tensor
     from graphstep.parallel.tensor_parallel import apply_tensor_parallel
 
-    def make():
+    def make(granularity: str | None = recompute):
         torch.manual_seed(0)
-        model = GPTModel(ModelShape.from_config(ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64,
-                                                            num_attention_heads=4, seq_length=16, vocab_size=64)))
+        model = GPTModel(ModelShape.from_config(ModelConfig(
+            num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=64,
+            recompute_granularity=granularity, recompute_modules=["core_attn", "mlp"])))
         model.to(device)
         apply_tensor_parallel(model, init_device_mesh(device, (1,)), sequence_parallel=True)
         params = list(model.parameters())
@@ -145,6 +153,9 @@ def test_sequence_parallel_model_on_a_one_rank_mesh_graphs_equal_eager(one_rank_
     graphed = [graphed_step(b).clone() for b in batches]
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed)), (eager, graphed)
     assert all(torch.equal(a, local_tensor(p).detach()) for a, p in zip(eager_params, model.parameters()))
+    if recompute is not None:
+        model, step = make(None)
+        assert all(torch.equal(a, step(b)) for a, b in zip(eager, batches))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -320,6 +331,38 @@ def test_fsdp_on_one_rank_trains_graphed_equal_to_eager(device, graphs):
     assert [r["state"] for r in graphed.rows][1:4] == ["eager", "captured", "replayed"]
     assert graphed.graphs > 0
     assert eager.losses[-1] < eager.losses[0]
+
+
+FSDP_RECOMPUTE = {  # graphs -> the recompute they run (dropout off: R35, R15)
+    "zero3_full_iteration": ["model.recompute_granularity=full", "model.recompute_method=uniform",
+                             "model.recompute_num_layers=2"],
+    "zero2_local[attn,mlp]": ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]"],
+}
+
+
+@pytest.mark.parametrize("graphs", list(FSDP_RECOMPUTE))
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fsdp_on_one_gpu_recomputes_inside_the_graphs_as_eager(graphs):
+    """The GPU twin of the CPU launches' recompute over FSDP2 (tests/distributed/test_parallel.py): full recompute
+    of 2-layer runs under the full-iteration graph over ZeRO-3 (the backward gathers the run's first layer again,
+    inside the graph), selective recompute of the attention and MLP cores inside ZeRO-2's layer graphs: graphed
+    equals eager bit for bit, and eager equals the run without recompute."""
+    from helpers.runs import tiny_config
+    from graphstep.training.loop import train
+
+    strategy, settings = FSDP_GRAPHS[graphs]
+    common = ["train.train_iters=8", "logger.log_interval=1", "model.cuda_graph_warmup_steps=2", "train.eval_iters=2",
+              "train.eval_interval=2", "model.use_te_rng_tracker=true", "train.device=cuda",
+              "ddp.use_megatron_fsdp=true", f"ddp.data_parallel_sharding_strategy={strategy}",
+              "model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+    without = train(tiny_config(*common, "model.cuda_graph_impl=none"))
+    eager = train(tiny_config(*common, *FSDP_RECOMPUTE[graphs], "model.cuda_graph_impl=none"))
+    graphed = train(tiny_config(*common, *FSDP_RECOMPUTE[graphs], *settings))
+    assert [r["state"] for r in graphed.rows][1:4] == ["eager", "captured", "replayed"] and graphed.graphs > 0
+    assert graphed.losses == eager.losses and graphed.eval_losses == eager.eval_losses
+    assert [r["grad_norm"] for r in graphed.rows] == [r["grad_norm"] for r in eager.rows]
+    assert eager.losses == without.losses and eager.eval_losses == without.eval_losses
 
 
 @pytest.mark.parametrize("graphs", ["zero3_full_iteration", "zero2_local[attn,mlp]"])

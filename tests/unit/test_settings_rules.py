@@ -244,6 +244,49 @@ def test_every_rule_has_a_case() -> None:
     assert {c.rule for c in CASES.values()} >= {f"R{i}" for i in range(1, 28)} - {"R14", "R19", "R20"} | {"V"}
 
 
+SHARDED_LAYOUTS = {
+    "tp2_sp": ("model.tensor_model_parallel_size=2", "model.sequence_parallel=true"),
+    "zero3": ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"),
+    "zero2": ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads"),
+    "dist_opt": ("ddp.use_distributed_optimizer=true",),
+    "dp2_tp2_zero3": ("model.tensor_model_parallel_size=2", "ddp.use_megatron_fsdp=true",
+                      "ddp.data_parallel_sharding_strategy=optim_grads_params"),
+}
+RECOMPUTES = {
+    "selective": ("model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]",
+                  "model.attention_dropout=0.0", "model.hidden_dropout=0.0"),
+    "full": ("model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=1",
+             "model.attention_dropout=0.0", "model.hidden_dropout=0.0"),
+}
+
+
+@pytest.mark.parametrize("impl", ["none", "full_iteration"])
+@pytest.mark.parametrize("recompute", list(RECOMPUTES))
+@pytest.mark.parametrize("layout", list(SHARDED_LAYOUTS))
+def test_r27_takes_recompute_with_tensor_parallel_and_fsdp2(layout, recompute, impl) -> None:
+    """Activation recompute, selective and full, eager and inside the full-iteration graph, over tensor (+ sequence)
+    parallel and FSDP2 ZeRO-2/ZeRO-3 (tests/distributed/test_parallel.py runs them)."""
+    cfg = make(*SHARDED_LAYOUTS[layout], *RECOMPUTES[recompute], f"model.cuda_graph_impl={impl}",
+               "train.global_batch_size=32")
+    assert check(cfg, {"WORLD_SIZE": "4"}) == []
+
+
+def test_recompute_over_sharded_layouts_keeps_the_dropout_rules() -> None:
+    """R27 takes recompute; R35 (eager) and R15 (graphed) still refuse dropout inside a recomputed region, and
+    R15 full recompute with per-layer graphs, as on one process."""
+    tp = SHARDED_LAYOUTS["tp2_sp"]
+    full = ("model.recompute_granularity=full", "model.attention_dropout=0.1")
+    assert rules(check(make(*tp, *full), {"WORLD_SIZE": "2"})) == {"R35"}
+    selective = ("model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
+                 "model.attention_dropout=0.1")
+    assert rules(check(make(*tp, *selective, "model.cuda_graph_impl=full_iteration"), {"WORLD_SIZE": "2"})) == {"R15"}
+    zero2 = SHARDED_LAYOUTS["zero2"]
+    assert rules(check(make(*zero2, *RECOMPUTES["full"], "model.cuda_graph_impl=local",
+                            "model.cuda_graph_modules=[attn,mlp]"), {"WORLD_SIZE": "2"})) == {"R15"}
+    assert check(make(*zero2, *RECOMPUTES["selective"], "model.cuda_graph_impl=local",
+                      "model.cuda_graph_modules=[attn,mlp]"), {"WORLD_SIZE": "2"}) == []
+
+
 def test_violation_str_names_rule_fields_and_fix() -> None:
     (v,) = check(make("model.cuda_graph_impl=local", "model.use_te_rng_tracker=false"))
     assert str(v).startswith("R5 [model.use_te_rng_tracker, rng.te_rng_tracker, model.cuda_graph_impl]: ")

@@ -57,7 +57,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
         apply_expert_parallel(model, mesh[EP] if dims.fsdp is not None else mesh[(EDP, EP)])
     # 4. Activation recompute is built into the model's layers (models/transformer.py reads
     #    model.recompute_granularity when it builds them), so it already wraps the sharded layers here: a
-    #    recomputed forward re-runs their collectives too.
+    #    recomputed forward re-runs their collectives too. FSDP2 (step 6) wraps each layer from outside, as
+    #    torchtitan shards its checkpointed blocks: a region recomputed inside a layer's backward finds the
+    #    parameters the layer's pre-backward hook gathered, and a layer full recompute re-enters is gathered
+    #    by its pre-forward hook.
     # 5. Compile after recompute (Dynamo traces the checkpointed layers) and before FSDP2 (which would shard the
     #    compiled modules: torchtitan's order; R27 refuses compile with FSDP2 and tensor parallel, R29 with
     #    pipeline stages, R31 with expert parallel, so today the compiled model is the model as built).

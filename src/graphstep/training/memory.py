@@ -431,7 +431,7 @@ def _what_fits(cfg: Config, device: torch.device, estimate: MemoryEstimate, budg
                counts: ParameterCounts) -> str:
     per = max(1, estimate.activations_per_sample)
     room = budget - estimate.static
-    recompute = "" if estimate.layout.needs_mesh else "model.recompute_granularity=full or "  # R27 with a mesh
+    recompute = "model.recompute_granularity=full or " if _recompute_helps(cfg, estimate.layout) else ""
     if room >= per:
         return (f"train.micro_batch_size={int(room // per)} would fit (more micro-batches keep "
                 f"train.global_batch_size), or {recompute}a shorter model.seq_length")
@@ -443,6 +443,14 @@ def _what_fits(cfg: Config, device: torch.device, estimate: MemoryEstimate, budg
     else:
         why = f"weights, gradients and optimizer state alone need {_gib(estimate.static)}"
     return f"{why}; {_layout_advice(cfg, device, budget, counts)}"
+
+
+def _recompute_helps(cfg: Config, layout: ParallelDims) -> bool:
+    """Whether full recompute is advice worth giving: not on yet, and taken by the layout rules over ``layout``
+    (virtual pipeline stages refuse it: R28; expert parallel over stages: R31)."""
+    if cfg.model.recompute_granularity == "full":
+        return False
+    return _accepted(with_fields(cfg, {"model.recompute_granularity": "full"}), layout)
 
 
 def candidate_layouts(cfg: Config) -> list[ParallelDims]:
@@ -501,7 +509,8 @@ def suggest_layout(cfg: Config, device: torch.device, budget: float,
     """The first of ``candidate_layouts`` whose per-rank estimate fits ``budget`` bytes and whose overrides the
     layout rules accept at its world size, with that estimate. None when none does (hybrid models: none).
 
-    Activation recompute is left out of the estimate: R27 refuses it with FSDP2 and tensor parallel.
+    The run's activation recompute is kept: the layout rules take it over every candidate (no virtual stages, no
+    expert parallel over stages), and the estimate counts what full recompute saves.
     """
     counts = counts or parameter_counts(cfg)
     for layout in candidate_layouts(cfg):
@@ -551,8 +560,6 @@ def layout_fields(cfg: Config, layout: ParallelDims) -> dict[str, Any]:
         out["model.pipeline_dtype"] = None
     elif m.pipeline_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
         out["model.pipeline_schedule"] = "1f1b"
-    if layout.needs_mesh:
-        out["model.recompute_granularity"] = None  # R27
     per_step = t.micro_batch_size * layout.dp  # V13: whole micro-batches per rank; 1F1B: at least pp of them
     out["train.global_batch_size"] = max(_split(t.global_batch_size, per_step), layout.pp) * per_step
     return out

@@ -13,9 +13,14 @@ parallel/; these rules say which configurations it takes:
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE
   models with both, or with FSDP2 without expert parallel; hybrid (Mamba)
   models, per-layer graphs with FSDP2 ZeRO-3 (their gathered parameters stay
-  allocated), torch.compile and activation recompute; and a
-  capture of the very first iteration (no warm-up step).
-  Each is refused by name, never ignored;
+  allocated), torch.compile; and a capture of the very first iteration (no
+  warm-up step). Each is refused by name, never ignored. Activation recompute,
+  selective or full, combines with both: a recomputed region re-runs DTensor's
+  collectives inside the backward, and a layer full recompute re-enters is
+  gathered by FSDP2 as for a forward (its pre-forward hook leaves a layer its
+  pre-backward hook gathered as it is), so the backward computes the bits of
+  the run without recompute, eagerly or inside the full-iteration graph (R15
+  and R35 keep dropout out of recomputed regions, as on one process);
 * R28 -- the pipeline layout fits the model and the world: the world size is
   a multiple of pipeline x tensor-parallel ranks, the decoder layers split
   over the stages (Megatron Bridge's ``num_layers_in_first/last_pipeline_stage``,
@@ -190,9 +195,6 @@ def _r27(v: View) -> list[Violation]:
                "neither may happen inside a capture)", "set model.cuda_graph_warmup_steps=1 or more.")
     if cfg.compile.enable is True:
         refuse("compile.enable", "compile.enable=true", "set compile.enable=false.")
-    if m.recompute_granularity is not None:
-        refuse("model.recompute_granularity", f"model.recompute_granularity={_fmt(m.recompute_granularity)}",
-               "set model.recompute_granularity=null.")
     return out
 
 
