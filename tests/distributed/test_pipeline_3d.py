@@ -12,7 +12,7 @@ root of its own) to tensor + sequence parallel and the distributed optimizer:
 Megatron Bridge's large recipes (TP x PP x VPP over sharded data parallel).
 Another puts 2 context-parallel ranks in place of the data-parallel ones:
 Bridge's Llama 3 70B layout (TP x PP x VPP x CP, the distributed optimizer)
-in small. Both virtual-stage layouts also run with per-layer graphs. On the CPU the graphs run on the
+in small, also run with per-layer graphs. On the CPU the graphs run on the
 replay backend over gloo. The 4-rank combinations (2 stages with tensor
 parallel, FSDP2, context parallel, MoE, hybrid models, recompute) are in
 test_pipeline.py.
@@ -60,7 +60,7 @@ LAYOUTS = {  # rank = 4 pp + 2 dp + tp
                                   "model.seq_length=64"],
 }
 # also run with per-layer graphs (over stages they warm up for 2 steps: rule R29), dropout on
-LAYERS = ("pp2_vpp2_zero2_tp2_sp", "pp2_vpp2_cp2_zero2_tp2_sp")
+LAYERS = ("pp2_vpp2_cp2_zero2_tp2_sp",)  # virtual stages x tp2 with per-layer graphs: test_pipeline.py's vpp2_tp2_sp
 PER_LAYER = ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", "model.cuda_graph_warmup_steps=2"]
 
 
@@ -106,7 +106,7 @@ def _assert_graphed_equals_eager(reports: list[dict]) -> None:
 def test_three_dimensional_layouts_on_eight_ranks_equal_eager(tmp_path):
     """pp2 x dp2 x tp2 over FSDP2 ZeRO-3 (with sequence parallel), pp2 x vpp2 x dp2 x tp2 and pp2 x vpp2 x cp2 x
     tp2 over the distributed optimizer (with sequence parallel): the whole schedule
-    graphed, and for the virtual-stage layouts the per-layer graphs, equal eager bit for bit on every rank, and
+    graphed, and for the context-parallel one the per-layer graphs, equal eager bit for bit on every rank, and
     every rank holds the part of the model its place says."""
     reports = run_layouts(tmp_path, "cpu", timeout=600)
     _assert_graphed_equals_eager(reports)
