@@ -40,9 +40,15 @@ def torchrun_reports(test_file: str | Path, function: str, tmp: Path, nproc: int
                      timeout: float) -> list[dict]:
     """``function(tmp, *args)`` of ``test_file`` on ``nproc`` torchrun ranks; each rank's ``tmp/rank<r>.json``.
     Each rank's output is also kept in its own file (torchrun's ``--log-dir``/``--tee``), so that a failure shows
-    the end of every rank's, not only of the last rank to fail."""
+    the end of every rank's, not only of the last rank to fail. On the CPU the ranks are forked by torchrun's
+    launcher from a process that imported torch and graphstep once (helpers/fork_launch.py); a launch with a
+    ``"cuda"`` argument runs the command-line torchrun, each rank a fresh process."""
     logs = Path(tmp) / "torchrun-logs"
-    cmd = torchrun(nproc, f"--log-dir={logs}", "--tee=3", *worker(test_file, function, tmp, *args))
+    if "cuda" in map(str, args):
+        cmd = torchrun(nproc, f"--log-dir={logs}", "--tee=3", *worker(test_file, function, tmp, *args))
+    else:
+        target = f"{Path(test_file).resolve()}::{function}"
+        cmd = [sys.executable, "-m", "helpers.fork_launch", str(nproc), str(logs), target, str(tmp), *map(str, args)]
     proc = run_group(cmd, timeout=timeout, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:] + rank_logs(logs)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]

@@ -7,12 +7,12 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 
-def main(argv: list[str]) -> None:
-    if not argv or "::" not in argv[0]:
-        raise SystemExit("usage: python -m helpers.worker FILE::FUNCTION [ARG ...]")
-    path, function = argv[0].rsplit("::", 1)
+def load(target: str) -> Callable[..., Any]:
+    """``FUNCTION`` of the test file ``FILE`` (``target`` = ``FILE::FUNCTION``), the file loaded as a module."""
+    path, function = target.rsplit("::", 1)
     name = Path(path).stem
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
@@ -20,7 +20,13 @@ def main(argv: list[str]) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    getattr(module, function)(*argv[1:])
+    return getattr(module, function)
+
+
+def main(argv: list[str]) -> None:
+    if not argv or "::" not in argv[0]:
+        raise SystemExit("usage: python -m helpers.worker FILE::FUNCTION [ARG ...]")
+    load(argv[0])(*argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""torchrun's own launcher with the tests' worker function as its entrypoint, its ranks forked:
+``python -m helpers.fork_launch NPROC LOG_DIR FILE::FUNCTION [ARG ...]``.
+
+``python -m torch.distributed.run --standalone`` builds a ``LaunchConfig`` and calls
+``torch.distributed.launcher.api.elastic_launch(config, <command>)``; this does the
+same with ``FUNCTION`` of ``FILE`` as the entrypoint (a c10d rendezvous on a free
+local port, one elastic agent, its log directory with each rank's output teed)
+and the ``fork`` start method: torch, graphstep and the test module are imported
+once, here, and every rank starts from this process instead of importing them
+again (about 3 CPU seconds per rank on CI's machine, most of a small launch). The
+ranks then run as under the command-line torchrun: ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` and the rest set by the agent, ``dist.init_process_group("gloo")``
+reading them. Nothing here touches CUDA, so the forked ranks may; the tests' GPU
+launches still use the command-line torchrun (helpers.launch.torchrun_reports).
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3 or "::" not in argv[2]:
+        raise SystemExit("usage: python -m helpers.fork_launch NPROC LOG_DIR FILE::FUNCTION [ARG ...]")
+    nproc, log_dir, target, *args = argv
+    import graphstep.training.loop  # noqa: F401  (what every rank imports, imported once before the fork)
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from helpers.worker import load
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=int(nproc), run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="fork",
+                          logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL))
+    elastic_launch(config, load(target))(*args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
