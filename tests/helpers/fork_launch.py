@@ -16,6 +16,7 @@ launches still use the command-line torchrun (helpers.launch.torchrun_reports).
 
 from __future__ import annotations
 
+import gc
 import sys
 import uuid
 
@@ -33,7 +34,9 @@ def main(argv: list[str]) -> None:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=int(nproc), run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="fork",
                           logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL))
-    elastic_launch(config, load(target))(*args)
+    entrypoint = load(target)
+    gc.freeze()  # the imported objects out of the collector's reach: its passes in a rank would copy their pages
+    elastic_launch(config, entrypoint)(*args)
 
 
 if __name__ == "__main__":
