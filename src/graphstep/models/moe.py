@@ -197,8 +197,9 @@ class PreprocessStage(nn.Module):
     def forward(self, normed: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
         N, E, moe = idx.shape[0], self.moe.num_experts, self.moe
         if moe.capacity_factor is not None:
-            row, _kept, offsets = capacity_layout(probs, idx, E, expert_capacity(N, moe))
-            return dispatch(normed, row, E * expert_capacity(N, moe)), row, offsets
+            capacity = expert_capacity(N, moe)
+            row, _kept, offsets = capacity_layout(probs, idx, E, capacity)
+            return dispatch(normed, row, E * capacity), row, offsets
         align = layout_align(self.gemm, N, moe)
         rows = dropless_rows(N * moe.topk, E, align)
         row, tokens_per_expert, offsets = dropless_layout(idx, E, align)
