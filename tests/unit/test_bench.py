@@ -676,3 +676,40 @@ def test_bench_rounds_must_be_a_whole_number_of_one_or_more(capsys):
     with pytest.raises(SystemExit) as info:
         main(["bench", "--recipe", "small_dense_bench", "--rounds", "0"])
     assert info.value.code == 2 and "'0' is not a number of rounds" in capsys.readouterr().err
+
+
+# --- the packed-row attention benchmark (bench/packed_attention.py) ------------------------------------------
+
+
+def test_packed_attention_candidates_attend_within_each_document_as_the_model_does():
+    """On the CPU: the flattened offsets the varlen candidate gets describe the same documents as the model's
+    mask (a per-document causal loop over them equals ``sdpa_mask``), and flex attention equals it too."""
+    from graphstep.bench import packed_attention as pa
+
+    shape = pa.Shape("tiny", 2, 64, 4, 2, 16, 5, 30)
+    cu = pa.offsets(shape, torch.Generator().manual_seed(0))
+    assert cu[:, 0].eq(0).all() and cu[:, -2:].eq(64).all() and (cu.diff(dim=1) >= 0).all()
+    cands = pa.candidates(shape, cu, torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 64, 16), torch.randn(2, 2, 64, 16), torch.randn(2, 2, 64, 16)
+    ref = cands["sdpa_mask"](q, k, v)
+    flat = pa.flat_offsets(cu, 64)
+    qf = q.transpose(1, 2).reshape(128, 4, 16)
+    kf, vf = (t.transpose(1, 2).reshape(128, 2, 16).repeat_interleave(2, 1) for t in (k, v))
+    out = torch.zeros_like(qf)
+    for a, b in zip(flat[:-1].tolist(), flat[1:].tolist()):
+        if b > a:
+            out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+                *(t[a:b].transpose(0, 1) for t in (qf, kf, vf)), is_causal=True).transpose(0, 1)
+    torch.testing.assert_close(out.view(2, 64, 4, 16).transpose(1, 2), ref)
+    assert not torch.allclose(cands["sdpa_causal"](q, k, v), ref)  # the boundaries matter in this data
+    if not isinstance(cands["flex"], str):
+        torch.testing.assert_close(cands["flex"](q, k, v), ref)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a GPU")
+def test_packed_attention_without_a_gpu_says_so(tmp_path, capsys):
+    from graphstep.bench.packed_attention import main
+
+    assert main(["--out", str(tmp_path)]) == 2
+    assert "no CUDA device" in capsys.readouterr().out and not list(tmp_path.iterdir())
