@@ -61,6 +61,12 @@ HELD = {"vpp2": [{0, 2}, {1, 3}], "vpp2_zero_bubble": [{0, 2}, {1, 3}], "layout"
         "account": [{1}, {0}]}
 # dropout off: the interleaved pipeline and one stage per rank (layers 0-1 and 2-3) compute the same model
 SAME_MODEL = {name: LAYOUTS[name] for name in ("vpp2", "vpp2_zero_bubble")} | {"pp2": ["model.num_layers=4"]}
+# activation recompute over virtual stages, dropout off (R35): full recompute under interleaved 1F1B, the core
+# attention recomputed under zero bubble (whose input-gradient pass recomputes it and whose weight-gradient pass
+# reads what that pass kept), each compared with the same layout's eager run without recompute ("nodrop")
+FULL_RECOMPUTE = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+RECOMPUTE = {"vpp2": FULL_RECOMPUTE,
+             "vpp2_zero_bubble": ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"]}
 
 
 def layouts_worker(out: str, device: str) -> None:
@@ -76,6 +82,8 @@ def layouts_worker(out: str, device: str) -> None:
             for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
     runs.update({f"{name}/layers": [*LAYOUTS[name], *graphs] for name, graphs in PER_LAYER.items()})
     runs.update({f"{name}/nodrop": [*layout, *NO_DROPOUT, *EAGER] for name, layout in SAME_MODEL.items()})
+    runs.update({f"{name}/recompute": [*LAYOUTS[name], *NO_DROPOUT, *GRAPHED, *rc] for name, rc in RECOMPUTE.items()})
+    runs["vpp2/recompute_eager"] = [*LAYOUTS["vpp2"], *NO_DROPOUT, *EAGER, *FULL_RECOMPUTE]
     # the graphed vpp2 run saves at iteration 2; a run resumes from there
     save = Path(out) / "vpp2-ckpt"
     runs["vpp2/graphed"] += [f"checkpoint.save={save}", "checkpoint.save_interval=2"]
@@ -105,14 +113,16 @@ def layouts_worker(out: str, device: str) -> None:
     build._pipeline = recording_pipeline
 
     def run(overrides: list[str]) -> dict:
-        from helpers.reports import natural_digests
+        from helpers.reports import core_attention_calls, natural_digests
 
         posted.clear()
         built.clear()
         kinds.clear()
-        result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
+        with core_attention_calls() as calls:
+            result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
         saved = any(o.startswith("checkpoint.save=") for o in overrides)  # the whole model's weights, by name
         return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()],
+                "attention_calls": calls[0],
                 "posted": list(posted), "directed": dict(built), "schedule": kinds[0],
                 "digest": natural_digests(result.model) if saved else None}
 
@@ -217,6 +227,23 @@ def test_zero_bubble_computes_what_interleaved_1f1b_computes(reports):
     for report in reports:
         zero_bubble, one_f_one_b = report["vpp2_zero_bubble/nodrop"], report["vpp2/nodrop"]
         assert zero_bubble["losses"] == one_f_one_b["losses"] and zero_bubble["shard"] == one_f_one_b["shard"]
+
+
+@pytest.mark.parametrize("layout", list(RECOMPUTE))
+def test_recompute_over_virtual_stages_graphed_equals_the_run_without_recompute(reports, layout):
+    """Recompute inside the graphed interleaved schedule: losses, evaluation losses and every rank's final
+    parameters are the bits of the same layout run eagerly without recompute. Eagerly, full recompute calls the
+    core attention of each of a rank's 2 layers once more in the backward of every training micro-batch (4 per
+    step); the stages' set-up forwards, which have no backward, are counted in both runs."""
+    for report in reports:
+        recomputed, plain = report[f"{layout}/recompute"], report[f"{layout}/nodrop"]
+        assert recomputed["states"] == graphed_states(ITERS) and recomputed["graphs"] == 3
+        assert (recomputed["losses"], recomputed["eval"], recomputed["shard"]) == \
+            (plain["losses"], plain["eval"], plain["shard"])
+        eager, eager_plain = report["vpp2/recompute_eager"], report["vpp2/nodrop"]
+        assert (eager["losses"], eager["shard"]) == (eager_plain["losses"], eager_plain["shard"])
+        assert eager_plain["attention_calls"] + ITERS * 4 * 2 <= eager["attention_calls"] \
+            <= 2 * eager_plain["attention_calls"]
 
 
 @pytest.mark.cuda

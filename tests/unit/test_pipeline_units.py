@@ -84,7 +84,7 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.pipeline_model_parallel_size=2", "model.pipeline_schedule=interleaved_zero_bubble"], 2, "R28",
      "each rank holds one stage"),
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
-      "model.recompute_granularity=full"], 2, "R28", "with activation recompute is not implemented"),
+      "model.num_moe_experts=4", "model.moe_router_topk=2"], 2, "R28", "with an MoE model is not implemented"),
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
       "model.num_layers_in_first_pipeline_stage=1", "model.num_layers=3"], 2, "R28", "virtual stages"),
     (["model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_layout=Ett|tL"], 2, "R28",
@@ -156,6 +156,12 @@ def test_accepted_pipeline_layouts_break_no_rule():
                  ["ddp.use_distributed_optimizer=true"]):
         assert _rules(*vpp, *fsdp, "train.global_batch_size=16", world=4) == []
         assert _rules(*vpp, *tp_sp, *fsdp, "train.global_batch_size=16", world=8) == []
+    # and activation recompute (tests/distributed/test_interleaved.py), under either interleaved schedule
+    for schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        assert _rules(*vpp, f"model.pipeline_schedule={schedule}", "model.recompute_granularity=full",
+                      "model.attention_dropout=0.0", "model.hidden_dropout=0.0") == []
+        assert _rules(*vpp, f"model.pipeline_schedule={schedule}", "model.recompute_granularity=selective",
+                      "model.recompute_modules=[core_attn]", "model.attention_dropout=0.0") == []
 
 
 @pytest.mark.parametrize("overrides,world", [

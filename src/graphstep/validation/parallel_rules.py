@@ -31,8 +31,8 @@ parallel/; these rules say which configurations it takes:
   rounds of ``pp``, and what is not implemented (another activation dtype,
   tied embeddings across more than 2 stages or with virtual stages, GPipe or
   per-layer graphs with virtual stages, virtual stages with an MoE or hybrid
-  model, recompute) is refused -- virtual stages combine with tensor
-  (+ sequence) parallel, FSDP2, or both;
+  model) is refused -- virtual stages combine with tensor (+ sequence)
+  parallel, FSDP2, or both, and with activation recompute;
 * R29 -- what pipeline parallelism does not combine with yet (compile, shape
   buckets, an MoE model under tensor parallel, ...; tensor parallelism, FSDP2,
   MoE and hybrid models, recompute and the overlapped gradient reduction
@@ -329,8 +329,7 @@ def _interleaved_violations(v: View, pp: int, chunks: int, schedule: str) -> lis
                       "two chunks).", "set model.share_embeddings_and_output_weights=false, or "
                       "model.virtual_pipeline_model_parallel_size=null."))
     others = [(m.num_moe_experts is not None, ["model.num_moe_experts"], "an MoE model"),
-              (m.hybrid_override_pattern is not None, ["model.hybrid_override_pattern"], "a hybrid (Mamba) model"),
-              (m.recompute_granularity is not None, ["model.recompute_granularity"], "activation recompute")]
+              (m.hybrid_override_pattern is not None, ["model.hybrid_override_pattern"], "a hybrid (Mamba) model")]
     for on, fields, name in others:
         if on:  # each works over plain pipeline stages (R29), not yet over virtual ones
             out.append(_v("R28", [*fields, *vfield], f"{what} with {name} is not implemented.",
