@@ -142,7 +142,12 @@ MODES_4 = {
     "pp2_moe": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]", *LAYER_WARMUP],
                 "nodrop": [*NO_DROPOUT, *EAGER]},
     # resumed at iteration 2 from the checkpoint its graphed run saved (SAVES), graphed: 3 eager, 4 captured
-    "pp2_ep2": {"nodrop": [*NO_DROPOUT, *EAGER], "resumed": [*GRAPHED, "checkpoint.load=<out>/pp2_ep2/iter_0000002"]},
+    "pp2_ep2": {"nodrop": [*NO_DROPOUT, *EAGER], "resumed": [*GRAPHED, "checkpoint.load=<out>/pp2_ep2/iter_0000002"],
+                # the whole MoE block graphed per layer, its token all-gathers over the stage's 2 ranks inside
+                "layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]", *LAYER_WARMUP],
+                # graphed with full recompute: each recomputed MoE block all-gathers its tokens again in the backward
+                "recompute": [*NO_DROPOUT, *GRAPHED, "model.recompute_granularity=full",
+                              "model.recompute_method=uniform", "model.recompute_num_layers=1"]},
     "pp2_hybrid": {"layers": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[mamba,attn,moe]",
                               *LAYER_WARMUP]},
     "pp2_cp2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP],
@@ -332,7 +337,8 @@ def test_pipelines_on_four_ranks_equal_eager(reports_4):
     """pp2 x dp2 (each stage's gradients all-reduced over its data-parallel group, overlapped with the stage's last
     backward, inside the graph), pp2 x tp2
     with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and ZeRO-3, MoE (also pp2 x ep2: the experts
-    split over each stage's 2 ranks) and hybrid models and recompute over 2 stages, 2 stages x 2 virtual stages
+    split over each stage's 2 ranks, its MoE blocks also graphed per layer) and hybrid models and recompute over 2
+    stages, 2 stages x 2 virtual stages
     over tp2 with sequence parallel and over FSDP2 ZeRO-3, and pp2 x cp2 (also over FSDP2 ZeRO-3, and pp2 x vpp2 x
     cp2 under zero bubble): the whole-schedule graphs and the per-layer graphs equal eager bit for bit."""
     _assert_graphed_runs_equal_eager(reports_4, LAYOUTS_4, MODES_4)
@@ -386,10 +392,11 @@ def test_sharded_stages_keep_the_tied_copies_equal(reports_4, layout):
 
 
 @pytest.mark.ranks4
-@pytest.mark.parametrize("layout,without", [("pp2_tp2_sp", "eager"), ("pp2_zero3", "nodrop")])
+@pytest.mark.parametrize("layout,without", [("pp2_tp2_sp", "eager"), ("pp2_zero3", "nodrop"), ("pp2_ep2", "nodrop")])
 def test_sharded_stages_recompute_graphed_as_without_recompute(reports_4, layout, without):
-    """Selective recompute over pp2 x tp2 (sequence parallel) and full recompute over pp2 x FSDP2 ZeRO-3, dropout
-    off, the whole schedule graphed: the eager run of the same layout without recompute, bit for bit."""
+    """Selective recompute over pp2 x tp2 (sequence parallel), full recompute over pp2 x FSDP2 ZeRO-3 and over
+    pp2 x ep2 (each recomputed MoE block all-gathers its stage's tokens again in the backward), dropout off, the
+    whole schedule graphed: the eager run of the same layout without recompute, bit for bit."""
     for report in reports_4:
         recomputed, plain = report[f"{layout}/recompute"], report[f"{layout}/{without}"]
         assert recomputed["states"] == STATES["graphed"] and recomputed["graphs"] > 0

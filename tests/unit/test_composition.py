@@ -25,4 +25,5 @@ def test_cells_name_the_refusing_rules():
     assert cell(by_name["pp2 x cp2"], columns["compile"]) == "R29, R30"
     assert cell(by_name["interleaved pipeline (pp2 x vpp2)"], columns["per-layer graphs"]) == "yes"
     assert cell(by_name["interleaved pipeline (pp2 x vpp2)"], columns["full_iteration + recompute"]) == "yes"
-    assert cell(by_name["MoE, pp2 x ep2"], columns["full_iteration + recompute"]) == "R31"
+    assert cell(by_name["MoE, pp2 x ep2"], columns["full_iteration + recompute"]) == "yes"
+    assert cell(by_name["MoE, pp2 x tp2"], columns["full_iteration"]) == "R29"

@@ -55,17 +55,12 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.expert_model_parallel_size=2"], 3, "do not divide into groups of 2"),
     (["model.expert_model_parallel_size=2", "model.moe_expert_capacity_factor=1.0"], 2, "dropless"),
     (["model.expert_model_parallel_size=2", "model.moe_sync_free=false"], 2, "sync-free"),
-    # expert parallel over pipeline stages: allgather over replicated data parallel, eager or the whole iteration
-    # graphed; the rest is refused, the nearest working layout named
+    # expert parallel over pipeline stages: allgather over replicated data parallel, eager or graphed (whole or per
+    # layer), recompute included; the rest is refused, the nearest working layout named
     (["model.expert_model_parallel_size=2", *PP2, "model.moe_token_dispatcher_type=alltoall"], 4,
      "alltoall dispatcher over pipeline stages"),
     (["model.expert_model_parallel_size=2", *PP2, "ddp.use_distributed_optimizer=true"], 4,
      "with expert parallel over pipeline stages (model.pipeline_model_parallel_size=2) is not implemented"),
-    (["model.expert_model_parallel_size=2", *PP2, "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
-      "model.cuda_graph_modules=[attn,moe]", "model.cuda_graph_warmup_steps=2"], 4,
-     "per-layer graphs (model.cuda_graph_impl=local) with expert parallel over pipeline stages"),
-    (["model.expert_model_parallel_size=2", *PP2, "model.recompute_granularity=selective"], 4,
-     "activation recompute (model.recompute_granularity=selective) with expert parallel over pipeline stages"),
     (["model.expert_model_parallel_size=2", "model.tensor_model_parallel_size=2",
       "model.moe_token_dispatcher_type=alltoall"], 4, "alltoall dispatcher with model.tensor_model_parallel_size=2"),
     (["model.expert_model_parallel_size=2", "ddp.overlap_grad_reduce=true"], 2,
@@ -114,6 +109,14 @@ def test_accepted_expert_parallel_layouts_break_no_rule():
     assert _rules("model.expert_model_parallel_size=2", *PP2, world=8) == []
     assert _rules("model.expert_model_parallel_size=2", *PP2, "model.cuda_graph_impl=full_iteration",
                   "model.use_te_rng_tracker=true", "model.cuda_graph_warmup_steps=1", world=4) == []
+    # ... per-layer graphs of the MoE blocks, and recompute (tests/distributed/test_pipeline.py, pp2_ep2)
+    assert _rules("model.expert_model_parallel_size=2", *PP2, "model.cuda_graph_impl=local",
+                  "model.use_te_rng_tracker=true", "model.cuda_graph_modules=[attn,moe]",
+                  "model.cuda_graph_warmup_steps=2", world=4) == []
+    assert _rules("model.expert_model_parallel_size=2", *PP2, "model.cuda_graph_impl=full_iteration",
+                  "model.use_te_rng_tracker=true", "model.cuda_graph_warmup_steps=1", "model.recompute_granularity=full",
+                  "model.recompute_method=uniform", "model.recompute_num_layers=1", "model.attention_dropout=0.0",
+                  "model.hidden_dropout=0.0", world=4) == []
 
 
 def test_expert_parallel_over_stages_passes_every_rule_and_refuses_what_other_rules_own():

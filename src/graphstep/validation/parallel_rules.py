@@ -49,7 +49,8 @@ parallel/; these rules say which configurations it takes:
   implements (``allgather``: all-gather, dropless and sync-free; ``alltoall``:
   Megatron's all-to-all, whose host sync R11 keeps out of graphs), with
   tensor parallel or FSDP2 (``allgather``), over pipeline stages (``allgather``
-  over replicated data parallel, eager or the whole iteration graphed), and
+  over replicated data parallel, eager, the whole iteration graphed or per
+  layer, with or without recompute), and
   what it does not combine with yet.
 
 docs/rules.md describes every rule with an example override and its fix.
@@ -532,7 +533,8 @@ def _r31(v: View) -> list[Violation]:
 def _ep_over_stages(v: View, pp: int, dispatcher: str | None, fsdp: bool, refuse: Any) -> None:
     """Expert parallel over pipeline stages (EP x PP x DP, Megatron Bridge's Qwen3-30B-A3B and DeepSeek-V3
     layouts): each stage's MoE blocks exchange tokens among the expert-parallel ranks of that stage, over
-    replicated data parallel, the allgather dispatcher, the whole iteration in one graph (or eager). What the
+    replicated data parallel, the allgather dispatcher, eager or graphed (whole or per layer), recompute
+    included. What the
     tests do not show equal to eager and to the same model without expert parallel is refused here; tensor
     parallel and virtual stages with an MoE model over stages are R29's and R28's."""
     cfg, m = v.cfg, v.cfg.model
@@ -548,14 +550,6 @@ def _ep_over_stages(v: View, pp: int, dispatcher: str | None, fsdp: bool, refuse
         refuse(["model.pipeline_model_parallel_size", *_fsdp_fields(cfg)], f"FSDP2 ({_fsdp_f(cfg)}) with expert "
                f"parallel over pipeline stages ({stages}) is not implemented.", f"train with replicated data "
                f"parallel (the default ddp settings); {nearest}.")
-    if v.per_layer:
-        refuse(["model.pipeline_model_parallel_size", "model.cuda_graph_impl"], f"per-layer graphs ({_impl_f(v)}) "
-               f"with expert parallel over pipeline stages ({stages}) are not implemented.",
-               f"set model.cuda_graph_impl=full_iteration; {nearest}.")
-    if m.recompute_granularity is not None:
-        refuse(["model.pipeline_model_parallel_size", "model.recompute_granularity"], "activation recompute "
-               f"(model.recompute_granularity={_fmt(m.recompute_granularity)}) with expert parallel over pipeline "
-               f"stages ({stages}) is not implemented.", f"set model.recompute_granularity=null; {nearest}.")
 
 
 PARALLEL_RULES = (("R25", _r25), ("R26", _r26), ("R27", _r27), ("R28", _r28), ("R29", _r29), ("R30", _r30),
