@@ -604,6 +604,11 @@ class CompileConfig:
         "default", "Inductor mode: default or max-autotune-no-cudagraphs; reduce-overhead and max-autotune use "
         "Inductor's own CUDA graphs and need model.cuda_graph_impl=none."
     )
+    backend: str = opt(
+        "inductor", "torch.compile backend (torchtitan's compile.backend): inductor; or aot_eager / eager, Dynamo's "
+        "and AOTAutograd's tracing without Inductor's kernels (to find graph breaks and tracing failures quickly; "
+        "compile.mode applies to inductor only)."
+    )
 
 
 @dataclass(kw_only=True)

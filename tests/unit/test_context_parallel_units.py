@@ -169,7 +169,6 @@ def _rules(*overrides: str, world: int = 4) -> list:
      "context_parallel_size=1"),
     (["model.context_parallel_size=2", "data.seq_length_buckets=[32,64]"], 4, "seq_length_buckets",
      "data.seq_length_buckets=null"),
-    (["model.context_parallel_size=2", "compile.enable=true"], 4, "compile.enable=true", "compile.enable=false"),
 ])
 def test_rule_r30_refuses_what_context_parallel_does_not_do_with_the_reason_and_fix(overrides, world, words, fix):
     found = [v for v in _rules(*overrides, world=world) if v.rule == "R30"]

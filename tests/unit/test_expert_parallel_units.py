@@ -67,7 +67,6 @@ def _rules(*overrides: str, world: int = 2) -> list:
      "ddp.overlap_grad_reduce with expert parallel over replicated data parallel is not implemented"),
     (["model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=local",
       "model.use_te_rng_tracker=true", "model.cuda_graph_modules=[attn,moe]"], 2, "per-layer graphs of the MoE block"),
-    (["model.expert_model_parallel_size=2", "compile.enable=true"], 2, "compile.enable"),
     (["model.expert_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
       "model.cuda_graph_modules=[attn,moe_router]"], 2, "with the allgather dispatcher"),
     (["model.expert_tensor_parallel_size=2"], 1, "inside the experts"),

@@ -14,6 +14,7 @@ from torch import nn
 
 import graphstep
 from graphstep import CaptureError
+from graphstep.config import Config, apply_overrides
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -493,3 +494,40 @@ def test_layout_from_config(overrides, world, expected):
     layout = ParallelDims.from_config(tiny_config(*overrides), world)
     assert {k: getattr(layout, k) for k in expected} == expected
     assert layout.needs_mesh == (layout.tp > 1 or layout.fsdp is not None)
+
+
+# --- torch.compile over layouts (parallel/compile.py; tests/distributed/test_compile_layouts.py) ---------------------
+
+COMPILED = ["compile.enable=true", "model.cuda_graph_backend=cuda", "model.use_te_rng_tracker=true",
+            "model.cuda_graph_warmup_steps=1"]
+MOE = ["model.num_moe_experts=4", "model.moe_ffn_hidden_size=32"]
+
+
+@pytest.mark.parametrize("layout,world", [
+    (["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"], 2),
+    (["ddp.use_distributed_optimizer=true"], 2),
+    (["model.pipeline_model_parallel_size=2"], 2),
+    (["model.context_parallel_size=2"], 2),
+    ([*MOE, "model.expert_model_parallel_size=2"], 2),
+])
+@pytest.mark.parametrize("impl", ["none", "full_iteration"])
+def test_compile_over_layouts_without_tensor_parallel_breaks_no_rule(layout, world, impl):
+    from graphstep.validation import validate_config
+
+    cfg = apply_overrides(Config(), [*COMPILED, f"model.cuda_graph_impl={impl}", *layout])
+    assert [v for v in validate_config(cfg, world_size=world) if v.rule in ("R20", "R27", "R29", "R30", "R31")] == []
+
+
+@pytest.mark.parametrize("overrides,world,words", [
+    (["model.tensor_model_parallel_size=2"], 2, "hands the gradient of a layer's input to DTensor's redistribution"),
+    ([*MOE, "model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true"], 2,
+     "its experts are an FSDP2 module of their own"),
+    (["ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]",
+      "model.cuda_graph_warmup_steps=2"], 2, "with per-layer graphs (model.cuda_graph_impl=local) over a parallel layout"),
+])
+def test_compile_over_what_it_does_not_take_is_refused_by_r27(overrides, world, words):
+    from graphstep.validation import validate_config
+
+    cfg = apply_overrides(Config(), [*COMPILED, *overrides])
+    found = [v for v in validate_config(cfg, world_size=world) if v.rule == "R27"]
+    assert len(found) == 1 and words in found[0].message and found[0].fix.startswith("set "), found

@@ -102,7 +102,6 @@ def _rules(*overrides: str, world: int = 2) -> list:
      "pipeline_dtype"),
     (["model.pipeline_model_parallel_size=2", "train.global_batch_size=2"], 2, "R28", "1F1B"),
     (["model.pipeline_schedule=zb"], 1, "R28", "not a schedule"),
-    (["model.pipeline_model_parallel_size=2", "compile.enable=true"], 2, "R29", "compile.enable"),
     (["model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=full_iteration", "model.use_te_rng_tracker=true",
       "model.cuda_graph_warmup_steps=0"], 2, "R29", "shapes"),
     (["model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",

@@ -61,11 +61,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     #    torchtitan shards its checkpointed blocks: a region recomputed inside a layer's backward finds the
     #    parameters the layer's pre-backward hook gathered, and a layer full recompute re-enters is gathered
     #    by its pre-forward hook.
-    # 5. Compile after recompute (Dynamo traces the checkpointed layers) and before FSDP2 (which would shard the
-    #    compiled modules: torchtitan's order; R27 refuses compile with FSDP2 and tensor parallel, R29 with
-    #    pipeline stages, R31 with expert parallel, so today the compiled model is the model as built).
+    # 5. Compile after recompute (Dynamo traces the checkpointed layers) and before FSDP2, torchtitan's order: over
+    #    a layout each decoder layer's forward is compiled in place, so FSDP2's hooks (step 6) and a pipeline
+    #    stage's transfers run eagerly around compiled layers (parallel/compile.py); one process compiles the
+    #    whole model.
     mode = compile_mode_of(cfg, compile_mode)
-    step_model = apply_compile(model, mode, settings) if mode is not None else model
+    step_model = model if mode is None else apply_compile(model, mode, settings, by_layer=compile_by_layer(dims),
+                                                          backend=cfg.compile.backend)
     # 6. FSDP2 last: it wraps the modules as they will run and turns every parameter into its shard over the
     #    data-parallel ranks (a tensor-parallel one into a (dp, tp) DTensor). Replicated data parallel has no
     #    step here: the training step all-reduces the flat gradient buffer (parallel/data_parallel.py), which
@@ -77,6 +79,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
         apply_fsdp(model, mesh[dims.grad_dim], dims.fsdp, param_dtype, prefetch=dims.prefetch,
                    experts_mesh=mesh[EDP] if dims.ep > 1 else None, roots=_chunk_roots(model, dims, mesh, cfg))
     return step_model
+
+
+def compile_by_layer(dims: ParallelDims) -> bool:
+    """Whether compile takes the model layer by layer (any parallel layout but replicated data parallel)."""
+    return dims.tp > 1 or dims.cp > 1 or dims.ep > 1 or dims.pp > 1 or dims.fsdp is not None
 
 
 def _chunk_roots(model: nn.Module, dims: ParallelDims, mesh: WorldMesh, cfg: Config) -> list[nn.Module] | None:

@@ -49,7 +49,7 @@ from ..validation import REPLAY_COMPILE_REASON, resolve_cuda_graph_settings
 from ..parallel.compile import compile_mode_of, describe_compile
 from ..parallel.data_parallel import grad_reducer
 from ..parallel.fsdp import reshard_all
-from ..parallel.parallelize import parallelize
+from ..parallel.parallelize import compile_by_layer, parallelize
 from ..parallel.interleaved import InterleavedPipeline, directed_p2p_groups
 from ..parallel.pipeline import Pipeline, TiedEmbeddingReducer, model_chunks, split_stage, tied_embedding_grad
 from .checkpoint import load_pretrained
@@ -167,7 +167,8 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb,
                                          weight_casts)
     if compile_mode is not None:
-        train_step = CompileTimeReport(train_step, describe_compile(compile_mode, settings))
+        train_step = CompileTimeReport(train_step, describe_compile(
+            compile_mode, settings, by_layer=compile_by_layer(dp.layout), backend=cfg.compile.backend))
 
     # 5-7. The graphs, all made through this run's view of the backend: close() frees these and no others.
     backend = _run_backend(settings, options.backend, device, compiled=compile_mode is not None)

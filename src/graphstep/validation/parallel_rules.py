@@ -157,6 +157,10 @@ def _r26(v: View) -> list[Violation]:
 
 
 def _r27(v: View) -> list[Violation]:
+    return _r27_sharded(v) + _compiled_layers_over_a_layout(v)
+
+
+def _r27_sharded(v: View) -> list[Violation]:
     cfg, m = v.cfg, v.cfg.model
     tp, fsdp = tensor_parallel_size(cfg), shards_data_parallel(cfg)
     if tp == 1 and not fsdp:
@@ -189,13 +193,20 @@ def _r27(v: View) -> list[Violation]:
                       "set ddp.data_parallel_sharding_strategy=optim_grads (ZeRO-2: the same memory, without "
                       "gathering every layer twice per step), or model.cuda_graph_impl=full_iteration (the gathers "
                       "and frees are inside the graph)."))
+    if cfg.compile.enable is True and tp > 1:
+        refuse("compile.enable", "compile.enable=true (the compiled decoder layers' backward hands the gradient of "
+               "a layer's input to DTensor's redistribution as a plain tensor, which it cannot take: an "
+               "AttributeError in the first backward)", "set compile.enable=false, or compile over FSDP2, pipeline, "
+               "context or expert parallel without tensor parallel.")
+    elif cfg.compile.enable is True and fsdp and m.num_moe_experts is not None:
+        refuse("compile.enable", "compile.enable=true and an MoE model (its experts are an FSDP2 module of their "
+               "own inside each compiled layer, whose gathers Dynamo would trace)", "set compile.enable=false, or "
+               "compile the MoE model over expert parallel with replicated data parallel.")
     warmup = _int(m.cuda_graph_warmup_steps)
     if v.impl == "full_iteration" and warmup == 0:
         refuse("model.cuda_graph_warmup_steps", "model.cuda_graph_warmup_steps=0 (the first iteration would be "
                "captured: FSDP2 initialises lazily and DTensor builds its sharding plans on the first step, and "
                "neither may happen inside a capture)", "set model.cuda_graph_warmup_steps=1 or more.")
-    if cfg.compile.enable is True:
-        refuse("compile.enable", "compile.enable=true", "set compile.enable=false.")
     return out
 
 
@@ -368,9 +379,6 @@ def _r29(v: View) -> list[Violation]:
                "layer graphs take their order and micro-batches in flight from the last warm-up step, and the first "
                "step also runs torch's shape inference, an extra forward of every layer)",
                "set model.cuda_graph_warmup_steps=2 or more.")
-    if cfg.compile.enable is True:
-        refuse(["compile.enable"], "compile.enable=true", "set compile.enable=false (the stages combine with "
-               "tensor parallel, FSDP2 and recompute instead), or model.pipeline_model_parallel_size=1 to compile.")
     if m.num_moe_experts is not None and tensor_parallel_size(cfg) > 1:
         refuse(["model.num_moe_experts", "model.tensor_model_parallel_size"], "an MoE model and "
                f"model.tensor_model_parallel_size={tensor_parallel_size(cfg)} (the MoE blocks' token shares are "
@@ -428,8 +436,7 @@ def _r30(v: View) -> list[Violation]:
                "models."),
               (cfg.data.seq_length_buckets is not None, ["data.seq_length_buckets"], "data.seq_length_buckets "
                "(every bucket would need its own chunking)", "set data.seq_length_buckets=null (pad to "
-               "model.seq_length)."),
-              (cfg.compile.enable is True, ["compile.enable"], "compile.enable=true", "set compile.enable=false.")]
+               "model.seq_length).")]
     for on, fields, what, fix in others:
         if on:
             refuse(fields, f"context parallel with {what} is not implemented.", fix)
@@ -525,8 +532,6 @@ def _r31(v: View) -> list[Violation]:
                "parallel is not implemented: the expert and the other gradients are reduced over different groups "
                "after the backward.", "set ddp.overlap_grad_reduce=false, or shard with FSDP2 "
                "(ddp.use_distributed_optimizer=true), whose reduce-scatters overlap the backward.")
-    if cfg.compile.enable is True:
-        refuse(["compile.enable"], "compile.enable with expert parallel is not implemented.", "set compile.enable=false.")
     return out
 
 
@@ -550,6 +555,22 @@ def _ep_over_stages(v: View, pp: int, dispatcher: str | None, fsdp: bool, refuse
         refuse(["model.pipeline_model_parallel_size", *_fsdp_fields(cfg)], f"FSDP2 ({_fsdp_f(cfg)}) with expert "
                f"parallel over pipeline stages ({stages}) is not implemented.", f"train with replicated data "
                f"parallel (the default ddp settings); {nearest}.")
+
+
+def _compiled_layers_over_a_layout(v: View) -> list[Violation]:
+    """Compile over a parallel layout compiles each decoder layer (parallel/compile.py); per-layer graphs
+    compile their scope modules instead, which no test runs over a layout yet."""
+    cfg = v.cfg
+    layout = [f for f, n in (("model.tensor_model_parallel_size", tensor_parallel_size(cfg)),
+                             ("model.pipeline_model_parallel_size", pipeline_parallel_size(cfg)),
+                             ("model.context_parallel_size", context_parallel_size(cfg)),
+                             ("model.expert_model_parallel_size", _int(cfg.model.expert_model_parallel_size) or 1))
+              if n > 1] + (_fsdp_fields(cfg) if shards_data_parallel(cfg) else [])
+    if cfg.compile.enable is not True or not v.per_layer or not layout:
+        return []
+    return [_v("R27", ["compile.enable", "model.cuda_graph_impl", *layout], f"compile.enable=true with per-layer "
+               f"graphs ({_impl_f(v)}) over a parallel layout is not implemented.", "set "
+               "model.cuda_graph_impl=full_iteration (the compiled layers inside the whole-iteration graph), or none.")]
 
 
 PARALLEL_RULES = (("R25", _r25), ("R26", _r26), ("R27", _r27), ("R28", _r28), ("R29", _r29), ("R30", _r30),

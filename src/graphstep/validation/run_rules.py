@@ -41,6 +41,7 @@ def _r19(v: View) -> list[Violation]:
 
 COMPILE_COMPONENTS = ("model", "loss")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 _INDUCTOR_GRAPHS = ("reduce-overhead", "max-autotune")  # Inductor's own CUDA graphs
 
 
@@ -57,6 +58,13 @@ def _r20(v: View) -> list[Violation]:
     if c.mode not in COMPILE_MODES:
         out.append(_v("R20", ["compile.mode"], f"compile.mode={_fmt(c.mode)} is not an Inductor mode.",
                       "set compile.mode=default (or max-autotune-no-cudagraphs)."))
+    if c.backend not in COMPILE_BACKENDS:
+        out.append(_v("R20", ["compile.backend"], f"compile.backend={_fmt(c.backend)} is not a backend graphstep "
+                      f"runs ({', '.join(COMPILE_BACKENDS)}).", "set compile.backend=inductor."))
+    elif c.backend != "inductor" and c.mode != "default":
+        out.append(_v("R20", ["compile.backend", "compile.mode"], f"compile.mode={_fmt(c.mode)} is an Inductor "
+                      f"mode, and compile.backend={c.backend} is not Inductor.",
+                      "set compile.mode=default, or compile.backend=inductor."))
     if c.enable is True and v.on and c.mode in _INDUCTOR_GRAPHS:
         out.append(_v("R20", ["compile.mode", "model.cuda_graph_impl"], f"compile.mode={c.mode} captures Inductor's "
                       f"own CUDA graphs and model.cuda_graph_impl={v.impl} captures graphstep's: two owners of the "
