@@ -35,6 +35,8 @@ COMMON = [f"train.train_iters={ITERS}", "logger.log_interval=1", "model.cuda_gra
 GRAPHED = ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
 EAGER = ["model.cuda_graph_impl=none"]
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+MODEL_DATA = ["model.seq_length=32", "data.corpus_max_bytes=300000", "data.split=90,10,0",
+              "train.micro_batch_size=2", "train.global_batch_size=8"]  # the MoE and hybrid recipes, as TINY
 LAYOUTS = {  # 2 ranks x 2 virtual stages = 4 chunks; rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3
     "vpp2": ["model.num_layers=4", "model.virtual_pipeline_model_parallel_size=2"],
     "vpp2_zero_bubble": ["model.num_layers=4", "model.virtual_pipeline_model_parallel_size=2",
@@ -44,6 +46,11 @@ LAYOUTS = {  # 2 ranks x 2 virtual stages = 4 chunks; rank 0 holds chunks 0 and 
     # 2 layers + the embedding + the loss counted as layers: one each over the 4 chunks
     "account": ["model.num_layers=2", "model.virtual_pipeline_model_parallel_size=2",
                 "model.account_for_embedding_in_pipeline_split=true", "model.account_for_loss_in_pipeline_split=true"],
+    # an MoE model (qwen3_moe_tiny, 4 MoE layers: aux loss, its router statistics in every chunk) and a hybrid one
+    # (nemotron_h_tiny's M-*E: Mamba and attention on rank 0, MLP and MoE on rank 1) over the 4 chunks
+    "vpp2_moe": ["recipe=qwen3_moe_tiny", *MODEL_DATA, "model.num_layers=4",
+                 "model.virtual_pipeline_model_parallel_size=2"],
+    "vpp2_hybrid": ["recipe=nemotron_h_tiny", *MODEL_DATA, "model.virtual_pipeline_model_parallel_size=2"],
 }
 # per-layer graphs over the chunks' layers, interleaved 1F1B; two warm-up steps (R29: the order and the micro-batches
 # in flight come from the last one). Each chunk counts its own micro-batches (cuda_graph/layers.py, chains).
@@ -58,7 +65,7 @@ LAYER_MODULES = {"vpp2": [4, 4], "layout": [3, 1]}
 SLOTS = [4, 3]
 # which whole-model layers each rank holds
 HELD = {"vpp2": [{0, 2}, {1, 3}], "vpp2_zero_bubble": [{0, 2}, {1, 3}], "layout": [{0, 1, 3}, {2}],
-        "account": [{1}, {0}]}
+        "account": [{1}, {0}], "vpp2_moe": [{0, 2}, {1, 3}], "vpp2_hybrid": [{0, 2}, {1, 3}]}
 # dropout off: the interleaved pipeline and one stage per rank (layers 0-1 and 2-3) compute the same model
 SAME_MODEL = {name: LAYOUTS[name] for name in ("vpp2", "vpp2_zero_bubble")} | {"pp2": ["model.num_layers=4"]}
 # activation recompute over virtual stages, dropout off (R35): full recompute under interleaved 1F1B, the core
@@ -118,8 +125,11 @@ def layouts_worker(out: str, device: str) -> None:
         posted.clear()
         built.clear()
         kinds.clear()
+        recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), "llama3_tiny")
+        overrides = [o for o in overrides if not o.startswith("recipe=")]
         with core_attention_calls() as calls:
-            result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
+            result = train(tiny_config(*COMMON, f"train.device={device}", *overrides, recipe=recipe),
+                           keep_model=True)
         saved = any(o.startswith("checkpoint.save=") for o in overrides)  # the whole model's weights, by name
         return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()],
                 "attention_calls": calls[0],

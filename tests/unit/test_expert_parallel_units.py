@@ -120,14 +120,15 @@ def test_accepted_expert_parallel_layouts_break_no_rule():
 
 def test_expert_parallel_over_stages_passes_every_rule_and_refuses_what_other_rules_own():
     """pp2 x ep2 breaks no rule at all, graphed whole; with tensor parallel (R29: an MoE model's token shares are
-    summed over the tensor-parallel ranks) and virtual stages (R28: an MoE model) it is refused there, R31 quiet."""
+    summed over the tensor-parallel ranks) it is refused there, R31 quiet; over virtual stages R31 refuses it."""
     layout = ("model.expert_model_parallel_size=2", *PP2, "train.micro_batch_size=1", "train.global_batch_size=8",
               "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1")
     assert _all_rules(*layout, world=4) == []
     tp = _all_rules(*layout, "model.tensor_model_parallel_size=2", world=8)
     assert {v.rule for v in tp} == {"R29"} and "an MoE model and model.tensor_model_parallel_size=2" in tp[0].message
-    vpp = _all_rules(*layout, "model.virtual_pipeline_model_parallel_size=2", world=4)
-    assert {v.rule for v in vpp} == {"R28"} and any("an MoE model" in v.message for v in vpp)
+    vpp = _all_rules(*layout, "model.virtual_pipeline_model_parallel_size=2", "model.num_layers=4",
+                     "model.share_embeddings_and_output_weights=false", world=4)
+    assert {v.rule for v in vpp} == {"R31"} and "over virtual pipeline stages" in vpp[0].message
 
 
 def _all_rules(*overrides: str, world: int = 2) -> list:
@@ -298,3 +299,11 @@ def test_alltoall_block_refuses_what_it_cannot_run(one_rank_group):
         apply_expert_parallel(block("tiled"), mesh)
     with pytest.raises(ValueError, match="model.moe_expert_capacity_factor=null"):
         apply_expert_parallel(block(moe_expert_capacity_factor=1.0), mesh)
+
+
+def test_expert_parallel_over_virtual_stages_is_refused_while_moe_over_them_is_not():
+    vpp = ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2", "model.num_layers=4"]
+    found = _rules("model.expert_model_parallel_size=2", *vpp, world=4)
+    assert len(found) == 1 and "expert parallel over virtual pipeline stages" in found[0].message, found
+    assert found[0].fix.startswith("set model.virtual_pipeline_model_parallel_size=null"), found
+    assert _rules(*vpp, world=2) == []  # an MoE model over virtual stages (tests/distributed/test_interleaved.py)

@@ -84,8 +84,6 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.pipeline_model_parallel_size=2", "model.pipeline_schedule=interleaved_zero_bubble"], 2, "R28",
      "each rank holds one stage"),
     (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
-      "model.num_moe_experts=4", "model.moe_router_topk=2"], 2, "R28", "with an MoE model is not implemented"),
-    (["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
       "model.num_layers_in_first_pipeline_stage=1", "model.num_layers=3"], 2, "R28", "virtual stages"),
     (["model.pipeline_model_parallel_size=2", "model.pipeline_model_parallel_layout=Ett|tL"], 2, "R28",
      "places 3 decoder layers"),
@@ -155,6 +153,9 @@ def test_accepted_pipeline_layouts_break_no_rule():
                  ["ddp.use_distributed_optimizer=true"]):
         assert _rules(*vpp, *fsdp, "train.global_batch_size=16", world=4) == []
         assert _rules(*vpp, *tp_sp, *fsdp, "train.global_batch_size=16", world=8) == []
+    # MoE and hybrid models (tests/distributed/test_interleaved.py)
+    assert _rules(*vpp, "model.num_moe_experts=4", "model.moe_router_topk=2") == []
+    assert _rules(*vpp, "model.hybrid_override_pattern=M-*-") == []
     # and activation recompute (tests/distributed/test_interleaved.py), under either interleaved schedule
     for schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
         assert _rules(*vpp, f"model.pipeline_schedule={schedule}", "model.recompute_granularity=full",

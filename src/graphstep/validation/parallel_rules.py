@@ -30,9 +30,9 @@ parallel/; these rules say which configurations it takes:
   schedules) have at least 2 pipeline ranks and micro-batches per step in
   rounds of ``pp``, and what is not implemented (another activation dtype,
   tied embeddings across more than 2 stages or with virtual stages, GPipe or
-  per-layer graphs with virtual stages, virtual stages with an MoE or hybrid
-  model) is refused -- virtual stages combine with tensor (+ sequence)
-  parallel, FSDP2, or both, and with activation recompute;
+  per-layer graphs under interleaved zero bubble) is refused -- virtual
+  stages combine with tensor (+ sequence) parallel, FSDP2, or both, with
+  activation recompute, and with MoE and hybrid models;
 * R29 -- what pipeline parallelism does not combine with yet (compile, shape
   buckets, an MoE model under tensor parallel, ...; tensor parallelism, FSDP2,
   MoE and hybrid models, recompute and the overlapped gradient reduction
@@ -340,13 +340,6 @@ def _interleaved_violations(v: View, pp: int, chunks: int, schedule: str) -> lis
                       "model.share_embeddings_and_output_weights=true is not implemented (the tied copies live in "
                       "two chunks).", "set model.share_embeddings_and_output_weights=false, or "
                       "model.virtual_pipeline_model_parallel_size=null."))
-    others = [(m.num_moe_experts is not None, ["model.num_moe_experts"], "an MoE model"),
-              (m.hybrid_override_pattern is not None, ["model.hybrid_override_pattern"], "a hybrid (Mamba) model")]
-    for on, fields, name in others:
-        if on:  # each works over plain pipeline stages (R29), not yet over virtual ones
-            out.append(_v("R28", [*fields, *vfield], f"{what} with {name} is not implemented.",
-                          f"use {name} over plain pipeline stages (model.virtual_pipeline_model_parallel_size=null), "
-                          "or virtual stages over replicated data parallel, tensor parallel or FSDP2."))
     if v.per_layer and schedule == "interleaved_zero_bubble":
         out.append(_v("R28", ["model.cuda_graph_impl", "model.pipeline_schedule", *vfield], f"{what} with "
                       f"model.pipeline_schedule=interleaved_zero_bubble and per-layer graphs ({_impl_f(v)}) is not "
@@ -539,9 +532,8 @@ def _ep_over_stages(v: View, pp: int, dispatcher: str | None, fsdp: bool, refuse
     """Expert parallel over pipeline stages (EP x PP x DP, Megatron Bridge's Qwen3-30B-A3B and DeepSeek-V3
     layouts): each stage's MoE blocks exchange tokens among the expert-parallel ranks of that stage, over
     replicated data parallel, the allgather dispatcher, eager or graphed (whole or per layer), recompute
-    included. What the
-    tests do not show equal to eager and to the same model without expert parallel is refused here; tensor
-    parallel and virtual stages with an MoE model over stages are R29's and R28's."""
+    included. What the tests do not show equal to eager and to the same model without expert parallel is refused
+    here (virtual stages among it); tensor parallel with an MoE model over stages is R29's."""
     cfg, m = v.cfg, v.cfg.model
     stages = f"model.pipeline_model_parallel_size={pp}"
     nearest = (f"the nearest layout that works: {stages} with expert parallel over replicated data parallel, the "
@@ -555,6 +547,13 @@ def _ep_over_stages(v: View, pp: int, dispatcher: str | None, fsdp: bool, refuse
         refuse(["model.pipeline_model_parallel_size", *_fsdp_fields(cfg)], f"FSDP2 ({_fsdp_f(cfg)}) with expert "
                f"parallel over pipeline stages ({stages}) is not implemented.", f"train with replicated data "
                f"parallel (the default ddp settings); {nearest}.")
+    vpp = _int(m.virtual_pipeline_model_parallel_size)
+    if virtual_stages(m.pipeline_model_parallel_layout, vpp, pp) > 1:
+        vfield = ("model.pipeline_model_parallel_layout" if m.pipeline_model_parallel_layout is not None
+                  else "model.virtual_pipeline_model_parallel_size")
+        refuse(["model.pipeline_model_parallel_size", vfield], f"expert parallel over virtual pipeline stages "
+               f"({vfield}) is not implemented (MoE models over virtual stages run with "
+               "model.expert_model_parallel_size=1).", f"set {vfield}=null; {nearest}.")
 
 
 def _compiled_layers_over_a_layout(v: View) -> list[Violation]:
