@@ -36,8 +36,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
 
     The rules (validation/parallel_rules.py, R25-R31) admit only the combinations that work today: expert parallel
     with tensor parallel or FSDP2 (not both), or over pipeline stages with replicated data parallel (each stage's
-    ``mesh[EP]`` is that stage's expert-parallel ranks), context parallel never with expert parallel, compile with
-    none of tensor, context and expert parallel and FSDP2.
+    ``mesh[EP]`` is that stage's expert-parallel ranks), context parallel never with expert parallel, compile
+    without tensor parallel (each decoder layer compiled over the other layouts).
     """
     if mesh is None and dims.needs_mesh:
         raise RuntimeError(f"the layout {dims.describe()} needs a device mesh (parallel/dims.py build_mesh)")
