@@ -510,12 +510,15 @@ MOE = ["model.num_moe_experts=4", "model.moe_ffn_hidden_size=32"]
     (["model.context_parallel_size=2"], 2),
     ([*MOE, "model.expert_model_parallel_size=2"], 2),
 ])
-@pytest.mark.parametrize("impl", ["none", "full_iteration"])
-def test_compile_over_layouts_without_tensor_parallel_breaks_no_rule(layout, world, impl):
+def test_compile_over_layouts_without_tensor_parallel_breaks_no_rule_without_graphs(layout, world):
     from graphstep.validation import validate_config
 
-    cfg = apply_overrides(Config(), [*COMPILED, f"model.cuda_graph_impl={impl}", *layout])
+    cfg = apply_overrides(Config(), [*COMPILED, "model.cuda_graph_impl=none", *layout])
     assert [v for v in validate_config(cfg, world_size=world) if v.rule in ("R20", "R27", "R29", "R30", "R31")] == []
+    graphed = [v for v in validate_config(apply_overrides(cfg, ["model.cuda_graph_impl=full_iteration"]),
+                                          world_size=world) if v.rule == "R27"]
+    assert len(graphed) == 1 and "with graphs (model.cuda_graph_impl=full_iteration) over a parallel layout" \
+        in graphed[0].message and graphed[0].fix.startswith("set model.cuda_graph_impl=none"), graphed
 
 
 @pytest.mark.parametrize("overrides,world,words", [
@@ -523,7 +526,7 @@ def test_compile_over_layouts_without_tensor_parallel_breaks_no_rule(layout, wor
     ([*MOE, "model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true"], 2,
      "its experts are an FSDP2 module of their own"),
     (["ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]",
-      "model.cuda_graph_warmup_steps=2"], 2, "with per-layer graphs (model.cuda_graph_impl=local) over a parallel layout"),
+      "model.cuda_graph_warmup_steps=2"], 2, "with graphs (model.cuda_graph_impl=local) over a parallel layout"),
 ])
 def test_compile_over_what_it_does_not_take_is_refused_by_r27(overrides, world, words):
     from graphstep.validation import validate_config

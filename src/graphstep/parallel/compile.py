@@ -19,8 +19,8 @@ What is compiled depends on who owns the graphs (``compile.components=[model]``)
   and expert-parallel exchanges (graph breaks where a collective is not
   traceable) and its recompute regions; the embedding, final norm, output
   layer and loss stay eager. Parameter names do not change (no wrapper
-  module), so checkpoints, shard names and the graph scopes read as without
-  compile.
+  module), so checkpoints and shard names read as without compile. Rule R27
+  keeps graphs out of such runs until they are checked against eager on a GPU.
 
 The loss is computed inside the model's forward (GPTModel.forward), so it is
 compiled with the model; ``compile.components=[loss]`` is refused by rule R20,
