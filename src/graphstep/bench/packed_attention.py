@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..models.transformer import PackedRows
+from ..models.transformer import PackedRows, _repeat_heads
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,8 @@ def candidates(shape: Shape, cu_rows: torch.Tensor, device: torch.device, dtype:
     out: dict[str, object] = {}
 
     def sdpa_mask(q, k, v):
-        if rep > 1:
-            k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
+        if rep > 1:  # as Attention.core_attention does for the kernels that take a mask
+            k, v = (_repeat_heads(t, rep) for t in (k, v))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     out["sdpa_mask"] = sdpa_mask

@@ -446,8 +446,7 @@ def _what_fits(cfg: Config, device: torch.device, estimate: MemoryEstimate, budg
 
 
 def _recompute_helps(cfg: Config, layout: ParallelDims) -> bool:
-    """Whether full recompute is advice worth giving: not on yet, and taken by the layout rules over ``layout``
-    (virtual pipeline stages refuse it: R28; expert parallel over stages: R31)."""
+    """Whether full recompute is advice worth giving: not on yet, and taken by the layout rules over ``layout``."""
     if cfg.model.recompute_granularity == "full":
         return False
     return _accepted(with_fields(cfg, {"model.recompute_granularity": "full"}), layout)

@@ -13,8 +13,11 @@ parallel/; these rules say which configurations it takes:
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE
   models with both, or with FSDP2 without expert parallel; hybrid (Mamba)
   models, per-layer graphs with FSDP2 ZeRO-3 (their gathered parameters stay
-  allocated), torch.compile; and a capture of the very first iteration (no
-  warm-up step). Each is refused by name, never ignored. Activation recompute,
+  allocated), torch.compile with tensor parallel or with an MoE model under
+  FSDP2, compile with graphs over any parallel layout (compile over a layout
+  compiles each decoder layer and runs without graphs: parallel/compile.py);
+  and a capture of the very first iteration (no warm-up step). Each is
+  refused by name, never ignored. Activation recompute,
   selective or full, combines with both: a recomputed region re-runs DTensor's
   collectives inside the backward, and a layer full recompute re-enters is
   gathered by FSDP2 as for a forward (its pre-forward hook leaves a layer its
@@ -33,15 +36,15 @@ parallel/; these rules say which configurations it takes:
   per-layer graphs under interleaved zero bubble) is refused -- virtual
   stages combine with tensor (+ sequence) parallel, FSDP2, or both, with
   activation recompute, and with MoE and hybrid models;
-* R29 -- what pipeline parallelism does not combine with yet (compile, shape
-  buckets, an MoE model under tensor parallel, ...; tensor parallelism, FSDP2,
-  MoE and hybrid models, recompute and the overlapped gradient reduction
-  combine with it);
+* R29 -- what pipeline parallelism does not combine with yet (shape buckets,
+  an MoE model under tensor parallel, ...; tensor parallelism, FSDP2, MoE and
+  hybrid models, recompute, compile (R27) and the overlapped gradient
+  reduction combine with it);
 * R30 -- context parallel: the layout fits the world and the sequence (2 x cp
   equal chunks, and each rank's share divides over sequence-parallel ranks),
   the communication type is the one graphstep implements (``all_gather``), and
   what it does not combine with yet (MoE and hybrid models, expert parallel,
-  sequence-length buckets, compile) is refused; pipeline stages, plain or
+  sequence-length buckets) is refused; pipeline stages, plain or
   virtual, combine with it (each stage's attention gathers over its own
   context-parallel ranks; the last stage's loss is ContextParallel's);
 * R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
