@@ -18,6 +18,8 @@ from graphstep.data import SFTDataError, build_data
 from graphstep.data.packing import PackedSFTSamples, packing_spec
 from graphstep.data.sft import SFTSamples
 from graphstep.models import build_model
+from graphstep.models import transformer
+from graphstep.models.transformer import PackedRows, flat_offsets, varlen_attention
 from graphstep.validation import validate_config
 
 from helpers.data import sft_overrides, write_sft
@@ -154,6 +156,57 @@ def test_a_packed_row_loss_equals_its_documents_run_one_by_one(sft_file, device)
         torch.testing.assert_close(logits[0, cu[k]:cu[k + 1]], ref_logits[k, :n], rtol=1e-4, atol=1e-5)
 
 
+def test_the_kernel_is_varlen_for_long_rows_on_a_gpu_without_dropout_and_the_mask_elsewhere():
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    long = transformer.VARLEN_MIN_SEQ
+    varlen = "varlen" if varlen_attention() is not None else "mask"
+    assert PackedRows().kernel_for(gpu, torch.bfloat16, long) == varlen
+    assert PackedRows().kernel_for(gpu, torch.float16, 2 * long) == varlen
+    assert PackedRows().kernel_for(gpu, torch.bfloat16, long - 1) == "mask"  # the mask is faster (bench)
+    assert PackedRows().kernel_for(gpu, torch.float32, long) == "mask"  # flash attention: bf16/fp16 only
+    assert PackedRows(0.1).kernel_for(gpu, torch.bfloat16, long) == "mask"  # varlen attention has no dropout
+    assert PackedRows().kernel_for(cpu, torch.bfloat16, long) == "mask"
+
+
+def test_flat_offsets_lay_the_rows_documents_end_to_end():
+    cu = torch.tensor([[0, 10, 30, 64, 64], [0, 40, 64, 64, 64]])
+    flat = flat_offsets(cu, 64)
+    assert flat.dtype == torch.int32
+    assert flat.tolist() == [0, 10, 30, 64, 64, 104, 128, 128, 128]  # padded slots: empty documents
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_varlen_attention_computes_what_the_mask_does(monkeypatch):
+    """bf16, forward and backward: varlen attention over the documents against the mask, to bf16 rounding;
+    a change in one document leaves the others' logits unchanged bit for bit."""
+    cfg = tiny_config(*FP32_NO_DROPOUT, "model.seq_length=64")
+    torch.manual_seed(0)
+    model = build_model(cfg.model, "cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([[0, 10, 30, 45, 64, 64], [0, 33, 64, 64, 64, 64]], device="cuda")
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def run(t):
+        model.zero_grad(set_to_none=True)
+        logits = model(t, cu_seqlens=cu)
+        logits.float().square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    mask_logits, mask_grads = run(tokens)
+    assert model.packed.kernel == "mask"
+    monkeypatch.setattr(transformer, "VARLEN_MIN_SEQ", 64)
+    varlen_logits, varlen_grads = run(tokens)
+    assert model.packed.kernel == "varlen" and model.packed.mask is None
+    torch.testing.assert_close(varlen_logits.float(), mask_logits.float(), rtol=2e-2, atol=2e-2)
+    for g, ref in zip(varlen_grads, mask_grads):
+        torch.testing.assert_close(g.float(), ref.float(), rtol=5e-2, atol=5e-3)
+    changed = tokens.clone()
+    changed[0, 10:30] = (changed[0, 10:30] + 7) % 256  # row 0's document 2 only
+    other, _ = run(changed)
+    assert torch.equal(other[0, :10], varlen_logits[0, :10]) and torch.equal(other[0, 30:], varlen_logits[0, 30:])
+    assert torch.equal(other[1], varlen_logits[1]) and not torch.equal(other[0, 10:30], varlen_logits[0, 10:30])
+
+
 # --- training with graphs -----------------------------------------------------------------------
 
 
@@ -196,6 +249,27 @@ def test_lora_on_packed_rows_graphed_equals_eager(sft_file, device):
     ref = _train(eager(tiny_config(*common)))
     graphed = _train(tiny_config(*common, *GRAPHS["full_iteration+optimizer"]))
     assert_same_run(ref, graphed)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_packed_sft_through_varlen_attention_graphed_equals_eager(sft_file, monkeypatch):
+    """The long-row kernel (varlen attention, forced here on 64-token rows) inside the full-iteration graph, the
+    per-layer graphs and recomputed layers: each run equal to eager bit for bit."""
+    monkeypatch.setattr(transformer, "VARLEN_MIN_SEQ", 64)
+    common = sft_overrides(sft_file, *PACKED, *FP32_NO_DROPOUT, "train.train_iters=4", "train.global_batch_size=4",
+                           "train.micro_batch_size=2", "model.cuda_graph_warmup_steps=2", "checkpoint.save=null",
+                           "data.split=75,25,0", "train.eval_iters=1", "train.eval_interval=2", "train.device=cuda")
+    ref = _train(eager(tiny_config(*common)))
+    assert ref.model.packed.kernel == "varlen"
+    for name, graphs in GRAPHS.items():
+        graphed = _train(tiny_config(*common, *graphs))
+        assert graphed.model.packed.kernel == "varlen" and "replayed" in str(graphed.rows[-1]["state"]).lower()
+        assert_same_run(ref, graphed)
+        assert graphed.eval_losses == ref.eval_losses, name
+    recomputed = _train(tiny_config(*common, "model.recompute_granularity=selective",
+                                    "model.recompute_modules=[core_attn]", *GRAPHS["full_iteration+optimizer"]))
+    assert [r["loss"] for r in recomputed.rows] == [r["loss"] for r in ref.rows]
 
 
 @pytest.mark.slow

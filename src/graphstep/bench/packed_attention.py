@@ -2,14 +2,16 @@
 
 Packed SFT rows (docs/data.md) attend within each document. graphstep's
 model does it with ``scaled_dot_product_attention`` and an additive
-block-diagonal causal mask (``PackedRows``). This benchmark times, on one
+block-diagonal causal mask, or for long rows on a GPU with varlen attention
+(``PackedRows.kernel_for``, chosen from this benchmark). It times, on one
 GPU, the forward and backward of the attention alone -- the part the choice
 changes -- for the same packed rows through each candidate PyTorch offers:
 
-* ``sdpa_mask``: the model's path (key/value heads repeated for grouped-query
+* ``sdpa_mask``: the model's path for short rows (key/value heads repeated for grouped-query
   attention, the mask ``[batch, 1, seq, seq]`` in bf16);
 * ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over
-  the documents laid end to end; the padded offset slots are empty documents);
+  the documents laid end to end; the padded offset slots are empty documents),
+  the model's path for rows of ``VARLEN_MIN_SEQ`` tokens or more;
 * ``flex``: ``flex_attention`` compiled, with a block mask of the same
   documents (its construction timed apart: it is made once per micro-batch);
 * ``sdpa_causal``: the same rows as one causal sequence each (no document
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import statistics
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..models.transformer import PackedRows, _repeat_heads
+from ..models.transformer import PackedRows, _repeat_heads, flat_offsets, varlen_attention, varlen_causal
 
 
 @dataclass(frozen=True)
@@ -72,35 +73,6 @@ def offsets(shape: Shape, generator: torch.Generator) -> torch.Tensor:
     return torch.tensor([r + [shape.seq] * (slots - len(r)) for r in rows], dtype=torch.int64)
 
 
-def flat_offsets(cu_rows: torch.Tensor, seq: int) -> torch.Tensor:
-    """The rows' documents end to end, as varlen attention takes them: row r's offsets shifted by r * seq; the
-    repeated ends of the padded slots stay (empty documents), each row's leading 0 is the previous row's end."""
-    shift = (torch.arange(cu_rows.shape[0], device=cu_rows.device) * seq)[:, None]
-    return torch.cat([cu_rows.new_zeros(1), (cu_rows + shift)[:, 1:].reshape(-1)])
-
-
-def _varlen() -> Callable | None:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-def _varlen_call(varlen_attn: Callable, q, k, v, cu: torch.Tensor, seq: int) -> torch.Tensor:
-    """q/k/v ``[batch, heads, seq, dim]`` -> the documents end to end, ``[tokens, heads, dim]``, and back."""
-    b, h, s, d = q.shape
-    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
-    params = inspect.signature(varlen_attn).parameters
-    kw = {"enable_gqa": True} if "enable_gqa" in params and k.shape[1] != h else {}
-    if "window_size" in params:
-        kw["window_size"] = (-1, 0)  # causal
-    elif "is_causal" in params:
-        kw["is_causal"] = True
-    out = varlen_attn(*flat, cu, cu, seq, seq, **kw)
-    return out.view(b, s, h, d).transpose(1, 2)
-
-
 def candidates(shape: Shape, cu_rows: torch.Tensor, device: torch.device, dtype: torch.dtype):
     """name -> (setup seconds or None, fn(q, k, v) -> out); a candidate that cannot run -> its reason."""
     rep = shape.heads // shape.groups
@@ -115,14 +87,13 @@ def candidates(shape: Shape, cu_rows: torch.Tensor, device: torch.device, dtype:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     out["sdpa_mask"] = sdpa_mask
-    varlen_attn = _varlen()
-    if varlen_attn is None:
+    if varlen_attention() is None:
         out["varlen"] = "torch.nn.attention.varlen is absent in this torch"
     else:
-        cu = flat_offsets(cu_rows, shape.seq).to(torch.int32)
+        cu = flat_offsets(cu_rows, shape.seq)
 
-        def varlen(q, k, v):
-            return _varlen_call(varlen_attn, q, k, v, cu, shape.seq)
+        def varlen(q, k, v):  # the model's path for long packed rows (PackedRows.kernel_for)
+            return varlen_causal(q, k, v, cu)
 
         out["varlen"] = varlen
     try:

@@ -21,9 +21,14 @@ Packed rows (data/packing.py): a micro-batch with ``cu_seqlens`` holds
 several documents per row. :class:`PackedRows` turns the offsets into each
 token's position in its document and a block-diagonal causal mask, on the
 device and into tensors of fixed address that every layer's attention reads
-(so per-layer graphs replay with the current micro-batch's documents); the
-attention passes the mask to ``scaled_dot_product_attention`` and RoPE reads
-the positions, which restart at 0 in every document.
+(so per-layer graphs replay with the current micro-batch's documents); RoPE
+reads the positions, which restart at 0 in every document. The attention
+kernel is chosen by speed, as measured (``python -m
+graphstep.bench.packed_attention``, docs/data.md): ``scaled_dot_product_attention``
+with the block-diagonal mask, or -- on a GPU, in bf16/fp16, without attention
+dropout, for rows of ``VARLEN_MIN_SEQ`` tokens or more -- flash attention over
+the documents laid end to end (``torch.nn.attention.varlen.varlen_attn``),
+which never builds the ``[seq, seq]`` mask.
 
 Context parallel (parallel/context_parallel.py) sets ``context`` on the model
 and its attentions: each rank then holds chunks of every sequence, RoPE reads
@@ -34,6 +39,7 @@ sequences' mean.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from dataclasses import dataclass
@@ -176,44 +182,107 @@ class Rotary(nn.Module):
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+# Packed rows of at least this many tokens use flash attention over the documents end to end (varlen) where it
+# runs; shorter ones the SDPA mask. Measured fwd+bwd on an H100 (benchmarks/results/packed_attention_*_2026-12-07):
+# at 2048 tokens the mask 1.19 ms, varlen 1.27 ms; at 8192 tokens the mask 12.19 ms, varlen 2.23 ms.
+VARLEN_MIN_SEQ = 4096
+
+
+def varlen_attention():
+    """``torch.nn.attention.varlen.varlen_attn``, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def flat_offsets(cu_rows: torch.Tensor, seq: int) -> torch.Tensor:
+    """``[batch, slots]`` row offsets -> the documents end to end, as varlen attention takes them: row ``r``'s
+    offsets shifted by ``r * seq``; the repeated ends of padded slots stay (empty documents), and each row's
+    leading 0 is the previous row's end. int32, ``1 + batch * (slots - 1)`` entries."""
+    shift = (torch.arange(cu_rows.shape[0], device=cu_rows.device) * seq)[:, None]
+    return torch.cat([cu_rows.new_zeros(1), (cu_rows + shift)[:, 1:].reshape(-1)]).to(torch.int32)
+
+
+def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Causal attention within each document: q ``[batch, heads, seq, dim]``, k/v ``[batch, groups, seq, dim]``,
+    ``offsets`` from :func:`flat_offsets`; the output as q. Flash attention pairs query heads with key/value
+    groups itself (grouped-query attention without repeating the keys)."""
+    varlen_attn = varlen_attention()
+    b, h, s, d = q.shape
+    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"enable_gqa": True} if "enable_gqa" in params and k.shape[1] != h else {}
+    if "window_size" in params:  # torch >= 2.12: causal is a window reaching no token to the right
+        kw["window_size"] = (-1, 0)
+    else:
+        kw["is_causal"] = True
+    out = varlen_attn(*flat, offsets, offsets, s, s, **kw)
+    return out.view(b, s, h, d).transpose(1, 2)
+
+
 class PackedRows:
     """Where the documents of a micro-batch of packed rows lie, in tensors of fixed address.
 
     ``update(cu_seqlens, seq, dtype)`` (``[batch, slots]`` offsets, see data/packing.py) computes on
     the device, without a host sync: each token's document (how many document ends lie at or before
-    it), its position in that document, and the additive mask ``[batch, 1, seq, seq]`` (0 or -inf, in
-    the attention's dtype) that lets a token attend to the tokens of its own document up to itself. The
-    first call of a shape allocates that shape's ``positions`` and ``mask``; later calls of the shape
-    copy into them, so a graph that read them at capture reads the current micro-batch at replay (the
-    input contract: static tensors, rewritten by the model's forward before its layers run; a graph of
-    one shape is replayed only with inputs of that shape). The model owns one and hands it to every
-    layer's attention. ``active`` is false after a forward without ``cu_seqlens`` (plain causal
-    attention).
+    it), its position in that document, and what the attention kernel (:meth:`kernel_for`) reads:
+    the additive mask ``[batch, 1, seq, seq]`` (0 or -inf, in the attention's dtype) that lets a
+    token attend to the tokens of its own document up to itself (``kernel == "mask"``), or the
+    documents' offsets end to end (``"varlen"``, :func:`flat_offsets`). The first call of a shape
+    allocates that shape's tensors; later calls of the shape copy into them, so a graph that read them
+    at capture reads the current micro-batch at replay (the input contract: static tensors, rewritten
+    by the model's forward before its layers run; a graph of one shape is replayed only with inputs of
+    that shape). The model owns one and hands it to every layer's attention. ``active`` is false after
+    a forward without ``cu_seqlens`` (plain causal attention). ``attention_dropout``: the model's (varlen
+    attention has none, so with dropout the mask is used).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, attention_dropout: float = 0.0) -> None:
+        self.attention_dropout = attention_dropout
         self.positions: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
+        self.offsets: torch.Tensor | None = None
+        self.kernel = "mask"
         self.active = False
-        self._static: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (shape, device, dtype) -> tensors
+        self._static: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (shape, device, dtype, kernel) -> tensors
+
+    def kernel_for(self, device: torch.device, dtype: torch.dtype, seq: int) -> str:
+        """``"varlen"`` for rows of ``VARLEN_MIN_SEQ`` tokens or more on a GPU in bf16/fp16 without attention
+        dropout where torch has varlen attention; else ``"mask"``. ``dtype``: what the attention computes in
+        (autocast's dtype where autocast is on)."""
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and seq >= VARLEN_MIN_SEQ
+                and self.attention_dropout == 0.0 and varlen_attention() is not None):
+            return "varlen"
+        return "mask"
 
     def update(self, cu_seqlens: torch.Tensor, seq: int, dtype: torch.dtype) -> None:
         self.active = True
+        kernel = self.kernel_for(cu_seqlens.device, dtype, seq)
         token = torch.arange(seq, device=cu_seqlens.device)
         document = (cu_seqlens[:, None, 1:] <= token[None, :, None]).sum(-1)  # [batch, seq]
         positions = token - cu_seqlens.gather(1, document)
-        causal = token[None, :] <= token[:, None]
-        allowed = ((document[:, :, None] == document[:, None, :]) & causal).unsqueeze(1)
-        # An additive mask in the attention's dtype, made once for all layers: SDPA would turn a boolean one
-        # into such a tensor in every layer's call (and each layer's backward would keep its own copy).
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-        key = (tuple(mask.shape), mask.device, dtype)
+        if kernel == "varlen":
+            reads = flat_offsets(cu_seqlens, seq)
+        else:
+            causal = token[None, :] <= token[:, None]
+            allowed = ((document[:, :, None] == document[:, None, :]) & causal).unsqueeze(1)
+            # An additive mask in the attention's dtype, made once for all layers: SDPA would turn a boolean one
+            # into such a tensor in every layer's call (and each layer's backward would keep its own copy).
+            reads = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
+                                                                                                float("-inf"))
+        key = (tuple(positions.shape), tuple(reads.shape), reads.device, dtype, kernel)
         if key not in self._static:
-            self._static[key] = (positions, mask)
+            self._static[key] = (positions, reads)
         else:
             self._static[key][0].copy_(positions)
-            self._static[key][1].copy_(mask)
-        self.positions, self.mask = self._static[key]
+            self._static[key][1].copy_(reads)
+        self.kernel = kernel
+        self.positions, reads = self._static[key]
+        self.mask, self.offsets = (None, reads) if kernel == "varlen" else (reads, None)
 
 
 class Attention(nn.Module):
@@ -234,8 +303,11 @@ class Attention(nn.Module):
         self.context = None  # parallel/context_parallel.py: this rank's chunks of every sequence
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention, or with ``mask`` (packed rows) attention within each document."""
+                       mask: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention, or (packed rows) attention within each document: with ``mask``, or through
+        varlen attention over the documents at ``offsets`` (:class:`PackedRows`)."""
+        if offsets is not None:
+            return varlen_causal(q, k, v, offsets)
         p = self.s.attention_dropout if self.training else 0.0
         gqa = self.groups != self.heads
         if mask is not None and mask.dtype != q.dtype:  # made in the parameters' dtype; the queries differ
@@ -262,6 +334,7 @@ class Attention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         packed = self.packed if self.packed is not None and self.packed.active else None
         positions, mask = (packed.positions, packed.mask) if packed is not None else (None, None)
+        offsets = packed.offsets if packed is not None else None  # varlen attention (PackedRows.kernel_for)
         if self.context is not None:  # context parallel (R41: never with packed rows)
             positions, mask = self.context.positions(t, q.device), self.context.mask(t, q.device, q.dtype)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
@@ -269,9 +342,10 @@ class Attention(nn.Module):
             k, v = self.context.gather_kv(k, v)
         if self.s.recompute_core_attn and self.training:
             # Recompute without RNG replay: rule R15 forbids attention dropout here.
-            out = checkpoint(self.core_attention, q, k, v, mask, use_reentrant=False, preserve_rng_state=False)
+            out = checkpoint(self.core_attention, q, k, v, mask, offsets, use_reentrant=False,
+                             preserve_rng_state=False)
         else:
-            out = self.core_attention(q, k, v, mask)
+            out = self.core_attention(q, k, v, mask, offsets)
         return self.linear_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -383,7 +457,7 @@ class GPTModel(nn.Module):
         self.final_layernorm = RMSNorm(s.hidden_size, s.eps)
         self.output_layer = None if s.tie_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.hidden_placement: Placement = Replicate()  # Shard(1) under sequence parallelism
-        self.packed = PackedRows()
+        self.packed = PackedRows(s.attention_dropout)
         self.context = None  # parallel/context_parallel.py: the loss over sequences split between ranks
         for module in self.modules():
             if isinstance(module, Attention):
