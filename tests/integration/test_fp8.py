@@ -245,7 +245,8 @@ def train(cfg):
 # the FP8 bench rows (graphstep bench, scripts/gpu-check): they resolve and validate on the bench shapes
 
 
-@pytest.mark.parametrize("recipe", ["small_dense_bench", "dense_1b_bench", "llama3_8b_stack_bench"])
+@pytest.mark.parametrize("recipe", ["small_dense_bench", "dense_1b_bench", "llama3_8b_stack_bench",
+                                    "llama3_8b_share_bench"])
 def test_fp8_bench_rows_resolve_validate_and_face_their_bf16_rows(recipe):
     from graphstep.bench.harness import peer_of
     from graphstep.bench.run import FP8_ROWS, plan_row
@@ -281,6 +282,24 @@ def test_the_llama3_8b_stack_bench_has_the_8b_layer_shapes():
         (4096, 14336, 32, 8, 128256)
     assert 2 <= m.num_layers <= 4 and m.seq_length == 8192 and m.params_dtype == "bf16"
     assert t.micro_batch_size == t.global_batch_size == 1
+
+
+def test_the_llama3_8b_share_bench_gives_the_output_layer_the_32_layer_models_share():
+    from graphstep.recipes import get_recipe
+
+    def output_share(m, layers):
+        head = m.kv_channels or m.hidden_size // m.num_attention_heads
+        q, kv = m.num_attention_heads * head, 2 * m.num_query_groups * head
+        layer = m.hidden_size * (q + kv) + q * m.hidden_size + 3 * m.hidden_size * m.ffn_hidden_size
+        output = m.hidden_size * m.vocab_size
+        return output / (layers * layer + output)
+
+    stack, share, full = (get_recipe(r).model for r in ("llama3_8b_stack_bench", "llama3_8b_share_bench", "llama3_8b"))
+    assert (share.num_layers, share.hidden_size, share.ffn_hidden_size, share.seq_length, share.vocab_size) == \
+        (stack.num_layers, stack.hidden_size, stack.ffn_hidden_size, stack.seq_length, 16384)
+    assert share.vocab_size % 128 == 0
+    assert abs(output_share(share, share.num_layers) - output_share(full, full.num_layers)) < 0.005  # both 7%
+    assert output_share(stack, stack.num_layers) > 0.35
 
 
 # --------------------------------------------------------------------------
