@@ -200,14 +200,24 @@ class WorldMesh:
         self.dims = dims
         self.root = DeviceMesh(device_type, dims.rank_grid(), mesh_dim_names=tuple(n for n, _ in dims.mesh_dims()))
         self.views = {name: flatten_mesh(self.root[spans], name) for name, spans in dims.flattened().items()}
+        # Slices of the root and this rank's coordinates, made once: DeviceMesh makes a new slice (and computes the
+        # coordinates anew) at every call, milliseconds each, and the step asks for them per parameter.
+        self._slices: dict[str | tuple[str, ...], DeviceMesh] = {}
+        self._local_ranks: dict[str, int] = {}
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         if isinstance(name, str) and name in self.views:
             return self.views[name]
-        return self.root[name]
+        mesh = self._slices.get(name)
+        if mesh is None:
+            mesh = self._slices[name] = self.root[name]
+        return mesh
 
     def local_rank(self, name: str) -> int:
-        return self[name].get_local_rank()
+        rank = self._local_ranks.get(name)
+        if rank is None:
+            rank = self._local_ranks[name] = self[name].get_local_rank()
+        return rank
 
     def size(self, name: str) -> int:
         return self[name].size()

@@ -182,8 +182,24 @@ def _split(n: int, ways: int) -> int:
     return -(-n // ways)
 
 
+_COUNTS: dict[str, ParameterCounts] = {}  # parameter_counts by the fields that decide them
+_NOT_STRUCTURE = ("cuda_graph_", "enable_cuda_graph", "external_cuda_graph", "use_te_rng_tracker")  # how it runs
+
+
 def parameter_counts(cfg: Config) -> ParameterCounts:
-    """The counts of the model ``cfg.model`` describes, built on the meta device."""
+    """The counts of the model ``cfg.model`` describes (with ``cfg.peft``'s adapters), built on the meta device
+    once per distinct model and adapter fields in a process (a sweep, a test's runs)."""
+    key = repr(([(f.name, getattr(cfg.model, f.name)) for f in dataclasses.fields(cfg.model)
+                 if not f.name.startswith(_NOT_STRUCTURE)], cfg.peft))
+    counts = _COUNTS.get(key)
+    if counts is None:
+        if len(_COUNTS) >= 64:
+            _COUNTS.clear()
+        counts = _COUNTS[key] = _count_parameters(cfg)
+    return counts
+
+
+def _count_parameters(cfg: Config) -> ParameterCounts:
     with torch.device("meta"):
         model = build_model(cfg.model, "meta")
         plan = lora.plan_from(cfg.peft)
