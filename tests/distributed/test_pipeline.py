@@ -15,7 +15,7 @@ posted before either is waited on (``exchange``).
 
 A second launch, of 4 ranks, runs ``LAYOUTS_4``: 2 stages combined with
 replicated data parallel (overlapped), tensor + sequence parallel, FSDP2,
-MoE and hybrid models, expert parallel (an MoE model's experts split over
+MoE (also over tensor + sequence parallel) and hybrid models, expert parallel (an MoE model's experts split over
 each stage's 2 ranks, its checkpoint resumed) and recompute (also over the
 tensor + sequence parallel and the FSDP2 ZeRO-3 stages), 2 stages x 2
 virtual stages (interleaved 1F1B) with tensor + sequence parallel and with
@@ -102,6 +102,11 @@ LAYOUTS_4 = {
     # 2 stages x 2 expert-parallel ranks: each stage's MoE blocks all-gather the tokens of that stage's 2 ranks,
     # each rank holding 4 of the 8 experts; aux loss (the recipe's) and expert bias on
     "pp2_ep2": [*PP2, *DP2, *MOE, "model.expert_model_parallel_size=2"],
+    # 2 stages x 2 tensor-parallel ranks (sequence parallel): each MoE block routes its rank's share of the tokens,
+    # the expert-bias update sums the token counts over the stage's 2 ranks. Dropout and the load-balancing loss
+    # (each rank's is that of its share of the tokens, as in Megatron) off: compared with one process
+    "pp2_tp2_moe": [*PP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true", *MOE, *NO_DROPOUT,
+                    "model.moe_aux_loss_coeff=0.0"],
     "pp2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4"],  # nemotron_h_tiny's M-*E: M- on the first stage, *E last
     "pp2_recompute": [*PP2, *DP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
                       "model.attention_dropout=0.0"],
@@ -123,7 +128,8 @@ LAYOUTS_4 = {
                     "model.share_embeddings_and_output_weights=false"],
 }
 # the others: llama3_tiny
-RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}
+RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_tp2_moe": "qwen3_moe_tiny",
+           "pp2_hybrid": "nemotron_h_tiny"}
 # the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
 MODES_4 = {
     "pp2_dp2": {"nodrop": [*NO_DROPOUT, *EAGER]},
@@ -139,6 +145,7 @@ MODES_4 = {
     "vpp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER]},
     # per-layer graphs over virtual stages: each chunk of a rank counts its own micro-batches (cuda_graph/layers.py)
     "vpp2_tp2_sp": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP]},
+    "pp2_tp2_moe": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]", *LAYER_WARMUP]},
     "pp2_moe": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]", *LAYER_WARMUP],
                 "nodrop": [*NO_DROPOUT, *EAGER]},
     # resumed at iteration 2 from the checkpoint its graphed run saved (SAVES), graphed: 3 eager, 4 captured
@@ -335,12 +342,11 @@ def reports_4(tmp_path_factory):
 @pytest.mark.ranks4
 def test_pipelines_on_four_ranks_equal_eager(reports_4):
     """pp2 x dp2 (each stage's gradients all-reduced over its data-parallel group, overlapped with the stage's last
-    backward, inside the graph), pp2 x tp2
-    with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and ZeRO-3, MoE (also pp2 x ep2: the experts
-    split over each stage's 2 ranks, its MoE blocks also graphed per layer) and hybrid models and recompute over 2
-    stages, 2 stages x 2 virtual stages
-    over tp2 with sequence parallel and over FSDP2 ZeRO-3, and pp2 x cp2 (also over FSDP2 ZeRO-3, and pp2 x vpp2 x
-    cp2 under zero bubble): the whole-schedule graphs and the per-layer graphs equal eager bit for bit."""
+    backward, inside the graph), pp2 x tp2 with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and
+    ZeRO-3, MoE (also pp2 x tp2, and pp2 x ep2: the experts split over each stage's 2 ranks, its MoE blocks also
+    graphed per layer) and hybrid models and recompute over 2 stages, 2 stages x 2 virtual stages over tp2 with
+    sequence parallel and over FSDP2 ZeRO-3, and pp2 x cp2 (also over FSDP2 ZeRO-3, and pp2 x vpp2 x cp2 under
+    zero bubble): the whole-schedule graphs and the per-layer graphs equal eager bit for bit."""
     _assert_graphed_runs_equal_eager(reports_4, LAYOUTS_4, MODES_4)
     shards = [r["pp2_dp2/eager"]["shard"] for r in reports_4]  # (pp, dp) = (0,0), (0,1), (1,0), (1,1)
     assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
@@ -427,7 +433,7 @@ def _one_process_run(recipe: str, single: tuple[str, ...]):
 ONE_REPLICA = ("pp2_cp2",)
 # the dropout-free run of each layout compared with one process
 ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop", "pp2_moe": "nodrop",
-               "pp2_ep2": "nodrop", "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop", "pp2_cp2": "nodrop",
+               "pp2_ep2": "nodrop", "pp2_tp2_moe": "eager", "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop", "pp2_cp2": "nodrop",
                "vpp2_cp2_zb": "nodrop"}
 
 
@@ -444,7 +450,8 @@ def sft_data(tmp_path_factory) -> Path:
 def test_pipelines_on_four_ranks_compute_what_one_process_computes(reports_4, sft_data, layout):
     """Dropout off: 2 stages over replicated data parallel with overlap (tied), tensor parallel (tied), FSDP2 (tied)
     or an MoE model (whose expert biases move
-    with the token counts of each stage's data-parallel ranks), its experts split over each stage's ranks or not,
+    with the token counts of each stage's ranks), its experts split over each stage's ranks or not, its tokens over
+    the stage's tensor-parallel ranks,
     2 stages x 2 virtual stages over tensor + sequence parallel or FSDP2 ZeRO-3, and 2 stages x 2 context-parallel
     ranks (tied; with 2 virtual stages under zero bubble) on SFT rows, compute what one process computes with the
     same global batch, to float tolerance: the losses (and, with one data-parallel replica, the evaluation losses),

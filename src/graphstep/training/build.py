@@ -158,10 +158,10 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     #    scaling's end-of-step update of the amax histories and scales (inside the full-iteration graph), and the
     #    FP8 weight casts made once per step (dropped at the start of each training step, on the host).
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.dp_size)  # per pipeline too
-    # the expert-bias update sums the token counts over the data-parallel ranks of this stage (each stage holds
-    # other MoE layers; without stages they are the whole world, the default group); a MoE block's tokens are
-    # split over tp
-    moe = MoEHooks(model, num_mb, group=dp.dp_group if dp.layout.pp > 1 else None, token_shares=dp.layout.tp,
+    # the expert-bias update sums the token counts over the ranks of this stage -- its data-parallel ranks and the
+    # tensor-parallel ranks a MoE block's tokens are split over (each stage holds other MoE layers; without stages
+    # they are the whole world, the default group)
+    moe = MoEHooks(model, num_mb, group=dp.stage_group, token_shares=dp.layout.tp,
                    stages=dp.pp_group, moe_model=cfg.model.num_moe_experts is not None)
     weight_casts = _fp8_weight_casts(cfg, settings, model, dp, compiled=compile_mode is not None)
     train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb,

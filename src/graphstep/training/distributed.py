@@ -54,7 +54,7 @@ from ..config import Config
 from ..cuda_graph.devices import normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
 from ..parallel.data_parallel import dp_group, grad_group
-from ..parallel.dims import CP, DP, PP, TP, ParallelDims, WorldMesh, build_mesh
+from ..parallel.dims import CP, DP, PP, STAGE, TP, ParallelDims, WorldMesh, build_mesh
 from .rundir import RunSetupError
 
 log = logging.getLogger("graphstep")
@@ -123,6 +123,15 @@ class DataParallel:
     def dp_group(self) -> Any:
         """The data-parallel ranks of this tensor-parallel rank and stage (None: the default group)."""
         return dp_group(self.layout, self.mesh)
+
+    @property
+    def stage_group(self) -> Any:
+        """Every rank of this pipeline stage (None without stages: the default group), over which a MoE model's
+        token counts are summed: its data-parallel ranks and, with tensor parallel, the tensor-parallel ranks a
+        MoE block's tokens are split over."""
+        if self.mesh is None or self.layout.pp == 1:
+            return None
+        return self.mesh.group(STAGE) if self.layout.tp > 1 else self.dp_group
 
     @property
     def pp_group(self) -> Any:
