@@ -71,9 +71,9 @@ TIED = {"pp2_tied": ["model.pipeline_model_parallel_size=2", "model.num_layers_i
 # 4 ranks, one launch (4 processes on CI's 2 cores): 2 pipelines of 2 stages (the gradients all-reduced over each
 # stage's data-parallel group), and the stages combined with tensor + sequence parallel, FSDP2, MoE and hybrid models
 # and activation recompute; one batch per evaluation. 2 micro-batches of 2 per pipeline and step, as many as stages
-# (what a combination adds is in every micro-batch; the 1F1B steady state with more is LAYOUTS')
-PP2 = ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2", "train.eval_iters=1",
-       "train.global_batch_size=4"]
+# (what a combination adds is in every micro-batch; the 1F1B steady state with more is LAYOUTS'), and one layer per
+# stage (the uneven split is LAYOUTS')
+PP2 = ["model.pipeline_model_parallel_size=2", "model.num_layers=2", "train.eval_iters=1", "train.global_batch_size=4"]
 DP2 = ["train.global_batch_size=8"]  # 2 data-parallel ranks x 2 micro-batches of 2
 MOE = ["train.micro_batch_size=2", "model.hidden_dropout=0.1", "model.moe_router_enable_expert_bias=true",
        "model.moe_router_bias_update_rate=0.01", "model.moe_router_score_function=sigmoid",
@@ -98,7 +98,7 @@ LAYOUTS_4 = {
     # tied: FSDP2 shards both stages' copies of the embedding alike over the data-parallel ranks
     "pp2_zero3": [*PP2, *DP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
                   "model.share_embeddings_and_output_weights=true"],
-    "pp2_moe": [*PP2, *DP2, *MOE],  # 3 MoE layers (qwen3_moe_tiny), 2 + 1
+    "pp2_moe": [*PP2, *DP2, *MOE],  # 2 MoE layers (qwen3_moe_tiny), one per stage
     # 2 stages x 2 expert-parallel ranks: each stage's MoE blocks all-gather the tokens of that stage's 2 ranks,
     # each rank holding 4 of the 8 experts; aux loss (the recipe's) and expert bias on
     "pp2_ep2": [*PP2, *DP2, *MOE, "model.expert_model_parallel_size=2"],
@@ -509,7 +509,7 @@ def test_expert_parallel_stages_hold_their_own_experts_and_resume_exactly(report
     first, last = reports_4[0]["pp2_ep2/eager"]["names"], reports_4[2]["pp2_ep2/eager"]["names"]
     assert first == reports_4[1]["pp2_ep2/eager"]["names"] and last == reports_4[3]["pp2_ep2/eager"]["names"]
     layers = [{n.split(".")[1] for n in names if n.startswith("layers.")} for names in (first, last)]
-    assert layers == [{"0", "1"}, {"2"}]
+    assert layers == [{"0"}, {"1"}]
     for report in reports_4:
         ep, dp = report["pp2_ep2/nodrop"], report["pp2_moe/nodrop"]
         torch.testing.assert_close(torch.tensor(ep["losses"], dtype=torch.float64),
