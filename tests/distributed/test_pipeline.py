@@ -104,7 +104,7 @@ LAYOUTS_4 = {
     "pp2_ep2": [*PP2, *DP2, *MOE, "model.expert_model_parallel_size=2"],
     # 2 stages x 2 tensor-parallel ranks (sequence parallel): each MoE block routes its rank's share of the tokens,
     # the expert-bias update sums the token counts over the stage's 2 ranks. Dropout and the load-balancing loss
-    # (each rank's is that of its share of the tokens, as in Megatron) off: compared with one process
+    # (each rank's is that of its share of the tokens) off: compared with one process
     "pp2_tp2_moe": [*PP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true", *MOE, *NO_DROPOUT,
                     "model.moe_aux_loss_coeff=0.0"],
     "pp2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4"],  # nemotron_h_tiny's M-*E: M- on the first stage, *E last

@@ -236,11 +236,13 @@ class PackedRows:
     by the model's forward before its layers run; a graph of one shape is replayed only with inputs of
     that shape). The model owns one and hands it to every layer's attention. ``active`` is false after
     a forward without ``cu_seqlens`` (plain causal attention). ``attention_dropout``: the model's (varlen
-    attention has none, so with dropout the mask is used).
+    attention has none, so with dropout the mask is used). ``varlen``: False keeps the mask everywhere (the trainer
+    sets it under per-layer graphs, see training/build.py).
     """
 
     def __init__(self, attention_dropout: float = 0.0) -> None:
         self.attention_dropout = attention_dropout
+        self.varlen = True
         self.positions: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
         self.offsets: torch.Tensor | None = None
@@ -254,8 +256,8 @@ class PackedRows:
         (autocast's dtype where autocast is on)."""
         if torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
-        if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and seq >= VARLEN_MIN_SEQ
-                and self.attention_dropout == 0.0 and varlen_attention() is not None):
+        if (self.varlen and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+                and seq >= VARLEN_MIN_SEQ and self.attention_dropout == 0.0 and varlen_attention() is not None):
             return "varlen"
         return "mask"
 

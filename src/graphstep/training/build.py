@@ -185,6 +185,11 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     layers = apply_layer_graphs(model, settings, backend, generators=capture.generators,
                                 chunks=pipeline.chunk_models() if pipeline is not None else ()) \
         if settings.per_layer else None
+    packed = getattr(model, "packed", None)
+    if layers is not None and packed is not None:
+        # Packed rows' varlen attention replayed inside per-layer graphs gave other losses than eager on an H100
+        # (torch 2.11, 2026-12-07; in the full-iteration graph it equals eager bit for bit): those rows keep the mask
+        packed.varlen = False
     # 6. The iteration: forward/backward of all micro-batches, as one graph with full_iteration (never together
     #    with step 5: R4) and a separate graph for evaluation. train_step holds the data-parallel reductions, so
     #    the ranks meet before each capture of these graphs (a barrier; Megatron does the same).
