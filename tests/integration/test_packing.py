@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from graphstep.config import apply_overrides
 from graphstep.data import SFTDataError, build_data
@@ -255,6 +256,40 @@ def test_lora_on_packed_rows_graphed_equals_eager(sft_file, device):
     assert_same_run(ref, graphed)
 
 
+def _varlen_on_the_cpu(q, k, v, offsets):
+    """What varlen attention computes (causal within each document of the rows laid end to end), with SDPA and a
+    mask built from the flat offsets: a stand-in that runs on the CPU."""
+    b, h, s, d = q.shape
+    token = torch.arange(b * s)
+    document = torch.searchsorted(offsets.long(), token, right=True)
+    allowed = (document[:, None] == document[None, :]) & (token[None, :] <= token[:, None])
+    flat = [t.transpose(1, 2).reshape(1, b * s, t.shape[1], d).transpose(1, 2) for t in (q, k, v)]
+    keys, values = (t.repeat_interleave(h // k.shape[1], dim=1) for t in flat[1:])
+    out = F.scaled_dot_product_attention(flat[0], keys, values, attn_mask=allowed)
+    return out.transpose(1, 2).reshape(b, s, h, d).transpose(1, 2)
+
+
+@pytest.mark.slow
+def test_per_layer_graphs_read_the_training_documents_after_an_evaluation(sft_file, monkeypatch):
+    """The per-layer graphs are captured at the start of a training step, after an evaluation whose split has
+    another number of offset slots (so other varlen offset tensors): they read the training forwards' tensors
+    (PackedRows.view), and the run equals eager bit for bit. The varlen kernel is stood in for on the CPU."""
+    monkeypatch.setattr(transformer, "varlen_causal", _varlen_on_the_cpu)
+    # varlen everywhere, also under the per-layer graphs (where the trainer keeps the mask until this is checked on
+    # a GPU: training/build.py)
+    monkeypatch.setattr(PackedRows, "kernel_for", lambda self, device, dtype, seq: "varlen")
+    common = sft_overrides(sft_file, *PACKED, *FP32_NO_DROPOUT, "train.train_iters=4", "train.global_batch_size=4",
+                           "train.micro_batch_size=2", "model.cuda_graph_warmup_steps=2", "checkpoint.save=null",
+                           "data.split=75,25,0", "train.eval_iters=1", "train.eval_interval=2")
+    ref = _train(eager(tiny_config(*common)))
+    offsets = {key[1] for key in ref.model.packed._static}
+    assert ref.model.packed.kernel == "varlen" and len(offsets) == 2  # the two splits' offsets: other lengths
+    layers = _train(tiny_config(*common, *GRAPHS["local[attn,mlp]"]))
+    assert "replayed" in str(layers.rows[-1]["state"]).lower() and layers.model.packed.kernel == "varlen"
+    assert_same_run(ref, layers)
+    assert layers.eval_losses == ref.eval_losses
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_packed_sft_through_varlen_attention_graphed_equals_eager(sft_file, monkeypatch):
@@ -280,6 +315,23 @@ def test_packed_sft_through_varlen_attention_graphed_equals_eager(sft_file, monk
     masked = _train(eager(tiny_config(*common)))
     assert masked.model.packed.kernel == "mask"
     assert_same_run(masked, layers)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_varlen_attention_inside_per_layer_graphs_equals_eager_on_a_gpu(sft_file, monkeypatch):
+    """The check that would let per-layer graphs use varlen attention (the trainer keeps the mask there:
+    training/build.py): varlen forced under local[attn,mlp], captured after an evaluation, equal to eager."""
+    monkeypatch.setattr(transformer, "VARLEN_MIN_SEQ", 64)
+    monkeypatch.setattr(PackedRows, "kernel_for", lambda self, device, dtype, seq: "varlen")
+    common = sft_overrides(sft_file, *PACKED, *FP32_NO_DROPOUT, "train.train_iters=4", "train.global_batch_size=4",
+                           "train.micro_batch_size=2", "model.cuda_graph_warmup_steps=2", "checkpoint.save=null",
+                           "data.split=75,25,0", "train.eval_iters=1", "train.eval_interval=2", "train.device=cuda")
+    ref = _train(eager(tiny_config(*common)))
+    layers = _train(tiny_config(*common, *GRAPHS["local[attn,mlp]"]))
+    assert layers.model.packed.kernel == "varlen" and "replayed" in str(layers.rows[-1]["state"]).lower()
+    assert_same_run(ref, layers)
+    assert layers.eval_losses == ref.eval_losses
 
 
 @pytest.mark.slow

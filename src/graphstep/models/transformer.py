@@ -234,10 +234,17 @@ class PackedRows:
     allocates that shape's tensors; later calls of the shape copy into them, so a graph that read them
     at capture reads the current micro-batch at replay (the input contract: static tensors, rewritten
     by the model's forward before its layers run; a graph of one shape is replayed only with inputs of
-    that shape). The model owns one and hands it to every layer's attention. ``active`` is false after
-    a forward without ``cu_seqlens`` (plain causal attention). ``attention_dropout``: the model's (varlen
-    attention has none, so with dropout the mask is used). ``varlen``: False keeps the mask everywhere (the trainer
-    sets it under per-layer graphs, see training/build.py).
+    that shape). The model owns one and hands it to every layer's attention.
+
+    Training and evaluation forwards each have their own view (:meth:`view`, by the model's
+    ``training`` flag): what the last forward of that mode set, or None after a forward of that mode
+    without ``cu_seqlens`` (plain causal attention). A training split and an evaluation split have other
+    numbers of offset slots, so their varlen offsets live in tensors of their own; per-layer graphs,
+    captured at the start of a training step, after an evaluation, read the training view's tensors --
+    the ones the training forwards rewrite -- never the evaluation's. ``positions``, ``mask``,
+    ``offsets``, ``kernel`` and ``active`` are the last forward's, whichever its mode.
+    ``attention_dropout``: the model's (varlen attention has none, so with dropout the mask is used).
+    ``varlen``: False keeps the mask everywhere.
     """
 
     def __init__(self, attention_dropout: float = 0.0) -> None:
@@ -249,6 +256,18 @@ class PackedRows:
         self.kernel = "mask"
         self.active = False
         self._static: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (shape, device, dtype, kernel) -> tensors
+        # per mode (training: True/False): (positions, mask, offsets) of its last forward, None: not packed
+        self._views: dict[bool, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None] = {}
+
+    def view(self, training: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """``(positions, mask, offsets)`` of the last forward in this mode (one of mask and offsets is None), or
+        None when that forward had no ``cu_seqlens``."""
+        return self._views.get(training)
+
+    def clear(self, training: bool = True) -> None:
+        """A forward of this mode without ``cu_seqlens``: its attention is plain causal."""
+        self.active = False
+        self._views[training] = None
 
     def kernel_for(self, device: torch.device, dtype: torch.dtype, seq: int) -> str:
         """``"varlen"`` for rows of ``VARLEN_MIN_SEQ`` tokens or more on a GPU in bf16/fp16 without attention
@@ -261,7 +280,7 @@ class PackedRows:
             return "varlen"
         return "mask"
 
-    def update(self, cu_seqlens: torch.Tensor, seq: int, dtype: torch.dtype) -> None:
+    def update(self, cu_seqlens: torch.Tensor, seq: int, dtype: torch.dtype, training: bool = True) -> None:
         self.active = True
         kernel = self.kernel_for(cu_seqlens.device, dtype, seq)
         token = torch.arange(seq, device=cu_seqlens.device)
@@ -285,6 +304,7 @@ class PackedRows:
         self.kernel = kernel
         self.positions, reads = self._static[key]
         self.mask, self.offsets = (None, reads) if kernel == "varlen" else (reads, None)
+        self._views[training] = (self.positions, self.mask, self.offsets)
 
 
 class Attention(nn.Module):
@@ -334,9 +354,9 @@ class Attention(nn.Module):
         v = v.view(b, t, self.groups, self.head_dim).transpose(1, 2)
         if self.s.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        packed = self.packed if self.packed is not None and self.packed.active else None
-        positions, mask = (packed.positions, packed.mask) if packed is not None else (None, None)
-        offsets = packed.offsets if packed is not None else None  # varlen attention (PackedRows.kernel_for)
+        # packed rows: this mode's documents (PackedRows.view); offsets: varlen attention (PackedRows.kernel_for)
+        packed = self.packed.view(self.training) if self.packed is not None else None
+        positions, mask, offsets = packed if packed is not None else (None, None, None)
         if self.context is not None:  # context parallel (R41: never with packed rows)
             positions, mask = self.context.positions(t, q.device), self.context.mask(t, q.device, q.dtype)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
@@ -509,9 +529,9 @@ class GPTModel(nn.Module):
     def logits(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """The logits of ``tokens``; ``cu_seqlens``: the rows are packed documents (:class:`PackedRows`)."""
         if cu_seqlens is None:
-            self.packed.active = False
+            self.packed.clear(self.training)
         else:
-            self.packed.update(cu_seqlens, tokens.shape[-1], self.embedding.weight.dtype)
+            self.packed.update(cu_seqlens, tokens.shape[-1], self.embedding.weight.dtype, self.training)
         return self.stage_forward(tokens)
 
     def forward(
