@@ -15,7 +15,12 @@ more to compare with one process:
   and, graphed, ``cp2_tp2_sp`` with selective recompute and ``cp2_fsdp2`` with full recompute: the same bits as
   their runs without dropout;
 * ``cp2_dp2`` with ``ddp.overlap_grad_reduce`` (dropout off): the same bits as without overlap;
-* ``cp2_dp2`` saved at iteration 2 and resumed (graphed, dropout on): the same bits as without the stop.
+* ``cp2_dp2`` saved at iteration 2 and resumed (graphed, dropout on): the same bits as without the stop;
+* ``cp2_dp2_moe``: an MoE model (qwen3_moe_tiny, expert bias on) over 2 data-parallel x 2 context-parallel
+  ranks: each rank routes the tokens of its chunks, the expert-bias update sums the token counts of all 4,
+  graphed whole and per layer (``[attn,moe]``); with dropout and the load-balancing loss off (each rank's is
+  that of its share of the tokens) it computes what one process computes, and graphed with full recompute
+  the same bits as eager without it.
 
 Each rank writes, per run, the per-iteration losses, the evaluation losses and a digest of the parameters it
 holds. On the CPU the graphs run on the replay backend over gloo (the key/value all-gathers, their
@@ -51,19 +56,25 @@ LAYOUTS = {
     "cp2_fsdp2": [*CP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
     "cp2_zero2": [*CP2, "ddp.use_distributed_optimizer=true"],
     "cp2_dp2_recompute": [*CP2, "model.recompute_granularity=full", *NO_DROPOUT, *BUCKETS],
+    "cp2_dp2_moe": [*CP2, "recipe=qwen3_moe_tiny", "train.micro_batch_size=2", "model.hidden_dropout=0.1",
+                    "model.moe_router_enable_expert_bias=true", "model.moe_router_bias_update_rate=0.01",
+                    "model.moe_router_score_function=sigmoid", "data.corpus_max_bytes=300000", "data.split=90,10,0"],
 }
 # per-layer graphs: each attention graph holds its all-gather, its backward graph the reduce-scatter
 PER_LAYER = {"cp2_dp2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
              "cp2_tp2_sp": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"],
              # inside FSDP2's layers: its gathers and reduce-scatters eager between the layer graphs
-             "cp2_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]}
+             "cp2_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+             "cp2_dp2_moe": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"]}
 COMPARED = ("cp2_dp2", "cp2_tp2_sp", "cp2_fsdp2")  # with dropout off, against one process
 # graphed with activation recompute, dropout off: selective recompute of the core attention over tensor parallel,
 # full recompute over FSDP2 ZeRO-3 (each layer gathered again in the backward); against the layout's nodrop run
 RECOMPUTED = {"cp2_tp2_sp": ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"],
               "cp2_fsdp2": ["model.recompute_granularity=full", "model.recompute_method=uniform",
-                            "model.recompute_num_layers=1"]}
-NODROP = {"cp2_dp2": BUCKETS}  # cp2_dp2's dropout-free run: the reference of the overlap and recompute runs too
+                            "model.recompute_num_layers=1"],
+              "cp2_dp2_moe": ["model.recompute_granularity=full"]}
+NODROP = {"cp2_dp2": BUCKETS,  # cp2_dp2's dropout-free run: the reference of the overlap and recompute runs too
+          "cp2_dp2_moe": ["model.moe_aux_loss_coeff=0.0"]}
 
 
 def layouts_worker(out: str, device: str) -> None:
@@ -75,16 +86,18 @@ def layouts_worker(out: str, device: str) -> None:
             for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
     runs.update({f"{name}/layers": [*LAYOUTS[name], *graphs] for name, graphs in PER_LAYER.items()})
     runs.update({f"{name}/nodrop": [*LAYOUTS[name], *NODROP.get(name, []), *NO_DROPOUT, *EAGER]
-                 for name in COMPARED})
+                 for name in (*COMPARED, "cp2_dp2_moe")})
     runs["cp2_dp2_overlap/nodrop"] = [*runs["cp2_dp2/nodrop"], "ddp.overlap_grad_reduce=true"]
-    runs.update({f"{name}/recompute": [*LAYOUTS[name], *NO_DROPOUT, *GRAPHED, *recompute]
+    runs.update({f"{name}/recompute": [*LAYOUTS[name], *NODROP.get(name, []), *NO_DROPOUT, *GRAPHED, *recompute]
                  for name, recompute in RECOMPUTED.items()})
     # a checkpoint at iteration 2 of the graphed cp2_dp2 run, and a run resumed from it (dropout on)
     save = Path(out) / "cp2_dp2-checkpoints"
     runs["cp2_dp2/graphed"] += [f"checkpoint.save={save}", "checkpoint.save_interval=2"]
     runs["cp2_dp2/resumed"] = [*LAYOUTS["cp2_dp2"], *GRAPHED, f"checkpoint.load={save}/iter_0000002"]
     def run(overrides: list[str]) -> dict:
-        result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
+        recipe = [o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")] or ["llama3_tiny"]
+        overrides = [o for o in overrides if not o.startswith("recipe=")]
+        result = train(tiny_config(*COMMON, f"train.device={device}", *overrides, recipe=recipe[0]), keep_model=True)
         return {**train_report(result), "grad_norms": [r["grad_norm"] for r in result.rows]}
 
     report_runs(Path(out), device, runs, run)
@@ -163,6 +176,25 @@ def test_context_parallel_computes_what_one_process_computes(reports, one_proces
     torch.testing.assert_close(ev_cp, ev_one, rtol=2e-5, atol=0)
 
 
+def test_an_moe_model_over_context_parallel_ranks_computes_what_one_process_computes(reports):
+    """cp2 x dp2 MoE, dropout and the load-balancing loss off: each rank routes its own chunks' tokens, the expert
+    biases move with the token counts summed over the 4 ranks, and the losses and gradient norms are one
+    process's with the same global batch, to float tolerance."""
+    from helpers.runs import tiny_config
+    from graphstep.training.loop import train
+
+    single = [o for o in LAYOUTS["cp2_dp2_moe"] if not o.startswith(("recipe=", "model.context_parallel_size",
+                                                                      "model.cp_comm_type"))]
+    one = train(tiny_config(*COMMON, *single, *NODROP["cp2_dp2_moe"], *NO_DROPOUT, *EAGER, recipe="qwen3_moe_tiny"))
+    for report in reports:
+        run = report["cp2_dp2_moe/nodrop"]
+        torch.testing.assert_close(torch.tensor(run["losses"], dtype=torch.float64),
+                                   torch.tensor(one.losses, dtype=torch.float64), rtol=2e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(run["grad_norms"], dtype=torch.float64),
+                                   torch.tensor([r["grad_norm"] for r in one.rows], dtype=torch.float64),
+                                   rtol=1e-4, atol=0)
+
+
 def test_a_context_parallel_run_resumes_bit_for_bit(reports):
     """Saved at iteration 2 and resumed (graphed, dropout on): each rank continues its own RNG streams -- the
     context-parallel ranks' differ -- and the data where it stopped, so iterations 3-4 are the same bits."""
@@ -192,9 +224,10 @@ def test_recompute_with_context_parallel_computes_what_it_computes_without(repor
 
 @pytest.mark.parametrize("layout", list(RECOMPUTED))
 def test_recompute_over_sharded_context_parallel_layouts_graphed_computes_the_same_bits(reports, layout):
-    """cp2 x tp2 with the core attention recomputed and cp2 x FSDP2 ZeRO-3 with full recompute, graphed: the
-    recomputed regions re-run the key/value all-gathers, DTensor's collectives and FSDP2's gathers inside the
-    captured backward, and the run equals the layout's eager run without recompute bit for bit."""
+    """cp2 x tp2 with the core attention recomputed, cp2 x FSDP2 ZeRO-3 and cp2 x dp2 MoE with full recompute,
+    graphed: the recomputed regions re-run the key/value all-gathers, DTensor's collectives, FSDP2's gathers and
+    the MoE blocks inside the captured backward, and the run equals the layout's eager run without recompute bit
+    for bit."""
     for report in reports:
         recomputed, plain = report[f"{layout}/recompute"], report[f"{layout}/nodrop"]
         assert recomputed["states"] == graphed_states(ITERS) and recomputed["graphs"] == 3

@@ -425,9 +425,10 @@ def _r30(v: View) -> list[Violation]:
         refuse(["model.seq_length", "model.sequence_parallel"], f"each rank's {seq // cp} tokens of "
                f"model.seq_length={seq} do not divide over {tp} sequence-parallel ranks.",
                f"set model.seq_length to a multiple of {2 * cp * tp}.")
-    others = [(m.num_moe_experts is not None, ["model.num_moe_experts"], "an MoE model (its blocks and "
-               "expert-parallel token exchanges are not split by sequence)", "set model.context_parallel_size=1 "
-               "(with model.expert_model_parallel_size to split the MoE model), or use a dense model."),
+    others = [(m.num_moe_experts is not None and pp > 1, ["model.num_moe_experts",
+               "model.pipeline_model_parallel_size"], "an MoE model over pipeline stages (not yet checked against "
+               "eager)", "set model.pipeline_model_parallel_size=1 (MoE with context parallel), or "
+               "model.context_parallel_size=1 (MoE over stages)."),
               ((_int(m.expert_model_parallel_size) or 1) > 1, ["model.expert_model_parallel_size"], "expert "
                "parallel", "set model.expert_model_parallel_size=1."),
               (m.hybrid_override_pattern is not None, ["model.hybrid_override_pattern"], "a hybrid (Mamba) model "
