@@ -15,7 +15,7 @@ posted before either is waited on (``exchange``).
 
 A second launch, of 4 ranks, runs ``LAYOUTS_4``: 2 stages combined with
 replicated data parallel (overlapped), tensor + sequence parallel, FSDP2,
-MoE (also over tensor + sequence parallel) and hybrid models, expert parallel (an MoE model's experts split over
+MoE (also over tensor + sequence parallel and over context parallel) and hybrid models, expert parallel (an MoE model's experts split over
 each stage's 2 ranks, its checkpoint resumed) and recompute (also over the
 tensor + sequence parallel and the FSDP2 ZeRO-3 stages), 2 stages x 2
 virtual stages (interleaved 1F1B) with tensor + sequence parallel and with
@@ -107,6 +107,9 @@ LAYOUTS_4 = {
     # (each rank's is that of its share of the tokens) off: compared with one process
     "pp2_tp2_moe": [*PP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true", *MOE, *NO_DROPOUT,
                     "model.moe_aux_loss_coeff=0.0"],
+    # 2 stages x 2 context-parallel ranks: each MoE block routes the tokens of its rank's chunks, the expert-bias
+    # update sums the counts over the stage's 2 ranks; dropout and the load-balancing loss off (one process)
+    "pp2_cp2_moe": [*PP2, *CP2, *MOE, *NO_DROPOUT, "model.moe_aux_loss_coeff=0.0"],
     "pp2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4"],  # nemotron_h_tiny's M-*E: M- on the first stage, *E last
     "pp2_recompute": [*PP2, *DP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
                       "model.attention_dropout=0.0"],
@@ -129,6 +132,7 @@ LAYOUTS_4 = {
 }
 # the others: llama3_tiny
 RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_tp2_moe": "qwen3_moe_tiny",
+           "pp2_cp2_moe": "qwen3_moe_tiny",
            "pp2_hybrid": "nemotron_h_tiny"}
 # the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
 MODES_4 = {
@@ -343,7 +347,7 @@ def reports_4(tmp_path_factory):
 def test_pipelines_on_four_ranks_equal_eager(reports_4):
     """pp2 x dp2 (each stage's gradients all-reduced over its data-parallel group, overlapped with the stage's last
     backward, inside the graph), pp2 x tp2 with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and
-    ZeRO-3, MoE (also pp2 x tp2, and pp2 x ep2: the experts split over each stage's 2 ranks, its MoE blocks also
+    ZeRO-3, MoE (also pp2 x tp2, pp2 x cp2, and pp2 x ep2: the experts split over each stage's 2 ranks, its MoE blocks also
     graphed per layer) and hybrid models and recompute over 2 stages, 2 stages x 2 virtual stages over tp2 with
     sequence parallel and over FSDP2 ZeRO-3, and pp2 x cp2 (also over FSDP2 ZeRO-3, and pp2 x vpp2 x cp2 under
     zero bubble): the whole-schedule graphs and the per-layer graphs equal eager bit for bit."""
@@ -433,7 +437,7 @@ def _one_process_run(recipe: str, single: tuple[str, ...]):
 ONE_REPLICA = ("pp2_cp2",)
 # the dropout-free run of each layout compared with one process
 ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop", "pp2_moe": "nodrop",
-               "pp2_ep2": "nodrop", "pp2_tp2_moe": "eager", "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop", "pp2_cp2": "nodrop",
+               "pp2_ep2": "nodrop", "pp2_tp2_moe": "eager", "pp2_cp2_moe": "eager", "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop", "pp2_cp2": "nodrop",
                "vpp2_cp2_zb": "nodrop"}
 
 

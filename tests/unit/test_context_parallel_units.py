@@ -163,8 +163,6 @@ def _rules(*overrides: str, world: int = 4) -> list:
     (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2"],
      4, "2 pipeline-stage x 2 context-parallel x 2 tensor-parallel ranks do not divide the world size 4",
      "multiple of 8"),
-    (["model.context_parallel_size=2", "model.num_moe_experts=4", "model.pipeline_model_parallel_size=2"], 4,
-     "with an MoE model over pipeline stages", "model.context_parallel_size=1"),
     (["model.context_parallel_size=2", "model.hybrid_override_pattern=M-M-"], 4, "hybrid (Mamba)",
      "context_parallel_size=1"),
     (["model.context_parallel_size=2", "data.seq_length_buckets=[32,64]"], 4, "seq_length_buckets",
@@ -188,6 +186,10 @@ def test_rule_r30_refuses_what_context_parallel_does_not_do_with_the_reason_and_
     (["model.context_parallel_size=2", "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"], 4),
     (["model.context_parallel_size=4", "model.recompute_granularity=full", "model.cuda_graph_impl=full_iteration",
       "model.attention_dropout=0.0", "model.hidden_dropout=0.0"], 4),
+    # an MoE model, alone and over stages (its token counts summed over the stage's ranks)
+    (["model.context_parallel_size=2", "model.num_moe_experts=4", "model.moe_ffn_hidden_size=64"], 4),
+    (["model.context_parallel_size=2", "model.num_moe_experts=4", "model.moe_ffn_hidden_size=64",
+      "model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=full_iteration"], 4),
     # over pipeline stages: plain, per-layer graphs (warmed up for 2 iterations: R29), FSDP2, and virtual stages
     # with tensor + sequence parallel (Megatron Bridge's Llama 3 70B layout in small)
     (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2",

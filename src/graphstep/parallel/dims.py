@@ -58,7 +58,7 @@ EDP, EP = "edp", "ep"  # expert parallel: the data-parallel ranks as (expert-dat
 DP = "dp"  # every data-parallel rank, replicated or sharded: a flattened view
 EXPERT_DP = "expert_dp"  # expert x tensor parallel: every rank holding the same experts, (edp, tp): a flattened view
 DP_CP = "dp_cp"  # the data-parallel and context-parallel ranks: gradients and losses are averaged over them
-STAGE = "stage"  # every rank of a pipeline stage (all but pp), with tensor parallel: a MoE model's token counts
+STAGE = "stage"  # every rank of a pipeline stage (all but pp), with tensor or context parallel: MoE token counts
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class ParallelDims:
             views = {DP: (DP_REPLICATE, DP_SHARD)}
             if self.cp > 1:
                 views[DP_CP] = (DP_REPLICATE, DP_SHARD, CP)
-            if self.pp > 1 and self.tp > 1:  # the stage's ranks, over which a MoE model's token counts are summed
+            if self.pp > 1 and (self.tp > 1 or self.cp > 1):  # the stage's ranks: a MoE model's token counts
                 views[STAGE] = (DP_REPLICATE, DP_SHARD, CP, TP)
             return views
         # expert parallel (R30: never with context parallel)

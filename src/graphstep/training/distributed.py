@@ -127,11 +127,11 @@ class DataParallel:
     @property
     def stage_group(self) -> Any:
         """Every rank of this pipeline stage (None without stages: the default group), over which a MoE model's
-        token counts are summed: its data-parallel ranks and, with tensor parallel, the tensor-parallel ranks a
-        MoE block's tokens are split over."""
+        token counts are summed: its data-parallel ranks and, with tensor or context parallel, the ranks a MoE
+        block's tokens are split over."""
         if self.mesh is None or self.layout.pp == 1:
             return None
-        return self.mesh.group(STAGE) if self.layout.tp > 1 else self.dp_group
+        return self.mesh.group(STAGE) if self.layout.tp > 1 or self.layout.cp > 1 else self.dp_group
 
     @property
     def pp_group(self) -> Any:

@@ -425,11 +425,7 @@ def _r30(v: View) -> list[Violation]:
         refuse(["model.seq_length", "model.sequence_parallel"], f"each rank's {seq // cp} tokens of "
                f"model.seq_length={seq} do not divide over {tp} sequence-parallel ranks.",
                f"set model.seq_length to a multiple of {2 * cp * tp}.")
-    others = [(m.num_moe_experts is not None and pp > 1, ["model.num_moe_experts",
-               "model.pipeline_model_parallel_size"], "an MoE model over pipeline stages (not yet checked against "
-               "eager)", "set model.pipeline_model_parallel_size=1 (MoE with context parallel), or "
-               "model.context_parallel_size=1 (MoE over stages)."),
-              ((_int(m.expert_model_parallel_size) or 1) > 1, ["model.expert_model_parallel_size"], "expert "
+    others = [((_int(m.expert_model_parallel_size) or 1) > 1, ["model.expert_model_parallel_size"], "expert "
                "parallel", "set model.expert_model_parallel_size=1."),
               (m.hybrid_override_pattern is not None, ["model.hybrid_override_pattern"], "a hybrid (Mamba) model "
                "(the Mamba scan runs over the whole sequence)", "set model.context_parallel_size=1 for hybrid "
