@@ -12,8 +12,9 @@ root of its own) to tensor + sequence parallel and the distributed optimizer:
 Megatron Bridge's large recipes (TP x PP x VPP over sharded data parallel).
 Another puts 2 context-parallel ranks in place of the data-parallel ones:
 Bridge's Llama 3 70B layout (TP x PP x VPP x CP, the distributed optimizer)
-in small, also run with per-layer graphs. On the CPU the graphs run on the
-replay backend over gloo. The 4-rank combinations (2 stages with tensor
+in small, also run with per-layer graphs. And an MoE model over 2 stages x 2
+expert-parallel x 2 tensor-parallel ranks, also compared with one process. On
+the CPU the graphs run on the replay backend over gloo. The 4-rank combinations (2 stages with tensor
 parallel, FSDP2, context parallel, MoE, hybrid models, recompute) are in
 test_pipeline.py.
 """
@@ -58,6 +59,15 @@ LAYOUTS = {  # rank = 4 pp + 2 dp + tp
                                   "ddp.use_distributed_optimizer=true", "train.global_batch_size=4",
                                   "data.dataset=sft", "data.data_path=<out>/sft.jsonl", "data.split=80,20,0",
                                   "model.seq_length=64"],
+    # an MoE model (qwen3_moe_tiny, expert bias on) over pp2 x ep2 x tp2 with sequence parallel: rank = 4 pp + 2 ep
+    # + tp, each stage's experts split over its 2 expert-parallel ranks, the tokens over its 2 tensor-parallel ranks,
+    # the expert-bias counts summed over the stage's 4 ranks. Dropout and the load-balancing loss off: compared
+    # with one process too
+    "pp2_ep2_tp2_moe": ["recipe=qwen3_moe_tiny", "model.expert_model_parallel_size=2", "model.sequence_parallel=true",
+                        "train.micro_batch_size=2", "model.moe_router_enable_expert_bias=true",
+                        "model.moe_router_bias_update_rate=0.01", "model.moe_router_score_function=sigmoid",
+                        "model.moe_aux_loss_coeff=0.0", "model.attention_dropout=0.0", "model.hidden_dropout=0.0",
+                        "data.corpus_max_bytes=300000", "data.split=90,10,0"],
 }
 # also run with per-layer graphs (over stages they warm up for 2 steps: rule R29), dropout on
 LAYERS = ("pp2_vpp2_cp2_zero2_tp2_sp",)  # virtual stages x tp2 with per-layer graphs: test_pipeline.py's vpp2_tp2_sp
@@ -74,9 +84,11 @@ def layouts_worker(out: str, device: str) -> None:
     runs.update({f"{name}/layers": [*LAYOUTS[name], *PER_LAYER] for name in LAYERS})
 
     def run(overrides: list[str]) -> dict:
-        overrides = [o.replace("<out>", out) for o in overrides]
-        result = train(tiny_config(*COMMON, f"train.device={device}", *overrides), keep_model=True)
-        return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()]}
+        recipe = [o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")] or ["llama3_tiny"]
+        overrides = [o.replace("<out>", out) for o in overrides if not o.startswith("recipe=")]
+        result = train(tiny_config(*COMMON, f"train.device={device}", *overrides, recipe=recipe[0]), keep_model=True)
+        return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()],
+                "grad_norm": [row["grad_norm"] for row in result.rows]}
 
     report_runs(Path(out), device, runs, run)
 
@@ -105,7 +117,8 @@ def _assert_graphed_equals_eager(reports: list[dict]) -> None:
 @pytest.mark.ranks8
 def test_three_dimensional_layouts_on_eight_ranks_equal_eager(tmp_path):
     """pp2 x dp2 x tp2 over FSDP2 ZeRO-3 (with sequence parallel), pp2 x vpp2 x dp2 x tp2 and pp2 x vpp2 x cp2 x
-    tp2 over the distributed optimizer (with sequence parallel): the whole schedule
+    tp2 over the distributed optimizer (with sequence parallel), and an MoE model over pp2 x ep2 x tp2: the whole
+    schedule
     graphed, and for the context-parallel one the per-layer graphs, equal eager bit for bit on every rank, and
     every rank holds the part of the model its place says."""
     reports = run_layouts(tmp_path, "cpu", timeout=600)
@@ -120,6 +133,29 @@ def test_three_dimensional_layouts_on_eight_ranks_equal_eager(tmp_path):
     assert names[0][0] == "embedding.weight" and "output_layer.weight" not in names[0]
     assert names[4][-1] == "output_layer.weight" and "embedding.weight" not in names[4]
     _assert_context_parallel_stages(reports)
+    _assert_expert_and_tensor_parallel_stages(reports)
+
+
+def _assert_expert_and_tensor_parallel_stages(reports: list[dict]) -> None:
+    """pp2 x ep2 x tp2 MoE (rank = 4 pp + 2 ep + tp): the stage's 4 ranks hold 4 different shards (half of the
+    experts each, the attention split over tp), and without dropout and the load-balancing loss it computes what
+    one process computes with the same global batch: the losses and gradient norms to float tolerance."""
+    from helpers.runs import tiny_config
+    from graphstep.training.loop import train
+
+    layout = "pp2_ep2_tp2_moe"
+    assert len({r[f"{layout}/eager"]["shard"] for r in reports}) == 8
+    single = [o for o in (*COMMON, *LAYOUTS[layout]) if not o.startswith((
+        "recipe=", "model.pipeline_model_parallel_size", "model.num_layers_in_first", "model.tensor_model",
+        "model.sequence_parallel", "model.expert_model_parallel_size"))]
+    one = train(tiny_config(*single, "train.device=cpu", *EAGER, recipe="qwen3_moe_tiny"))
+    for report in reports:
+        run = report[f"{layout}/eager"]
+        torch.testing.assert_close(torch.tensor(run["losses"], dtype=torch.float64),
+                                   torch.tensor(one.losses, dtype=torch.float64), rtol=2e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(run["grad_norm"], dtype=torch.float64),
+                                   torch.tensor([r["grad_norm"] for r in one.rows], dtype=torch.float64),
+                                   rtol=1e-4, atol=0)
 
 
 def _assert_context_parallel_stages(reports: list[dict]) -> None:

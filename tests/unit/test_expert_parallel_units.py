@@ -119,14 +119,14 @@ def test_accepted_expert_parallel_layouts_break_no_rule():
 
 
 def test_expert_parallel_over_stages_passes_every_rule_and_refuses_what_other_rules_own():
-    """pp2 x ep2 breaks no rule at all, graphed whole; with tensor parallel as well (R29: not yet checked against
-    eager) it is refused there, R31 quiet; over virtual stages R31 refuses it."""
+    """pp2 x ep2 breaks no rule at all, graphed whole, nor with tensor parallel as well (pp2 x ep2 x tp2, the 8-rank
+    launch of test_pipeline_3d.py) or without expert parallel (pp2 x tp2 MoE); over virtual stages R31 refuses
+    it."""
     layout = ("model.expert_model_parallel_size=2", *PP2, "train.micro_batch_size=1", "train.global_batch_size=8",
               "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1")
     assert _all_rules(*layout, world=4) == []
-    tp = _all_rules(*layout, "model.tensor_model_parallel_size=2", world=8)
-    assert {v.rule for v in tp} == {"R29"} and "its tokens over model.tensor_model_parallel_size=2" in tp[0].message
-    assert _all_rules(*layout[1:], "model.tensor_model_parallel_size=2", world=4) == []  # pp2 x tp2 MoE: accepted
+    assert _all_rules(*layout, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true", world=8) == []
+    assert _all_rules(*layout[1:], "model.tensor_model_parallel_size=2", world=4) == []  # pp2 x tp2 MoE
     vpp = _all_rules(*layout, "model.virtual_pipeline_model_parallel_size=2", "model.num_layers=4",
                      "model.share_embeddings_and_output_weights=false", world=4)
     assert {v.rule for v in vpp} == {"R31"} and "over virtual pipeline stages" in vpp[0].message

@@ -106,9 +106,6 @@ def _rules(*overrides: str, world: int = 2) -> list:
       "model.cuda_graph_warmup_steps=1"], 2, "R29", "shape inference"),
     (["model.pipeline_model_parallel_size=2", "model.cuda_graph_retain_backward_graph=true"], 2, "R29",
      "retain_graph"),
-    (["model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2", "model.num_moe_experts=4",
-      "model.moe_ffn_hidden_size=64", "model.moe_router_topk=2", "model.expert_model_parallel_size=2"], 8, "R29",
-     "the three together need 8 ranks"),
     (["model.pipeline_model_parallel_size=2", "model.context_parallel_size=2"], 2, "R30",
      "2 pipeline-stage x 2 context-parallel ranks do not divide the world size 2"),
 ])

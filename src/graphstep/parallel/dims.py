@@ -174,6 +174,8 @@ class ParallelDims:
             views = {DP: (EDP, EP, DP_SHARD), DP_REPLICATE: (EDP, EP)}
         if self.tp > 1:  # a MoE block runs on each tensor-parallel rank's share of the tokens (tensor_parallel.py)
             views[EXPERT_DP] = (EDP, TP)
+            if self.pp > 1:  # the stage's ranks, over which the token counts are summed
+                views[STAGE] = tuple(name for name, _ in self.mesh_dims() if name != PP)
         return views
 
     def rank_grid(self) -> torch.Tensor:

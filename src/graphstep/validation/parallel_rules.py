@@ -37,13 +37,13 @@ parallel/; these rules say which configurations it takes:
   stages combine with tensor (+ sequence) parallel, FSDP2, or both, with
   activation recompute, and with MoE and hybrid models;
 * R29 -- what pipeline parallelism does not combine with yet (shape buckets,
-  an MoE model under tensor parallel, ...; tensor parallelism, FSDP2, MoE and
-  hybrid models, recompute, compile (R27) and the overlapped gradient
-  reduction combine with it);
+  ...; tensor parallelism, FSDP2, MoE and hybrid models -- an MoE model over
+  tensor, context or expert x tensor parallel too --, recompute, compile (R27)
+  and the overlapped gradient reduction combine with it);
 * R30 -- context parallel: the layout fits the world and the sequence (2 x cp
   equal chunks, and each rank's share divides over sequence-parallel ranks),
   the communication type is the one graphstep implements (``all_gather``), and
-  what it does not combine with yet (MoE and hybrid models, expert parallel,
+  what it does not combine with yet (hybrid models, expert parallel,
   sequence-length buckets) is refused; pipeline stages, plain or
   virtual, combine with it (each stage's attention gathers over its own
   context-parallel ranks; the last stage's loss is ContextParallel's);
@@ -375,14 +375,6 @@ def _r29(v: View) -> list[Violation]:
                "layer graphs take their order and micro-batches in flight from the last warm-up step, and the first "
                "step also runs torch's shape inference, an extra forward of every layer)",
                "set model.cuda_graph_warmup_steps=2 or more.")
-    ep = _int(m.expert_model_parallel_size) or 1
-    if m.num_moe_experts is not None and tensor_parallel_size(cfg) > 1 and ep > 1:
-        refuse(["model.num_moe_experts", "model.tensor_model_parallel_size", "model.expert_model_parallel_size"],
-               f"an MoE model whose experts are split over model.expert_model_parallel_size={ep} ranks and its "
-               f"tokens over model.tensor_model_parallel_size={tensor_parallel_size(cfg)} ranks (not yet checked "
-               "against eager: the three together need 8 ranks)",
-               "set model.expert_model_parallel_size=1 (MoE over stages x tensor parallel), or "
-               "model.tensor_model_parallel_size=1 (stages x expert parallel).")
     if cfg.data.seq_length_buckets is not None:
         refuse(["data.seq_length_buckets"], "data.seq_length_buckets (the stages exchange one fixed shape)",
                "set data.seq_length_buckets=null.")
@@ -536,7 +528,8 @@ def _ep_over_stages(v: View, pp: int, dispatcher: str | None, fsdp: bool, refuse
     layouts): each stage's MoE blocks exchange tokens among the expert-parallel ranks of that stage, over
     replicated data parallel, the allgather dispatcher, eager or graphed (whole or per layer), recompute
     included. What the tests do not show equal to eager and to the same model without expert parallel is refused
-    here (virtual stages among it); tensor parallel with an MoE model over stages is R29's."""
+    here (virtual stages among it). With tensor parallel too (pp2 x ep2 x tp2, the 8-rank test) the token counts
+    are summed over the stage's expert- and tensor-parallel ranks (the mesh's ``stage`` view)."""
     cfg, m = v.cfg, v.cfg.model
     stages = f"model.pipeline_model_parallel_size={pp}"
     nearest = (f"the nearest layout that works: {stages} with expert parallel over replicated data parallel, the "
