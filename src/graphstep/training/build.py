@@ -159,8 +159,8 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     #    FP8 weight casts made once per step (dropped at the start of each training step, on the host).
     num_mb = tr.global_batch_size // (tr.micro_batch_size * dp.dp_size)  # per pipeline too
     # the expert-bias update sums the token counts over the ranks of this stage -- its data-parallel ranks and the
-    # tensor-parallel ranks a MoE block's tokens are split over (each stage holds other MoE layers; without stages
-    # they are the whole world, the default group)
+    # tensor- and context-parallel ranks a MoE block's tokens are split over (each stage holds other MoE layers;
+    # without stages they are the whole world, the default group)
     moe = MoEHooks(model, num_mb, group=dp.stage_group, token_shares=dp.layout.tp,
                    stages=dp.pp_group, moe_model=cfg.model.num_moe_experts is not None)
     weight_casts = _fp8_weight_casts(cfg, settings, model, dp, compiled=compile_mode is not None)
