@@ -341,7 +341,8 @@ class ModelConfig:
     batch_p2p_comm: bool = noop(True, "Batch pipeline send/receive.", "torch's pipeline schedule")
     cp_comm_type: str | list[str] | None = opt(
         None, "Context-parallel communication (Megatron Core's names, one or one per layer): all_gather (keys and "
-        "values all-gathered inside attention; null means it too); p2p, a2a and a2a+p2p are refused (R30).")
+        "values all-gathered inside attention; null means it too), a2a (Ulysses: heads exchanged for sequence by "
+        "all-to-all, the same type for every layer); p2p and a2a+p2p are refused (R30).")
 
 
 @dataclass(kw_only=True)

@@ -16,6 +16,10 @@ more to compare with one process:
   their runs without dropout;
 * ``cp2_dp2`` with ``ddp.overlap_grad_reduce`` (dropout off): the same bits as without overlap;
 * ``cp2_dp2`` saved at iteration 2 and resumed (graphed, dropout on): the same bits as without the stop;
+* ``cp2_a2a``: Megatron's ``a2a`` type (Ulysses) over 2 data-parallel x 2 context-parallel ranks: the queries,
+  keys and values of each layer exchanged by all-to-all so that each rank attends over the whole sequences with
+  half of the heads, the output exchanged back (the backward: the inverse all-to-alls); with per-layer graphs too,
+  each attention graph holding its all-to-alls;
 * ``cp2_dp2_moe``: an MoE model (qwen3_moe_tiny, expert bias on) over 2 data-parallel x 2 context-parallel
   ranks: each rank routes the tokens of its chunks, the expert-bias update sums the token counts of all 4,
   graphed whole and per layer (``[attn,moe]``); with dropout and the load-balancing loss off (each rank's is
@@ -56,6 +60,9 @@ LAYOUTS = {
     "cp2_fsdp2": [*CP2, "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
     "cp2_zero2": [*CP2, "ddp.use_distributed_optimizer=true"],
     "cp2_dp2_recompute": [*CP2, "model.recompute_granularity=full", *NO_DROPOUT, *BUCKETS],
+    # Ulysses (cp_comm_type=a2a): each rank attends over every rank's tokens with half of the heads (2 of 4 query
+    # heads, 1 of 2 key/value heads), the queries, keys and values exchanged by all-to-all, the output exchanged back
+    "cp2_a2a": ["model.context_parallel_size=2", "model.cp_comm_type=a2a"],
     "cp2_dp2_moe": [*CP2, "recipe=qwen3_moe_tiny", "train.micro_batch_size=2", "model.hidden_dropout=0.1",
                     "model.moe_router_enable_expert_bias=true", "model.moe_router_bias_update_rate=0.01",
                     "model.moe_router_score_function=sigmoid", "data.corpus_max_bytes=300000", "data.split=90,10,0"],
@@ -65,8 +72,9 @@ PER_LAYER = {"cp2_dp2": ["model.cuda_graph_impl=local", "model.cuda_graph_module
              "cp2_tp2_sp": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[]"],
              # inside FSDP2's layers: its gathers and reduce-scatters eager between the layer graphs
              "cp2_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
-             "cp2_dp2_moe": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"]}
-COMPARED = ("cp2_dp2", "cp2_tp2_sp", "cp2_fsdp2")  # with dropout off, against one process
+             "cp2_dp2_moe": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"],
+             "cp2_a2a": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]}
+COMPARED = ("cp2_dp2", "cp2_tp2_sp", "cp2_fsdp2", "cp2_a2a")  # with dropout off, against one process
 # graphed with activation recompute, dropout off: selective recompute of the core attention over tensor parallel,
 # full recompute over FSDP2 ZeRO-3 (each layer gathered again in the backward); against the layout's nodrop run
 RECOMPUTED = {"cp2_tp2_sp": ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"],

@@ -66,8 +66,6 @@ REFUSED_OTHERWISE = {
                                        "model.fp8_param_gather=true", "model.cuda_graph_impl=local",
                                        "model.cuda_graph_modules=[attn,mlp]"]),
     "model.expert_tensor_parallel_size": ("R31", ["model.expert_tensor_parallel_size=2"]),
-    # all_gather is the one context-parallel communication implemented (null means it too)
-    "model.cp_comm_type": ("R30", ["model.context_parallel_size=2", "model.cp_comm_type=p2p"]),
     # a declaration about the data (the data source decides the widths): refused with graphs and no buckets
     "model.variable_seq_lengths": ("R17", ["model.variable_seq_lengths=true", "model.cuda_graph_impl=full_iteration",
                                            "model.use_te_rng_tracker=true",

@@ -157,7 +157,10 @@ def _rules(*overrides: str, world: int = 4) -> list:
     (["model.context_parallel_size=2", "model.tensor_model_parallel_size=4", "model.sequence_parallel=true",
       "model.seq_length=68"], 8, "34 tokens", "multiple of 16"),
     (["model.context_parallel_size=2", "model.cp_comm_type=p2p"], 4, "ring attention", "cp_comm_type=all_gather"),
-    (["model.context_parallel_size=2", "model.cp_comm_type=a2a"], 4, "Ulysses", "cp_comm_type=all_gather"),
+    (["model.context_parallel_size=2", "model.cp_comm_type=[a2a,all_gather]"], 4, "mixes a2a", "cp_comm_type=a2a"),
+    (["model.context_parallel_size=2", "model.cp_comm_type=a2a", "model.num_attention_heads=6",
+      "model.num_query_groups=3", "model.hidden_size=96"], 4, "do not both divide by 1 tensor-parallel x 2",
+     "cp_comm_type=all_gather"),
     (["model.context_parallel_size=2", "model.cp_comm_type=a2a+p2p"], 4, "hierarchical", "all_gather"),
     (["model.cp_comm_type=ring"], 4, "not a context-parallel communication type", "all_gather"),
     (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2"],
@@ -179,6 +182,9 @@ def test_rule_r30_refuses_what_context_parallel_does_not_do_with_the_reason_and_
     (["model.context_parallel_size=2"], 2),
     (["model.context_parallel_size=2", "model.cp_comm_type=all_gather"], 4),
     (["model.context_parallel_size=2", "model.cp_comm_type=[all_gather,all_gather]"], 4),
+    (["model.context_parallel_size=2", "model.cp_comm_type=a2a"], 4),  # Ulysses
+    (["model.context_parallel_size=2", "model.cp_comm_type=a2a", "model.tensor_model_parallel_size=2",
+      "model.sequence_parallel=true"], 4),
     (["model.cp_comm_type=p2p"], 4),  # Megatron's default name, harmless without context parallel
     (["model.context_parallel_size=2", "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"], 4),
     (["model.context_parallel_size=2", "ddp.use_megatron_fsdp=true",

@@ -360,14 +360,16 @@ class Attention(nn.Module):
         if self.context is not None:  # context parallel (R41: never with packed rows)
             positions, mask = self.context.positions(t, q.device), self.context.mask(t, q.device, q.dtype)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
-        if self.context is not None:  # the keys and values of the whole sequences, rotated where they were held
-            k, v = self.context.gather_kv(k, v)
+        if self.context is not None:  # the whole sequences' keys and values (and queries: a2a), rotated where held
+            q, k, v = self.context.exchange(q, k, v)
         if self.s.recompute_core_attn and self.training:
             # Recompute without RNG replay: rule R15 forbids attention dropout here.
             out = checkpoint(self.core_attention, q, k, v, mask, offsets, use_reentrant=False,
                              preserve_rng_state=False)
         else:
             out = self.core_attention(q, k, v, mask, offsets)
+        if self.context is not None:  # a2a: this rank's tokens and every head again
+            out = self.context.heads_back(out)
         return self.linear_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 

@@ -75,10 +75,13 @@ class ContextParallel:
     addresses.
     """
 
-    def __init__(self, group: Any, rank: int, size: int) -> None:
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(self, group: Any, rank: int, size: int, comm: str = "all_gather") -> None:
+        if comm not in ("all_gather", "a2a"):
+            raise ValueError(f"context parallel communication {comm!r}: graphstep runs all_gather and a2a (rule R30)")
+        self.group, self.rank, self.size, self.comm = group, rank, size, comm
         self._positions: dict[tuple, torch.Tensor] = {}  # (local length, device) -> [1, local] int64
-        self._masks: dict[tuple, torch.Tensor] = {}  # (local length, device, dtype) -> [local, cp x local]
+        # (local length, device, dtype) -> [local, cp x local] (all_gather) or [cp x local, cp x local] (a2a)
+        self._masks: dict[tuple, torch.Tensor] = {}
 
     def positions(self, local: int, device: torch.device) -> torch.Tensor:
         """The positions in the whole sequence of the ``local`` tokens this rank holds, ``[1, local]``."""
@@ -88,17 +91,33 @@ class ContextParallel:
         return self._positions[key]
 
     def mask(self, local: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The additive causal mask ``[local, cp x local]`` (0 or -inf) of this rank's queries over the gathered
-        keys, which arrive in rank order, each rank's two chunks."""
+        """The additive causal mask (0 or -inf) of the queries the attention holds over the keys it holds, which
+        arrive in rank order, each rank's two chunks: ``[local, cp x local]``, this rank's queries (all_gather), or
+        ``[cp x local, cp x local]``, every rank's queries of this rank's heads (a2a)."""
         key = (local, device, dtype)
         if key not in self._masks:
             seq = local * self.size
-            queries = context_parallel_positions(seq, self.rank, self.size, device)
             keys = torch.cat([context_parallel_positions(seq, r, self.size, device) for r in range(self.size)])
+            queries = keys if self.comm == "a2a" else context_parallel_positions(seq, self.rank, self.size, device)
             allowed = keys[None, :] <= queries[:, None]
             self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed,
                                                                                                  float("-inf"))
         return self._masks[key]
+
+    def exchange(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the attention computes over (``[batch, heads, local, dim]`` in): all_gather -- this rank's queries,
+        every rank's keys and values (:meth:`gather_kv`); a2a (Ulysses) -- every rank's queries, keys and values of
+        ``1 / cp`` of the heads, ``[batch, heads / cp, cp x local, dim]``, exchanged by one all-to-all each
+        (:meth:`heads_back` returns the attention's output to this rank's tokens and all heads)."""
+        if self.comm == "a2a":
+            return tuple(_AllToAll.apply(t, self, True) for t in (q, k, v))
+        return (q, *self.gather_kv(k, v))
+
+    def heads_back(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention's output as this rank's tokens and every head (a2a: the all-to-all back); all_gather: as it
+        is."""
+        return _AllToAll.apply(out, self, False) if self.comm == "a2a" else out
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every context-parallel rank's keys and values (``[batch, groups, local, dim]`` each) concatenated along
@@ -149,11 +168,54 @@ class _GatherSequence(torch.autograd.Function):
         return _scatter_sum(grad, ctx.cp), None
 
 
-def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> ContextParallel:
-    """Make ``model`` (a GPTModel) run its sequence chunks over ``mesh`` (1-D, the cp dimension), in place."""
+def _heads_to_sequence(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """``[batch, heads, local, dim]`` -> ``[batch, heads / cp, cp x local, dim]``: head group ``j`` of every rank's
+    tokens on rank ``j``, the tokens in rank order (one all-to-all)."""
+    b, h, n, d = x.shape
+    send = x.reshape(b, cp.size, h // cp.size, n, d).movedim(1, 0).contiguous()  # [cp, b, h / cp, n, d]: to rank j
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=cp.group)  # recv[i]: rank i's tokens of this rank's heads
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp.size, cp.size * n, d)
+
+
+def _sequence_to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """The inverse of :func:`_heads_to_sequence`: ``[batch, heads / cp, cp x local, dim]`` -> ``[batch, heads,
+    local, dim]``, rank ``i``'s tokens back to rank ``i`` (one all-to-all)."""
+    b, g, m, d = x.shape
+    n = m // cp.size
+    send = x.reshape(b, g, cp.size, n, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp, b, g, n, d]: tokens of rank i
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=cp.group)  # recv[j]: head group j of this rank's tokens
+    return recv.movedim(0, 1).reshape(b, cp.size * g, n, d)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Heads to sequence (``to_sequence``) or back over the context-parallel ranks; the gradient takes the inverse
+    exchange."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, cp: ContextParallel, to_sequence: bool) -> torch.Tensor:
+        ctx.cp, ctx.to_sequence = cp, to_sequence
+        return (_heads_to_sequence if to_sequence else _sequence_to_heads)(t, cp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (_sequence_to_heads if ctx.to_sequence else _heads_to_sequence)(grad, ctx.cp), None, None
+
+
+def cp_comm(cp_comm_type: Any) -> str:
+    """The communication a ``model.cp_comm_type`` value (a name, one per layer, or null) asks for: ``a2a`` when it
+    names a2a, else ``all_gather`` (rule R30 refuses the others and mixed lists)."""
+    kinds = cp_comm_type if isinstance(cp_comm_type, list) else [cp_comm_type]
+    return "a2a" if any(k == "a2a" for k in kinds) else "all_gather"
+
+
+def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, comm: str = "all_gather") -> ContextParallel:
+    """Make ``model`` (a GPTModel) run its sequence chunks over ``mesh`` (1-D, the cp dimension), in place;
+    ``comm``: ``all_gather`` or ``a2a`` (:meth:`ContextParallel.exchange`)."""
     if not isinstance(model, GPTModel):
         raise TypeError(f"context parallel runs graphstep's GPTModel, not {type(model).__name__} (rule R30)")
-    cp = ContextParallel(mesh.get_group(), mesh.get_local_rank(), mesh.size())
+    cp = ContextParallel(mesh.get_group(), mesh.get_local_rank(), mesh.size(), comm)
     model.context = cp
     for module in model.modules():
         if isinstance(module, Attention):

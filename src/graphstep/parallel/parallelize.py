@@ -19,7 +19,7 @@ from torch import nn
 from ..config import Config
 from ..cuda_graph.settings import CudaGraphSettings
 from .compile import apply_compile, compile_mode_of
-from .context_parallel import apply_context_parallel
+from .context_parallel import apply_context_parallel, cp_comm
 from .dims import CP, EDP, EP, PP, TP, ParallelDims, WorldMesh
 from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_fsdp
@@ -49,7 +49,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     # 2. Context parallel next: the attention of each rank, with the heads tensor parallel left it, gathers the
     #    keys and values of the other context-parallel ranks' chunks, and the loss counts the whole sequences.
     if dims.cp > 1:
-        apply_context_parallel(model, mesh[CP])
+        apply_context_parallel(model, mesh[CP], cp_comm(cfg.model.cp_comm_type))
     # 3. Expert parallel: the ExpertParallel style on each MoE block -- each rank keeps its experts, sharded over
     #    ep, and the style installs the token exchange (after tensor parallel, as Megatron's expert tensor parallel
     #    would shard the experts it keeps; before FSDP2, which shards over edp the experts each rank kept).

@@ -384,7 +384,7 @@ def _r29(v: View) -> list[Violation]:
     return out
 
 
-CP_COMM_TYPES = ("all_gather", "p2p", "a2a", "a2a+p2p")  # Megatron Core's; graphstep implements all_gather
+CP_COMM_TYPES = ("all_gather", "p2p", "a2a", "a2a+p2p")  # Megatron Core's; graphstep implements all_gather, a2a
 
 
 def _r30(v: View) -> list[Violation]:
@@ -440,16 +440,34 @@ def _cp_comm_type_violations(m: Any, cp: int) -> list[Violation]:
         return [_v("R30", ["model.cp_comm_type"], f"model.cp_comm_type={_fmt(m.cp_comm_type)} is not a context-"
                    f"parallel communication type ({', '.join(CP_COMM_TYPES)}).", "set model.cp_comm_type=all_gather "
                    "(or null).")]
-    other = sorted({n for n in names if n != "all_gather"})
-    if cp == 1 or not other:
+    other = sorted({n for n in names if n not in ("all_gather", "a2a")})
+    if cp == 1:
         return []
-    why = {"p2p": "p2p (ring attention: key/value chunks passed around the ring, overlapped with attention)",
-           "a2a": "a2a (Ulysses: heads and sequence exchanged by all-to-all)",
-           "a2a+p2p": "a2a+p2p (hierarchical: all-to-all inside, ring across)"}
-    return [_v("R30", ["model.cp_comm_type", "model.context_parallel_size"], f"model.cp_comm_type="
-               f"{_fmt(m.cp_comm_type)}: {', '.join(why[n] for n in other)} is not implemented; graphstep's context "
-               "parallel all-gathers the keys and values of every rank inside attention.",
-               "set model.cp_comm_type=all_gather (or null, which means all_gather).")]
+    fields = ["model.cp_comm_type", "model.context_parallel_size"]
+    if other:
+        why = {"p2p": "p2p (ring attention: key/value chunks passed around the ring, overlapped with attention)",
+               "a2a+p2p": "a2a+p2p (hierarchical: all-to-all inside, ring across)"}
+        return [_v("R30", fields, f"model.cp_comm_type={_fmt(m.cp_comm_type)}: {', '.join(why[n] for n in other)} "
+                   "is not implemented; graphstep's context parallel all-gathers the keys and values of every rank "
+                   "inside attention (all_gather), or exchanges heads for sequence by all-to-all (a2a, Ulysses).",
+                   "set model.cp_comm_type=all_gather (or null, which means all_gather), or a2a.")]
+    if "a2a" not in names:
+        return []
+    if len(set(kinds)) > 1:
+        return [_v("R30", fields, f"model.cp_comm_type={_fmt(m.cp_comm_type)} mixes a2a with another type over the "
+                   "layers, which is not implemented (one type for every layer).",
+                   "set model.cp_comm_type=a2a, or all_gather.")]
+    tp = _int(m.tensor_model_parallel_size) or 1
+    heads = _int(m.num_attention_heads)
+    groups = _int(m.num_query_groups) or heads
+    if heads is not None and groups is not None and (heads % (tp * cp) or groups % (tp * cp)):
+        return [_v("R30", [*fields, "model.num_attention_heads", "model.num_query_groups"], "model.cp_comm_type=a2a "
+                   f"splits each tensor-parallel rank's heads over the {cp} context-parallel ranks, but "
+                   f"model.num_attention_heads={heads} and model.num_query_groups={groups} (key/value heads) do not "
+                   f"both divide by {tp} tensor-parallel x {cp} context-parallel ranks.",
+                   "set model.cp_comm_type=all_gather, or a head count and query-group count divisible by "
+                   f"{tp * cp}.")]
+    return []
 
 
 def _r31(v: View) -> list[Violation]:
