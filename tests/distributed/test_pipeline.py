@@ -15,13 +15,14 @@ posted before either is waited on (``exchange``).
 
 A second launch, of 4 ranks, runs ``LAYOUTS_4``: 2 stages combined with
 replicated data parallel (overlapped), tensor + sequence parallel, FSDP2,
-MoE (also over tensor + sequence parallel and over context parallel) and hybrid models, expert parallel (an MoE model's experts split over
-each stage's 2 ranks, its checkpoint resumed) and recompute (also over the
+MoE (also over tensor + sequence parallel and over context parallel) and
+hybrid models, expert parallel (an MoE model's experts split over each
+stage's 2 ranks, its checkpoint resumed) and recompute (also over the
 tensor + sequence parallel and the FSDP2 ZeRO-3 stages), 2 stages x 2
 virtual stages (interleaved 1F1B) with tensor + sequence parallel and with
 FSDP2 ZeRO-3, and 2 stages x 2 context-parallel ranks (tied embeddings, its
 checkpoint resumed; over FSDP2 ZeRO-3; with 2 virtual stages under zero
-bubble) on SFT rows, whose loss masks keep
+bubble; with Megatron's a2a type) on SFT rows, whose loss masks keep
 other numbers of tokens on the two context-parallel ranks; the 8-rank 3-D
 layouts are in test_pipeline_3d.py.
 """
@@ -125,6 +126,9 @@ LAYOUTS_4 = {
     "pp2_cp2": [*PP2, *CP2, *SFT, "model.share_embeddings_and_output_weights=true"],
     "pp2_cp2_zero3": [*PP2, *CP2, *SFT, "ddp.use_megatron_fsdp=true",
                       "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+    # Megatron's a2a type (Ulysses) over the stages: each stage's attention exchanges heads for sequence among its
+    # 2 context-parallel ranks (dropout off: compared with one process)
+    "pp2_cp2_a2a": [*PP2, "model.context_parallel_size=2", "model.cp_comm_type=a2a", *SFT, *NO_DROPOUT],
     # 2 x 2 virtual stages x 2 context-parallel ranks under zero bubble, whose weight gradients come after the
     # input gradients (each attention's reduce-scatter runs with the latter)
     "vpp2_cp2_zb": [*VPP2, *CP2, *SFT, "model.pipeline_schedule=interleaved_zero_bubble",
@@ -347,10 +351,11 @@ def reports_4(tmp_path_factory):
 def test_pipelines_on_four_ranks_equal_eager(reports_4):
     """pp2 x dp2 (each stage's gradients all-reduced over its data-parallel group, overlapped with the stage's last
     backward, inside the graph), pp2 x tp2 with sequence parallel and tied embeddings, pp2 x FSDP2 ZeRO-2 and
-    ZeRO-3, MoE (also pp2 x tp2, pp2 x cp2, and pp2 x ep2: the experts split over each stage's 2 ranks, its MoE blocks also
-    graphed per layer) and hybrid models and recompute over 2 stages, 2 stages x 2 virtual stages over tp2 with
-    sequence parallel and over FSDP2 ZeRO-3, and pp2 x cp2 (also over FSDP2 ZeRO-3, and pp2 x vpp2 x cp2 under
-    zero bubble): the whole-schedule graphs and the per-layer graphs equal eager bit for bit."""
+    ZeRO-3, MoE (also pp2 x tp2, pp2 x cp2, and pp2 x ep2: the experts split over each stage's 2 ranks, its MoE
+    blocks also graphed per layer) and hybrid models and recompute over 2 stages, 2 stages x 2 virtual stages over
+    tp2 with sequence parallel and over FSDP2 ZeRO-3, and pp2 x cp2 (also over FSDP2 ZeRO-3, with the a2a type,
+    and pp2 x vpp2 x cp2 under zero bubble): the whole-schedule graphs and the per-layer graphs equal eager bit for
+    bit."""
     _assert_graphed_runs_equal_eager(reports_4, LAYOUTS_4, MODES_4)
     shards = [r["pp2_dp2/eager"]["shard"] for r in reports_4]  # (pp, dp) = (0,0), (0,1), (1,0), (1,1)
     assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
@@ -434,11 +439,11 @@ def _one_process_run(recipe: str, single: tuple[str, ...]):
 
 # the dropout-free run of each layout compared with one process (the evaluation losses too where the layout has
 # one data-parallel replica: an evaluation reads train.eval_iters micro-batches per replica)
-ONE_REPLICA = ("pp2_cp2",)
+ONE_REPLICA = ("pp2_cp2", "pp2_cp2_a2a")
 # the dropout-free run of each layout compared with one process
 ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop", "pp2_moe": "nodrop",
-               "pp2_ep2": "nodrop", "pp2_tp2_moe": "eager", "pp2_cp2_moe": "eager", "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop", "pp2_cp2": "nodrop",
-               "vpp2_cp2_zb": "nodrop"}
+               "pp2_ep2": "nodrop", "pp2_tp2_moe": "eager", "pp2_cp2_moe": "eager", "pp2_cp2_a2a": "eager",
+               "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop", "pp2_cp2": "nodrop", "vpp2_cp2_zb": "nodrop"}
 
 
 @pytest.fixture(scope="module")
