@@ -39,6 +39,7 @@ sequences' mean.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import re
@@ -188,13 +189,24 @@ class Rotary(nn.Module):
 VARLEN_MIN_SEQ = 4096
 
 
+@functools.cache
 def varlen_attention():
-    """``torch.nn.attention.varlen.varlen_attn``, or None where this torch has none."""
+    """``torch.nn.attention.varlen.varlen_attn``, or None where this torch has none (looked up once)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     return varlen_attn
+
+
+@functools.cache
+def _varlen_causal_kwargs(gqa: bool) -> dict:
+    """The keywords that make ``varlen_attn`` causal (and pair grouped-query heads) in this torch, read once from its
+    signature: torch >= 2.12 takes a window reaching no token to the right, earlier ones ``is_causal``."""
+    params = inspect.signature(varlen_attention()).parameters
+    kw = {"enable_gqa": True} if gqa and "enable_gqa" in params else {}
+    kw.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    return kw
 
 
 def flat_offsets(cu_rows: torch.Tensor, seq: int) -> torch.Tensor:
@@ -209,16 +221,9 @@ def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: to
     """Causal attention within each document: q ``[batch, heads, seq, dim]``, k/v ``[batch, groups, seq, dim]``,
     ``offsets`` from :func:`flat_offsets`; the output as q. Flash attention pairs query heads with key/value
     groups itself (grouped-query attention without repeating the keys)."""
-    varlen_attn = varlen_attention()
     b, h, s, d = q.shape
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
-    params = inspect.signature(varlen_attn).parameters
-    kw = {"enable_gqa": True} if "enable_gqa" in params and k.shape[1] != h else {}
-    if "window_size" in params:  # torch >= 2.12: causal is a window reaching no token to the right
-        kw["window_size"] = (-1, 0)
-    else:
-        kw["is_causal"] = True
-    out = varlen_attn(*flat, offsets, offsets, s, s, **kw)
+    out = varlen_attention()(*flat, offsets, offsets, s, s, **_varlen_causal_kwargs(k.shape[1] != h))
     return out.view(b, s, h, d).transpose(1, 2)
 
 
@@ -242,7 +247,7 @@ class PackedRows:
     numbers of offset slots, so their varlen offsets live in tensors of their own; per-layer graphs,
     captured at the start of a training step, after an evaluation, read the training view's tensors --
     the ones the training forwards rewrite -- never the evaluation's. ``positions``, ``mask``,
-    ``offsets``, ``kernel`` and ``active`` are the last forward's, whichever its mode.
+    ``offsets`` and ``kernel`` are the last packed forward's, whichever its mode.
     ``attention_dropout``: the model's (varlen attention has none, so with dropout the mask is used).
     ``varlen``: False keeps the mask everywhere.
     """
@@ -254,7 +259,6 @@ class PackedRows:
         self.mask: torch.Tensor | None = None
         self.offsets: torch.Tensor | None = None
         self.kernel = "mask"
-        self.active = False
         self._static: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (shape, device, dtype, kernel) -> tensors
         # per mode (training: True/False): (positions, mask, offsets) of its last forward, None: not packed
         self._views: dict[bool, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None] = {}
@@ -266,7 +270,6 @@ class PackedRows:
 
     def clear(self, training: bool = True) -> None:
         """A forward of this mode without ``cu_seqlens``: its attention is plain causal."""
-        self.active = False
         self._views[training] = None
 
     def kernel_for(self, device: torch.device, dtype: torch.dtype, seq: int) -> str:
@@ -281,7 +284,6 @@ class PackedRows:
         return "mask"
 
     def update(self, cu_seqlens: torch.Tensor, seq: int, dtype: torch.dtype, training: bool = True) -> None:
-        self.active = True
         kernel = self.kernel_for(cu_seqlens.device, dtype, seq)
         token = torch.arange(seq, device=cu_seqlens.device)
         document = (cu_seqlens[:, None, 1:] <= token[None, :, None]).sum(-1)  # [batch, seq]

@@ -131,7 +131,8 @@ class DataParallel:
         block's tokens are split over."""
         if self.mesh is None or self.layout.pp == 1:
             return None
-        return self.mesh.group(STAGE) if self.layout.tp > 1 or self.layout.cp > 1 else self.dp_group
+        # the mesh has a stage view where the stage's ranks are more than its data-parallel ones (parallel/dims.py)
+        return self.mesh.group(STAGE) if STAGE in self.mesh.views else self.dp_group
 
     @property
     def pp_group(self) -> Any:
