@@ -167,9 +167,6 @@ def test_the_kernel_is_varlen_for_long_rows_on_a_gpu_without_dropout_and_the_mas
     assert PackedRows().kernel_for(gpu, torch.float32, long) == "mask"  # flash attention: bf16/fp16 only
     assert PackedRows(0.1).kernel_for(gpu, torch.bfloat16, long) == "mask"  # varlen attention has no dropout
     assert PackedRows().kernel_for(cpu, torch.bfloat16, long) == "mask"
-    held = PackedRows()
-    held.varlen = False  # the trainer's setting under per-layer graphs (training/build.py)
-    assert held.kernel_for(gpu, torch.bfloat16, long) == "mask"
 
 
 def test_flat_offsets_lay_the_rows_documents_end_to_end():
@@ -240,7 +237,6 @@ def test_packed_sft_graphed_equals_eager(sft_file, device):
     for name, graphs in GRAPHS.items():
         graphed = _train(tiny_config(*common, *graphs))
         assert "replayed" in str(graphed.rows[-1]["state"]).lower(), name
-        assert graphed.model.packed.varlen is name.startswith("full_iteration")  # per-layer graphs: the mask
         assert_same_run(ref, graphed)
         assert graphed.eval_losses == ref.eval_losses, name
 
@@ -275,8 +271,7 @@ def test_per_layer_graphs_read_the_training_documents_after_an_evaluation(sft_fi
     another number of offset slots (so other varlen offset tensors): they read the training forwards' tensors
     (PackedRows.view), and the run equals eager bit for bit. The varlen kernel is stood in for on the CPU."""
     monkeypatch.setattr(transformer, "varlen_causal", _varlen_on_the_cpu)
-    # varlen everywhere, also under the per-layer graphs (where the trainer keeps the mask until this is checked on
-    # a GPU: training/build.py)
+    # varlen on the CPU's float32 rows too (kernel_for picks it on a GPU in bf16/fp16 only)
     monkeypatch.setattr(PackedRows, "kernel_for", lambda self, device, dtype, seq: "varlen")
     common = sft_overrides(sft_file, *PACKED, *FP32_NO_DROPOUT, "train.train_iters=4", "train.global_batch_size=4",
                            "train.micro_batch_size=2", "model.cuda_graph_warmup_steps=2", "checkpoint.save=null",
@@ -294,8 +289,8 @@ def test_per_layer_graphs_read_the_training_documents_after_an_evaluation(sft_fi
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_packed_sft_through_varlen_attention_graphed_equals_eager(sft_file, monkeypatch):
     """The long-row kernel (varlen attention, forced here on 64-token rows) inside the full-iteration graph, also
-    with the core attention recomputed: equal to eager bit for bit. Per-layer graphs keep the mask (varlen
-    attention replayed inside them gave other losses than eager on an H100): equal to eager too."""
+    with the core attention recomputed, and inside per-layer graphs captured after an evaluation (their forwards
+    read the training split's offsets: PackedRows.view): equal to eager bit for bit."""
     monkeypatch.setattr(transformer, "VARLEN_MIN_SEQ", 64)
     common = sft_overrides(sft_file, *PACKED, *FP32_NO_DROPOUT, "train.train_iters=4", "train.global_batch_size=4",
                            "train.micro_batch_size=2", "model.cuda_graph_warmup_steps=2", "checkpoint.save=null",
@@ -309,25 +304,6 @@ def test_packed_sft_through_varlen_attention_graphed_equals_eager(sft_file, monk
     recomputed = _train(tiny_config(*common, "model.recompute_granularity=selective",
                                     "model.recompute_modules=[core_attn]", *GRAPHS["full_iteration+optimizer"]))
     assert [r["loss"] for r in recomputed.rows] == [r["loss"] for r in ref.rows]
-    layers = _train(tiny_config(*common, *GRAPHS["local[attn,mlp]"]))
-    assert layers.model.packed.kernel == "mask" and "replayed" in str(layers.rows[-1]["state"]).lower()
-    monkeypatch.setattr(transformer, "VARLEN_MIN_SEQ", 1 << 30)  # eager with the mask: what the per-layer run runs
-    masked = _train(eager(tiny_config(*common)))
-    assert masked.model.packed.kernel == "mask"
-    assert_same_run(masked, layers)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_varlen_attention_inside_per_layer_graphs_equals_eager_on_a_gpu(sft_file, monkeypatch):
-    """The check that would let per-layer graphs use varlen attention (the trainer keeps the mask there:
-    training/build.py): varlen forced under local[attn,mlp], captured after an evaluation, equal to eager."""
-    monkeypatch.setattr(transformer, "VARLEN_MIN_SEQ", 64)
-    monkeypatch.setattr(PackedRows, "kernel_for", lambda self, device, dtype, seq: "varlen")
-    common = sft_overrides(sft_file, *PACKED, *FP32_NO_DROPOUT, "train.train_iters=4", "train.global_batch_size=4",
-                           "train.micro_batch_size=2", "model.cuda_graph_warmup_steps=2", "checkpoint.save=null",
-                           "data.split=75,25,0", "train.eval_iters=1", "train.eval_interval=2", "train.device=cuda")
-    ref = _train(eager(tiny_config(*common)))
     layers = _train(tiny_config(*common, *GRAPHS["local[attn,mlp]"]))
     assert layers.model.packed.kernel == "varlen" and "replayed" in str(layers.rows[-1]["state"]).lower()
     assert_same_run(ref, layers)

@@ -249,12 +249,10 @@ class PackedRows:
     the ones the training forwards rewrite -- never the evaluation's. ``positions``, ``mask``,
     ``offsets`` and ``kernel`` are the last packed forward's, whichever its mode.
     ``attention_dropout``: the model's (varlen attention has none, so with dropout the mask is used).
-    ``varlen``: False keeps the mask everywhere.
     """
 
     def __init__(self, attention_dropout: float = 0.0) -> None:
         self.attention_dropout = attention_dropout
-        self.varlen = True
         self.positions: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
         self.offsets: torch.Tensor | None = None
@@ -278,7 +276,7 @@ class PackedRows:
         (autocast's dtype where autocast is on)."""
         if torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
-        if (self.varlen and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+        if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
                 and seq >= VARLEN_MIN_SEQ and self.attention_dropout == 0.0 and varlen_attention() is not None):
             return "varlen"
         return "mask"

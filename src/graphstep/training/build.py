@@ -185,13 +185,6 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     layers = apply_layer_graphs(model, settings, backend, generators=capture.generators,
                                 chunks=pipeline.chunk_models() if pipeline is not None else ()) \
         if settings.per_layer else None
-    packed = getattr(model, "packed", None)
-    if layers is not None and packed is not None:
-        # Packed rows' varlen attention replayed inside per-layer graphs gave other losses than eager on an H100
-        # (torch 2.11, 2026-12-07): the graphs, captured after an evaluation, read the evaluation split's offsets.
-        # PackedRows.view now keeps the training forwards' tensors apart (equal to eager on the CPU with a stand-in
-        # kernel); until that is checked on a GPU, per-layer graphs keep the mask (the full-iteration graph: varlen)
-        packed.varlen = False
     # 6. The iteration: forward/backward of all micro-batches, as one graph with full_iteration (never together
     #    with step 5: R4) and a separate graph for evaluation. train_step holds the data-parallel reductions, so
     #    the ranks meet before each capture of these graphs (a barrier; Megatron does the same).
