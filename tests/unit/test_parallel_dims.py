@@ -102,6 +102,32 @@ def test_the_mesh_on_one_rank_has_every_dimension_and_the_flattened_dp(one_rank_
     assert counted_here(torch.zeros(2), mesh)
 
 
+def test_runs_of_one_layout_share_the_mesh_until_the_default_group_changes():
+    """The mesh's groups are made once per layout and default process group (parallel/dims.py ``shared_groups``):
+    a second run with the same mesh dimensions -- another sharding strategy included -- gets the same DeviceMesh
+    and views; a new default group, a new mesh. (The launches of tests/distributed run layouts of other
+    dimensions one after another in one process.)"""
+    import torch.distributed as dist
+
+    from graphstep.parallel.dims import build_mesh
+
+    def mesh(**layout):
+        return build_mesh(ParallelDims(**layout), "cpu")
+
+    roots = []
+    for _ in range(2):  # two default groups, one after the other
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            first = mesh(fsdp="optim_grads_params")
+            again, other = mesh(fsdp="optim_grads"), mesh(fsdp="optim_grads_params", ep=1, cp=1)
+            assert again.root is first.root and again.views["dp"] is first.views["dp"] and other.root is first.root
+            assert again.dims.fsdp == "optim_grads"  # the run's own layout, on the shared mesh
+            roots.append(first.root)
+        finally:
+            dist.destroy_process_group()
+    assert roots[0] is not roots[1]
+
+
 def test_parallelize_refuses_a_layout_without_its_mesh():
     from graphstep.parallel.parallelize import parallelize
     from graphstep.validation import resolve_cuda_graph_settings

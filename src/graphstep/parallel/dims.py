@@ -42,7 +42,7 @@ With one context-parallel rank that group is ``dp`` (:meth:`ParallelDims.grad_di
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -195,16 +195,49 @@ class ParallelDims:
         return out
 
 
+# The process groups of this process's runs, made once per default process group: a run whose layout an earlier
+# run of the same process had (a sweep, the tests' launches of many runs) takes that run's device mesh and groups.
+# Made anew per run they would pile up: each idle gloo group keeps a thread that wakes up every 10 ms (hundreds of
+# groups took whole cores), and destroying them would not do -- DTensor's sharding caches hand later runs the
+# earlier, equal meshes, whose destroyed groups no longer resolve.
+_SHARED: dict[Any, Any] = {}
+
+
+def shared_groups(key: Any, make: Callable[[], Any]) -> Any:
+    """``make()`` -- process groups, or a device mesh and its views -- once per ``key`` and default process group:
+    later calls with the same key return the same objects. Every rank calls it in the same order (``make`` may
+    create groups: a collective call)."""
+    world = dist.group.WORLD
+    if _SHARED.get("world") is not world:  # a new default group: the groups of the old one are gone with it
+        _SHARED.clear()
+        _SHARED["world"] = world
+    if key not in _SHARED:
+        _SHARED[key] = make()
+    return _SHARED[key]
+
+
+def forget_shared_groups() -> None:
+    """Drop the shared groups before the default process group they were made on is destroyed."""
+    _SHARED.clear()
+
+
 class WorldMesh:
-    """The run's one DeviceMesh (``root``) and its flattened views; ``mesh[name]`` is either, as a DeviceMesh."""
+    """The run's one DeviceMesh (``root``) and its flattened views; ``mesh[name]`` is either, as a DeviceMesh.
+    Runs of one process with the same mesh dimensions share them (:func:`shared_groups`)."""
 
     def __init__(self, dims: ParallelDims, device_type: str) -> None:
         world = dist.get_world_size()
         if dims.ranks != world:
             raise RuntimeError(f"the layout {dims.describe()} needs {dims.ranks} ranks, the process group has {world}")
         self.dims = dims
-        self.root = DeviceMesh(device_type, dims.rank_grid(), mesh_dim_names=tuple(n for n, _ in dims.mesh_dims()))
-        self.views = {name: flatten_mesh(self.root[spans], name) for name, spans in dims.flattened().items()}
+        names = tuple(n for n, _ in dims.mesh_dims())
+
+        def make() -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
+            root = DeviceMesh(device_type, dims.rank_grid(), mesh_dim_names=names)
+            return root, {name: flatten_mesh(root[spans], name) for name, spans in dims.flattened().items()}
+
+        key = ("mesh", device_type, tuple(dims.mesh_dims()), tuple(dims.flattened().items()))
+        self.root, self.views = shared_groups(key, make)
         # Slices of the root and this rank's coordinates, made once: DeviceMesh makes a new slice (and computes the
         # coordinates anew) at every call, milliseconds each, and the step asks for them per parameter.
         self._slices: dict[str | tuple[str, ...], DeviceMesh] = {}
@@ -236,7 +269,7 @@ class WorldMesh:
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> WorldMesh:
-    """The run's mesh over the default process group: built once per run."""
+    """The run's mesh over the default process group: once per run (its groups once per process and layout)."""
     return WorldMesh(dims, device_type)
 
 

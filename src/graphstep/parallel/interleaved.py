@@ -55,7 +55,7 @@ from torch import nn
 
 from ..engines_compat import module_view
 from ..validation.stage_split import Chunk
-from .dims import WorldMesh
+from .dims import WorldMesh, shared_groups
 from .pipeline import Pipeline, _StageLoss, _StageModule, _setup_leaves_no_trace
 
 Edge = tuple[int, int]  # (sending global rank, receiving global rank)
@@ -117,12 +117,15 @@ def pipeline_edges(mesh: WorldMesh) -> list[Edge]:
 def directed_p2p_groups(mesh: WorldMesh) -> dict[Edge, Any]:
     """One process group per directed pair of neighbouring pipeline ranks: every rank creates every group (a
     collective call, in :func:`pipeline_edges`' order) and keeps those it sends or receives on."""
-    me, groups = dist.get_rank(), {}
-    for src, dst in pipeline_edges(mesh):
-        group = dist.new_group(ranks=[src, dst])
-        if me in (src, dst):
-            groups[(src, dst)] = group
-    return groups
+    def make() -> dict[Edge, Any]:
+        me, groups = dist.get_rank(), {}
+        for src, dst in pipeline_edges(mesh):
+            group = dist.new_group(ranks=[src, dst])
+            if me in (src, dst):
+                groups[(src, dst)] = group
+        return groups
+
+    return shared_groups(("p2p", mesh.root), make)  # once per mesh and process (parallel/dims.py)
 
 
 def edge_of(op: Any, me: int) -> Edge:

@@ -54,7 +54,8 @@ from ..config import Config
 from ..cuda_graph.devices import normalize_device
 from ..cuda_graph.settings import CudaGraphSettings
 from ..parallel.data_parallel import dp_group, grad_group
-from ..parallel.dims import CP, DP, PP, STAGE, TP, ParallelDims, WorldMesh, build_mesh
+from ..parallel.dims import (CP, DP, PP, STAGE, TP, ParallelDims, WorldMesh, build_mesh, forget_shared_groups,
+                              shared_groups)
 from .rundir import RunSetupError
 
 log = logging.getLogger("graphstep")
@@ -200,6 +201,7 @@ class DataParallel:
             gc.collect()  # graphs caught in reference cycles must go before the communicators
             if self.backend == "nccl":
                 torch.cuda.synchronize()
+            forget_shared_groups()  # the mesh and groups made on this default group go with it
             dist.destroy_process_group()
             self.owns_group = False
             log.info("process group destroyed (after every graph was freed)")
@@ -264,8 +266,8 @@ def _one_rank(cfg: Config, layout: ParallelDims) -> DataParallel:
 
 
 def _finish(dp: DataParallel, settings: CudaGraphSettings, device_id: torch.device | None) -> DataParallel:
-    if dp.backend == "nccl":
-        dp.control = dist.new_group(backend="gloo")  # host-side agreement never waits on the GPU stream
+    if dp.backend == "nccl":  # host-side agreement never waits on the GPU stream; once per process (dims.py)
+        dp.control = shared_groups("control", lambda: dist.new_group(backend="gloo"))
     device = device_id or (normalize_device("cuda") if dp.backend == "nccl" else torch.device("cpu"))
     if dp.layout.needs_mesh:
         dp.mesh = build_mesh(dp.layout, device.type)
