@@ -1,6 +1,6 @@
 """torch.compile over parallel layouts (parallel/compile.py: each decoder layer's forward compiled in place) on 2
-gloo ranks: FSDP2 ZeRO-3, pipeline stages (plain, interleaved, a hybrid model's), context parallel (a dense and
-an MoE model) and expert parallel, each compiled and not, eagerly, with ``compile.backend=aot_eager`` (Dynamo and AOTAutograd trace the
+gloo ranks: FSDP2 ZeRO-3, pipeline stages (plain, interleaved, a hybrid model's), context parallel (a dense, an
+MoE and a hybrid model) and expert parallel, each compiled and not, eagerly, with ``compile.backend=aot_eager`` (Dynamo and AOTAutograd trace the
 layers through the engines as with Inductor, without compiling C++ kernels on the CI's 2 cores).
 
 One launch runs every layout twice, dropout off (Inductor draws other random numbers than eager): the compiled
@@ -31,12 +31,15 @@ LAYOUTS = {
     "cp2": ["model.context_parallel_size=2", "model.cp_comm_type=all_gather"],
     "ep2": ["model.expert_model_parallel_size=2"],
     "cp2_moe": ["model.context_parallel_size=2", "model.cp_comm_type=all_gather"],  # an MoE model's tokens by chunk
+    # a hybrid model's Mamba layers exchanging whole sequences of half of their heads
+    "cp2_hybrid": ["model.context_parallel_size=2", "model.cp_comm_type=all_gather"],
     # interleaved 1F1B over 2 ranks x 2 chunks, and a hybrid (Mamba) model's 2 stages
     "vpp2": ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
              "model.num_layers=4", "model.share_embeddings_and_output_weights=false"],
     "pp2_hybrid": ["model.pipeline_model_parallel_size=2", "model.num_layers=4"],
 }
-RECIPES = {"ep2": "qwen3_moe_tiny", "cp2_moe": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny"}  # others: llama3_tiny
+RECIPES = {"ep2": "qwen3_moe_tiny", "cp2_moe": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny",
+           "cp2_hybrid": "nemotron_h_tiny"}  # others: llama3_tiny
 
 
 def compile_worker(out: str, device: str) -> None:

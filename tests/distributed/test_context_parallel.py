@@ -25,7 +25,11 @@ more to compare with one process:
   ranks: each rank routes the tokens of its chunks, the expert-bias update sums the token counts of all 4,
   graphed whole and per layer (``[attn,moe]``); with dropout and the load-balancing loss off (each rank's is
   that of its share of the tokens) it computes what one process computes, and graphed with full recompute
-  the same bits as eager without it.
+  the same bits as eager without it;
+* ``cp2_dp2_hybrid``: a Nemotron-H style hybrid (Mamba, MLP, attention, MoE) over 2 data-parallel x 2
+  context-parallel ranks: each Mamba layer runs its scan along the whole sequences of half of its heads
+  (all-to-alls in and out), graphed whole and per layer (``[attn,mlp,mamba]``), and with dropout and the
+  load-balancing loss off it computes what one process computes.
 
 Each rank writes, per run, the per-iteration losses, the evaluation losses and a digest of the parameters it
 holds. On the CPU the graphs run on the replay backend over gloo (the key/value all-gathers, their
@@ -71,6 +75,10 @@ LAYOUTS = {
     "cp2_dp2_moe": [*CP2, "recipe=qwen3_moe_tiny", "train.micro_batch_size=2", "model.hidden_dropout=0.1",
                     "model.moe_router_enable_expert_bias=true", "model.moe_router_bias_update_rate=0.01",
                     "model.moe_router_score_function=sigmoid", "data.corpus_max_bytes=300000", "data.split=90,10,0"],
+    # a hybrid model (Mamba, MLP, attention, MoE): each Mamba layer exchanges its conv input and dt for the whole
+    # sequences of half of its 8 heads (their one group's B and C on both ranks) and its output back
+    "cp2_dp2_hybrid": [*CP2, "recipe=nemotron_h_tiny", "train.micro_batch_size=2", "model.hidden_dropout=0.1",
+                       "data.corpus_max_bytes=300000", "data.split=90,10,0"],
 }
 # per-layer graphs: each attention graph holds its all-gather, its backward graph the reduce-scatter
 PER_LAYER = {"cp2_dp2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
@@ -78,7 +86,9 @@ PER_LAYER = {"cp2_dp2": ["model.cuda_graph_impl=local", "model.cuda_graph_module
              # inside FSDP2's layers: its gathers and reduce-scatters eager between the layer graphs
              "cp2_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
              "cp2_dp2_moe": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"],
-             "cp2_a2a": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]}
+             "cp2_a2a": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+             # each Mamba graph holds its layer's two all-to-alls, its backward graph their inverses
+             "cp2_dp2_hybrid": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp,mamba]"]}
 COMPARED = ("cp2_dp2", "cp2_tp2_sp", "cp2_fsdp2", "cp2_a2a")  # with dropout off, against one process
 # graphed with activation recompute, dropout off: selective recompute of the core attention over tensor parallel,
 # full recompute over FSDP2 ZeRO-3 (each layer gathered again in the backward); against the layout's nodrop run
@@ -87,7 +97,7 @@ RECOMPUTED = {"cp2_tp2_sp": ["model.recompute_granularity=selective", "model.rec
                             "model.recompute_num_layers=1"],
               "cp2_dp2_moe": ["model.recompute_granularity=full"]}
 NODROP = {"cp2_dp2": BUCKETS,  # cp2_dp2's dropout-free run: the reference of the overlap and recompute runs too
-          "cp2_dp2_moe": ["model.moe_aux_loss_coeff=0.0"]}
+          "cp2_dp2_moe": ["model.moe_aux_loss_coeff=0.0"], "cp2_dp2_hybrid": ["model.moe_aux_loss_coeff=0.0"]}
 
 
 def layouts_worker(out: str, device: str) -> None:
@@ -99,7 +109,7 @@ def layouts_worker(out: str, device: str) -> None:
             for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
     runs.update({f"{name}/layers": [*LAYOUTS[name], *graphs] for name, graphs in PER_LAYER.items()})
     runs.update({f"{name}/nodrop": [*LAYOUTS[name], *NODROP.get(name, []), *NO_DROPOUT, *EAGER]
-                 for name in (*COMPARED, "cp2_dp2_moe", "cp2_a2a_tp2_sp")})
+                 for name in (*COMPARED, "cp2_dp2_moe", "cp2_dp2_hybrid", "cp2_a2a_tp2_sp")})
     runs["cp2_dp2_overlap/nodrop"] = [*runs["cp2_dp2/nodrop"], "ddp.overlap_grad_reduce=true"]
     runs.update({f"{name}/recompute": [*LAYOUTS[name], *NODROP.get(name, []), *NO_DROPOUT, *GRAPHED, *recompute]
                  for name, recompute in RECOMPUTED.items()})
@@ -213,6 +223,21 @@ def test_an_moe_model_over_context_parallel_ranks_computes_what_one_process_comp
                                                                       "model.cp_comm_type"))]
     one = train(tiny_config(*COMMON, *single, *NODROP["cp2_dp2_moe"], *NO_DROPOUT, *EAGER, recipe="qwen3_moe_tiny"))
     _assert_runs_match_one_process(reports, "cp2_dp2_moe/nodrop", one, losses=2e-5, norms=1e-4)
+
+
+def test_a_hybrid_model_over_context_parallel_ranks_computes_what_one_process_computes(reports):
+    """cp2 x dp2 Nemotron-H style hybrid, dropout and the load-balancing loss off: each Mamba layer runs its scan
+    along the whole sequences of half of its heads on each rank, and the losses and gradient norms are one
+    process's with the same global batch, to float tolerance (chunks in the wrong order, or a head's B and C
+    from the wrong group, change the scan's outputs at the first layer)."""
+    from helpers.runs import tiny_config
+    from graphstep.training.loop import train
+
+    single = [o for o in LAYOUTS["cp2_dp2_hybrid"] if not o.startswith(("recipe=", "model.context_parallel_size",
+                                                                         "model.cp_comm_type"))]
+    one = train(tiny_config(*COMMON, *single, *NODROP["cp2_dp2_hybrid"], *NO_DROPOUT, *EAGER,
+                            recipe="nemotron_h_tiny"))
+    _assert_runs_match_one_process(reports, "cp2_dp2_hybrid/nodrop", one, losses=2e-5, norms=1e-4)
 
 
 def _assert_runs_match_one_process(reports: list[dict], run: str, one, *, losses: float, norms: float) -> None:

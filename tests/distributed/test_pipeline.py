@@ -112,6 +112,9 @@ LAYOUTS_4 = {
     # update sums the counts over the stage's 2 ranks; dropout and the load-balancing loss off (one process)
     "pp2_cp2_moe": [*PP2, *CP2, *MOE, *NO_DROPOUT, "model.moe_aux_loss_coeff=0.0"],
     "pp2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4"],  # nemotron_h_tiny's M-*E: M- on the first stage, *E last
+    # the hybrid over 2 stages x 2 context-parallel ranks: the first stage's Mamba layer scans the whole sequences
+    # of half of its heads on each rank (all-to-alls in and out); dropout and the load-balancing loss off
+    "pp2_cp2_hybrid": [*PP2, *CP2, *MOE, "model.num_layers=4", *NO_DROPOUT, "model.moe_aux_loss_coeff=0.0"],
     "pp2_recompute": [*PP2, *DP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
                       "model.attention_dropout=0.0"],
     "pp2_full_recompute": [*PP2, *DP2, "model.recompute_granularity=full", *NO_DROPOUT],
@@ -137,7 +140,7 @@ LAYOUTS_4 = {
 # the others: llama3_tiny
 RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_tp2_moe": "qwen3_moe_tiny",
            "pp2_cp2_moe": "qwen3_moe_tiny",
-           "pp2_hybrid": "nemotron_h_tiny"}
+           "pp2_hybrid": "nemotron_h_tiny", "pp2_cp2_hybrid": "nemotron_h_tiny"}
 # the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
 MODES_4 = {
     "pp2_dp2": {"nodrop": [*NO_DROPOUT, *EAGER]},
@@ -165,6 +168,8 @@ MODES_4 = {
                               "model.recompute_method=uniform", "model.recompute_num_layers=1"]},
     "pp2_hybrid": {"layers": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[mamba,attn,moe]",
                               *LAYER_WARMUP]},
+    "pp2_cp2_hybrid": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba,mlp,attn]",
+                                  *LAYER_WARMUP]},
     "pp2_cp2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP],
                 "nodrop": [*NO_DROPOUT, *EAGER],
                 "resumed": [*GRAPHED, "checkpoint.load=<out>/pp2_cp2/iter_0000002"],
@@ -443,6 +448,7 @@ ONE_REPLICA = ("pp2_cp2", "pp2_cp2_a2a")
 # the dropout-free run of each layout compared with one process
 ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop", "pp2_moe": "nodrop",
                "pp2_ep2": "nodrop", "pp2_tp2_moe": "eager", "pp2_cp2_moe": "eager", "pp2_cp2_a2a": "eager",
+               "pp2_cp2_hybrid": "eager",
                "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop", "pp2_cp2": "nodrop", "vpp2_cp2_zb": "nodrop"}
 
 

@@ -166,8 +166,12 @@ def _rules(*overrides: str, world: int = 4) -> list:
     (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2"],
      4, "2 pipeline-stage x 2 context-parallel x 2 tensor-parallel ranks do not divide the world size 4",
      "multiple of 8"),
-    (["model.context_parallel_size=2", "model.hybrid_override_pattern=M-M-"], 4, "hybrid (Mamba)",
-     "context_parallel_size=1"),
+    # a hybrid model's Mamba layers: whole sequences of 1 / cp of the heads (and whole groups, or a shared one)
+    (["model.context_parallel_size=3", "model.seq_length=66", "model.hybrid_override_pattern=M-M-",
+      "model.num_layers=4"], 6, "the 8 Mamba heads", "multiple of 3"),
+    (["model.context_parallel_size=6", "model.seq_length=72", "model.hybrid_override_pattern=M-M-",
+      "model.num_layers=4", "model.hidden_size=48", "model.kv_channels=12", "model.mamba_head_dim=8",
+      "model.mamba_num_groups=4"], 6, "mamba_num_groups=4 and the 6 context-parallel ranks", "multiple of 6"),
     (["model.context_parallel_size=2", "data.seq_length_buckets=[32,64]"], 4, "seq_length_buckets",
      "data.seq_length_buckets=null"),
 ])
@@ -196,6 +200,11 @@ def test_rule_r30_refuses_what_context_parallel_does_not_do_with_the_reason_and_
     (["model.context_parallel_size=2", "model.num_moe_experts=4", "model.moe_ffn_hidden_size=64"], 4),
     (["model.context_parallel_size=2", "model.num_moe_experts=4", "model.moe_ffn_hidden_size=64",
       "model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=full_iteration"], 4),
+    # a hybrid model: the Mamba heads split over the ranks, B and C of one group shared (cp2), or whole groups
+    (["model.context_parallel_size=2", "model.hybrid_override_pattern=M-*-", "model.num_layers=4",
+      "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp,mamba]"], 4),
+    (["model.context_parallel_size=2", "model.hybrid_override_pattern=M-*-", "model.num_layers=4",
+      "model.mamba_num_groups=4", "model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=full_iteration"], 4),
     # over pipeline stages: plain, per-layer graphs (warmed up for 2 iterations: R29), FSDP2, and virtual stages
     # with tensor + sequence parallel (Megatron Bridge's Llama 3 70B layout in small)
     (["model.context_parallel_size=2", "model.pipeline_model_parallel_size=2",

@@ -21,6 +21,16 @@ short recurrence (itself written as one more segsum product). Everything is
 static-shape tensor algebra in fp32 -- no host syncs, so it captures. A
 sequence that is not a multiple of the chunk is padded at the end with zero
 input and zero decay, which cannot change earlier (causal) outputs.
+
+Under context parallel (``context``, set by parallel/context_parallel.py) a
+rank holds only its chunks of each sequence, but steps 2 and 3 run along the
+whole sequence. The projections stay on the rank's tokens; the conv input and
+dt are exchanged by one all-to-all so that each rank holds the whole
+sequences of ``1 / cp`` of the heads (and of their groups' B and C), runs the
+conv and the scan over them with its heads' slices of the conv weights, A, D
+and dt_bias, and the scan's output goes back to the rank's tokens by the
+inverse all-to-all before the gated norm (per token) and ``out_proj``.
+Megatron Core's ``MambaContextParallel`` splits the same way.
 """
 
 from __future__ import annotations
@@ -149,6 +159,7 @@ class MambaMixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(ms.heads))
         self.norm = GatedRMSNorm(ms.d_inner, ms.groups, ms.eps)
         self.out_proj = nn.Linear(ms.d_inner, ms.hidden, bias=False)
+        self.context = None  # parallel/context_parallel.py: this rank's chunks of every sequence
         self.reset_special_parameters()
 
     @torch.no_grad()
@@ -162,25 +173,54 @@ class MambaMixer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ms = self.ms
-        b, length, _ = x.shape
+        b = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([ms.d_inner, self.conv_dim, ms.heads], dim=-1)
-        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :length].transpose(1, 2))
-        xs, B, C = xbc.split([ms.d_inner, ms.groups * ms.state, ms.groups * ms.state], dim=-1)
+        if self.context is None:
+            heads, groups = ms.heads, ms.groups
+            A_log, D, dt_bias = self.A_log, self.D, self.dt_bias
+            length = xbc.shape[1]
+            xbc = self.conv1d(xbc.transpose(1, 2))
+        else:  # context parallel: the whole sequences of this rank's heads (see the module docstring)
+            cp, part = self.context, self.context.rank
+            heads, groups = ms.heads // cp.size, max(ms.groups // cp.size, 1)
+            xbc = cp.sequences_of_parts([torch.cat([*(xbc[..., c] for c in self.part_channels(j, cp.size)),
+                                                    dt[..., j * heads:(j + 1) * heads]], dim=-1)
+                                         for j in range(cp.size)])
+            xbc, dt = xbc.split([xbc.shape[-1] - heads, heads], dim=-1)
+            channels = self.part_channels(part, cp.size)
+            weight, bias = (torch.cat([p[c] for c in channels]) for p in (self.conv1d.weight, self.conv1d.bias))
+            A_log, D, dt_bias = (p[part * heads:(part + 1) * heads] for p in (self.A_log, self.D, self.dt_bias))
+            length = xbc.shape[1]
+            xbc = F.conv1d(xbc.transpose(1, 2), weight, bias, padding=D_CONV - 1, groups=weight.shape[0])
+        xbc = F.silu(xbc[..., :length].transpose(1, 2))
+        xs, B, C = xbc.split([heads * ms.head_dim, groups * ms.state, groups * ms.state], dim=-1)
         acc = _acc_dtype(x)  # the scan runs in fp32 (fp64 for fp64 checks)
-        dt = F.softplus(dt.to(acc) + self.dt_bias.to(acc))  # [b, l, h]
-        A = -torch.exp(self.A_log.to(acc))
-        xs = xs.to(acc).view(b, length, ms.heads, ms.head_dim)
-        y = ssd_chunked(xs * dt.unsqueeze(-1), A * dt, self._per_head(B, acc), self._per_head(C, acc), ms.chunk)
-        y = y + xs * self.D.to(acc).view(-1, 1)
-        y = self.norm(y.reshape(b, length, ms.d_inner).to(x.dtype), z)
-        return self.out_proj(y)
+        dt = F.softplus(dt.to(acc) + dt_bias.to(acc))  # [b, l, h]
+        A = -torch.exp(A_log.to(acc))
+        xs = xs.to(acc).view(b, length, heads, ms.head_dim)
+        y = ssd_chunked(xs * dt.unsqueeze(-1), A * dt, _per_head(B, acc, heads, groups),
+                        _per_head(C, acc, heads, groups), ms.chunk)
+        y = (y + xs * D.to(acc).view(-1, 1)).reshape(b, length, heads * ms.head_dim).to(x.dtype)
+        if self.context is not None:  # back to this rank's tokens, every head
+            y = self.context.tokens_of_parts(y)
+        return self.out_proj(self.norm(y, z))
 
-    def _per_head(self, t: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-        """[b, l, groups*state] -> [b, l, heads, state] in ``acc``; heads share their group's B/C."""
+    def part_channels(self, part: int, parts: int) -> list[slice]:
+        """The conv channels (of x, B and C) of heads part ``part`` of ``parts``: its heads' x and their groups' B
+        and C (a group shared by several parts when there are fewer groups than parts)."""
         ms = self.ms
-        b, length, _ = t.shape
-        t = t.to(acc).view(b, length, ms.groups, 1, ms.state)
-        return t.expand(b, length, ms.groups, ms.heads // ms.groups, ms.state).reshape(b, length, ms.heads, ms.state)
+        x_width, g_width = ms.d_inner // parts, max(ms.groups // parts, 1) * ms.state
+        b_first = ms.d_inner + (part * ms.groups // parts) * ms.state
+        c_first = b_first + ms.groups * ms.state
+        return [slice(part * x_width, (part + 1) * x_width), slice(b_first, b_first + g_width),
+                slice(c_first, c_first + g_width)]
+
+
+def _per_head(t: torch.Tensor, acc: torch.dtype, heads: int, groups: int) -> torch.Tensor:
+    """[b, l, groups*state] -> [b, l, heads, state] in ``acc``; heads share their group's B/C."""
+    b, length, _ = t.shape
+    t = t.to(acc).view(b, length, groups, 1, -1)
+    return t.expand(b, length, groups, heads // groups, t.shape[-1]).reshape(b, length, heads, -1)
 
 
 class MambaBlock(nn.Module):

@@ -20,6 +20,10 @@
   ranks whose queries used them). Megatron's ``all_gather`` type does the same
   (``AttnFuncWithCPAndKVAllGather``); its ``p2p`` ring, ``a2a`` (Ulysses) and
   ``a2a+p2p`` types are refused by rule R30.
+* **Mamba** (hybrid models): the scan runs along whole sequences, so each
+  Mamba mixer exchanges its conv input and dt by one all-to-all for the whole
+  sequences of ``1 / cp`` of its heads, and its output back
+  (:meth:`ContextParallel.sequences_of_parts`, models/mamba.py).
 * **Loss.** A rank's loss is ``cp x`` (the summed token losses it holds) /
   (the loss-mask tokens of the whole sequences, summed over the ``cp`` ranks
   with one all-reduce): averaged over the context-parallel ranks, as the
@@ -62,6 +66,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..data.context_parallel import context_parallel_positions
+from ..models.mamba import MambaMixer
 from ..models.transformer import Attention, GPTModel
 
 
@@ -118,6 +123,25 @@ class ContextParallel:
         """The attention's output as this rank's tokens and every head (a2a: the all-to-all back); all_gather: as it
         is."""
         return _AllToAll.apply(out, self, False) if self.comm == "a2a" else out
+
+    def sequences_of_parts(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Mamba's exchange (models/mamba.py): ``parts[j]`` (``[batch, local, width]``, this rank's tokens of heads
+        part ``j``) goes to rank ``j``, which gets every rank's tokens of its part as whole sequences in order,
+        ``[batch, cp x local, width]`` (one all-to-all; the gradient takes the inverse)."""
+        recv = _Exchange.apply(torch.stack(parts), self)  # [cp, batch, local, width]: rank i's tokens
+        halves = recv.unflatten(2, (2, -1))  # rank i holds chunks i and 2 cp - 1 - i
+        last = 2 * self.size - 1
+        return torch.cat([halves[k, :, 0] if k < self.size else halves[last - k, :, 1] for k in range(last + 1)],
+                         dim=1)
+
+    def tokens_of_parts(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`sequences_of_parts`: this rank's part of the whole sequences, ``[batch, cp x
+        local, width]``, to this rank's tokens of every part, ``[batch, local, cp x width]`` (parts in rank order)."""
+        chunks = t.unflatten(1, (2 * self.size, -1))
+        last = 2 * self.size - 1
+        send = torch.stack([torch.cat([chunks[:, i], chunks[:, last - i]], dim=1) for i in range(self.size)])
+        recv = _Exchange.apply(send, self)  # [cp, batch, local, width]: part j of this rank's tokens
+        return recv.permute(1, 2, 0, 3).flatten(2)
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every context-parallel rank's keys and values (``[batch, groups, local, dim]`` each) concatenated along
@@ -203,6 +227,27 @@ class _AllToAll(torch.autograd.Function):
         return (_sequence_to_heads if ctx.to_sequence else _heads_to_sequence)(grad, ctx.cp), None, None
 
 
+class _Exchange(torch.autograd.Function):
+    """``[cp, ...]``: slot ``j`` to rank ``j``, slot ``i`` of the result from rank ``i`` (one all-to-all of equal
+    parts, its own inverse: the gradient takes the same exchange)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+        ctx.cp = cp
+        return _exchange(t, cp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _exchange(grad, ctx.cp), None
+
+
+def _exchange(t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    send = t.contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=cp.group)
+    return recv
+
+
 def cp_comm(cp_comm_type: Any) -> str:
     """The communication a ``model.cp_comm_type`` value (a name, one per layer, or null) asks for: ``a2a`` when it
     names a2a, else ``all_gather`` (rule R30 refuses the others and mixed lists)."""
@@ -218,6 +263,6 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, comm: str = "all_
     cp = ContextParallel(mesh.get_group(), mesh.get_local_rank(), mesh.size(), comm)
     model.context = cp
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, MambaMixer)):
             module.context = cp
     return cp

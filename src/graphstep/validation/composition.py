@@ -76,6 +76,8 @@ LAYOUTS = (
     Layout("MoE, pp2 x ep2", 4, (*PP2, *EP2), "qwen3_moe_tiny"),
     Layout("MoE, cp2", 2, CP2, "qwen3_moe_tiny"),
     Layout("hybrid (Mamba) over pp2", 2, PP2, "nemotron_h_tiny"),
+    Layout("hybrid (Mamba), cp2", 2, CP2, "nemotron_h_tiny"),
+    Layout("hybrid (Mamba), pp2 x cp2", 4, (*PP2, *CP2), "nemotron_h_tiny"),
     Layout("hybrid (Mamba), tp2", 2, TP2, "nemotron_h_tiny"),
 )
 

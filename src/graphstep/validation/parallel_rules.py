@@ -42,9 +42,10 @@ parallel/; these rules say which configurations it takes:
   and the overlapped gradient reduction combine with it);
 * R30 -- context parallel: the layout fits the world and the sequence (2 x cp
   equal chunks, and each rank's share divides over sequence-parallel ranks),
-  the communication type is the one graphstep implements (``all_gather``), and
-  what it does not combine with yet (hybrid models, expert parallel,
-  sequence-length buckets) is refused; pipeline stages, plain or
+  the communication types graphstep implements (``all_gather``, ``a2a``),
+  a hybrid model's Mamba heads and groups divide over the ranks, and what it
+  does not combine with yet (expert parallel, sequence-length buckets) is
+  refused; pipeline stages, plain or
   virtual, combine with it (each stage's attention gathers over its own
   context-parallel ranks; the last stage's loss is ContextParallel's);
 * R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
@@ -419,16 +420,35 @@ def _r30(v: View) -> list[Violation]:
                f"set model.seq_length to a multiple of {2 * cp * tp}.")
     others = [((_int(m.expert_model_parallel_size) or 1) > 1, ["model.expert_model_parallel_size"], "expert "
                "parallel", "set model.expert_model_parallel_size=1."),
-              (m.hybrid_override_pattern is not None, ["model.hybrid_override_pattern"], "a hybrid (Mamba) model "
-               "(the Mamba scan runs over the whole sequence)", "set model.context_parallel_size=1 for hybrid "
-               "models."),
               (cfg.data.seq_length_buckets is not None, ["data.seq_length_buckets"], "data.seq_length_buckets "
                "(every bucket would need its own chunking)", "set data.seq_length_buckets=null (pad to "
                "model.seq_length).")]
     for on, fields, what, fix in others:
         if on:
             refuse(fields, f"context parallel with {what} is not implemented.", fix)
+    if m.hybrid_override_pattern is not None and "M" in str(m.hybrid_override_pattern):
+        out.extend(_v("R30", [*fields, field], f"model.context_parallel_size={cp}: {why}", fix)
+                   for fields, why, fix in _mamba_heads_violations(m, cp))
     return out
+
+
+def _mamba_heads_violations(m: Any, cp: int) -> list[tuple[list[str], str, str]]:
+    """A hybrid model's Mamba layers under context parallel exchange whole sequences of ``1 / cp`` of their heads
+    (models/mamba.py): the heads divide over the ranks, and the groups of B and C too, or the ranks over them."""
+    hidden, head_dim, groups = _int(m.hidden_size), _int(m.mamba_head_dim), _int(m.mamba_num_groups)
+    if not (hidden and head_dim and groups) or (2 * hidden) % head_dim:
+        return []  # V24 says what is wrong with the Mamba shape
+    heads = 2 * hidden // head_dim
+    if heads % cp:
+        return [(["model.mamba_head_dim", "model.hidden_size"], f"the {heads} Mamba heads (2 x hidden_size / "
+                 f"model.mamba_head_dim) do not divide over the {cp} context-parallel ranks, each of which runs the "
+                 "scan along the whole sequences of its share of the heads.",
+                 f"set model.mamba_head_dim so that 2 x hidden_size / mamba_head_dim is a multiple of {cp}.")]
+    if groups % cp and cp % groups:
+        return [(["model.mamba_num_groups"], f"model.mamba_num_groups={groups} and the {cp} context-parallel ranks "
+                 "do not divide one another: each rank takes whole groups of B and C, or shares one.",
+                 f"set model.mamba_num_groups to a divisor or a multiple of {cp}.")]
+    return []
 
 
 def _cp_comm_type_violations(m: Any, cp: int) -> list[Violation]:
