@@ -2,7 +2,7 @@
 
 The companion of cuda_graph/torch_compat.py (which holds the mechanism's
 private accesses, the probe registry and :class:`TorchCompatError`): tensor
-parallel's partition hook, the parallel style's apply, the device mesh's flattened views, the pipelining
+parallel's partition hook and row-wise output hook, the parallel style's apply, the device mesh's flattened views, the pipelining
 schedules' set-up and backward switch, a module's shallow view (an interleaved pipeline's chunks), DTensor's
 local tensor, a view's base, dynamo's compile callbacks and reset, and transformers' mask helpers. Each access is a small named function
 with a probe registered in the same ``PROBES``; a missing name raises a
@@ -178,6 +178,33 @@ def rowwise_with_partition() -> type:
     return _with_partition(RowwiseParallel, "rowwise")
 
 
+@functools.cache
+def rowwise_with_waited_output() -> type:
+    """``RowwiseParallel`` (with :func:`rowwise_with_partition`'s hook) whose output redistribution -- the
+    all-reduce or reduce-scatter of the partial sums -- is waited before the module returns. torch's style
+    starts it asynchronously and hands on an ``AsyncCollectiveTensor``; for the embedding, whose output enters
+    the decoder layers compiled one by one (parallel/compile.py), the compiled layer's backward then hands that
+    redistribution a plain gradient (an AttributeError, torch 2.13). The numbers are the same either way: the
+    next operation waits for the collective anyway. The override is torch's ``_prepare_output_fn``, which
+    ``_apply`` passes to ``distribute_module``; a torch without it is an error when the style is made."""
+    style = rowwise_with_partition()
+
+    class RowwiseWithWaitedOutput(style):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if not callable(getattr(style, "_prepare_output_fn", None)):
+                raise PROBES["probe_rowwise_output"].error()
+            super().__init__(*args, **kwargs)
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                               device_mesh: Any) -> Any:
+            if outputs.placements != output_layouts:
+                outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+            return outputs.to_local() if use_local_output else outputs
+
+    return RowwiseWithWaitedOutput
+
+
 def _probe_partition(style: type, made: Callable[[], type]) -> None:
     made()()
     params = list(inspect.signature(style._partition_linear_fn).parameters)
@@ -199,6 +226,18 @@ def probe_rowwise_partition() -> None:
     from torch.distributed.tensor.parallel import RowwiseParallel
 
     _probe_partition(RowwiseParallel, rowwise_with_partition)
+
+
+@probe("RowwiseParallel._prepare_output_fn", purpose="wait for the embedding's output all-reduce or "
+       "reduce-scatter before the compiled decoder layers take it (compile with tensor parallel)",
+       verified=(CPU_2_13,))
+def probe_rowwise_output() -> None:
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    rowwise_with_waited_output()()
+    params = list(inspect.signature(RowwiseParallel._prepare_output_fn).parameters)
+    expect(params == ["output_layouts", "use_local_output", "mod", "outputs", "device_mesh"], f"signature {params}")
+    expect("_prepare_output_fn" in inspect.getsource(RowwiseParallel._apply), "_apply hands it to distribute_module")
 
 
 # --------------------------------------------------------------------------

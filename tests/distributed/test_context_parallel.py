@@ -102,6 +102,8 @@ NODROP = {"cp2_dp2": BUCKETS,  # cp2_dp2's dropout-free run: the reference of th
 
 def layouts_worker(out: str, device: str) -> None:
     """The torchrun worker: every layout eager and graphed, the per-layer graphs, and the dropout-free runs."""
+    from torch._dynamo.utils import counters
+
     from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
@@ -111,6 +113,8 @@ def layouts_worker(out: str, device: str) -> None:
     runs.update({f"{name}/nodrop": [*LAYOUTS[name], *NODROP.get(name, []), *NO_DROPOUT, *EAGER]
                  for name in (*COMPARED, "cp2_dp2_moe", "cp2_dp2_hybrid", "cp2_a2a_tp2_sp")})
     runs["cp2_dp2_overlap/nodrop"] = [*runs["cp2_dp2/nodrop"], "ddp.overlap_grad_reduce=true"]
+    # each decoder layer compiled (aot_eager) over context x tensor + sequence parallel, no graphs
+    runs["cp2_tp2_sp/compiled"] = [*runs["cp2_tp2_sp/nodrop"], "compile.enable=true", "compile.backend=aot_eager"]
     runs.update({f"{name}/recompute": [*LAYOUTS[name], *NODROP.get(name, []), *NO_DROPOUT, *GRAPHED, *recompute]
                  for name, recompute in RECOMPUTED.items()})
     # a checkpoint at iteration 2 of the graphed cp2_dp2 run, and a run resumed from it (dropout on)
@@ -120,8 +124,10 @@ def layouts_worker(out: str, device: str) -> None:
     def run(overrides: list[str]) -> dict:
         recipe = [o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")] or ["llama3_tiny"]
         overrides = [o for o in overrides if not o.startswith("recipe=")]
+        compiled = counters["stats"]["unique_graphs"]
         result = train(tiny_config(*COMMON, f"train.device={device}", *overrides, recipe=recipe[0]), keep_model=True)
-        return {**train_report(result), "grad_norms": [r["grad_norm"] for r in result.rows]}
+        return {**train_report(result), "grad_norms": [r["grad_norm"] for r in result.rows],
+                "compiled_graphs": counters["stats"]["unique_graphs"] - compiled}
 
     report_runs(Path(out), device, runs, run)
 
@@ -248,6 +254,18 @@ def _assert_runs_match_one_process(reports: list[dict], run: str, one, *, losses
         torch.testing.assert_close(torch.tensor(report[run]["grad_norms"], dtype=torch.float64),
                                    torch.tensor([r["grad_norm"] for r in one.rows], dtype=torch.float64),
                                    rtol=norms, atol=0)
+
+
+def test_compiled_layers_over_context_and_tensor_parallel_train_what_they_train_uncompiled(reports):
+    """cp2 x tp2 with sequence parallel, each decoder layer compiled (aot_eager), dropout off: Dynamo traces the
+    key/value all-gathers and DTensor's redistributions inside the layers, and the losses and gradient norms are
+    the uncompiled run's to float tolerance."""
+    for report in reports:
+        compiled, plain = report["cp2_tp2_sp/compiled"], report["cp2_tp2_sp/nodrop"]
+        assert compiled["compiled_graphs"] > 0 and plain["compiled_graphs"] == 0
+        torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(compiled["grad_norms"]), torch.tensor(plain["grad_norms"]),
+                                   rtol=1e-4, atol=0)
 
 
 def test_a_context_parallel_run_resumes_bit_for_bit(reports):

@@ -147,7 +147,9 @@ MODES_4 = {
     # graphed with the core attention recomputed in the backward (its DTensor collectives re-run there)
     "pp2_tp2_sp": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP],
                    "recompute": [*GRAPHED, "model.recompute_granularity=selective",
-                                 "model.recompute_modules=[core_attn]"]},
+                                 "model.recompute_modules=[core_attn]"],
+                   # each decoder layer compiled (aot_eager) over the stage's tensor-parallel ranks, no graphs
+                   "compiled": [*EAGER, "compile.enable=true", "compile.backend=aot_eager"]},
     "pp2_zero2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP]},
     # graphed with full recompute (no dropout: R35), each recomputed layer gathered again by FSDP2 in the backward
     "pp2_zero3": {"nodrop": [*NO_DROPOUT, *EAGER],
@@ -190,6 +192,8 @@ def layouts_worker(out: str, device: str, which: str) -> None:
     from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
+    from torch._dynamo.utils import counters
+
     from graphstep.parallel.dims import local_tensor
 
     layouts = globals()[which]
@@ -214,9 +218,11 @@ def layouts_worker(out: str, device: str, which: str) -> None:
             return exchange()
         overrides = [o.replace("<out>", str(out)) for o in overrides]
         cfg = tiny_config(*COMMON, f"train.device={device}", *overrides, recipe=RECIPES.get(name, "llama3_tiny"))
+        compiled = counters["stats"]["unique_graphs"]
         result = train(cfg, keep_model=True)
         embedding = getattr(result.model, "embedding", None)
         return {**train_report(result), "names": [n for n, _ in result.model.named_parameters()],
+                "compiled_graphs": counters["stats"]["unique_graphs"] - compiled,
                 "moe": [[row[k] for k in MOE_KEYS] for row in result.rows if MOE_KEYS[0] in row],
                 "grad_norm": [row["grad_norm"] for row in result.rows],
                 "embedding": None if embedding is None else  # the bits of this stage's (part of the) embedding
@@ -366,6 +372,19 @@ def test_pipelines_on_four_ranks_equal_eager(reports_4):
     assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
     shards = [r["pp2_zero3/eager"]["shard"] for r in reports_4]  # FSDP2: each data-parallel rank its own shard
     assert len(set(shards)) == 4
+
+
+@pytest.mark.ranks4
+def test_compiled_stages_over_tensor_parallel_train_what_they_train_uncompiled(reports_4):
+    """pp2 x tp2 with sequence parallel, each decoder layer compiled (aot_eager): Dynamo traces the layers'
+    DTensor redistributions, the stages' sends and the embedding's reduce-scatter run eagerly around them, and the
+    losses and gradient norms are the uncompiled run's to float tolerance."""
+    for report in reports_4:
+        compiled, eager = report["pp2_tp2_sp/compiled"], report["pp2_tp2_sp/eager"]
+        assert compiled["compiled_graphs"] > 0 and eager["compiled_graphs"] == 0
+        torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(compiled["grad_norm"]), torch.tensor(eager["grad_norm"]), rtol=1e-4,
+                                   atol=0)
 
 
 @pytest.mark.ranks4

@@ -509,8 +509,12 @@ MOE = ["model.num_moe_experts=4", "model.moe_ffn_hidden_size=32"]
     (["model.pipeline_model_parallel_size=2"], 2),
     (["model.context_parallel_size=2"], 2),
     ([*MOE, "model.expert_model_parallel_size=2"], 2),
+    # tensor parallel: the embedding's output waited for before the compiled layers (engines_compat)
+    (["model.tensor_model_parallel_size=2"], 2),
+    (["model.tensor_model_parallel_size=2", "model.sequence_parallel=true", *MOE], 2),
+    (["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2"], 4),
 ])
-def test_compile_over_layouts_without_tensor_parallel_breaks_no_rule_without_graphs(layout, world):
+def test_compile_over_layouts_breaks_no_rule_without_graphs(layout, world):
     from graphstep.validation import validate_config
 
     cfg = apply_overrides(Config(), [*COMPILED, "model.cuda_graph_impl=none", *layout])
@@ -522,7 +526,6 @@ def test_compile_over_layouts_without_tensor_parallel_breaks_no_rule_without_gra
 
 
 @pytest.mark.parametrize("overrides,world,words", [
-    (["model.tensor_model_parallel_size=2"], 2, "hands the gradient of a layer's input to DTensor's redistribution"),
     ([*MOE, "model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true"], 2,
      "its experts are an FSDP2 module of their own"),
     (["ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]",

@@ -37,7 +37,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     The rules (validation/parallel_rules.py, R25-R31) admit only the combinations that work today: expert parallel
     with tensor parallel or FSDP2 (not both), or over pipeline stages with replicated data parallel (each stage's
     ``mesh[EP]`` is that stage's expert-parallel ranks), context parallel never with expert parallel, compile
-    without tensor parallel (each decoder layer compiled over the other layouts).
+    over any layout without graphs (each decoder layer compiled).
     """
     if mesh is None and dims.needs_mesh:
         raise RuntimeError(f"the layout {dims.describe()} needs a device mesh (parallel/dims.py build_mesh)")

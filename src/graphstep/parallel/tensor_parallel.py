@@ -54,11 +54,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel, SequenceParallel, parallelize_module,
+    ColwiseParallel, PrepareModuleInputOutput, SequenceParallel, parallelize_module,
 )
 
 from ..cuda_graph.rng import MODEL_PARALLEL_RNG
-from ..engines_compat import colwise_with_partition, rowwise_with_partition
+from ..engines_compat import colwise_with_partition, rowwise_with_partition, rowwise_with_waited_output
 
 # the adapter submodules' names (converters/lora.py LoRALinear)
 ADAPTER_IN, ADAPTER_OUT = "lora_A", "lora_B"
@@ -114,7 +114,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
     # first stage's embedding is, so both stages' copies hold the same rows on each tensor-parallel rank
     embedding = getattr(model, "embedding", None)
     if isinstance(embedding, nn.Embedding):
-        plan["embedding"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        # its output waited for before the decoder layers take it (compiled, they cannot take torch's
+        # asynchronous one: engines_compat.rowwise_with_waited_output)
+        plan["embedding"] = rowwise_with_waited_output()(input_layouts=Replicate(), output_layouts=seq)
     elif embedding is not None:
         _shard_rows(embedding, "weight", mesh)
     if norm is not None and getattr(model, "final_layernorm", None) is not None:

@@ -13,8 +13,7 @@ parallel/; these rules say which configurations it takes:
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE
   models with both, or with FSDP2 without expert parallel; hybrid (Mamba)
   models, per-layer graphs with FSDP2 ZeRO-3 (their gathered parameters stay
-  allocated), torch.compile with tensor parallel or with an MoE model under
-  FSDP2, compile with graphs over any parallel layout (compile over a layout
+  allocated), torch.compile with an MoE model under FSDP2, compile with graphs over any parallel layout (compile over a layout
   compiles each decoder layer and runs without graphs: parallel/compile.py);
   and a capture of the very first iteration (no warm-up step). Each is
   refused by name, never ignored. Activation recompute,
@@ -197,12 +196,7 @@ def _r27_sharded(v: View) -> list[Violation]:
                       "set ddp.data_parallel_sharding_strategy=optim_grads (ZeRO-2: the same memory, without "
                       "gathering every layer twice per step), or model.cuda_graph_impl=full_iteration (the gathers "
                       "and frees are inside the graph)."))
-    if cfg.compile.enable is True and tp > 1:
-        refuse("compile.enable", "compile.enable=true (the compiled decoder layers' backward hands the gradient of "
-               "a layer's input to DTensor's redistribution as a plain tensor, which it cannot take: an "
-               "AttributeError in the first backward)", "set compile.enable=false, or compile over FSDP2, pipeline, "
-               "context or expert parallel without tensor parallel.")
-    elif cfg.compile.enable is True and fsdp and m.num_moe_experts is not None:
+    if cfg.compile.enable is True and fsdp and m.num_moe_experts is not None:
         refuse("compile.enable", "compile.enable=true and an MoE model (its experts are an FSDP2 module of their "
                "own inside each compiled layer, whose gathers Dynamo would trace)", "set compile.enable=false, or "
                "compile the MoE model over expert parallel with replicated data parallel.")
