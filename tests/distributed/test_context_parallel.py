@@ -25,7 +25,11 @@ more to compare with one process:
   ranks: each rank routes the tokens of its chunks, the expert-bias update sums the token counts of all 4,
   graphed whole and per layer (``[attn,moe]``); with dropout and the load-balancing loss off (each rank's is
   that of its share of the tokens) it computes what one process computes, and graphed with full recompute
-  the same bits as eager without it;
+  the same bits as eager without it; ``cp2_ep2_moe``, the same with expert parallel over the 2 data-parallel
+  ranks (each MoE block exchanging tokens with the rank holding the same chunks, each rank holding half of the
+  experts, an expert's gradient summed with its other context-parallel rank's), graphed whole and per layer, and
+  ``cp2_ep2_zero3_moe`` over FSDP2 ZeRO-3 (the experts sharded over the ranks holding them), both also equal to
+  one process without dropout;
 * ``cp2_dp2_hybrid``: a Nemotron-H style hybrid (Mamba, MLP, attention, MoE) over 2 data-parallel x 2
   context-parallel ranks: each Mamba layer runs its scan along the whole sequences of half of its heads
   (all-to-alls in and out), graphed whole and per layer (``[attn,mlp,mamba]``), and with dropout and the
@@ -59,6 +63,9 @@ EAGER = ["model.cuda_graph_impl=none"]
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
 CP2 = ["model.context_parallel_size=2", "model.cp_comm_type=all_gather"]
 BUCKETS = ["ddp.bucket_size=5000"]  # several buckets (the default is one of 40M elements)
+MOE = ["recipe=qwen3_moe_tiny", "train.micro_batch_size=2", "model.hidden_dropout=0.1",
+       "model.moe_router_enable_expert_bias=true", "model.moe_router_bias_update_rate=0.01",
+       "model.moe_router_score_function=sigmoid", "data.corpus_max_bytes=300000", "data.split=90,10,0"]
 LAYOUTS = {
     "cp2_dp2": CP2,
     "cp2_tp2_sp": [*CP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
@@ -72,9 +79,14 @@ LAYOUTS = {
     # heads in all: num_query_groups=4) split again over the 2 context-parallel ranks
     "cp2_a2a_tp2_sp": ["model.context_parallel_size=2", "model.cp_comm_type=a2a", "model.num_query_groups=4",
                        "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
-    "cp2_dp2_moe": [*CP2, "recipe=qwen3_moe_tiny", "train.micro_batch_size=2", "model.hidden_dropout=0.1",
-                    "model.moe_router_enable_expert_bias=true", "model.moe_router_bias_update_rate=0.01",
-                    "model.moe_router_score_function=sigmoid", "data.corpus_max_bytes=300000", "data.split=90,10,0"],
+    "cp2_dp2_moe": [*CP2, *MOE],
+    # expert parallel over the 2 data-parallel ranks of each context-parallel rank: each MoE block all-gathers the
+    # tokens of the ranks holding the same chunks, each rank holding 4 of the 8 experts, whose gradients are summed
+    # with the other context-parallel rank's copy (the expert_dp view); replicated and under FSDP2 ZeRO-3 (the
+    # experts sharded over their 2 holders)
+    "cp2_ep2_moe": [*CP2, *MOE, "model.expert_model_parallel_size=2"],
+    "cp2_ep2_zero3_moe": [*CP2, *MOE, "model.expert_model_parallel_size=2", "ddp.use_megatron_fsdp=true",
+                          "ddp.data_parallel_sharding_strategy=optim_grads_params"],
     # a hybrid model (Mamba, MLP, attention, MoE): each Mamba layer exchanges its conv input and dt for the whole
     # sequences of half of its 8 heads (their one group's B and C on both ranks) and its output back
     "cp2_dp2_hybrid": [*CP2, "recipe=nemotron_h_tiny", "train.micro_batch_size=2", "model.hidden_dropout=0.1",
@@ -86,10 +98,12 @@ PER_LAYER = {"cp2_dp2": ["model.cuda_graph_impl=local", "model.cuda_graph_module
              # inside FSDP2's layers: its gathers and reduce-scatters eager between the layer graphs
              "cp2_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
              "cp2_dp2_moe": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"],
+             "cp2_ep2_moe": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"],
              "cp2_a2a": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
              # each Mamba graph holds its layer's two all-to-alls, its backward graph their inverses
              "cp2_dp2_hybrid": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp,mamba]"]}
 COMPARED = ("cp2_dp2", "cp2_tp2_sp", "cp2_fsdp2", "cp2_a2a")  # with dropout off, against one process
+MOE_LAYOUTS = ("cp2_dp2_moe", "cp2_ep2_moe", "cp2_ep2_zero3_moe")  # with dropout off, against one MoE process
 # graphed with activation recompute, dropout off: selective recompute of the core attention over tensor parallel,
 # full recompute over FSDP2 ZeRO-3 (each layer gathered again in the backward); against the layout's nodrop run
 RECOMPUTED = {"cp2_tp2_sp": ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"],
@@ -97,7 +111,8 @@ RECOMPUTED = {"cp2_tp2_sp": ["model.recompute_granularity=selective", "model.rec
                             "model.recompute_num_layers=1"],
               "cp2_dp2_moe": ["model.recompute_granularity=full"]}
 NODROP = {"cp2_dp2": BUCKETS,  # cp2_dp2's dropout-free run: the reference of the overlap and recompute runs too
-          "cp2_dp2_moe": ["model.moe_aux_loss_coeff=0.0"], "cp2_dp2_hybrid": ["model.moe_aux_loss_coeff=0.0"]}
+          "cp2_dp2_moe": ["model.moe_aux_loss_coeff=0.0"], "cp2_ep2_moe": ["model.moe_aux_loss_coeff=0.0"],
+          "cp2_ep2_zero3_moe": ["model.moe_aux_loss_coeff=0.0"], "cp2_dp2_hybrid": ["model.moe_aux_loss_coeff=0.0"]}
 
 
 def layouts_worker(out: str, device: str) -> None:
@@ -111,7 +126,7 @@ def layouts_worker(out: str, device: str) -> None:
             for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
     runs.update({f"{name}/layers": [*LAYOUTS[name], *graphs] for name, graphs in PER_LAYER.items()})
     runs.update({f"{name}/nodrop": [*LAYOUTS[name], *NODROP.get(name, []), *NO_DROPOUT, *EAGER]
-                 for name in (*COMPARED, "cp2_dp2_moe", "cp2_dp2_hybrid", "cp2_a2a_tp2_sp")})
+                 for name in (*COMPARED, *MOE_LAYOUTS, "cp2_dp2_hybrid", "cp2_a2a_tp2_sp")})
     runs["cp2_dp2_overlap/nodrop"] = [*runs["cp2_dp2/nodrop"], "ddp.overlap_grad_reduce=true"]
     # each decoder layer compiled (aot_eager) over context x tensor + sequence parallel, no graphs
     runs["cp2_tp2_sp/compiled"] = [*runs["cp2_tp2_sp/nodrop"], "compile.enable=true", "compile.backend=aot_eager"]
@@ -172,15 +187,17 @@ def test_per_layer_graphs_over_context_parallel_attention_equal_eager(reports, l
 def test_every_rank_logs_the_same_losses_and_holds_its_part(reports, layout):
     """The loss is averaged over every data-parallel and context-parallel rank: all 4 log the same. Context-parallel
     ranks hold the same parameters (replicated, as data-parallel replicas), tensor-parallel and FSDP2 ranks their
-    own shards."""
+    own shards, expert-parallel ranks their own experts."""
     for mode in ("eager", "graphed"):
         assert all(r[f"{layout}/{mode}"]["losses"] == reports[0][f"{layout}/{mode}"]["losses"] for r in reports)
         assert all(r[f"{layout}/{mode}"]["eval"] == reports[0][f"{layout}/{mode}"]["eval"] for r in reports)
     shards = [r[f"{layout}/eager"]["shard"] for r in reports]
     if layout in ("cp2_tp2_sp", "cp2_a2a_tp2_sp"):  # ranks 0, 1: the tp ranks of cp rank 0; 2, 3 those of cp 1
         assert shards[0] != shards[1] and shards[0] == shards[2] and shards[1] == shards[3]
-    elif layout in ("cp2_fsdp2", "cp2_zero2"):  # sharded over dp x cp: four different shards
+    elif layout in ("cp2_fsdp2", "cp2_zero2", "cp2_ep2_zero3_moe"):  # sharded over dp x cp: four different shards
         assert len(set(shards)) == 4
+    elif layout == "cp2_ep2_moe":  # rank = 2 ep + cp: a rank's experts are its context-parallel peer's, not the other's
+        assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
     else:
         assert len(set(shards)) == 1
 
@@ -218,17 +235,26 @@ def test_a2a_over_tensor_parallel_computes_what_one_process_computes(reports):
     _assert_runs_match_one_process(reports, "cp2_a2a_tp2_sp/nodrop", one, losses=2e-6, norms=2e-5)
 
 
-def test_an_moe_model_over_context_parallel_ranks_computes_what_one_process_computes(reports):
-    """cp2 x dp2 MoE, dropout and the load-balancing loss off: each rank routes its own chunks' tokens, the expert
-    biases move with the token counts summed over the 4 ranks, and the losses and gradient norms are one
-    process's with the same global batch, to float tolerance."""
+@pytest.fixture(scope="module")
+def moe_one_process():
+    """The MoE layouts' model and global batches on one process, dropout and the load-balancing loss off."""
     from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
-    single = [o for o in LAYOUTS["cp2_dp2_moe"] if not o.startswith(("recipe=", "model.context_parallel_size",
-                                                                      "model.cp_comm_type"))]
-    one = train(tiny_config(*COMMON, *single, *NODROP["cp2_dp2_moe"], *NO_DROPOUT, *EAGER, recipe="qwen3_moe_tiny"))
-    _assert_runs_match_one_process(reports, "cp2_dp2_moe/nodrop", one, losses=2e-5, norms=1e-4)
+    single = [o for o in MOE if not o.startswith("recipe=")]
+    return train(tiny_config(*COMMON, *single, "model.moe_aux_loss_coeff=0.0", *NO_DROPOUT, *EAGER,
+                             recipe="qwen3_moe_tiny"))
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_an_moe_model_over_context_parallel_ranks_computes_what_one_process_computes(reports, moe_one_process,
+                                                                                     layout):
+    """cp2 x dp2 MoE, and cp2 x ep2 replicated and over FSDP2 ZeRO-3, dropout and the load-balancing loss off:
+    each rank routes its own chunks' tokens (with expert parallel to the experts of the ranks holding the same
+    chunks), the expert biases move with the token counts summed over the 4 ranks, an expert's gradient sums over
+    the ranks holding it, and the losses and gradient norms are one process's with the same global batch, to
+    float tolerance."""
+    _assert_runs_match_one_process(reports, f"{layout}/nodrop", moe_one_process, losses=2e-5, norms=1e-4)
 
 
 def test_a_hybrid_model_over_context_parallel_ranks_computes_what_one_process_computes(reports):

@@ -200,6 +200,13 @@ def test_rule_r30_refuses_what_context_parallel_does_not_do_with_the_reason_and_
     (["model.context_parallel_size=2", "model.num_moe_experts=4", "model.moe_ffn_hidden_size=64"], 4),
     (["model.context_parallel_size=2", "model.num_moe_experts=4", "model.moe_ffn_hidden_size=64",
       "model.pipeline_model_parallel_size=2", "model.cuda_graph_impl=full_iteration"], 4),
+    # an MoE model with expert parallel over the data-parallel ranks of each context-parallel rank, replicated or
+    # over FSDP2
+    (["model.context_parallel_size=2", "model.num_moe_experts=4", "model.moe_ffn_hidden_size=64",
+      "model.expert_model_parallel_size=2", "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]"], 4),
+    (["model.context_parallel_size=2", "model.num_moe_experts=4", "model.moe_ffn_hidden_size=64",
+      "model.expert_model_parallel_size=2", "ddp.use_megatron_fsdp=true",
+      "ddp.data_parallel_sharding_strategy=optim_grads_params", "model.cuda_graph_impl=full_iteration"], 4),
     # a hybrid model: the Mamba heads split over the ranks, B and C of one group shared (cp2), or whole groups
     (["model.context_parallel_size=2", "model.hybrid_override_pattern=M-*-", "model.num_layers=4",
       "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp,mamba]"], 4),

@@ -225,12 +225,12 @@ def _replica_reducer(grads: Any, ddp: DDPConfig, dims: ParallelDims, mesh: World
     ranks = dims.grad_ranks
     kwargs = dict(bucket_size=ddp.bucket_size, average_in_collective=ddp.average_in_collective, backend=backend,
                   group=grad_group(dims, mesh))
-    if dims.ep > 1:  # R30: not with context parallel
-        # the ranks holding the same experts: the edp ranks, and the tensor-parallel ranks, which ran the experts on
-        # their own share of the tokens (parallel/dims.py, expert_dp)
-        holders = EXPERT_DP if dims.tp > 1 else EDP
-        edp = mesh.group(holders) if dims.dp // dims.ep * dims.tp > 1 else None
-        return ExpertParallelReducer(grads, dims.dp, edp, **kwargs)
+    if dims.ep > 1:
+        # the ranks holding the same experts: the edp ranks, and the context- and tensor-parallel ranks, which ran
+        # the experts on their own share of the tokens (parallel/dims.py, expert_dp)
+        holders = EXPERT_DP if dims.tp * dims.cp > 1 else EDP
+        edp = mesh.group(holders) if dims.dp // dims.ep * dims.cp * dims.tp > 1 else None
+        return ExpertParallelReducer(grads, ranks, edp, **kwargs)
     if ddp.overlap_grad_reduce:
         return OverlappedGradReducer(grads, ranks, **kwargs)
     return GradReducer(grads.flat, ranks, **kwargs)

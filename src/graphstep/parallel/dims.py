@@ -23,6 +23,9 @@ FSDP2's mesh, the gradient all-reduce's group; and ``dp_replicate`` or
 not split over the tensor-parallel ranks (``expert_tensor_parallel_size`` 1),
 each of those runs the MoE blocks on its own share of the tokens, so they hold
 the same experts as the ``edp`` ranks do and sum their gradients with them
+(with context parallel ``expert_dp`` spans ``(edp, cp)`` or ``(edp, cp, tp)``:
+a context-parallel rank routes its own chunks' tokens, over the expert-parallel
+ranks that hold the same chunks)
 (Megatron's expert grid re-folds the tensor-parallel ranks into its expert
 dimensions too; it makes them expert-parallel, here they are
 expert-data-parallel). Every rank index and process group of a run is read
@@ -56,7 +59,7 @@ from .pipeline import is_tied_copy
 PP, DP_REPLICATE, DP_SHARD, CP, TP = "pp", "dp_replicate", "dp_shard", "cp", "tp"
 EDP, EP = "edp", "ep"  # expert parallel: the data-parallel ranks as (expert-data-parallel, expert-parallel) ranks
 DP = "dp"  # every data-parallel rank, replicated or sharded: a flattened view
-EXPERT_DP = "expert_dp"  # expert x tensor parallel: every rank holding the same experts, (edp, tp): a flattened view
+EXPERT_DP = "expert_dp"  # expert x tensor/context parallel: every rank holding the same experts, (edp, [cp], [tp])
 DP_CP = "dp_cp"  # the data-parallel and context-parallel ranks: gradients and losses are averaged over them
 STAGE = "stage"  # every rank of a pipeline stage (all but pp), with tensor or context parallel: MoE token counts
 
@@ -167,13 +170,18 @@ class ParallelDims:
             if self.pp > 1 and (self.tp > 1 or self.cp > 1):  # the stage's ranks: a MoE model's token counts
                 views[STAGE] = (DP_REPLICATE, DP_SHARD, CP, TP)
             return views
-        # expert parallel (R30: never with context parallel)
+        # expert parallel
         if self.fsdp:
             views = {DP: (DP_REPLICATE, EDP, EP), DP_SHARD: (EDP, EP)}
         else:
             views = {DP: (EDP, EP, DP_SHARD), DP_REPLICATE: (EDP, EP)}
-        if self.tp > 1:  # a MoE block runs on each tensor-parallel rank's share of the tokens (tensor_parallel.py)
-            views[EXPERT_DP] = (EDP, TP)
+        if self.cp > 1:  # each context-parallel rank's MoE blocks route the tokens of its own chunks
+            views[DP_CP] = (*views[DP], CP)
+        # the ranks holding the same experts: the edp ranks, and the context- and tensor-parallel ranks, each of
+        # which runs the MoE blocks on its own share of the tokens (tensor_parallel.py, context_parallel.py)
+        holders = (EDP, *((CP,) if self.cp > 1 else ()), *((TP,) if self.tp > 1 else ()))
+        if len(holders) > 1:
+            views[EXPERT_DP] = holders
             if self.pp > 1:  # the stage's ranks, over which the token counts are summed
                 views[STAGE] = tuple(name for name, _ in self.mesh_dims() if name != PP)
         return views

@@ -20,7 +20,7 @@ from ..config import Config
 from ..cuda_graph.settings import CudaGraphSettings
 from .compile import apply_compile, compile_mode_of
 from .context_parallel import apply_context_parallel, cp_comm
-from .dims import CP, EDP, EP, PP, TP, ParallelDims, WorldMesh
+from .dims import CP, EDP, EP, EXPERT_DP, PP, TP, ParallelDims, WorldMesh
 from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_fsdp
 from .interleaved import chunk_view
@@ -36,7 +36,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
 
     The rules (validation/parallel_rules.py, R25-R31) admit only the combinations that work today: expert parallel
     with tensor parallel or FSDP2 (not both), or over pipeline stages with replicated data parallel (each stage's
-    ``mesh[EP]`` is that stage's expert-parallel ranks), context parallel never with expert parallel, compile
+    ``mesh[EP]`` is that stage's expert-parallel ranks) or context parallel, compile
     over any layout without graphs (each decoder layer compiled).
     """
     if mesh is None and dims.needs_mesh:
@@ -72,12 +72,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     #    data-parallel ranks (a tensor-parallel one into a (dp, tp) DTensor). Replicated data parallel has no
     #    step here: the training step all-reduces the flat gradient buffer (parallel/data_parallel.py), which
     #    exists only once the parameters are final.
-    #    Expert-parallel experts are sharded over the edp ranks only (the other ranks hold other experts); the
-    #    other parameters over the data-parallel and context-parallel ranks (dp_cp; dp with one cp rank).
+    #    Expert-parallel experts are sharded over the ranks holding the same experts only (edp, with context
+    #    parallel (edp, cp): the expert_dp view); the other parameters over the data-parallel and
+    #    context-parallel ranks (dp_cp; dp with one cp rank).
     #    With virtual pipeline stages each of the rank's chunks is a root of its own (parallel/interleaved.py).
     if dims.fsdp is not None:
         apply_fsdp(model, mesh[dims.grad_dim], dims.fsdp, param_dtype, prefetch=dims.prefetch,
-                   experts_mesh=mesh[EDP] if dims.ep > 1 else None, roots=_chunk_roots(model, dims, mesh, cfg))
+                   experts_mesh=(mesh[EXPERT_DP] if dims.cp > 1 else mesh[EDP]) if dims.ep > 1 else None, roots=_chunk_roots(model, dims, mesh, cfg))
     return step_model
 
 

@@ -75,6 +75,7 @@ LAYOUTS = (
     Layout("MoE, pp2 x tp2", 4, (*PP2, *TP2), "qwen3_moe_tiny"),
     Layout("MoE, pp2 x ep2", 4, (*PP2, *EP2), "qwen3_moe_tiny"),
     Layout("MoE, cp2", 2, CP2, "qwen3_moe_tiny"),
+    Layout("MoE, cp2 x ep2", 4, (*CP2, *EP2), "qwen3_moe_tiny"),
     Layout("hybrid (Mamba) over pp2", 2, PP2, "nemotron_h_tiny"),
     Layout("hybrid (Mamba), cp2", 2, CP2, "nemotron_h_tiny"),
     Layout("hybrid (Mamba), pp2 x cp2", 4, (*PP2, *CP2), "nemotron_h_tiny"),

@@ -43,8 +43,9 @@ parallel/; these rules say which configurations it takes:
   equal chunks, and each rank's share divides over sequence-parallel ranks),
   the communication types graphstep implements (``all_gather``, ``a2a``),
   a hybrid model's Mamba heads and groups divide over the ranks, and what it
-  does not combine with yet (expert parallel, sequence-length buckets) is
-  refused; pipeline stages, plain or
+  does not combine with yet (sequence-length buckets) is refused (expert
+  parallel combines: each context-parallel rank's MoE blocks exchange their
+  chunks' tokens with the expert-parallel ranks holding the same chunks); pipeline stages, plain or
   virtual, combine with it (each stage's attention gathers over its own
   context-parallel ranks; the last stage's loss is ContextParallel's);
 * R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
@@ -412,9 +413,7 @@ def _r30(v: View) -> list[Violation]:
         refuse(["model.seq_length", "model.sequence_parallel"], f"each rank's {seq // cp} tokens of "
                f"model.seq_length={seq} do not divide over {tp} sequence-parallel ranks.",
                f"set model.seq_length to a multiple of {2 * cp * tp}.")
-    others = [((_int(m.expert_model_parallel_size) or 1) > 1, ["model.expert_model_parallel_size"], "expert "
-               "parallel", "set model.expert_model_parallel_size=1."),
-              (cfg.data.seq_length_buckets is not None, ["data.seq_length_buckets"], "data.seq_length_buckets "
+    others = [(cfg.data.seq_length_buckets is not None, ["data.seq_length_buckets"], "data.seq_length_buckets "
                "(every bucket would need its own chunking)", "set data.seq_length_buckets=null (pad to "
                "model.seq_length).")]
     for on, fields, what, fix in others:
