@@ -85,6 +85,7 @@ CP2 = ["model.context_parallel_size=2", "model.cp_comm_type=all_gather"]
 # SFT rows padded to 64 tokens (run_layouts writes the file): the loss mask keeps other numbers of tokens on the two
 # context-parallel ranks, so only ContextParallel's loss (the count all-reduced over the last stage's ranks) gives
 # the mean over the whole sequences
+ZERO3 = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
 SFT = ["data.dataset=sft", "data.data_path=<out>/sft.jsonl", "data.split=80,20,0", "model.seq_length=64"]
 LAYOUTS_4 = {
     # replicated data parallel, the buckets' all-reduces overlapped with each stage's last backward; tied embeddings
@@ -111,6 +112,16 @@ LAYOUTS_4 = {
     # 2 stages x 2 context-parallel ranks: each MoE block routes the tokens of its rank's chunks, the expert-bias
     # update sums the counts over the stage's 2 ranks; dropout and the load-balancing loss off (one process)
     "pp2_cp2_moe": [*PP2, *CP2, *MOE, *NO_DROPOUT, "model.moe_aux_loss_coeff=0.0"],
+    # expert parallel over the stages' FSDP2 ZeRO-3 ranks (each stage's experts sharded over the ranks holding them),
+    # and over virtual stages (4 MoE layers in 4 chunks), replicated and over ZeRO-3; dropout and the load-balancing
+    # loss off (compared with one process)
+    "pp2_ep2_zero3": [*PP2, *DP2, *MOE, "model.expert_model_parallel_size=2", *ZERO3, *NO_DROPOUT,
+                      "model.moe_aux_loss_coeff=0.0"],
+    "vpp2_ep2": [*VPP2, *DP2, *MOE, "model.expert_model_parallel_size=2", "model.share_embeddings_and_output_weights=false",
+                 *NO_DROPOUT, "model.moe_aux_loss_coeff=0.0"],
+    "vpp2_ep2_zero3": [*VPP2, *DP2, *MOE, "model.expert_model_parallel_size=2",
+                       "model.share_embeddings_and_output_weights=false", *ZERO3, *NO_DROPOUT,
+                       "model.moe_aux_loss_coeff=0.0"],
     "pp2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4"],  # nemotron_h_tiny's M-*E: M- on the first stage, *E last
     # the hybrid over 2 stages x 2 context-parallel ranks: the first stage's Mamba layer scans the whole sequences
     # of half of its heads on each rank (all-to-alls in and out); dropout and the load-balancing loss off
@@ -140,7 +151,8 @@ LAYOUTS_4 = {
 # the others: llama3_tiny
 RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_tp2_moe": "qwen3_moe_tiny",
            "pp2_cp2_moe": "qwen3_moe_tiny",
-           "pp2_hybrid": "nemotron_h_tiny", "pp2_cp2_hybrid": "nemotron_h_tiny"}
+           "pp2_hybrid": "nemotron_h_tiny", "pp2_cp2_hybrid": "nemotron_h_tiny", "pp2_ep2_zero3": "qwen3_moe_tiny",
+           "vpp2_ep2": "qwen3_moe_tiny", "vpp2_ep2_zero3": "qwen3_moe_tiny"}
 # the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
 MODES_4 = {
     "pp2_dp2": {"nodrop": [*NO_DROPOUT, *EAGER]},
@@ -170,6 +182,8 @@ MODES_4 = {
                               "model.recompute_method=uniform", "model.recompute_num_layers=1"]},
     "pp2_hybrid": {"layers": ["model.cuda_graph_impl=transformer_engine", "model.cuda_graph_modules=[mamba,attn,moe]",
                               *LAYER_WARMUP]},
+    # per-layer graphs over virtual stages with expert parallel: each chunk's MoE blocks graphed whole
+    "vpp2_ep2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]", *LAYER_WARMUP]},
     "pp2_cp2_hybrid": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba,mlp,attn]",
                                   *LAYER_WARMUP]},
     "pp2_cp2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP],
@@ -467,7 +481,7 @@ ONE_REPLICA = ("pp2_cp2", "pp2_cp2_a2a")
 # the dropout-free run of each layout compared with one process
 ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop", "pp2_moe": "nodrop",
                "pp2_ep2": "nodrop", "pp2_tp2_moe": "eager", "pp2_cp2_moe": "eager", "pp2_cp2_a2a": "eager",
-               "pp2_cp2_hybrid": "eager",
+               "pp2_cp2_hybrid": "eager", "pp2_ep2_zero3": "eager", "vpp2_ep2": "eager", "vpp2_ep2_zero3": "eager",
                "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop", "pp2_cp2": "nodrop", "vpp2_cp2_zb": "nodrop"}
 
 

@@ -51,7 +51,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
         for experts in expert_modules(layer) if experts_mesh is not None else ():
             fully_shard(experts, mesh=experts_mesh, reshard_after_forward=reshard, mp_policy=mp)
             experts.set_gradient_divide_factor(float(mesh.size()))
-            experts.set_force_sum_reduction_for_comms(True)  # a sum, then the division: gloo has no PREMUL_SUM
+            if experts_mesh.size() > 1:  # a sum, then the division: gloo has no PREMUL_SUM
+                # (not on one rank: there FSDP2 (torch 2.13) divides the copy it makes instead of a reduce-scatter
+                # and then divides again after a forced sum -- the gradient divided twice; no collective runs there)
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     shard_roots = roots if roots is not None else [model]
     for root in shard_roots:

@@ -529,7 +529,7 @@ def _r31(v: View) -> list[Violation]:
     tp, fsdp = tensor_parallel_size(cfg), shards_data_parallel(cfg)
     pp = pipeline_parallel_size(cfg)
     if pp > 1:
-        _ep_over_stages(v, pp, dispatcher, fsdp, refuse)
+        _ep_over_stages(v, pp, dispatcher, refuse)
     if dispatcher == "alltoall" and tp > 1:
         refuse(["model.moe_token_dispatcher_type", "model.tensor_model_parallel_size"],
                f"the alltoall dispatcher with model.tensor_model_parallel_size={tp} is not implemented.",
@@ -554,33 +554,21 @@ def _r31(v: View) -> list[Violation]:
     return out
 
 
-def _ep_over_stages(v: View, pp: int, dispatcher: str | None, fsdp: bool, refuse: Any) -> None:
+def _ep_over_stages(v: View, pp: int, dispatcher: str | None, refuse: Any) -> None:
     """Expert parallel over pipeline stages (EP x PP x DP, Megatron Bridge's Qwen3-30B-A3B and DeepSeek-V3
     layouts): each stage's MoE blocks exchange tokens among the expert-parallel ranks of that stage, over
-    replicated data parallel, the allgather dispatcher, eager or graphed (whole or per layer), recompute
-    included. What the tests do not show equal to eager and to the same model without expert parallel is refused
-    here (virtual stages among it). With tensor parallel too (pp2 x ep2 x tp2, the 8-rank test) the token counts
-    are summed over the stage's expert- and tensor-parallel ranks (the mesh's ``stage`` view)."""
-    cfg, m = v.cfg, v.cfg.model
+    replicated data parallel or FSDP2, plain or virtual stages, the allgather dispatcher, eager or graphed (whole
+    or per layer), recompute included. The alltoall dispatcher is refused here. With tensor parallel too
+    (pp2 x ep2 x tp2, the 8-rank test) the token counts are summed over the stage's expert- and tensor-parallel
+    ranks (the mesh's ``stage`` view)."""
     stages = f"model.pipeline_model_parallel_size={pp}"
-    nearest = (f"the nearest layout that works: {stages} with expert parallel over replicated data parallel, the "
-               "allgather dispatcher and model.cuda_graph_impl=full_iteration (or none)")
+    nearest = (f"the nearest layout that works: {stages} with expert parallel and the allgather dispatcher, "
+               "model.cuda_graph_impl=full_iteration (or none)")
     if dispatcher == "alltoall":
         refuse(["model.moe_token_dispatcher_type", "model.pipeline_model_parallel_size"], f"the alltoall "
                f"dispatcher over pipeline stages ({stages}) is not implemented: it reads its split sizes on the host "
                "in every MoE block, inside the schedule that torch's first step also runs on uninitialised "
                "inputs to infer the stages' shapes.", f"set model.moe_token_dispatcher_type=allgather; {nearest}.")
-    if fsdp:
-        refuse(["model.pipeline_model_parallel_size", *_fsdp_fields(cfg)], f"FSDP2 ({_fsdp_f(cfg)}) with expert "
-               f"parallel over pipeline stages ({stages}) is not implemented.", f"train with replicated data "
-               f"parallel (the default ddp settings); {nearest}.")
-    vpp = _int(m.virtual_pipeline_model_parallel_size)
-    if virtual_stages(m.pipeline_model_parallel_layout, vpp, pp) > 1:
-        vfield = ("model.pipeline_model_parallel_layout" if m.pipeline_model_parallel_layout is not None
-                  else "model.virtual_pipeline_model_parallel_size")
-        refuse(["model.pipeline_model_parallel_size", vfield], f"expert parallel over virtual pipeline stages "
-               f"({vfield}) is not implemented (MoE models over virtual stages run with "
-               "model.expert_model_parallel_size=1).", f"set {vfield}=null; {nearest}.")
 
 
 def _compiled_layers_over_a_layout(v: View) -> list[Violation]:
