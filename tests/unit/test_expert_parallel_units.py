@@ -55,12 +55,6 @@ def _rules(*overrides: str, world: int = 2) -> list:
     (["model.expert_model_parallel_size=2"], 3, "do not divide into groups of 2"),
     (["model.expert_model_parallel_size=2", "model.moe_expert_capacity_factor=1.0"], 2, "dropless"),
     (["model.expert_model_parallel_size=2", "model.moe_sync_free=false"], 2, "sync-free"),
-    # expert parallel over pipeline stages: allgather over replicated data parallel, eager or graphed (whole or per
-    # layer), recompute included; the rest is refused, the nearest working layout named
-    (["model.expert_model_parallel_size=2", *PP2, "model.moe_token_dispatcher_type=alltoall"], 4,
-     "alltoall dispatcher over pipeline stages"),
-    (["model.expert_model_parallel_size=2", *PP2, "ddp.use_distributed_optimizer=true"], 4,
-     "with expert parallel over pipeline stages (model.pipeline_model_parallel_size=2) is not implemented"),
     (["model.expert_model_parallel_size=2", "model.tensor_model_parallel_size=2",
       "model.moe_token_dispatcher_type=alltoall"], 4, "alltoall dispatcher with model.tensor_model_parallel_size=2"),
     (["model.expert_model_parallel_size=2", "ddp.overlap_grad_reduce=true"], 2,
@@ -78,6 +72,12 @@ def test_expert_parallel_rule_refuses_with_the_reason(overrides, world, words):
 
 def test_accepted_expert_parallel_layouts_break_no_rule():
     assert _rules("model.expert_model_parallel_size=2") == []
+    # over pipeline stages, plain or virtual, either dispatcher, over replicated data parallel or FSDP2
+    assert _rules("model.expert_model_parallel_size=2", *PP2, "model.moe_token_dispatcher_type=alltoall",
+                  "ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true", world=4) == []
+    assert _rules("model.expert_model_parallel_size=2", *PP2, "model.virtual_pipeline_model_parallel_size=2",
+                  "model.share_embeddings_and_output_weights=false", "ddp.use_megatron_fsdp=true",
+                  "ddp.data_parallel_sharding_strategy=optim_grads_params", world=4) == []
     assert _rules("model.expert_model_parallel_size=2", world=4) == []
     assert _rules("model.expert_model_parallel_size=4", world=4, ) == []
     assert _rules("model.expert_model_parallel_size=2", "model.cuda_graph_impl=local", "model.use_te_rng_tracker=true",
@@ -120,16 +120,15 @@ def test_accepted_expert_parallel_layouts_break_no_rule():
 
 def test_expert_parallel_over_stages_passes_every_rule_and_refuses_what_other_rules_own():
     """pp2 x ep2 breaks no rule at all, graphed whole, nor with tensor parallel as well (pp2 x ep2 x tp2, the 8-rank
-    launch of test_pipeline_3d.py) or without expert parallel (pp2 x tp2 MoE); over virtual stages R31 refuses
-    it."""
+    launch of test_pipeline_3d.py), without expert parallel (pp2 x tp2 MoE) or over virtual stages (the 4-rank
+    pipeline launch's vpp2_ep2)."""
     layout = ("model.expert_model_parallel_size=2", *PP2, "train.micro_batch_size=1", "train.global_batch_size=8",
               "model.cuda_graph_impl=full_iteration", "model.cuda_graph_warmup_steps=1")
     assert _all_rules(*layout, world=4) == []
     assert _all_rules(*layout, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true", world=8) == []
     assert _all_rules(*layout[1:], "model.tensor_model_parallel_size=2", world=4) == []  # pp2 x tp2 MoE
-    vpp = _all_rules(*layout, "model.virtual_pipeline_model_parallel_size=2", "model.num_layers=4",
-                     "model.share_embeddings_and_output_weights=false", world=4)
-    assert {v.rule for v in vpp} == {"R31"} and "over virtual pipeline stages" in vpp[0].message
+    assert _all_rules(*layout, "model.virtual_pipeline_model_parallel_size=2", "model.num_layers=4",
+                      "model.share_embeddings_and_output_weights=false", world=4) == []
 
 
 def _all_rules(*overrides: str, world: int = 2) -> list:
@@ -300,11 +299,3 @@ def test_alltoall_block_refuses_what_it_cannot_run(one_rank_group):
         apply_expert_parallel(block("tiled"), mesh)
     with pytest.raises(ValueError, match="model.moe_expert_capacity_factor=null"):
         apply_expert_parallel(block(moe_expert_capacity_factor=1.0), mesh)
-
-
-def test_expert_parallel_over_virtual_stages_is_refused_while_moe_over_them_is_not():
-    vpp = ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2", "model.num_layers=4"]
-    found = _rules("model.expert_model_parallel_size=2", *vpp, world=4)
-    assert len(found) == 1 and "expert parallel over virtual pipeline stages" in found[0].message, found
-    assert found[0].fix.startswith("set model.virtual_pipeline_model_parallel_size=null"), found
-    assert _rules(*vpp, world=2) == []  # an MoE model over virtual stages (tests/distributed/test_interleaved.py)

@@ -76,6 +76,8 @@ LAYOUTS = (
     Layout("MoE, pp2 x ep2", 4, (*PP2, *EP2), "qwen3_moe_tiny"),
     Layout("MoE, pp2 x ep2 x FSDP2 ZeRO-3", 4, (*PP2, *EP2, *FSDP3), "qwen3_moe_tiny"),
     Layout("MoE, pp2 x vpp2 x ep2", 4, (*VPP, *EP2, "model.num_layers=4"), "qwen3_moe_tiny"),
+    Layout("MoE, pp2 x ep2 alltoall x distributed optimizer", 4, (*PP2, *EP2, *ALLTOALL, *DIST_OPT),
+           "qwen3_moe_tiny", "[attn,moe_router,moe_preprocess]"),
     Layout("MoE, cp2", 2, CP2, "qwen3_moe_tiny"),
     Layout("MoE, cp2 x ep2", 4, (*CP2, *EP2), "qwen3_moe_tiny"),
     Layout("hybrid (Mamba) over pp2", 2, PP2, "nemotron_h_tiny"),

@@ -527,9 +527,6 @@ def _r31(v: View) -> list[Violation]:
         refuse(["model.hybrid_override_pattern"], "a hybrid (Mamba) model with expert parallel is not implemented.",
                "set model.hybrid_override_pattern to its default.")
     tp, fsdp = tensor_parallel_size(cfg), shards_data_parallel(cfg)
-    pp = pipeline_parallel_size(cfg)
-    if pp > 1:
-        _ep_over_stages(v, pp, dispatcher, refuse)
     if dispatcher == "alltoall" and tp > 1:
         refuse(["model.moe_token_dispatcher_type", "model.tensor_model_parallel_size"],
                f"the alltoall dispatcher with model.tensor_model_parallel_size={tp} is not implemented.",
@@ -552,23 +549,6 @@ def _r31(v: View) -> list[Violation]:
                "after the backward.", "set ddp.overlap_grad_reduce=false, or shard with FSDP2 "
                "(ddp.use_distributed_optimizer=true), whose reduce-scatters overlap the backward.")
     return out
-
-
-def _ep_over_stages(v: View, pp: int, dispatcher: str | None, refuse: Any) -> None:
-    """Expert parallel over pipeline stages (EP x PP x DP, Megatron Bridge's Qwen3-30B-A3B and DeepSeek-V3
-    layouts): each stage's MoE blocks exchange tokens among the expert-parallel ranks of that stage, over
-    replicated data parallel or FSDP2, plain or virtual stages, the allgather dispatcher, eager or graphed (whole
-    or per layer), recompute included. The alltoall dispatcher is refused here. With tensor parallel too
-    (pp2 x ep2 x tp2, the 8-rank test) the token counts are summed over the stage's expert- and tensor-parallel
-    ranks (the mesh's ``stage`` view)."""
-    stages = f"model.pipeline_model_parallel_size={pp}"
-    nearest = (f"the nearest layout that works: {stages} with expert parallel and the allgather dispatcher, "
-               "model.cuda_graph_impl=full_iteration (or none)")
-    if dispatcher == "alltoall":
-        refuse(["model.moe_token_dispatcher_type", "model.pipeline_model_parallel_size"], f"the alltoall "
-               f"dispatcher over pipeline stages ({stages}) is not implemented: it reads its split sizes on the host "
-               "in every MoE block, inside the schedule that torch's first step also runs on uninitialised "
-               "inputs to infer the stages' shapes.", f"set model.moe_token_dispatcher_type=allgather; {nearest}.")
 
 
 def _compiled_layers_over_a_layout(v: View) -> list[Violation]:
