@@ -133,6 +133,12 @@ LAYOUTS_4 = {
                     "ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
                     "ddp.overlap_param_gather=true", *NO_DROPOUT, "model.moe_aux_loss_coeff=0.0"],
     "pp2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4"],  # nemotron_h_tiny's M-*E: M- on the first stage, *E last
+    # the hybrid with its MoE layer's experts split over each stage's 2 ranks, replicated and over FSDP2 ZeRO-3 (the
+    # Mamba layer sharded as any other); dropout and the load-balancing loss off (compared with one process)
+    "pp2_ep2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4", "model.expert_model_parallel_size=2", *NO_DROPOUT,
+                       "model.moe_aux_loss_coeff=0.0"],
+    "pp2_ep2_zero3_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4", "model.expert_model_parallel_size=2", *ZERO3,
+                             *NO_DROPOUT, "model.moe_aux_loss_coeff=0.0"],
     # the hybrid over 2 stages x 2 context-parallel ranks: the first stage's Mamba layer scans the whole sequences
     # of half of its heads on each rank (all-to-alls in and out); dropout and the load-balancing loss off
     "pp2_cp2_hybrid": [*PP2, *CP2, *MOE, "model.num_layers=4", *NO_DROPOUT, "model.moe_aux_loss_coeff=0.0"],
@@ -162,7 +168,8 @@ LAYOUTS_4 = {
 RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_tp2_moe": "qwen3_moe_tiny",
            "pp2_cp2_moe": "qwen3_moe_tiny",
            "pp2_hybrid": "nemotron_h_tiny", "pp2_cp2_hybrid": "nemotron_h_tiny", "pp2_ep2_zero3": "qwen3_moe_tiny",
-           "vpp2_ep2": "qwen3_moe_tiny", "vpp2_ep2_zero3": "qwen3_moe_tiny", "pp2_ep2_a2a": "qwen3_moe_tiny"}
+           "vpp2_ep2": "qwen3_moe_tiny", "vpp2_ep2_zero3": "qwen3_moe_tiny", "pp2_ep2_a2a": "qwen3_moe_tiny",
+           "pp2_ep2_hybrid": "nemotron_h_tiny", "pp2_ep2_zero3_hybrid": "nemotron_h_tiny"}
 # the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
 MODES_4 = {
     "pp2_dp2": {"nodrop": [*NO_DROPOUT, *EAGER]},
@@ -194,6 +201,8 @@ MODES_4 = {
                               *LAYER_WARMUP]},
     # per-layer graphs over virtual stages with expert parallel: each chunk's MoE blocks graphed whole
     "vpp2_ep2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]", *LAYER_WARMUP]},
+    "pp2_ep2_hybrid": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba,mlp,attn]",
+                                  *LAYER_WARMUP]},
     "pp2_cp2_hybrid": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba,mlp,attn]",
                                   *LAYER_WARMUP]},
     "pp2_cp2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]", *LAYER_WARMUP],
@@ -492,7 +501,7 @@ ONE_REPLICA = ("pp2_cp2", "pp2_cp2_a2a")
 ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop", "pp2_moe": "nodrop",
                "pp2_ep2": "nodrop", "pp2_tp2_moe": "eager", "pp2_cp2_moe": "eager", "pp2_cp2_a2a": "eager",
                "pp2_cp2_hybrid": "eager", "pp2_ep2_zero3": "eager", "vpp2_ep2": "eager", "vpp2_ep2_zero3": "eager",
-               "pp2_ep2_a2a": "eager",
+               "pp2_ep2_a2a": "eager", "pp2_ep2_hybrid": "eager", "pp2_ep2_zero3_hybrid": "eager",
                "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop", "pp2_cp2": "nodrop", "vpp2_cp2_zb": "nodrop"}
 
 

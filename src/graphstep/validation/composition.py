@@ -83,6 +83,8 @@ LAYOUTS = (
     Layout("hybrid (Mamba) over pp2", 2, PP2, "nemotron_h_tiny"),
     Layout("hybrid (Mamba), cp2", 2, CP2, "nemotron_h_tiny"),
     Layout("hybrid (Mamba), pp2 x cp2", 4, (*PP2, *CP2), "nemotron_h_tiny"),
+    Layout("hybrid (Mamba), ep2", 2, EP2, "nemotron_h_tiny"),
+    Layout("hybrid (Mamba), pp2 x ep2 x FSDP2 ZeRO-3", 4, (*PP2, *EP2, *FSDP3), "nemotron_h_tiny"),
     Layout("hybrid (Mamba), tp2", 2, TP2, "nemotron_h_tiny"),
 )
 

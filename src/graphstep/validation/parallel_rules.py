@@ -12,7 +12,7 @@ parallel/; these rules say which configurations it takes:
 * R26 -- the data-parallel sharding strategy is one FSDP2 implements;
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE
   models with both, or with FSDP2 without expert parallel; hybrid (Mamba)
-  models, per-layer graphs with FSDP2 ZeRO-3 (their gathered parameters stay
+  models with tensor parallel, per-layer graphs with FSDP2 ZeRO-3 (their gathered parameters stay
   allocated), torch.compile with an MoE model under FSDP2, compile with graphs over any parallel layout (compile over a layout
   compiles each decoder layer and runs without graphs: parallel/compile.py);
   and a capture of the very first iteration (no warm-up step). Each is
@@ -186,9 +186,9 @@ def _r27_sharded(v: View) -> list[Violation]:
         refuse("model.num_moe_experts", f"model.num_moe_experts={_fmt(m.num_moe_experts)} (an MoE model) and "
                "model.expert_model_parallel_size=1", "set model.expert_model_parallel_size=2 or more (FSDP2 shards "
                "the experts over the ranks holding the same ones), or train with replicated data parallel.")
-    if m.hybrid_override_pattern is not None:
-        refuse("model.hybrid_override_pattern", "a hybrid (Mamba) model", "train hybrid models with replicated data "
-               "parallel (the default ddp settings, tensor_model_parallel_size=1).")
+    if m.hybrid_override_pattern is not None and tp > 1:
+        refuse("model.hybrid_override_pattern", "a hybrid (Mamba) model", "train hybrid models with "
+               "tensor_model_parallel_size=1 (over replicated data parallel or FSDP2).")
     if v.per_layer and fsdp and _str(cfg.ddp.data_parallel_sharding_strategy) == "optim_grads_params" \
             and cfg.ddp.use_megatron_fsdp is True:
         out.append(_v("R27", ["model.cuda_graph_impl", *_fsdp_fields(cfg)], f"FSDP2 ({_fsdp_f(cfg)}) with per-layer "
@@ -523,9 +523,6 @@ def _r31(v: View) -> list[Violation]:
         refuse(["model.moe_sync_free"], "model.moe_sync_free=false is not implemented with expert parallel: "
                "allgather runs the sync-free grouped GEMM only, alltoall picks its GEMM from the sizes it reads.",
                "set model.moe_sync_free=true.")
-    if m.hybrid_override_pattern is not None:
-        refuse(["model.hybrid_override_pattern"], "a hybrid (Mamba) model with expert parallel is not implemented.",
-               "set model.hybrid_override_pattern to its default.")
     tp, fsdp = tensor_parallel_size(cfg), shards_data_parallel(cfg)
     if dispatcher == "alltoall" and tp > 1:
         refuse(["model.moe_token_dispatcher_type", "model.tensor_model_parallel_size"],
