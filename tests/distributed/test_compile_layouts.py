@@ -41,9 +41,10 @@ LAYOUTS = {
     # tensor parallel, with and without sequence parallel (an MoE model: each rank routes its sequence shard)
     "tp2": ["model.tensor_model_parallel_size=2"],
     "tp2_sp_moe": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
+    "tp2_hybrid": ["model.tensor_model_parallel_size=2", "model.mamba_num_groups=2"],  # each rank's Mamba heads
 }
 RECIPES = {"ep2": "qwen3_moe_tiny", "cp2_moe": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny",
-           "cp2_hybrid": "nemotron_h_tiny", "tp2_sp_moe": "qwen3_moe_tiny"}  # others: llama3_tiny
+           "cp2_hybrid": "nemotron_h_tiny", "tp2_sp_moe": "qwen3_moe_tiny", "tp2_hybrid": "nemotron_h_tiny"}  # others: llama3_tiny
 
 
 def compile_worker(out: str, device: str) -> None:

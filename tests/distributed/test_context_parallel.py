@@ -91,6 +91,11 @@ LAYOUTS = {
     # sequences of half of its 8 heads (their one group's B and C on both ranks) and its output back
     "cp2_dp2_hybrid": [*CP2, "recipe=nemotron_h_tiny", "train.micro_batch_size=2", "model.hidden_dropout=0.1",
                        "data.corpus_max_bytes=300000", "data.split=90,10,0"],
+    # the same over tensor + sequence parallel: each tensor-parallel rank's 4 Mamba heads and 1 of the 2 groups,
+    # split again over the 2 context-parallel ranks (the group's B and C on both)
+    "cp2_tp2_hybrid": [*CP2, "recipe=nemotron_h_tiny", "train.micro_batch_size=2", "model.hidden_dropout=0.1",
+                       "data.corpus_max_bytes=300000", "data.split=90,10,0", "model.tensor_model_parallel_size=2",
+                       "model.sequence_parallel=true", "model.mamba_num_groups=2"],
 }
 # per-layer graphs: each attention graph holds its all-gather, its backward graph the reduce-scatter
 PER_LAYER = {"cp2_dp2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
@@ -112,7 +117,8 @@ RECOMPUTED = {"cp2_tp2_sp": ["model.recompute_granularity=selective", "model.rec
               "cp2_dp2_moe": ["model.recompute_granularity=full"]}
 NODROP = {"cp2_dp2": BUCKETS,  # cp2_dp2's dropout-free run: the reference of the overlap and recompute runs too
           "cp2_dp2_moe": ["model.moe_aux_loss_coeff=0.0"], "cp2_ep2_moe": ["model.moe_aux_loss_coeff=0.0"],
-          "cp2_ep2_zero3_moe": ["model.moe_aux_loss_coeff=0.0"], "cp2_dp2_hybrid": ["model.moe_aux_loss_coeff=0.0"]}
+          "cp2_ep2_zero3_moe": ["model.moe_aux_loss_coeff=0.0"], "cp2_dp2_hybrid": ["model.moe_aux_loss_coeff=0.0"],
+          "cp2_tp2_hybrid": ["model.moe_aux_loss_coeff=0.0"]}
 
 
 def layouts_worker(out: str, device: str) -> None:
@@ -126,7 +132,7 @@ def layouts_worker(out: str, device: str) -> None:
             for name, layout in LAYOUTS.items() for mode in ("eager", "graphed")}
     runs.update({f"{name}/layers": [*LAYOUTS[name], *graphs] for name, graphs in PER_LAYER.items()})
     runs.update({f"{name}/nodrop": [*LAYOUTS[name], *NODROP.get(name, []), *NO_DROPOUT, *EAGER]
-                 for name in (*COMPARED, *MOE_LAYOUTS, "cp2_dp2_hybrid", "cp2_a2a_tp2_sp")})
+                 for name in (*COMPARED, *MOE_LAYOUTS, "cp2_dp2_hybrid", "cp2_tp2_hybrid", "cp2_a2a_tp2_sp")})
     runs["cp2_dp2_overlap/nodrop"] = [*runs["cp2_dp2/nodrop"], "ddp.overlap_grad_reduce=true"]
     # each decoder layer compiled (aot_eager) over context x tensor + sequence parallel, no graphs
     runs["cp2_tp2_sp/compiled"] = [*runs["cp2_tp2_sp/nodrop"], "compile.enable=true", "compile.backend=aot_eager"]
@@ -192,7 +198,8 @@ def test_every_rank_logs_the_same_losses_and_holds_its_part(reports, layout):
         assert all(r[f"{layout}/{mode}"]["losses"] == reports[0][f"{layout}/{mode}"]["losses"] for r in reports)
         assert all(r[f"{layout}/{mode}"]["eval"] == reports[0][f"{layout}/{mode}"]["eval"] for r in reports)
     shards = [r[f"{layout}/eager"]["shard"] for r in reports]
-    if layout in ("cp2_tp2_sp", "cp2_a2a_tp2_sp"):  # ranks 0, 1: the tp ranks of cp rank 0; 2, 3 those of cp 1
+    if layout in ("cp2_tp2_sp", "cp2_a2a_tp2_sp", "cp2_tp2_hybrid"):  # ranks 0, 1: the tp ranks of cp rank 0; 2, 3
+        # those of cp 1
         assert shards[0] != shards[1] and shards[0] == shards[2] and shards[1] == shards[3]
     elif layout in ("cp2_fsdp2", "cp2_zero2", "cp2_ep2_zero3_moe"):  # sharded over dp x cp: four different shards
         assert len(set(shards)) == 4
@@ -257,19 +264,21 @@ def test_an_moe_model_over_context_parallel_ranks_computes_what_one_process_comp
     _assert_runs_match_one_process(reports, f"{layout}/nodrop", moe_one_process, losses=2e-5, norms=1e-4)
 
 
-def test_a_hybrid_model_over_context_parallel_ranks_computes_what_one_process_computes(reports):
-    """cp2 x dp2 Nemotron-H style hybrid, dropout and the load-balancing loss off: each Mamba layer runs its scan
-    along the whole sequences of half of its heads on each rank, and the losses and gradient norms are one
-    process's with the same global batch, to float tolerance (chunks in the wrong order, or a head's B and C
-    from the wrong group, change the scan's outputs at the first layer)."""
+@pytest.mark.parametrize("layout", ["cp2_dp2_hybrid", "cp2_tp2_hybrid"])
+def test_a_hybrid_model_over_context_parallel_ranks_computes_what_one_process_computes(reports, layout):
+    """cp2 x dp2 and cp2 x tp2 (sequence parallel) Nemotron-H style hybrid, dropout and the load-balancing loss off:
+    each Mamba layer runs its scan along the whole sequences of half of its (tensor-parallel rank's) heads on each
+    rank, and the losses and gradient norms are one process's with the same global batch, to float tolerance
+    (chunks in the wrong order, or a head's B and C from the wrong group, change the scan's outputs at the first
+    layer)."""
     from helpers.runs import tiny_config
     from graphstep.training.loop import train
 
-    single = [o for o in LAYOUTS["cp2_dp2_hybrid"] if not o.startswith(("recipe=", "model.context_parallel_size",
-                                                                         "model.cp_comm_type"))]
-    one = train(tiny_config(*COMMON, *single, *NODROP["cp2_dp2_hybrid"], *NO_DROPOUT, *EAGER,
-                            recipe="nemotron_h_tiny"))
-    _assert_runs_match_one_process(reports, "cp2_dp2_hybrid/nodrop", one, losses=2e-5, norms=1e-4)
+    single = [o for o in LAYOUTS[layout] if not o.startswith(("recipe=", "model.context_parallel_size",
+                                                               "model.cp_comm_type", "model.tensor_model",
+                                                               "model.sequence_parallel"))]
+    one = train(tiny_config(*COMMON, *single, *NODROP[layout], *NO_DROPOUT, *EAGER, recipe="nemotron_h_tiny"))
+    _assert_runs_match_one_process(reports, f"{layout}/nodrop", one, losses=2e-5, norms=1e-4)
 
 
 def _assert_runs_match_one_process(reports: list[dict], run: str, one, *, losses: float, norms: float) -> None:

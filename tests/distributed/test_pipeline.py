@@ -135,6 +135,11 @@ LAYOUTS_4 = {
     "pp2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4"],  # nemotron_h_tiny's M-*E: M- on the first stage, *E last
     # the hybrid with its MoE layer's experts split over each stage's 2 ranks, replicated and over FSDP2 ZeRO-3 (the
     # Mamba layer sharded as any other); dropout and the load-balancing loss off (compared with one process)
+    # the hybrid over 2 stages x 2 tensor-parallel ranks with sequence parallel: each rank runs 4 of the 8 Mamba
+    # heads and 1 of the 2 groups of B and C (dropout and the load-balancing loss off)
+    "pp2_tp2_hybrid": [*PP2, *MOE, "model.num_layers=4", "model.tensor_model_parallel_size=2",
+                       "model.sequence_parallel=true", "model.mamba_num_groups=2", *NO_DROPOUT,
+                       "model.moe_aux_loss_coeff=0.0"],
     "pp2_ep2_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4", "model.expert_model_parallel_size=2", *NO_DROPOUT,
                        "model.moe_aux_loss_coeff=0.0"],
     "pp2_ep2_zero3_hybrid": [*PP2, *DP2, *MOE, "model.num_layers=4", "model.expert_model_parallel_size=2", *ZERO3,
@@ -169,7 +174,8 @@ RECIPES = {"pp2_moe": "qwen3_moe_tiny", "pp2_ep2": "qwen3_moe_tiny", "pp2_tp2_mo
            "pp2_cp2_moe": "qwen3_moe_tiny",
            "pp2_hybrid": "nemotron_h_tiny", "pp2_cp2_hybrid": "nemotron_h_tiny", "pp2_ep2_zero3": "qwen3_moe_tiny",
            "vpp2_ep2": "qwen3_moe_tiny", "vpp2_ep2_zero3": "qwen3_moe_tiny", "pp2_ep2_a2a": "qwen3_moe_tiny",
-           "pp2_ep2_hybrid": "nemotron_h_tiny", "pp2_ep2_zero3_hybrid": "nemotron_h_tiny"}
+           "pp2_ep2_hybrid": "nemotron_h_tiny", "pp2_ep2_zero3_hybrid": "nemotron_h_tiny",
+           "pp2_tp2_hybrid": "nemotron_h_tiny"}
 # the runs besides eager and graphed: a per-layer scope, and without dropout (compared with one process)
 MODES_4 = {
     "pp2_dp2": {"nodrop": [*NO_DROPOUT, *EAGER]},
@@ -202,6 +208,8 @@ MODES_4 = {
     # per-layer graphs over virtual stages with expert parallel: each chunk's MoE blocks graphed whole
     "vpp2_ep2": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,moe]", *LAYER_WARMUP]},
     "pp2_ep2_hybrid": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba,mlp,attn]",
+                                  *LAYER_WARMUP]},
+    "pp2_tp2_hybrid": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba,mlp,attn]",
                                   *LAYER_WARMUP]},
     "pp2_cp2_hybrid": {"layers": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[mamba,mlp,attn]",
                                   *LAYER_WARMUP]},
@@ -502,6 +510,7 @@ ONE_PROCESS = {"pp2_dp2": "nodrop", "pp2_tp2_sp": "eager", "pp2_zero3": "nodrop"
                "pp2_ep2": "nodrop", "pp2_tp2_moe": "eager", "pp2_cp2_moe": "eager", "pp2_cp2_a2a": "eager",
                "pp2_cp2_hybrid": "eager", "pp2_ep2_zero3": "eager", "vpp2_ep2": "eager", "vpp2_ep2_zero3": "eager",
                "pp2_ep2_a2a": "eager", "pp2_ep2_hybrid": "eager", "pp2_ep2_zero3_hybrid": "eager",
+               "pp2_tp2_hybrid": "eager",
                "vpp2_tp2_sp": "eager", "vpp2_zero3": "nodrop", "pp2_cp2": "nodrop", "vpp2_cp2_zb": "nodrop"}
 
 

@@ -171,7 +171,7 @@ def _rules(*overrides: str, world: int = 4) -> list:
       "model.num_layers=4"], 6, "the 8 Mamba heads", "multiple of 3"),
     (["model.context_parallel_size=6", "model.seq_length=72", "model.hybrid_override_pattern=M-M-",
       "model.num_layers=4", "model.hidden_size=48", "model.kv_channels=12", "model.mamba_head_dim=8",
-      "model.mamba_num_groups=4"], 6, "mamba_num_groups=4 and the 6 context-parallel ranks", "multiple of 6"),
+      "model.mamba_num_groups=4"], 6, "(model.mamba_num_groups=4) and the 6 context-parallel ranks", "multiple of 6"),
     (["model.context_parallel_size=2", "data.seq_length_buckets=[32,64]"], 4, "seq_length_buckets",
      "data.seq_length_buckets=null"),
 ])

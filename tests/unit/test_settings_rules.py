@@ -192,6 +192,12 @@ CASES = {
                               "model.hidden_size=96"), "model.num_attention_heads=3 does not divide over "
                       "model.tensor_model_parallel_size=2 ranks", "set model.tensor_model_parallel_size to a divisor "
                       "of 3", ("model.tensor_model_parallel_size=2", "model.num_attention_heads=4"), {"WORLD_SIZE": "2"}),
+    # a hybrid model under tensor parallel: each rank runs half of the Mamba heads and whole groups of B and C
+    "R25-mamba": Case("R25", ("model.tensor_model_parallel_size=2", "model.hybrid_override_pattern=M*",
+                              "model.num_layers=2", "model.mamba_num_groups=1"), "model.mamba_num_groups=1 does not "
+                      "divide over model.tensor_model_parallel_size=2 ranks", "set model.mamba_num_groups so that it "
+                      "divides by 2", ("model.tensor_model_parallel_size=2", "model.hybrid_override_pattern=M*",
+                                       "model.num_layers=2", "model.mamba_num_groups=2"), {"WORLD_SIZE": "2"}),
     "R26": Case("R26", ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim"),
                 "ddp.data_parallel_sharding_strategy=optim is not implemented: optim (ZeRO-1) keeps gradients whole",
                 "set ddp.data_parallel_sharding_strategy=optim_grads (ZeRO-2)",

@@ -41,7 +41,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from ..cuda_graph.rng import DATA_PARALLEL_RNG
 from .transformer import ModelShape, RMSNorm, hidden_dropout
 
 D_CONV = 4  # Megatron's mamba d_conv
@@ -140,9 +142,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         acc = _acc_dtype(y)
-        g = (y.to(acc) * F.silu(z.to(acc))).unflatten(-1, (self.groups, -1))
+        weight = _local(self.weight)  # under tensor parallel this rank's channels: whole groups of them
+        g = (y.to(acc) * F.silu(z.to(acc))).unflatten(-1, (self.groups * weight.shape[0] // self.weight.shape[0], -1))
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (g.flatten(-2) * self.weight.to(acc)).to(y.dtype)
+        return (g.flatten(-2) * weight.to(acc)).to(y.dtype)
 
 
 class MambaMixer(nn.Module):
@@ -160,6 +163,7 @@ class MambaMixer(nn.Module):
         self.norm = GatedRMSNorm(ms.d_inner, ms.groups, ms.eps)
         self.out_proj = nn.Linear(ms.d_inner, ms.hidden, bias=False)
         self.context = None  # parallel/context_parallel.py: this rank's chunks of every sequence
+        self.tp_size = 1  # parallel/tensor_parallel.py: this rank runs heads / tp_size heads (and groups)
         self.reset_special_parameters()
 
     @torch.no_grad()
@@ -172,28 +176,28 @@ class MambaMixer(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ms = self.ms
+        ms, tp = self.ms, self.tp_size
         b = x.shape[0]
-        z, xbc, dt = self.in_proj(x).split([ms.d_inner, self.conv_dim, ms.heads], dim=-1)
-        if self.context is None:
-            heads, groups = ms.heads, ms.groups
-            A_log, D, dt_bias = self.A_log, self.D, self.dt_bias
-            length = xbc.shape[1]
-            xbc = self.conv1d(xbc.transpose(1, 2))
-        else:  # context parallel: the whole sequences of this rank's heads (see the module docstring)
+        # this rank's heads, groups and x channels (all of them without tensor parallel)
+        heads, groups, inner = ms.heads // tp, ms.groups // tp, ms.d_inner // tp
+        weight, bias, A_log, D, dt_bias = (_local(p) for p in (self.conv1d.weight, self.conv1d.bias, self.A_log,
+                                                                self.D, self.dt_bias))
+        z, xbc, dt = self.in_proj(x).split([inner, inner + 2 * groups * ms.state, heads], dim=-1)
+        if self.context is not None:  # context parallel: the whole sequences of part of the heads (module docstring)
             cp, part = self.context, self.context.rank
-            heads, groups = ms.heads // cp.size, max(ms.groups // cp.size, 1)
-            xbc = cp.sequences_of_parts([torch.cat([*(xbc[..., c] for c in self.part_channels(j, cp.size)),
+            channels = [self.part_channels(j, cp.size, inner, groups) for j in range(cp.size)]
+            heads, inner = heads // cp.size, inner // cp.size
+            xbc = cp.sequences_of_parts([torch.cat([*(xbc[..., c] for c in channels[j]),
                                                     dt[..., j * heads:(j + 1) * heads]], dim=-1)
                                          for j in range(cp.size)])
             xbc, dt = xbc.split([xbc.shape[-1] - heads, heads], dim=-1)
-            channels = self.part_channels(part, cp.size)
-            weight, bias = (torch.cat([p[c] for c in channels]) for p in (self.conv1d.weight, self.conv1d.bias))
-            A_log, D, dt_bias = (p[part * heads:(part + 1) * heads] for p in (self.A_log, self.D, self.dt_bias))
-            length = xbc.shape[1]
-            xbc = F.conv1d(xbc.transpose(1, 2), weight, bias, padding=D_CONV - 1, groups=weight.shape[0])
+            weight, bias = (torch.cat([p[c] for c in channels[part]]) for p in (weight, bias))
+            A_log, D, dt_bias = (p[part * heads:(part + 1) * heads] for p in (A_log, D, dt_bias))
+            groups = max(groups // cp.size, 1)
+        length = xbc.shape[1]
+        xbc = F.conv1d(xbc.transpose(1, 2), weight, bias, padding=D_CONV - 1, groups=weight.shape[0])
         xbc = F.silu(xbc[..., :length].transpose(1, 2))
-        xs, B, C = xbc.split([heads * ms.head_dim, groups * ms.state, groups * ms.state], dim=-1)
+        xs, B, C = xbc.split([inner, groups * ms.state, groups * ms.state], dim=-1)
         acc = _acc_dtype(x)  # the scan runs in fp32 (fp64 for fp64 checks)
         dt = F.softplus(dt.to(acc) + dt_bias.to(acc))  # [b, l, h]
         A = -torch.exp(A_log.to(acc))
@@ -201,19 +205,25 @@ class MambaMixer(nn.Module):
         y = ssd_chunked(xs * dt.unsqueeze(-1), A * dt, _per_head(B, acc, heads, groups),
                         _per_head(C, acc, heads, groups), ms.chunk)
         y = (y + xs * D.to(acc).view(-1, 1)).reshape(b, length, heads * ms.head_dim).to(x.dtype)
-        if self.context is not None:  # back to this rank's tokens, every head
+        if self.context is not None:  # back to this rank's tokens, every head of this rank
             y = self.context.tokens_of_parts(y)
         return self.out_proj(self.norm(y, z))
 
-    def part_channels(self, part: int, parts: int) -> list[slice]:
-        """The conv channels (of x, B and C) of heads part ``part`` of ``parts``: its heads' x and their groups' B
-        and C (a group shared by several parts when there are fewer groups than parts)."""
-        ms = self.ms
-        x_width, g_width = ms.d_inner // parts, max(ms.groups // parts, 1) * ms.state
-        b_first = ms.d_inner + (part * ms.groups // parts) * ms.state
-        c_first = b_first + ms.groups * ms.state
+    def part_channels(self, part: int, parts: int, inner: int, groups: int) -> list[slice]:
+        """The conv channels (of x, B and C) of heads part ``part`` of ``parts`` among ``inner`` x channels and
+        ``groups`` groups: its heads' x and their groups' B and C (a group shared by several parts when there are
+        fewer groups than parts)."""
+        state = self.ms.state
+        x_width, g_width = inner // parts, max(groups // parts, 1) * state
+        b_first = inner + (part * groups // parts) * state
+        c_first = b_first + groups * state
         return [slice(part * x_width, (part + 1) * x_width), slice(b_first, b_first + g_width),
                 slice(c_first, c_first + g_width)]
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a parameter tensor parallel sharded (a DTensor: differentiably), else ``p``."""
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _per_head(t: torch.Tensor, acc: torch.dtype, heads: int, groups: int) -> torch.Tensor:
@@ -231,9 +241,10 @@ class MambaBlock(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.eps)
         self.mixer = MambaMixer(ms)
         self.dropout = s.hidden_dropout
+        self.dropout_rng = DATA_PARALLEL_RNG  # model-parallel under sequence parallel (parallel/tensor_parallel.py)
 
     def graph_scopes(self) -> dict:
         return {"mamba": self}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + hidden_dropout(self.mixer(self.input_layernorm(x)), self.dropout, self.training)
+        return x + hidden_dropout(self.mixer(self.input_layernorm(x)), self.dropout, self.training, self.dropout_rng)

@@ -5,6 +5,10 @@
 * MLP: ``linear_fc1`` colwise, ``linear_fc2`` rowwise;
 * embedding: rowwise over the vocabulary; the output layer colwise over it
   (with tied embeddings, the same vocabulary-sharded weight: GPTModel.logits);
+* Mamba (hybrid models): ``in_proj`` colwise part by part (z, x, B, C, dt),
+  ``out_proj`` rowwise, and the mixer's conv, A, D, dt_bias and gated norm
+  sharded by the same rows: each rank runs ``heads / tp`` heads and
+  ``groups / tp`` groups of B and C (models/mamba.py ``tp_size``);
 * MoE blocks (``expert_tensor_parallel_size`` 1: the experts are not split):
   each rank runs the block on its own share of the tokens -- its sequence
   shard under sequence parallelism, else its slice of the replicated sequence,
@@ -124,37 +128,26 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
     if getattr(model, "output_layer", None) is not None:
         plan["output_layer"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
     for i, layer in model.layers.named_children():  # a ModuleList, or a pipeline stage's ModuleDict
-        attn, mlp, moe = layer.blocks["attn"], layer.blocks["mlp"] if "mlp" in layer.blocks else None, \
-            layer.blocks["moe"] if "moe" in layer.blocks else None
-        prefix = f"layers.{i}.blocks"
-        plan[f"{prefix}.attn.self_attention.linear_qkv"] = FusedColwiseParallel(input_layouts=seq)
-        plan[f"{prefix}.attn.self_attention.linear_proj"] = AdaptedRowwiseParallel(output_layouts=seq)
-        if mlp is not None:
+        blocks, prefix = layer.blocks, f"layers.{i}.blocks"
+        if "attn" in blocks:
+            _attention_plan(plan, prefix, blocks["attn"], tp, norm, seq)
+        if "mlp" in blocks:
+            mlp = blocks["mlp"]
             plan[f"{prefix}.mlp.mlp.linear_fc1"] = FusedColwiseParallel(input_layouts=seq)
             plan[f"{prefix}.mlp.mlp.linear_fc2"] = AdaptedRowwiseParallel(output_layouts=seq)
             mlp.mlp.linear_fc1.fused_parts = (mlp.mlp.linear_fc1.out_features // 2,) * 2
-        if moe is not None:
+            _adapter_parts(mlp.mlp.linear_fc1)
+            if norm is not None:
+                plan[f"{prefix}.mlp.pre_mlp_layernorm"] = norm
+                mlp.dropout_rng = MODEL_PARALLEL_RNG  # sequence shards differ per rank
+        if "moe" in blocks:
+            moe = blocks["moe"]
             if not sequence_parallel:
                 plan[f"{prefix}.moe"] = moe_on_token_shares()
             moe.combine_stage.dropout_rng = MODEL_PARALLEL_RNG  # each rank's share of the tokens is its own
             moe.partial_over_tp = True
-        if norm is not None:
-            plan[f"{prefix}.attn.input_layernorm"] = norm
-            attn.dropout_rng = MODEL_PARALLEL_RNG  # sequence shards differ per rank
-            if mlp is not None:
-                plan[f"{prefix}.mlp.pre_mlp_layernorm"] = norm
-                mlp.dropout_rng = MODEL_PARALLEL_RNG
-        sa = attn.self_attention
-        for qk_norm in (getattr(sa, "q_layernorm", None), getattr(sa, "k_layernorm", None)):
-            if qk_norm is not None:
-                qk_norm.partial_over_tp = True  # each rank normalises its own heads: its share of the gradient
-        sa.linear_qkv.fused_parts = tuple(n * sa.head_dim for n in (sa.heads, sa.groups, sa.groups))
-        sa.heads, sa.groups = sa.heads // tp, sa.groups // tp
-        fused = [sa.linear_qkv] + ([mlp.mlp.linear_fc1] if mlp is not None else [])
-        for proj in fused:
-            adapter = getattr(proj, ADAPTER_OUT, None)
-            if adapter is not None:  # lora_B's rows are the projection's: sharded (and checkpointed) part by part
-                adapter.fused_parts = proj.fused_parts
+        if "mamba" in blocks:
+            _mamba_plan(plan, prefix, blocks["mamba"], mesh, norm, seq)
     model.hidden_placement = seq  # what GPTModel.logits reads the final hidden state as
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, mesh, plan)
@@ -165,11 +158,60 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, sequence_parall
             p.requires_grad_(False)
 
 
-def _shard_rows(module: nn.Module, name: str, mesh: DeviceMesh) -> None:
+def _attention_plan(plan: dict[str, Any], prefix: str, attn: nn.Module, tp: int, norm: Any, seq: Any) -> None:
+    """Megatron's attention plan: ``linear_qkv`` colwise part by part, ``linear_proj`` rowwise; each rank keeps
+    ``heads / tp`` query heads and ``groups / tp`` key/value groups."""
+    sa = attn.self_attention
+    plan[f"{prefix}.attn.self_attention.linear_qkv"] = FusedColwiseParallel(input_layouts=seq)
+    plan[f"{prefix}.attn.self_attention.linear_proj"] = AdaptedRowwiseParallel(output_layouts=seq)
+    if norm is not None:
+        plan[f"{prefix}.attn.input_layernorm"] = norm
+        attn.dropout_rng = MODEL_PARALLEL_RNG  # sequence shards differ per rank
+    for qk_norm in (getattr(sa, "q_layernorm", None), getattr(sa, "k_layernorm", None)):
+        if qk_norm is not None:
+            qk_norm.partial_over_tp = True  # each rank normalises its own heads: its share of the gradient
+    sa.linear_qkv.fused_parts = tuple(n * sa.head_dim for n in (sa.heads, sa.groups, sa.groups))
+    sa.heads, sa.groups = sa.heads // tp, sa.groups // tp
+    _adapter_parts(sa.linear_qkv)
+
+
+def _adapter_parts(proj: nn.Module) -> None:
+    adapter = getattr(proj, ADAPTER_OUT, None)
+    if adapter is not None:  # lora_B's rows are the projection's: sharded (and checkpointed) part by part
+        adapter.fused_parts = proj.fused_parts
+
+
+def _mamba_plan(plan: dict[str, Any], prefix: str, block: nn.Module, mesh: DeviceMesh, norm: Any, seq: Any) -> None:
+    """Megatron's Mamba plan: each rank runs ``heads / tp`` heads and ``groups / tp`` groups of B and C.
+    ``in_proj`` colwise part by part (z, x, B, C, dt), ``out_proj`` rowwise; the mixer's own parameters -- the
+    depthwise conv over (x, B, C), A, D, dt_bias and the gated norm's weight -- sharded by the same rows here
+    (every rank holds the same full weights at this point), and the mixer runs on the local parts
+    (models/mamba.py ``tp_size``)."""
+    mixer, ms, tp = block.mixer, block.mixer.ms, mesh.size()
+    bc = ms.groups * ms.state
+    plan[f"{prefix}.mamba.mixer.in_proj"] = FusedColwiseParallel(input_layouts=seq)
+    plan[f"{prefix}.mamba.mixer.out_proj"] = AdaptedRowwiseParallel(output_layouts=seq)
+    mixer.in_proj.fused_parts = (ms.d_inner, ms.d_inner, bc, bc, ms.heads)
+    _adapter_parts(mixer.in_proj)
+    mixer.conv1d.fused_parts = (ms.d_inner, bc, bc)
+    for module, name in ((mixer.conv1d, "weight"), (mixer.conv1d, "bias"), (mixer, "A_log"), (mixer, "D"),
+                         (mixer, "dt_bias"), (mixer.norm, "weight")):
+        _shard_rows(module, name, mesh, fused_parts(module) if module is mixer.conv1d else None)
+    mixer.tp_size = tp
+    if norm is not None:
+        plan[f"{prefix}.mamba.input_layernorm"] = norm
+        block.dropout_rng = MODEL_PARALLEL_RNG  # sequence shards differ per rank
+
+
+def _shard_rows(module: nn.Module, name: str, mesh: DeviceMesh, parts: tuple[int, ...] | None = None) -> None:
     """Replace parameter ``name`` of ``module`` by this rank's block of its rows (a DTensor ``Shard(0)``), sliced
-    locally: every rank holds the same full weight (one seed). Attributes set on the parameter are kept."""
+    locally: every rank holds the same full weight (one seed). ``parts``: the rows are parts laid end to end,
+    each sliced on its own (as :class:`FusedColwiseParallel` slices a fused projection). Attributes set on the
+    parameter are kept."""
     param = getattr(module, name)
-    local = param.detach().chunk(mesh.size(), dim=0)[mesh.get_local_rank()].contiguous()
+    rank, size = mesh.get_local_rank(), mesh.size()
+    chunks = param.detach().split(list(parts), dim=0) if parts else [param.detach()]
+    local = torch.cat([chunk.chunk(size, dim=0)[rank] for chunk in chunks]).contiguous()
     dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
     sharded = nn.Parameter(dt, requires_grad=param.requires_grad)
     sharded.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})

@@ -85,7 +85,9 @@ LAYOUTS = (
     Layout("hybrid (Mamba), pp2 x cp2", 4, (*PP2, *CP2), "nemotron_h_tiny"),
     Layout("hybrid (Mamba), ep2", 2, EP2, "nemotron_h_tiny"),
     Layout("hybrid (Mamba), pp2 x ep2 x FSDP2 ZeRO-3", 4, (*PP2, *EP2, *FSDP3), "nemotron_h_tiny"),
-    Layout("hybrid (Mamba), tp2", 2, TP2, "nemotron_h_tiny"),
+    Layout("hybrid (Mamba), tp2", 2, (*TP2, "model.mamba_num_groups=2"), "nemotron_h_tiny"),
+    Layout("hybrid (Mamba), pp2 x tp2", 4, (*PP2, *TP2, "model.mamba_num_groups=2"), "nemotron_h_tiny"),
+    Layout("hybrid (Mamba), cp2 x tp2", 4, (*CP2, *TP2, "model.mamba_num_groups=2"), "nemotron_h_tiny"),
 )
 
 GRAPHS = ("model.use_te_rng_tracker=true", "model.cuda_graph_warmup_steps=2")

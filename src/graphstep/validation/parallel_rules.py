@@ -7,12 +7,13 @@ parallel/; these rules say which configurations it takes:
 
 * R25 -- the layout fits the model and the world: the world size is a
   multiple of ``tensor_model_parallel_size``; heads, query groups, the MLP
-  width and the vocabulary divide over the tensor-parallel ranks;
+  width, the vocabulary and a hybrid model's Mamba heads and groups divide
+  over the tensor-parallel ranks;
   ``sequence_parallel`` needs tensor parallelism;
 * R26 -- the data-parallel sharding strategy is one FSDP2 implements;
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE
   models with both, or with FSDP2 without expert parallel; hybrid (Mamba)
-  models with tensor parallel, per-layer graphs with FSDP2 ZeRO-3 (their gathered parameters stay
+  models with both, per-layer graphs with FSDP2 ZeRO-3 (their gathered parameters stay
   allocated), torch.compile with an MoE model under FSDP2, compile with graphs over any parallel layout (compile over a layout
   compiles each decoder layer and runs without graphs: parallel/compile.py);
   and a capture of the very first iteration (no warm-up step). Each is
@@ -132,6 +133,17 @@ def _r25(v: View) -> list[Violation]:
             out.append(_v("R25", [name, "model.tensor_model_parallel_size"], f"{name}={n} does not divide over "
                           f"model.tensor_model_parallel_size={tp} ranks: each rank holds an equal share.",
                           f"set model.tensor_model_parallel_size to a divisor of {n}."))
+    if m.hybrid_override_pattern is not None and "M" in str(m.hybrid_override_pattern):
+        heads, mamba_groups = _mamba_heads(m), _int(m.mamba_num_groups)
+        # each rank runs its share of the Mamba heads and whole groups of B and C (Megatron asks the same)
+        for name, n in (("model.mamba_head_dim", heads), ("model.mamba_num_groups", mamba_groups)):
+            if n is not None and n % tp:
+                what = f"the {n} Mamba heads (2 x hidden_size / model.mamba_head_dim) do not" \
+                    if name.endswith("dim") else f"model.mamba_num_groups={n} does not"
+                out.append(_v("R25", [name, "model.tensor_model_parallel_size"], f"{what} divide over "
+                              f"model.tensor_model_parallel_size={tp} ranks: each rank runs an equal share of the "
+                              "heads and whole groups of B and C.", f"set {name} so that it divides by {tp}, or "
+                              f"model.tensor_model_parallel_size to a divisor of {n}."))
     seq = _int(m.seq_length)
     if m.sequence_parallel is True and seq is not None and seq % tp:
         out.append(_v("R25", ["model.seq_length", "model.sequence_parallel"], f"model.seq_length={seq} does not divide "
@@ -186,9 +198,10 @@ def _r27_sharded(v: View) -> list[Violation]:
         refuse("model.num_moe_experts", f"model.num_moe_experts={_fmt(m.num_moe_experts)} (an MoE model) and "
                "model.expert_model_parallel_size=1", "set model.expert_model_parallel_size=2 or more (FSDP2 shards "
                "the experts over the ranks holding the same ones), or train with replicated data parallel.")
-    if m.hybrid_override_pattern is not None and tp > 1:
-        refuse("model.hybrid_override_pattern", "a hybrid (Mamba) model", "train hybrid models with "
-               "tensor_model_parallel_size=1 (over replicated data parallel or FSDP2).")
+    if m.hybrid_override_pattern is not None and tp > 1 and fsdp:
+        refuse("model.hybrid_override_pattern", "a hybrid (Mamba) model", "train hybrid models with tensor "
+               "parallel over replicated data parallel (the default ddp settings), or with FSDP2 and "
+               "model.tensor_model_parallel_size=1.")
     if v.per_layer and fsdp and _str(cfg.ddp.data_parallel_sharding_strategy) == "optim_grads_params" \
             and cfg.ddp.use_megatron_fsdp is True:
         out.append(_v("R27", ["model.cuda_graph_impl", *_fsdp_fields(cfg)], f"FSDP2 ({_fsdp_f(cfg)}) with per-layer "
@@ -425,22 +438,33 @@ def _r30(v: View) -> list[Violation]:
     return out
 
 
+def _mamba_heads(m: Any) -> int | None:
+    """A hybrid model's Mamba heads (2 x hidden_size / mamba_head_dim); None when V24 refuses the shape."""
+    hidden, head_dim = _int(m.hidden_size), _int(m.mamba_head_dim)
+    if not (hidden and head_dim) or (2 * hidden) % head_dim:
+        return None
+    return 2 * hidden // head_dim
+
+
 def _mamba_heads_violations(m: Any, cp: int) -> list[tuple[list[str], str, str]]:
     """A hybrid model's Mamba layers under context parallel exchange whole sequences of ``1 / cp`` of their heads
     (models/mamba.py): the heads divide over the ranks, and the groups of B and C too, or the ranks over them."""
-    hidden, head_dim, groups = _int(m.hidden_size), _int(m.mamba_head_dim), _int(m.mamba_num_groups)
-    if not (hidden and head_dim and groups) or (2 * hidden) % head_dim:
-        return []  # V24 says what is wrong with the Mamba shape
-    heads = 2 * hidden // head_dim
+    heads, groups, tp = _mamba_heads(m), _int(m.mamba_num_groups), _int(m.tensor_model_parallel_size) or 1
+    if not (heads and groups) or heads % tp or groups % tp:
+        return []  # V24 or R25 says what is wrong with the Mamba shape
+    heads, groups = heads // tp, groups // tp  # what each tensor-parallel rank holds
+    per_rank = f" of each of the {tp} tensor-parallel ranks" if tp > 1 else ""
     if heads % cp:
-        return [(["model.mamba_head_dim", "model.hidden_size"], f"the {heads} Mamba heads (2 x hidden_size / "
-                 f"model.mamba_head_dim) do not divide over the {cp} context-parallel ranks, each of which runs the "
-                 "scan along the whole sequences of its share of the heads.",
-                 f"set model.mamba_head_dim so that 2 x hidden_size / mamba_head_dim is a multiple of {cp}.")]
+        return [(["model.mamba_head_dim", "model.hidden_size"], f"the {heads} Mamba heads{per_rank} (2 x hidden_size "
+                 f"/ model.mamba_head_dim{f' / {tp}' if tp > 1 else ''}) do not divide over the {cp} "
+                 "context-parallel ranks, each of which runs the scan along the whole sequences of its share of the "
+                 "heads.", f"set model.mamba_head_dim so that 2 x hidden_size / mamba_head_dim is a multiple of "
+                 f"{cp * tp}.")]
     if groups % cp and cp % groups:
-        return [(["model.mamba_num_groups"], f"model.mamba_num_groups={groups} and the {cp} context-parallel ranks "
-                 "do not divide one another: each rank takes whole groups of B and C, or shares one.",
-                 f"set model.mamba_num_groups to a divisor or a multiple of {cp}.")]
+        return [(["model.mamba_num_groups"], f"the {groups} groups of B and C{per_rank} (model.mamba_num_groups="
+                 f"{groups * tp}) and the {cp} context-parallel ranks do not divide one another: each rank takes "
+                 "whole groups of B and C, or shares one.",
+                 f"set model.mamba_num_groups to a divisor or a multiple of {cp * tp}.")]
     return []
 
 
