@@ -1,7 +1,6 @@
 """torch.compile over parallel layouts (parallel/compile.py: each decoder layer's forward compiled in place) on 2
 gloo ranks: FSDP2 ZeRO-3, pipeline stages (plain, interleaved, a hybrid model's), context parallel (a dense, an
-MoE and a hybrid model), expert parallel and tensor parallel (plain, and an MoE model with sequence parallel),
-each compiled and not, eagerly, with ``compile.backend=aot_eager`` (Dynamo and AOTAutograd trace the layers
+MoE and a hybrid model), expert parallel and tensor + sequence parallel, each compiled and not, eagerly, with ``compile.backend=aot_eager`` (Dynamo and AOTAutograd trace the layers
 through the engines as with Inductor, without compiling C++ kernels on the CI's 2 cores).
 
 One launch runs every layout twice, dropout off (Inductor draws other random numbers than eager): the compiled
@@ -38,13 +37,11 @@ LAYOUTS = {
     "vpp2": ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2",
              "model.num_layers=4", "model.share_embeddings_and_output_weights=false"],
     "pp2_hybrid": ["model.pipeline_model_parallel_size=2", "model.num_layers=4"],
-    # tensor parallel, with and without sequence parallel (an MoE model: each rank routes its sequence shard)
-    "tp2": ["model.tensor_model_parallel_size=2"],
-    "tp2_sp_moe": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
-    "tp2_hybrid": ["model.tensor_model_parallel_size=2", "model.mamba_num_groups=2"],  # each rank's Mamba heads
+    # tensor + sequence parallel (the embedding's output waited for before the compiled layers)
+    "tp2": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
 }
 RECIPES = {"ep2": "qwen3_moe_tiny", "cp2_moe": "qwen3_moe_tiny", "pp2_hybrid": "nemotron_h_tiny",
-           "cp2_hybrid": "nemotron_h_tiny", "tp2_sp_moe": "qwen3_moe_tiny", "tp2_hybrid": "nemotron_h_tiny"}  # others: llama3_tiny
+           "cp2_hybrid": "nemotron_h_tiny"}  # others: llama3_tiny
 
 
 def compile_worker(out: str, device: str) -> None:

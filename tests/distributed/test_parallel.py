@@ -54,6 +54,9 @@ LAYOUTS = {
     "dp2_overlap": ["ddp.overlap_grad_reduce=true", "ddp.bucket_size=5000"],  # replicated, several buckets
     "fsdp_zero2_prefetch": ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads",
                             "ddp.overlap_param_gather=true"],
+    # a hybrid (Mamba) model over FSDP2 ZeRO-3: its Mamba layers sharded as any other layer
+    "fsdp_zero3_hybrid": ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
+                          "model.hybrid_override_pattern=M-*-", "model.num_layers=4"],
 }
 NO_DROPOUT = ["model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
 # the layouts compared with one process (dropout off): one of each kind of sharding, and the overlap
