@@ -12,11 +12,20 @@ ranks then run as under the command-line torchrun: ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` and the rest set by the agent, ``dist.init_process_group("gloo")``
 reading them. Nothing here touches CUDA, so the forked ranks may; the tests' GPU
 launches still use the command-line torchrun (helpers.launch.torchrun_reports).
+
+The ranks never ask the system resolver for an address: the rendezvous is on
+``127.0.0.1`` (the ranks' ``MASTER_ADDR``), and gloo takes the loopback
+interface by name (``GLOO_SOCKET_IFNAME=lo``) instead of looking the host name
+up. A rank is forked from this process while the agent's threads run, and
+once a rank was forked while one of them held glibc's resolver lock: its
+``getaddrinfo("localhost")`` waited for that lock forever (a 4-rank launch
+stuck at start-up until its timeout, 2026-12-07).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import uuid
 
@@ -41,8 +50,10 @@ def main(argv: list[str]) -> None:
     from helpers.worker import load
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=int(nproc), run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="fork",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1", max_restarts=0,
+                          start_method="fork",
                           logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks' gloo devices: no host-name lookup (docstring)
     entrypoint = load(target)
     gc.freeze()  # the imported objects out of the collector's reach: its passes in a rank would copy their pages
     elastic_launch(config, entrypoint)(*args)
