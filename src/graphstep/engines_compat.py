@@ -2,9 +2,12 @@
 
 The companion of cuda_graph/torch_compat.py (which holds the mechanism's
 private accesses, the probe registry and :class:`TorchCompatError`): tensor
-parallel's partition hook and row-wise output hook, the parallel style's apply, the device mesh's flattened views, the pipelining
-schedules' set-up and backward switch, a module's shallow view (an interleaved pipeline's chunks), DTensor's
-local tensor, a view's base, dynamo's compile callbacks and reset, and transformers' mask helpers. Each access is a small named function
+parallel's partition hook and row-wise output hook, FSDP2's one-rank gradient
+reduction, the parallel style's apply, the device mesh's flattened views, the
+pipelining schedules' set-up and backward switch, a module's shallow view (an
+interleaved pipeline's chunks), DTensor's local tensor, a view's base,
+dynamo's compile callbacks and reset, and transformers' mask helpers. Each
+access is a small named function
 with a probe registered in the same ``PROBES``; a missing name raises a
 TorchCompatError naming the torch (or transformers) version when the feature is
 used. docs/library.md lists them with the versions they were verified on.
@@ -130,6 +133,35 @@ def probe_fsdp_float8_scale() -> None:
     (data,), (used,) = local.fsdp_pre_all_gather(None)
     expect(used is scale or bool(used == scale), "the pre-all-gather cast uses the scale set")
     expect(data.dtype == torch.float8_e4m3fn and bool((data.float() == 2.0).all()), "ones x 2 in e4m3")
+
+
+# --------------------------------------------------------------------------
+# FSDP2: what its gradient reduction does on a one-rank mesh
+
+
+@functools.cache
+def fsdp_one_rank_reduce_divides() -> bool:
+    """Whether FSDP2's gradient reduction on a one-rank mesh divides by the module's gradient divide factor
+    where the reduce-scatter would run (torch 2.13: the copy that stands in for it is divided). There a forced
+    sum (``set_force_sum_reduction_for_comms``) adds a second division after it, so parallel/fsdp.py forces the
+    sum only where this is False or the mesh has more than one rank. Read from ``foreach_reduce``'s source."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    try:
+        source = inspect.getsource(_fsdp_collectives.foreach_reduce)
+    except (AttributeError, OSError, TypeError) as e:
+        raise PROBES["probe_fsdp_one_rank_reduce"].error(str(e)) from e
+    return "reduce_scatter_input / gradient_divide_factor" in source
+
+
+@probe("torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce", purpose="divide an expert's "
+       "gradient once on a one-rank expert-data-parallel mesh (FSDP2 with expert parallel)",
+       verified=(CPU_2_13,))
+def probe_fsdp_one_rank_reduce() -> None:
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
+
+    expect(callable(getattr(collectives, "foreach_reduce", None)), "foreach_reduce exists")
+    expect(isinstance(fsdp_one_rank_reduce_divides(), bool), "its source is readable")
 
 
 # --------------------------------------------------------------------------

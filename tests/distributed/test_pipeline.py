@@ -121,8 +121,8 @@ LAYOUTS_4 = {
     # process)
     "pp2_ep2_zero3": [*PP2, *DP2, *MOE, "model.expert_model_parallel_size=2", *ZERO3, *NO_DROPOUT,
                       "model.moe_aux_loss_coeff=0.0"],
-    "vpp2_ep2": [*VPP2, *DP2, *MOE, "model.expert_model_parallel_size=2", "model.share_embeddings_and_output_weights=false",
-                 *NO_DROPOUT, "model.moe_aux_loss_coeff=0.0"],
+    "vpp2_ep2": [*VPP2, *DP2, *MOE, "model.expert_model_parallel_size=2",
+                 "model.share_embeddings_and_output_weights=false", *NO_DROPOUT, "model.moe_aux_loss_coeff=0.0"],
     # Megatron Bridge's Qwen3-30B-A3B settings over 2 stages: the alltoall dispatcher (its split sizes read on the
     # host) over the distributed optimizer with both overlap flags, graphed as Megatron graphs it (GRAPHED_AS: the
     # attention, router and preprocess; the experts eager); dropout and the load-balancing loss off

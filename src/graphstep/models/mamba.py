@@ -31,6 +31,12 @@ conv and the scan over them with its heads' slices of the conv weights, A, D
 and dt_bias, and the scan's output goes back to the rank's tokens by the
 inverse all-to-all before the gated norm (per token) and ``out_proj``.
 Megatron Core's ``MambaContextParallel`` splits the same way.
+
+Under tensor parallel (``tp_size``, set by parallel/tensor_parallel.py) a
+rank holds ``1 / tp`` of the heads and of the groups of B and C: ``in_proj``'s
+output is its parts of z, x, B, C and dt, the conv, A, D, dt_bias and the
+gated norm's weight are its rows (read through ``to_local``), and ``out_proj``
+sums the ranks' outputs. Context parallel then splits each rank's heads again.
 """
 
 from __future__ import annotations
@@ -143,7 +149,8 @@ class GatedRMSNorm(nn.Module):
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         acc = _acc_dtype(y)
         weight = _local(self.weight)  # under tensor parallel this rank's channels: whole groups of them
-        g = (y.to(acc) * F.silu(z.to(acc))).unflatten(-1, (self.groups * weight.shape[0] // self.weight.shape[0], -1))
+        groups = self.groups * weight.shape[0] // self.weight.shape[0]
+        g = (y.to(acc) * F.silu(z.to(acc))).unflatten(-1, (groups, -1))
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return (g.flatten(-2) * weight.to(acc)).to(y.dtype)
 

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..engines_compat import fsdp_one_rank_reduce_divides
+
 PARAMETER_MARKS = ("tied_copy",)  # what graphstep marks on a parameter and FSDP2's shard keeps (parallel/pipeline.py)
 
 
@@ -51,9 +53,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
         for experts in expert_modules(layer) if experts_mesh is not None else ():
             fully_shard(experts, mesh=experts_mesh, reshard_after_forward=reshard, mp_policy=mp)
             experts.set_gradient_divide_factor(float(mesh.size()))
-            if experts_mesh.size() > 1:  # a sum, then the division: gloo has no PREMUL_SUM
-                # (not on one rank: there FSDP2 (torch 2.13) divides the copy it makes instead of a reduce-scatter
-                # and then divides again after a forced sum -- the gradient divided twice; no collective runs there)
+            # a sum, then the division: gloo has no PREMUL_SUM. Not on one rank where FSDP2 divides the copy it
+            # makes instead of a reduce-scatter (torch 2.13): a forced sum would divide a second time after it
+            if experts_mesh.size() > 1 or not fsdp_one_rank_reduce_divides():
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     shard_roots = roots if roots is not None else [model]

@@ -77,8 +77,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     #    context-parallel ranks (dp_cp; dp with one cp rank).
     #    With virtual pipeline stages each of the rank's chunks is a root of its own (parallel/interleaved.py).
     if dims.fsdp is not None:
+        experts = None if dims.ep == 1 else mesh[EXPERT_DP] if dims.cp > 1 else mesh[EDP]
         apply_fsdp(model, mesh[dims.grad_dim], dims.fsdp, param_dtype, prefetch=dims.prefetch,
-                   experts_mesh=(mesh[EXPERT_DP] if dims.cp > 1 else mesh[EDP]) if dims.ep > 1 else None, roots=_chunk_roots(model, dims, mesh, cfg))
+                   experts_mesh=experts, roots=_chunk_roots(model, dims, mesh, cfg))
     return step_model
 
 

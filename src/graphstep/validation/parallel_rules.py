@@ -13,9 +13,10 @@ parallel/; these rules say which configurations it takes:
 * R26 -- the data-parallel sharding strategy is one FSDP2 implements;
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE
   models with both, or with FSDP2 without expert parallel; hybrid (Mamba)
-  models with both, per-layer graphs with FSDP2 ZeRO-3 (their gathered parameters stay
-  allocated), torch.compile with an MoE model under FSDP2, compile with graphs over any parallel layout (compile over a layout
-  compiles each decoder layer and runs without graphs: parallel/compile.py);
+  models with both, per-layer graphs with FSDP2 ZeRO-3 (their gathered
+  parameters stay allocated), torch.compile with an MoE model under FSDP2,
+  compile with graphs over any parallel layout (compile over a layout compiles
+  each decoder layer and runs without graphs: parallel/compile.py);
   and a capture of the very first iteration (no warm-up step). Each is
   refused by name, never ignored. Activation recompute,
   selective or full, combines with both: a recomputed region re-runs DTensor's
