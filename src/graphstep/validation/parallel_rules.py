@@ -47,7 +47,8 @@ parallel/; these rules say which configurations it takes:
   a hybrid model's Mamba heads and groups divide over the ranks, and what it
   does not combine with yet (sequence-length buckets) is refused (expert
   parallel combines: each context-parallel rank's MoE blocks exchange their
-  chunks' tokens with the expert-parallel ranks holding the same chunks); pipeline stages, plain or
+  chunks' tokens with the expert-parallel ranks holding the same chunks);
+  pipeline stages, plain or
   virtual, combine with it (each stage's attention gathers over its own
   context-parallel ranks; the last stage's loss is ContextParallel's);
 * R31 -- expert parallel: an MoE model whose experts and data-parallel ranks
