@@ -196,9 +196,8 @@ def _heads_to_sequence(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """``[batch, heads, local, dim]`` -> ``[batch, heads / cp, cp x local, dim]``: head group ``j`` of every rank's
     tokens on rank ``j``, the tokens in rank order (one all-to-all)."""
     b, h, n, d = x.shape
-    send = x.reshape(b, cp.size, h // cp.size, n, d).movedim(1, 0).contiguous()  # [cp, b, h / cp, n, d]: to rank j
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=cp.group)  # recv[i]: rank i's tokens of this rank's heads
+    send = x.reshape(b, cp.size, h // cp.size, n, d).movedim(1, 0)  # [cp, b, h / cp, n, d]: to rank j
+    recv = _exchange(send, cp)  # recv[i]: rank i's tokens of this rank's heads
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp.size, cp.size * n, d)
 
 
@@ -207,9 +206,8 @@ def _sequence_to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     local, dim]``, rank ``i``'s tokens back to rank ``i`` (one all-to-all)."""
     b, g, m, d = x.shape
     n = m // cp.size
-    send = x.reshape(b, g, cp.size, n, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp, b, g, n, d]: tokens of rank i
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=cp.group)  # recv[j]: head group j of this rank's tokens
+    send = x.reshape(b, g, cp.size, n, d).permute(2, 0, 1, 3, 4)  # [cp, b, g, n, d]: tokens of rank i
+    recv = _exchange(send, cp)  # recv[j]: head group j of this rank's tokens
     return recv.movedim(0, 1).reshape(b, cp.size * g, n, d)
 
 
@@ -242,6 +240,7 @@ class _Exchange(torch.autograd.Function):
 
 
 def _exchange(t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """Slot ``j`` of ``t`` (``[cp, ...]``) to rank ``j``; slot ``i`` of the result from rank ``i``."""
     send = t.contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=cp.group)

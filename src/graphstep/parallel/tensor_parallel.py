@@ -88,13 +88,9 @@ class FusedColwiseParallel(colwise_with_partition()):
         parts = fused_parts(module)
         if parts is None:
             return super().partition_linear(name, module, device_mesh)
-        rank, size = device_mesh.get_local_rank(), device_mesh.size()
         # the weight (and bias), a DoRA magnitude and an adapter's lora_B: all are rows of the fused parts
-        for pname, param in list(module.named_parameters(recurse=False)):
-            local = torch.cat([chunk.chunk(size, dim=0)[rank] for chunk in param.detach().split(list(parts), dim=0)])
-            dt = DTensor.from_local(local.contiguous(), device_mesh, [Shard(0)], run_check=False,
-                                    shape=param.shape, stride=param.stride())
-            module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+        for pname, _ in list(module.named_parameters(recurse=False)):
+            _shard_rows(module, pname, device_mesh, parts)
 
 
 class AdaptedRowwiseParallel(rowwise_with_partition()):
@@ -196,7 +192,7 @@ def _mamba_plan(plan: dict[str, Any], prefix: str, block: nn.Module, mesh: Devic
     mixer.conv1d.fused_parts = (ms.d_inner, bc, bc)
     for module, name in ((mixer.conv1d, "weight"), (mixer.conv1d, "bias"), (mixer, "A_log"), (mixer, "D"),
                          (mixer, "dt_bias"), (mixer.norm, "weight")):
-        _shard_rows(module, name, mesh, fused_parts(module) if module is mixer.conv1d else None)
+        _shard_rows(module, name, mesh, fused_parts(module))  # the conv's rows part by part, the others whole
     mixer.tp_size = tp
     if norm is not None:
         plan[f"{prefix}.mamba.input_layernorm"] = norm
