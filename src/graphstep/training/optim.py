@@ -81,14 +81,18 @@ class GradBuffers:
         self.flat.zero_()
 
     def norm(self) -> torch.Tensor:
-        """The L2 norm of the whole gradient: this rank's buffer, or summed over the mesh (no host read)."""
-        if self.mesh is None:
-            return torch.linalg.vector_norm(self.flat, 2.0)
-        if self.counted:
-            square = torch.stack(foreach_norm(self.counted, 2.0)).square().sum()
+        """The L2 norm of the whole gradient: this rank's buffer, or summed over the mesh (no host read).
+
+        Per gradient tensor, then their squares summed, on one rank as over a mesh: torch's CPU
+        ``vector_norm`` of the whole fp32 buffer at once came out 6e-5 below the float64 norm on a tiny MoE
+        model (239k elements), where the per-tensor norms summed in fp32 kept 2e-7."""
+        counted = self.grads if self.mesh is None else self.counted
+        if counted:
+            square = torch.stack(foreach_norm(counted, 2.0)).square().sum()
         else:
             square = torch.zeros((), dtype=torch.float32, device=self.flat.device)
-        dist.all_reduce(square, op=dist.ReduceOp.SUM)  # every rank of the mesh: the default group
+        if self.mesh is not None:
+            dist.all_reduce(square, op=dist.ReduceOp.SUM)  # every rank of the mesh: the default group
         return square.sqrt()
 
     def remove_hooks(self) -> None:
