@@ -41,6 +41,7 @@ from .config_sections import (  # noqa: F401  (the sections, importable from her
     opt,
     unsupported,
     ModelConfig,
+    expert_tensor_parallel,
     TrainConfig,
     OptimizerConfig,
     SchedulerConfig,

@@ -194,7 +194,11 @@ class ModelConfig:
         1, "Expert-parallel ranks: each data-parallel rank holds num_moe_experts / this many experts, and MoE "
         "blocks exchange tokens as model.moe_token_dispatcher_type says (dropless; R31)."
     )
-    expert_tensor_parallel_size: int | None = opt(None, "Tensor parallel inside experts; only null or 1 (R31).")
+    expert_tensor_parallel_size: int | None = opt(
+        None, "Tensor parallel inside the experts: 1 (each expert whole on a tensor-parallel rank, which runs the MoE "
+        "blocks on its share of the tokens) or tensor_model_parallel_size (each expert split over the "
+        "tensor-parallel ranks, which exchange their tokens); null means tensor_model_parallel_size, as in Megatron "
+        "(R31).")
     sequence_parallel: bool = opt(
         False, "With tensor parallelism: norms, dropout and residuals run on sequence shards (DTensor "
         "SequenceParallel); set to false with tensor_model_parallel_size=1, as Megatron Bridge does."
@@ -343,6 +347,13 @@ class ModelConfig:
         None, "Context-parallel communication (Megatron Core's names, one or one per layer): all_gather (keys and "
         "values all-gathered inside attention; null means it too), a2a (Ulysses: heads exchanged for sequence by "
         "all-to-all, the same type for every layer); p2p and a2a+p2p are refused (R30).")
+
+
+def expert_tensor_parallel(m: ModelConfig) -> int:
+    """The tensor-parallel ranks each expert is split over: ``expert_tensor_parallel_size``, null meaning
+    ``tensor_model_parallel_size`` (Megatron Core's ``ModelParallelConfig.__post_init__``)."""
+    etp = m.expert_tensor_parallel_size
+    return m.tensor_model_parallel_size if etp is None else etp
 
 
 @dataclass(kw_only=True)

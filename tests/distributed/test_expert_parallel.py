@@ -70,16 +70,19 @@ TP2 = [*EP2, "model.tensor_model_parallel_size=2"]
 FSDP = [*EP2, "ddp.use_megatron_fsdp=true"]
 LAYOUTS_X = {
     "ep2_edp2": EP2,
-    "ep2_tp2": TP2,
-    "ep2_tp2_sp": [*TP2, "model.sequence_parallel=true"],
+    "ep2_tp2": [*TP2, "model.expert_tensor_parallel_size=1"],
+    "ep2_tp2_sp": [*TP2, "model.sequence_parallel=true"],  # expert tensor parallel: null means tp, as in Megatron
     "ep2_zero3": [*FSDP, "ddp.data_parallel_sharding_strategy=optim_grads_params"],
     "ep2_zero2": [*FSDP, "ddp.data_parallel_sharding_strategy=optim_grads"],
     "ep2_recompute": [*EP2, "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"],
     "ep2_zero2_a2a": [*EP2, *ALLTOALL, *ZERO2],  # alltoall over the distributed optimizer, the experts over edp2
-    "tp2": [*EP2[1:], "model.tensor_model_parallel_size=2"],  # every expert on every rank, the tokens split over tp
+    # every expert on every rank, the tokens split over tp; and with each expert split over tp instead
+    "tp2": [*EP2[1:], "model.tensor_model_parallel_size=2", "model.expert_tensor_parallel_size=1"],
+    "tp2_etp2": [*EP2[1:], "model.tensor_model_parallel_size=2", "model.expert_tensor_parallel_size=2"],
 }
 MODES_X = {"ep2_edp2": ("eager", "graphed", "nodrop"), "ep2_tp2": ("eager", "graphed", "nodrop", "recompute"),
-           "ep2_tp2_sp": ("eager", "graphed", "layers"), "ep2_zero3": ("eager", "graphed", "nodrop", "recompute"),
+           "ep2_tp2_sp": ("eager", "graphed", "layers", "nodrop"),
+           "ep2_zero3": ("eager", "graphed", "nodrop", "recompute"), "tp2_etp2": ("eager", "graphed", "nodrop"),
            "ep2_zero2": ("eager", "graphed", "attn"),
            "ep2_recompute": ("eager", "graphed", "full", "full_eager"), "tp2": ("eager", "graphed", "nodrop"),
            "ep2_zero2_a2a": ("eager", "megatron", "nodrop")}
@@ -312,13 +315,16 @@ def test_expert_parallel_groups_on_four_ranks(reports4):
 
 @pytest.mark.ranks4
 def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(reports4):
-    """ep2 x tp2 (with and without sequence parallel), ep2 x FSDP2 ZeRO-3 and ZeRO-2 (with the alltoall dispatcher
+    """ep2 x tp2 (with whole experts per tensor-parallel rank; and with sequence parallel and expert tensor
+    parallel, each expert split over tp, as Megatron's default asks), dp2 x tp2 with expert tensor parallel,
+    ep2 x FSDP2 ZeRO-3 and ZeRO-2 (with the alltoall dispatcher
     too, over the distributed optimizer: the experts sharded over edp2), ep2 x edp2 with selective and
     full recompute, and a MoE model on dp2 x tp2 without expert parallel: the full-iteration graphs and the per-layer
     graphs (Megatron's [attn, moe_router, moe_preprocess] with alltoall) equal eager bit for bit -- losses, MoE
     metrics, evaluation losses, each rank's parameter shards and the expert biases --, a run with full recompute
     equals the run without it to float tolerance (the router counts its statistics once: its metrics too), without
-    dropout and the load-balancing loss each layout equals plain data parallel over the 4 ranks to float tolerance,
+    dropout and the load-balancing loss each layout equals plain data parallel over the 4 ranks to float tolerance
+    (losses and gradient norms),
     every rank holds the same whole model, and graphed ZeRO-3 and ep2 x tp2 (sequence parallel) runs resumed from
     their checkpoints continue bit for bit."""
     reports = reports4
@@ -344,9 +350,10 @@ def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(reports4):
                     torch.testing.assert_close(torch.tensor(full_eager[key], dtype=torch.float64),
                                                torch.tensor(nodrop[key], dtype=torch.float64), rtol=2e-5, atol=0)
             if "nodrop" in modes:
-                torch.testing.assert_close(torch.tensor(report[f"{layout}/nodrop"]["losses"], dtype=torch.float64),
-                                           torch.tensor(report["plain"]["losses"], dtype=torch.float64),
-                                           rtol=2e-5, atol=0)
+                for key in ("losses", "grad_norms"):
+                    torch.testing.assert_close(torch.tensor(report[f"{layout}/nodrop"][key], dtype=torch.float64),
+                                               torch.tensor(report["plain"][key], dtype=torch.float64),
+                                               rtol=2e-5, atol=0, msg=f"{layout} {key}")
         for mode in set(modes) & {"eager", "graphed"}:  # every rank logs the same loss and applies the same bias update
             assert all(r[f"{layout}/{mode}"]["losses"] == reports[0][f"{layout}/{mode}"]["losses"] for r in reports)
             assert all(r[f"{layout}/{mode}"]["bias"] == reports[0][f"{layout}/{mode}"]["bias"] for r in reports)
@@ -359,6 +366,12 @@ def test_expert_parallel_with_tensor_parallel_and_fsdp2_on_four_ranks(reports4):
     experts = [r["ep2_tp2/eager"]["experts"] for r in reports]
     assert experts[0] == experts[1] and experts[2] == experts[3] and experts[0] != experts[2]
     assert len({r["ep2_tp2/eager"]["shard"] for r in reports}) == 4
+    # expert tensor parallel: every rank its own part of the experts (its experts' columns), with expert parallel
+    # or without (dp, tp) = (0, 0), (0, 1), (1, 0), (1, 1): the data-parallel ranks hold the same parts
+    assert len({r["ep2_tp2_sp/eager"]["experts"] for r in reports}) == 4
+    experts = [r["tp2_etp2/eager"]["experts"] for r in reports]
+    assert experts[0] == experts[2] and experts[1] == experts[3] and experts[0] != experts[1]
+    assert experts[0] != reports[0]["tp2/eager"]["experts"]
     # FSDP2 (edp, ep) = (0,0), (0,1), (1,0), (1,1): each rank holds its own shard of everything
     assert len({r["ep2_zero3/eager"]["shard"] for r in reports}) == 4
     assert len({r["ep2_zero2_a2a/eager"]["shard"] for r in reports}) == 4

@@ -108,7 +108,8 @@ LAYOUTS_4 = {
     # 2 stages x 2 expert-parallel ranks: each stage's MoE blocks all-gather the tokens of that stage's 2 ranks,
     # each rank holding 4 of the 8 experts; aux loss (the recipe's) and expert bias on
     "pp2_ep2": [*PP2, *DP2, *MOE, "model.expert_model_parallel_size=2"],
-    # 2 stages x 2 tensor-parallel ranks (sequence parallel): each MoE block routes its rank's share of the tokens,
+    # 2 stages x 2 tensor-parallel ranks (sequence parallel): each MoE block routes its rank's share of the tokens
+    # and, each expert split over the 2 ranks (expert tensor parallel: null means tp), exchanges them with the other,
     # the expert-bias update sums the token counts over the stage's 2 ranks. Dropout and the load-balancing loss
     # (each rank's is that of its share of the tokens) off: compared with one process
     "pp2_tp2_moe": [*PP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true", *MOE, *NO_DROPOUT,

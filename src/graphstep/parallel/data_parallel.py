@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import DDPConfig
-from .dims import DP, EDP, EXPERT_DP, TP, ParallelDims, WorldMesh
+from .dims import DP, TP, ParallelDims, WorldMesh
 
 log = logging.getLogger("graphstep")
 
@@ -227,9 +227,9 @@ def _replica_reducer(grads: Any, ddp: DDPConfig, dims: ParallelDims, mesh: World
                   group=grad_group(dims, mesh))
     if dims.ep > 1:
         # the ranks holding the same experts: the edp ranks, and the context- and tensor-parallel ranks, which ran
-        # the experts on their own share of the tokens (parallel/dims.py, expert_dp)
-        holders = EXPERT_DP if dims.tp * dims.cp > 1 else EDP
-        edp = mesh.group(holders) if dims.dp // dims.ep * dims.cp * dims.tp > 1 else None
+        # the experts on their own share of the tokens (parallel/dims.py, expert_dp; not the tensor-parallel ones
+        # under expert tensor parallel, which hold other parts of the experts)
+        edp = mesh.group(dims.holders_dim) if dims.expert_holders > 1 else None
         return ExpertParallelReducer(grads, ranks, edp, **kwargs)
     if ddp.overlap_grad_reduce:
         return OverlappedGradReducer(grads, ranks, **kwargs)

@@ -19,16 +19,18 @@ neighbours (one node's NVLink), and so are the expert-parallel ranks that
 exchange tokens. The data-parallel ranks seen as one dimension (``dp``:
 FSDP2's mesh, the gradient all-reduce's group; and ``dp_replicate`` or
 ``dp_shard`` over ``(edp, ep)``) are flattened views of it, kept here; so is
-``expert_dp`` = ``(edp, tp)`` with expert and tensor parallel: the experts are
-not split over the tensor-parallel ranks (``expert_tensor_parallel_size`` 1),
-each of those runs the MoE blocks on its own share of the tokens, so they hold
-the same experts as the ``edp`` ranks do and sum their gradients with them
-(with context parallel ``expert_dp`` spans ``(edp, cp)`` or ``(edp, cp, tp)``:
-a context-parallel rank routes its own chunks' tokens, over the expert-parallel
-ranks that hold the same chunks)
-(Megatron's expert grid re-folds the tensor-parallel ranks into its expert
-dimensions too; it makes them expert-parallel, here they are
-expert-data-parallel). Every rank index and process group of a run is read
+``expert_dp`` = ``(edp, tp)`` with expert and tensor parallel when the experts
+are not split over the tensor-parallel ranks (``expert_tensor_parallel_size``
+``etp`` 1): each of those runs the MoE blocks on its own share of the tokens,
+so they hold the same experts as the ``edp`` ranks do and sum their gradients
+with them (with context parallel ``expert_dp`` spans ``(edp, cp)`` or
+``(edp, cp, tp)``: a context-parallel rank routes its own chunks' tokens, over
+the expert-parallel ranks that hold the same chunks) (Megatron's expert grid
+re-folds the tensor-parallel ranks into its expert dimensions too; it makes
+them expert-parallel, here they are expert-data-parallel). With ``etp`` = ``tp``
+(Megatron's default: ``expert_tensor_parallel_size`` null) each expert is split
+over the tensor-parallel ranks too, and the ranks that exchange tokens are
+``ep_tp`` = ``(ep, tp)`` (Megatron's ``tp_ep`` group; parallel/expert_parallel.py). Every rank index and process group of a run is read
 from this mesh (``mesh.local_rank("tp")``, ``mesh["dp"].get_group()``); nothing derives
 them from the rank number. Without a mesh (plain data parallel, or a test
 placing a rank) :meth:`ParallelDims.coordinate` reads the same rank grid the
@@ -52,7 +54,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..config import Config
+from ..config import Config, expert_tensor_parallel
 from ..engines_compat import dtensor_local, flatten_mesh
 from .pipeline import is_tied_copy
 
@@ -60,6 +62,7 @@ PP, DP_REPLICATE, DP_SHARD, CP, TP = "pp", "dp_replicate", "dp_shard", "cp", "tp
 EDP, EP = "edp", "ep"  # expert parallel: the data-parallel ranks as (expert-data-parallel, expert-parallel) ranks
 DP = "dp"  # every data-parallel rank, replicated or sharded: a flattened view
 EXPERT_DP = "expert_dp"  # expert x tensor/context parallel: every rank holding the same experts, (edp, [cp], [tp])
+EP_TP = "ep_tp"  # expert tensor parallel with expert parallel: the ranks exchanging tokens, (ep, tp)
 DP_CP = "dp_cp"  # the data-parallel and context-parallel ranks: gradients and losses are averaged over them
 STAGE = "stage"  # every rank of a pipeline stage (all but pp), with tensor or context parallel: MoE token counts
 
@@ -80,6 +83,7 @@ class ParallelDims:
     cp: int = 1  # context-parallel ranks (parallel/context_parallel.py; R30)
     tp: int = 1  # tensor-parallel ranks (parallel/tensor_parallel.py)
     ep: int = 1  # expert-parallel ranks among the data-parallel ones (parallel/expert_parallel.py)
+    etp: int = 1  # expert tensor parallel: 1 (experts whole) or tp (each expert split over the tp ranks)
     sequence_parallel: bool = False
     fsdp: str | None = None  # None (replicated), "optim_grads" (ZeRO-2) or "optim_grads_params" (ZeRO-3)
     prefetch: bool = False  # FSDP2 explicit forward prefetch (ddp.overlap_param_gather)
@@ -95,6 +99,8 @@ class ParallelDims:
                              "implemented; shard over every data-parallel rank or replicate over them")
         if self.dp_shard > 1 and self.fsdp is None:
             raise ValueError(f"dp_shard={self.dp_shard} without an FSDP2 strategy (fsdp=None): use dp_replicate")
+        if self.etp not in (1, self.tp):
+            raise ValueError(f"etp={self.etp}: the experts are split over 1 or all tp={self.tp} tensor-parallel ranks")
         if self.fsdp is not None and self.dp_replicate > 1:
             raise ValueError(f"fsdp={self.fsdp} with dp_replicate={self.dp_replicate}: FSDP2 shards over dp_shard")
 
@@ -108,8 +114,9 @@ class ParallelDims:
         else:
             fsdp = "optim_grads" if d.use_distributed_optimizer or cfg.optimizer.use_distributed_optimizer else None
         dp = max(1, world_size // (tp * pp * cp))
+        etp = expert_tensor_parallel(m) if m.num_moe_experts is not None else 1
         return cls(pp=pp, dp_replicate=1 if fsdp else dp, dp_shard=dp if fsdp else 1, cp=cp, tp=tp,
-                   ep=m.expert_model_parallel_size, sequence_parallel=m.sequence_parallel, fsdp=fsdp,
+                   ep=m.expert_model_parallel_size, etp=etp, sequence_parallel=m.sequence_parallel, fsdp=fsdp,
                    prefetch=d.overlap_param_gather)
 
     @property
@@ -128,6 +135,12 @@ class ParallelDims:
         return DP_CP if self.cp > 1 else DP
 
     @property
+    def expert_holders(self) -> int:
+        """The ranks holding the same part of an expert, which sum its gradient: the ``edp`` ranks, their
+        context-parallel ranks, and their tensor-parallel ones unless the experts are split over those (``etp``)."""
+        return self.dp // self.ep * self.cp * (self.tp if self.etp == 1 else 1)
+
+    @property
     def ranks(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
@@ -144,7 +157,8 @@ class ParallelDims:
         if self.cp > 1:
             parts.append(f"{self.cp} context-parallel")
         if self.tp > 1:
-            parts.append(f"{self.tp} tensor-parallel" + (" + sequence-parallel" if self.sequence_parallel else ""))
+            parts.append(f"{self.tp} tensor-parallel" + (" + sequence-parallel" if self.sequence_parallel else "")
+                         + (" (experts too)" if self.etp > 1 else ""))
         return " x ".join(parts) + (" rank" if self.ranks == 1 else " ranks")
 
     # ---- the rank grid the mesh is built on -------------------------------------
@@ -178,13 +192,22 @@ class ParallelDims:
         if self.cp > 1:  # each context-parallel rank's MoE blocks route the tokens of its own chunks
             views[DP_CP] = (*views[DP], CP)
         # the ranks holding the same experts: the edp ranks, and the context- and tensor-parallel ranks, each of
-        # which runs the MoE blocks on its own share of the tokens (tensor_parallel.py, context_parallel.py)
-        holders = (EDP, *((CP,) if self.cp > 1 else ()), *((TP,) if self.tp > 1 else ()))
+        # which runs the MoE blocks on its own share of the tokens (tensor_parallel.py, context_parallel.py) --
+        # but the tensor-parallel ranks hold other parts of the experts under expert tensor parallel, where they
+        # exchange tokens with the expert-parallel ranks (expert_parallel.py)
+        holders = (EDP, *((CP,) if self.cp > 1 else ()), *((TP,) if self.tp > 1 and self.etp == 1 else ()))
         if len(holders) > 1:
             views[EXPERT_DP] = holders
-            if self.pp > 1:  # the stage's ranks, over which the token counts are summed
-                views[STAGE] = tuple(name for name, _ in self.mesh_dims() if name != PP)
+        if self.etp > 1:
+            views[EP_TP] = (EP, TP)
+        if self.pp > 1 and (self.tp > 1 or self.cp > 1):  # the stage's ranks, over which the token counts are summed
+            views[STAGE] = tuple(name for name, _ in self.mesh_dims() if name != PP)
         return views
+
+    @property
+    def holders_dim(self) -> str:
+        """The mesh view of :attr:`expert_holders` with expert parallel: ``expert_dp``, or ``edp`` alone."""
+        return EXPERT_DP if EXPERT_DP in self.flattened() else EDP
 
     def rank_grid(self) -> torch.Tensor:
         """torchrun's ranks laid out over :meth:`mesh_dims`: the mesh's rank tensor."""

@@ -20,7 +20,7 @@ from ..config import Config
 from ..cuda_graph.settings import CudaGraphSettings
 from .compile import apply_compile, compile_mode_of
 from .context_parallel import apply_context_parallel, cp_comm
-from .dims import CP, EDP, EP, EXPERT_DP, PP, TP, ParallelDims, WorldMesh
+from .dims import CP, EDP, EP, EP_TP, PP, TP, ParallelDims, WorldMesh
 from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_fsdp
 from .interleaved import chunk_view
@@ -35,7 +35,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     ``model``, or its compiled wrapper.
 
     The rules (validation/parallel_rules.py, R25-R31) admit only the combinations that work today: expert parallel
-    with tensor parallel or FSDP2 (not both), or over pipeline stages with replicated data parallel (each stage's
+    (and expert tensor parallel) with tensor parallel or FSDP2 (not both), or over pipeline stages with replicated data parallel (each stage's
     ``mesh[EP]`` is that stage's expert-parallel ranks) or context parallel, compile
     over any layout without graphs (each decoder layer compiled).
     """
@@ -53,8 +53,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     # 3. Expert parallel: the ExpertParallel style on each MoE block -- each rank keeps its experts, sharded over
     #    ep, and the style installs the token exchange (after tensor parallel, as Megatron's expert tensor parallel
     #    would shard the experts it keeps; before FSDP2, which shards over edp the experts each rank kept).
-    if dims.ep > 1:
-        apply_expert_parallel(model, mesh[EP] if dims.fsdp is not None else mesh[(EDP, EP)])
+    #    Expert tensor parallel (etp = tp) splits each expert over tp too, and the ep x tp ranks share tokens.
+    if dims.ep > 1 or dims.etp > 1:
+        apply_expert_parallel(model, *_expert_meshes(dims, mesh))
     # 4. Activation recompute is built into the model's layers (models/transformer.py reads
     #    model.recompute_granularity when it builds them), so it already wraps the sharded layers here: a
     #    recomputed forward re-runs their collectives too. FSDP2 (step 6) wraps each layer from outside, as
@@ -77,10 +78,19 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     #    context-parallel ranks (dp_cp; dp with one cp rank).
     #    With virtual pipeline stages each of the rank's chunks is a root of its own (parallel/interleaved.py).
     if dims.fsdp is not None:
-        experts = None if dims.ep == 1 else mesh[EXPERT_DP] if dims.cp > 1 else mesh[EDP]
+        experts = None if dims.ep == 1 else mesh[dims.holders_dim]
         apply_fsdp(model, mesh[dims.grad_dim], dims.fsdp, param_dtype, prefetch=dims.prefetch,
                    experts_mesh=experts, roots=_chunk_roots(model, dims, mesh, cfg))
     return step_model
+
+
+def _expert_meshes(dims: ParallelDims, mesh: WorldMesh) -> tuple:
+    """(the experts' mesh, the ranks sharing their tokens) for :func:`apply_expert_parallel`."""
+    if dims.ep == 1:  # expert tensor parallel alone: the experts split over tp, the tp ranks' tokens shared
+        return mesh[TP], mesh[TP]
+    if dims.etp > 1:
+        return mesh[(EDP, EP, TP)], mesh[EP_TP]
+    return (mesh[EP] if dims.fsdp is not None else mesh[(EDP, EP)]), mesh[EP]
 
 
 def compile_by_layer(dims: ParallelDims) -> bool:

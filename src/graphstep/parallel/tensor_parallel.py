@@ -9,16 +9,19 @@
   ``out_proj`` rowwise, and the mixer's conv, A, D, dt_bias and gated norm
   sharded by the same rows: each rank runs ``heads / tp`` heads and
   ``groups / tp`` groups of B and C (models/mamba.py ``tp_size``);
-* MoE blocks (``expert_tensor_parallel_size`` 1: the experts are not split):
-  each rank runs the block on its own share of the tokens -- its sequence
-  shard under sequence parallelism, else its slice of the replicated sequence,
-  taken on entry and all-gathered on exit (:func:`moe_on_token_shares`) --
-  so the tensor-parallel ranks hold the same experts and see other tokens, as
-  data-parallel ranks do. Every gradient of the block is then this rank's
-  share; the block is marked (:func:`partial_over_tp`)
-  and their gradients summed over the tensor-parallel ranks after the
-  backward (parallel/data_parallel.py), as Megatron sums a sequence-parallel
-  router's; expert-parallel experts with their expert-data-parallel ranks;
+* MoE blocks: each rank runs the router (and shared expert) on its own share
+  of the tokens -- its sequence shard under sequence parallelism, else its
+  slice of the replicated sequence, taken on entry and all-gathered on exit
+  (:func:`moe_on_token_shares`). With ``expert_tensor_parallel_size`` 1 the
+  experts are not split: the tensor-parallel ranks hold the same experts and
+  see other tokens, as data-parallel ranks do. Every gradient of the block is
+  then this rank's share; the block is marked (:func:`partial_over_tp`) and
+  their gradients summed over the tensor-parallel ranks after the backward
+  (parallel/data_parallel.py), as Megatron sums a sequence-parallel router's;
+  expert-parallel experts with their expert-data-parallel ranks. With expert
+  tensor parallel (``etp`` = ``tp``) the experts are split over the
+  tensor-parallel ranks, which exchange their tokens
+  (parallel/expert_parallel.py); those parts are left out of the mark;
 * ``qk_layernorm``: the query and key norms are replicated but each rank
   normalises its own heads, so their gradients are marked the same way and
   summed over the tensor-parallel ranks (Megatron all-reduces them too);
@@ -228,4 +231,13 @@ def partial_over_tp(model: nn.Module) -> set[int]:
     query or key norm, marked by :func:`apply_tensor_parallel`): summed over the tensor-parallel ranks after the
     backward. The modules carry the mark, so it holds for the parameters FSDP2 puts in their place."""
     marked = [m for m in model.modules() if getattr(m, "partial_over_tp", False)]
-    return {id(p) for m in marked for p in m.parameters()}
+    return {id(p) for m in marked for p in m.parameters() if not _split_over_tp(p)}
+
+
+def _split_over_tp(p: torch.Tensor) -> bool:
+    """Whether ``p`` is sharded over the tensor-parallel ranks (an expert under expert tensor parallel): each rank's
+    gradient is then that of its own part, not a share of a replicated one."""
+    if not isinstance(p, DTensor):
+        return False
+    return any(name == "tp" and not placement.is_replicate()
+               for name, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements))

@@ -130,25 +130,26 @@ log = logging.getLogger("graphstep")
 # the parameters' layout
 
 
-def tensor_parallel_ranks(p: DTensor) -> int:
-    """Over how many tensor-parallel ranks ``p``'s rows are split (1 when not row-sharded over tp)."""
+def tensor_parallel_split(p: DTensor) -> tuple[int, int]:
+    """``(dim, ranks)``: the dimension of ``p`` split over the tensor-parallel ranks and over how many of them
+    (``(0, 1)`` when not split over tp). A fused projection's rows are dim 0, an expert's gate and up rows dim 1."""
     names = p.device_mesh.mesh_dim_names or ()
     for dim, (name, placement) in enumerate(zip(names, p.placements)):
-        if name == TP and isinstance(placement, Shard) and placement.dim == 0:
-            return p.device_mesh.size(dim)
-    return 1
+        if name == TP and isinstance(placement, Shard):
+            return placement.dim, p.device_mesh.size(dim)
+    return 0, 1
 
 
-def to_natural(rows: torch.Tensor, parts: tuple[int, ...], ranks: int) -> torch.Tensor:
-    """Per-rank part order (rank 0's slice of each part, then rank 1's ...) -> parts whole, in order."""
-    blocks = [block.split([n // ranks for n in parts]) for block in rows.chunk(ranks)]
-    return torch.cat([torch.cat([blocks[r][i] for r in range(ranks)]) for i in range(len(parts))])
+def to_natural(rows: torch.Tensor, parts: tuple[int, ...], ranks: int, dim: int = 0) -> torch.Tensor:
+    """Per-rank part order along ``dim`` (rank 0's slice of each part, then rank 1's ...) -> parts whole, in order."""
+    blocks = [block.split([n // ranks for n in parts], dim) for block in rows.chunk(ranks, dim)]
+    return torch.cat([torch.cat([blocks[r][i] for r in range(ranks)], dim) for i in range(len(parts))], dim)
 
 
-def to_per_rank(rows: torch.Tensor, parts: tuple[int, ...], ranks: int) -> torch.Tensor:
+def to_per_rank(rows: torch.Tensor, parts: tuple[int, ...], ranks: int, dim: int = 0) -> torch.Tensor:
     """The inverse of :func:`to_natural`."""
-    slices = [part.chunk(ranks) for part in rows.split(list(parts))]
-    return torch.cat([slices[i][r] for r in range(ranks) for i in range(len(parts))])
+    slices = [part.chunk(ranks, dim) for part in rows.split(list(parts), dim)]
+    return torch.cat([slices[i][r] for r in range(ranks) for i in range(len(parts))], dim)
 
 
 class LayoutEntries:
@@ -163,16 +164,16 @@ class LayoutEntries:
             return value
         dt = value if isinstance(value, DTensor) else DTensor.from_local(
             value, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
-        ranks = tensor_parallel_ranks(like)
+        dim, ranks = tensor_parallel_split(like)
         if parts is None or ranks == 1:
             return dt
         with torch.no_grad():
-            natural = to_natural(dt.detach().full_tensor(), parts, ranks)
+            natural = to_natural(dt.detach().full_tensor(), parts, ranks, dim)
         local = dtensor_local(dt)
 
         def scatter() -> None:  # after loading: this rank's share of the natural tensor, in place
             with torch.no_grad():
-                per_rank = to_per_rank(natural, parts, ranks)
+                per_rank = to_per_rank(natural, parts, ranks, dim)
                 local.copy_(distribute_tensor(per_rank, like.device_mesh, like.placements, src_data_rank=None)
                             .to_local())
 

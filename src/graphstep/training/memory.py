@@ -29,7 +29,9 @@ which FSDP2 keeps gathered from forward to backward, divided by ``tp``; with
 ``optim_grads`` (ZeRO-2) every layer stays gathered to its backward:
 ``P/tp``. Every parameter counts as split over the tensor-parallel ranks;
 the norm weights, which are replicated, are small enough to ignore. With
-``ep`` expert-parallel ranks the routed experts' parameters count ``1/ep``
+``ep`` expert-parallel ranks the routed experts' parameters count ``1/ep``,
+and ``1/tp`` only under expert tensor parallel (``etp`` = ``tp``: with
+``expert_tensor_parallel_size`` 1 each tensor-parallel rank holds whole experts)
 (the dispatch buffer of the block's all-gather is not counted).
 
 With ``pp`` pipeline stages every pipeline rank is estimated and the
@@ -247,9 +249,11 @@ def _rank_estimate(cfg: Config, device: torch.device, layout: ParallelDims, coun
     held = None if stage is None else rank_layers(cfg, layout.pp, stage)
     if held is not None:  # this pipeline rank's decoder layers, and the embedding / output layer it holds
         counts = _stage_counts(counts, *held)
-    if layout.ep > 1:  # each rank holds its share of the routed experts
-        local = counts.parameters - counts.experts + _split(counts.experts, layout.ep)
-        counts = dataclasses.replace(counts, parameters=local, experts=_split(counts.experts, layout.ep))
+    if layout.ep > 1 or layout.tp > layout.etp:  # each rank holds its share of the routed experts
+        experts = _split(counts.experts, layout.ep)
+        # static_bytes splits every parameter over tp; whole experts on each tensor-parallel rank (etp 1) are not
+        local = counts.parameters - counts.experts + experts * (layout.tp // layout.etp)
+        counts = dataclasses.replace(counts, parameters=local, experts=experts)
     weights, gradients, optimizer = static_bytes(counts, e, layout)
     if held is None:
         per_sample, in_flight = activation_bytes_per_sample(cfg, e, device, layout), 1.0

@@ -64,7 +64,10 @@ LAYOUTS = (
     Layout("3-D: pp2 x FSDP2 ZeRO-3 (dp2) x tp2", 8, (*PP2, *FSDP3, *TP2)),
     Layout("3-D: pp2 x vpp2 x distributed optimizer (dp2) x tp2", 8, (*VPP, *DIST_OPT, *TP2)),
     Layout("MoE, expert parallel (ep2)", 2, EP2, "qwen3_moe_tiny"),
-    Layout("MoE, ep2 x tp2", 4, (*EP2, *TP2), "qwen3_moe_tiny"),
+    Layout("MoE, ep2 x tp2, experts split over tp (expert tensor parallel)", 4, (*EP2, *TP2), "qwen3_moe_tiny"),
+    Layout("MoE, ep2 x tp2, whole experts (expert_tensor_parallel_size=1)", 4,
+           (*EP2, *TP2, "model.expert_tensor_parallel_size=1"), "qwen3_moe_tiny"),
+    Layout("MoE, tp2, experts split over tp", 2, TP2, "qwen3_moe_tiny"),
     Layout("MoE, ep2 x FSDP2 ZeRO-3", 2, (*EP2, *FSDP3), "qwen3_moe_tiny"),
     # Megatron Bridge's Qwen3-30B-A3B settings: alltoall over the distributed optimizer, both overlap flags, graphs
     # of the attention, router and preprocess (the dispatch reads its split sizes on the host: R11)

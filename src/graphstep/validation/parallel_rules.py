@@ -57,8 +57,10 @@ parallel/; these rules say which configurations it takes:
   Megatron's all-to-all, whose host sync R11 keeps out of graphs), with
   tensor parallel or FSDP2 (``allgather``), over pipeline stages (``allgather``
   over replicated data parallel, eager, the whole iteration graphed or per
-  layer, with or without recompute), and
-  what it does not combine with yet.
+  layer, with or without recompute); expert tensor parallel
+  (``expert_tensor_parallel_size`` 1 or the tensor-parallel size, null
+  meaning the latter as in Megatron: dropless, sync-free, the MoE block
+  graphed as one); and what it does not combine with yet.
 
 docs/rules.md describes every rule with an example override and its fix.
 """
@@ -513,10 +515,7 @@ def _r31(v: View) -> list[Violation]:
     cfg, m = v.cfg, v.cfg.model
     ep = _int(m.expert_model_parallel_size)
     out = []
-    if m.expert_tensor_parallel_size is not None and _int(m.expert_tensor_parallel_size) != 1:
-        out.append(_v("R31", ["model.expert_tensor_parallel_size"], "model.expert_tensor_parallel_size="
-                      f"{_fmt(m.expert_tensor_parallel_size)}: tensor parallel inside the experts is not implemented.",
-                      "set model.expert_tensor_parallel_size=null (or 1)."))
+    out += _expert_tensor_parallel(v)
     if ep is None or ep < 1:
         return out + [_v("R31", ["model.expert_model_parallel_size"], f"model.expert_model_parallel_size={_fmt(ep)} "
                          "is not a positive number of ranks.", "set model.expert_model_parallel_size=1 or more.")]
@@ -571,6 +570,45 @@ def _r31(v: View) -> list[Violation]:
                "parallel is not implemented: the expert and the other gradients are reduced over different groups "
                "after the backward.", "set ddp.overlap_grad_reduce=false, or shard with FSDP2 "
                "(ddp.use_distributed_optimizer=true), whose reduce-scatters overlap the backward.")
+    return out
+
+
+def _expert_tensor_parallel(v: View) -> list[Violation]:
+    """``expert_tensor_parallel_size`` (null: the tensor-parallel size, as Megatron reads it): 1, or every
+    tensor-parallel rank, whose experts are then split and whose MoE blocks exchange tokens by all-gather."""
+    m, tp = v.cfg.model, tensor_parallel_size(v.cfg)
+    field = ["model.expert_tensor_parallel_size"]
+    etp = tp if m.expert_tensor_parallel_size is None else _int(m.expert_tensor_parallel_size)
+    if etp not in (1, tp):
+        return [_v("R31", [*field, "model.tensor_model_parallel_size"], "model.expert_tensor_parallel_size="
+                   f"{_fmt(m.expert_tensor_parallel_size)}: the experts are split over 1 or all "
+                   f"model.tensor_model_parallel_size={tp} tensor-parallel ranks.",
+                   f"set model.expert_tensor_parallel_size=1 or {tp} (null means {tp}).")]
+    if etp == 1 or m.num_moe_experts is None:
+        return []
+    what = (f"model.expert_tensor_parallel_size={_fmt(m.expert_tensor_parallel_size)}" +
+            (f" (null: model.tensor_model_parallel_size={tp})" if m.expert_tensor_parallel_size is None else ""))
+    out = []
+
+    def refuse(fields: list[str], why: str, fix: str) -> None:
+        out.append(_v("R31", [*fields, *field], f"{what} splits each expert over the tensor-parallel ranks: {why}",
+                      f"{fix}, or set model.expert_tensor_parallel_size=1 (each tensor-parallel rank holds whole "
+                      "experts)."))
+
+    ffn = _int(m.moe_ffn_hidden_size) or _int(m.ffn_hidden_size)
+    if ffn is not None and ffn % tp:
+        refuse(["model.moe_ffn_hidden_size"], f"the experts' {ffn} hidden columns do not divide over {tp} ranks.",
+               f"set model.moe_ffn_hidden_size to a multiple of {tp}")
+    if m.moe_expert_capacity_factor is not None:
+        refuse(["model.moe_expert_capacity_factor"], "it is dropless; a capacity factor is not implemented with it.",
+               "set model.moe_expert_capacity_factor=null")
+    if m.moe_sync_free is False:
+        refuse(["model.moe_sync_free"], "it runs the sync-free grouped GEMM only.", "set model.moe_sync_free=true")
+    if v.per_layer and ({"moe_router", "moe_preprocess"} & set(v.names or ())):
+        refuse([*v.cov], "its MoE block (the allgather dispatcher over the tensor-parallel ranks, whichever "
+               "model.moe_token_dispatcher_type says with one expert-parallel rank) runs router, dispatch, experts "
+               "and combine as one, so the moe_router and moe_preprocess scopes are not implemented.",
+               "graph the whole block (scope moe, or [] for the whole layer), or model.cuda_graph_impl=full_iteration")
     return out
 
 
