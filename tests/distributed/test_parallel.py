@@ -69,7 +69,8 @@ PER_LAYER = {"tp2_sp": ["model.cuda_graph_impl=local", "model.cuda_graph_modules
              # each layer gathers the next one's parameters into its kept storage before its own forward
              "fsdp_zero2_prefetch": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
              # 4 ranks: per-layer graphs over tensor-parallel layers inside FSDP2 (ZeRO-2) layers
-             "tp2_sp_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]}
+             "tp2_sp_zero2": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"],
+             "tp2_sp_zero2_hybrid": ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp,mamba]"]}
 # activation recompute over sharded layers: selective recompute of the core attention over tp2_sp with hidden
 # dropout on (none inside the recomputed attention: R35) against the same run without recompute, full recompute
 # (no dropout: R35) over FSDP2 ZeRO-3 against fsdp_zero3/nodrop, and selective recompute of the attention and MLP
@@ -85,6 +86,7 @@ RECOMPUTE = {"tp2_sp": {"recompute": [*SELECTIVE, *EAGER], "recompute_graphed": 
              "fsdp_zero2": {"recompute": [*SELECTIVE_BOTH, *EAGER],
                             "recompute_layers": [*SELECTIVE_BOTH, *PER_LAYER["fsdp_zero2"]]}}
 WITHOUT = {"tp2_sp": "without", "fsdp_zero3": "nodrop"}  # each recompute run's twin without recompute
+HYBRID = ["model.hybrid_override_pattern=M-*-", "model.num_layers=4", "model.mamba_num_groups=2"]
 # 4 ranks: 2 data-parallel x 2 tensor-parallel, the data-parallel dimension sharded by FSDP2 or replicated
 LAYOUTS_2D = {
     "tp2_sp_fsdp2": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
@@ -92,6 +94,13 @@ LAYOUTS_2D = {
     "tp2_dp2": ["model.tensor_model_parallel_size=2"],
     "tp2_sp_zero2": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
                      "ddp.use_distributed_optimizer=true"],
+    # a hybrid (Mamba) model over FSDP2 x tensor parallel: each rank's Mamba heads and groups (tensor_parallel.py
+    # _mamba_plan) sharded again over the data-parallel ranks; ZeRO-3 graphed whole, ZeRO-2 per layer
+    "tp2_sp_fsdp2_hybrid": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
+                            "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
+                            *HYBRID],
+    "tp2_sp_zero2_hybrid": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
+                            "ddp.use_distributed_optimizer=true", *HYBRID],
 }
 
 
@@ -133,8 +142,8 @@ def reports(tmp_path_factory):
 
 @pytest.mark.ranks4
 def test_two_dimensional_layouts_on_four_ranks_equal_eager(tmp_path):
-    """dp2 x tp2: FSDP2 over tensor-parallel DTensors (2-D shards), and replicated data parallel whose gradient
-    all-reduce runs over each tensor-parallel rank's data-parallel group."""
+    """dp2 x tp2: FSDP2 over tensor-parallel DTensors (2-D shards) -- a hybrid (Mamba) model's too --, and
+    replicated data parallel whose gradient all-reduce runs over each tensor-parallel rank's data-parallel group."""
     reports = run_layouts(tmp_path, "cpu", timeout=600, nproc=4, layouts="LAYOUTS_2D")
     for layout in LAYOUTS_2D:
         for report in reports:
@@ -147,10 +156,11 @@ def test_two_dimensional_layouts_on_four_ranks_equal_eager(tmp_path):
         shards = [r[f"{layout}/eager"]["shard"] for r in reports]  # ranks 0, 1 = tp ranks of replica 0
         assert shards[0] != shards[1]
         assert (shards[0] == shards[2]) == (layout == "tp2_dp2")  # replicas agree; FSDP2 shards differ
-    for report in reports:
-        layers, eager = report["tp2_sp_zero2/layers"], report["tp2_sp_zero2/eager"]
-        assert layers["losses"] == eager["losses"] and layers["eval"] == eager["eval"]
-        assert layers["shard"] == eager["shard"] and layers["states"] == REPLAYED
+    for layout in ("tp2_sp_zero2", "tp2_sp_zero2_hybrid"):
+        for report in reports:
+            layers, eager = report[f"{layout}/layers"], report[f"{layout}/eager"]
+            assert layers["losses"] == eager["losses"] and layers["eval"] == eager["eval"], layout
+            assert layers["shard"] == eager["shard"] and layers["states"] == REPLAYED, layout
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

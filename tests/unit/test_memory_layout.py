@@ -217,12 +217,23 @@ def test_moe_models_are_offered_fsdp2_with_expert_parallel(monkeypatch):
     assert [v for v in validate_config(cfg, env={}, world_size=ranks) if v.rule in memory.LAYOUT_RULES] == []
 
 
-def test_hybrid_models_are_not_offered_a_sharded_layout(monkeypatch):
-    cfg = get_recipe("nemotron_h_tiny")
-    estimate = estimate_memory(cfg, CUDA)
-    monkeypatch.setattr(memory, "available_memory", lambda device: estimate.static // 2)
-    with pytest.raises(RunSetupError, match=r"do not take hybrid \(Mamba\) models yet \(rule R27\)"):
+@pytest.mark.parametrize("overrides,asks", [
+    ([], "model.expert_model_parallel_size="),  # M-*E: with an MoE layer, FSDP2 x expert parallel
+    (["model.hybrid_override_pattern=M-*-", "model.num_moe_experts=null", "model.mamba_num_groups=2"],
+     "ddp.use_megatron_fsdp=true"),  # no MoE layer: as a dense model (tensor parallel only where the heads divide)
+])
+def test_hybrid_models_are_offered_a_sharded_layout_the_rules_accept(monkeypatch, overrides, asks):
+    cfg = apply_overrides(get_recipe("nemotron_h_tiny"), overrides)
+    eight = [c for c in candidate_layouts(cfg) if c.ranks == 8]  # a budget that 8 ranks fit, one does not
+    budget = min(moved_estimate(cfg, c).total for c in eight)
+    assert estimate_memory(cfg, CUDA).total > budget
+    monkeypatch.setattr(memory, "available_memory", lambda device: int(budget / HEADROOM) + 1)
+    with pytest.raises(RunSetupError) as info:
         check_memory_fits(cfg, CUDA)
+    layout, suggested, ranks = _suggested(str(info.value))
+    assert layout.ranks > 1 and asks in " ".join(suggested)
+    apply_overrides(cfg, suggested)
+    assert [v for v in validate_config(cfg, env={}, world_size=ranks) if v.rule in memory.LAYOUT_RULES] == []
 
 
 def test_expert_parallel_ranks_hold_their_share_of_the_experts():

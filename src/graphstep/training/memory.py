@@ -83,8 +83,8 @@ gradients and optimizer state, or one sample's activations do not fit, it
 names the smallest layout (at most 1024 ranks) whose per-rank estimate fits
 the same device and whose overrides the layout rules (R25-R31, V13) accept
 at its world size: FSDP2 ZeRO-3 data parallel x tensor x pipeline x context
-parallel for dense models, FSDP2 x expert parallel for MoE models, none for
-hybrid ones (see ``suggest_layout``). ``layout_report`` says the same before
+parallel for dense models, FSDP2 x expert parallel for MoE models (a hybrid
+Mamba model as either, by whether it has MoE layers; see ``suggest_layout``). ``layout_report`` says the same before
 a run, for ``graphstep config validate``: the layout's GPU count, its
 estimate against a stated GPU memory, and the nearest layout the rules accept
 when they refuse this one. ``GRAPHSTEP_SKIP_MEMORY_CHECK=1`` skips the check.
@@ -481,11 +481,10 @@ def candidate_layouts(cfg: Config) -> list[ParallelDims]:
     divides the sequence, x ``pp`` pipeline stages that split the layers evenly (R28) x ``cp`` context-parallel
     ranks whose chunks cut the sequence evenly (R30), with or without stages. MoE models: FSDP2 x ``ep`` expert-parallel
     ranks (R27, R31: no tensor parallel, stages or context parallel with them), ``ep`` the largest power of 2
-    dividing both the experts and ``dp``. Hybrid (Mamba) models: none (R27).
+    dividing both the experts and ``dp``. Hybrid (Mamba) models as dense or MoE ones (the rules check their Mamba
+    heads and groups against ``tp``).
     """
     m = cfg.model
-    if m.hybrid_override_pattern is not None:
-        return []
     if m.num_moe_experts is not None:
         out, ranks = [], 2
         while ranks <= MAX_RANKS:
@@ -514,19 +513,13 @@ def candidate_layouts(cfg: Config) -> list[ParallelDims]:
     return out
 
 
-def shardable(cfg: Config) -> bool:
-    """Whether FSDP2 takes the model: every model but hybrid (Mamba) ones (rule R27); MoE models with expert
-    parallel."""
-    return cfg.model.hybrid_override_pattern is None
-
-
 LAYOUT_RULES = {"R25", "R26", "R27", "R28", "R29", "R30", "R31", "V13"}
 
 
 def suggest_layout(cfg: Config, device: torch.device, budget: float,
                    counts: ParameterCounts | None = None) -> tuple[ParallelDims, MemoryEstimate] | None:
     """The first of ``candidate_layouts`` whose per-rank estimate fits ``budget`` bytes and whose overrides the
-    layout rules accept at its world size, with that estimate. None when none does (hybrid models: none).
+    layout rules accept at its world size, with that estimate. None when none does.
 
     The run's activation recompute is kept: the layout rules take it over every candidate (no virtual stages, no
     expert parallel over stages), and the estimate counts what full recompute saves.
@@ -622,9 +615,6 @@ def launch(ranks: int, device: torch.device) -> str:
 
 def _layout_advice(cfg: Config, device: torch.device, budget: float, counts: ParameterCounts) -> str:
     """One sentence: the smallest layout that fits, how to ask for it, or why there is none."""
-    if not shardable(cfg):
-        return ("FSDP2 and tensor parallel do not take hybrid (Mamba) models yet (rule R27): a device with more "
-                "memory or a smaller model")
     found = suggest_layout(cfg, device, budget, counts)
     if found is None:
         return (f"no layout of up to {MAX_RANKS} such devices fits either (FSDP2 x tensor x pipeline x context "

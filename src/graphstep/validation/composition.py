@@ -91,6 +91,9 @@ LAYOUTS = (
     Layout("hybrid (Mamba), tp2", 2, (*TP2, "model.mamba_num_groups=2"), "nemotron_h_tiny"),
     Layout("hybrid (Mamba), pp2 x tp2", 4, (*PP2, *TP2, "model.mamba_num_groups=2"), "nemotron_h_tiny"),
     Layout("hybrid (Mamba), cp2 x tp2", 4, (*CP2, *TP2, "model.mamba_num_groups=2"), "nemotron_h_tiny"),
+    Layout("hybrid (Mamba, no MoE layer), FSDP2 ZeRO-3 (dp2) x tp2", 4,
+           (*FSDP3, *TP2, "model.mamba_num_groups=2", "model.hybrid_override_pattern=M-*-",
+            "model.num_moe_experts=null"), "nemotron_h_tiny"),
 )
 
 GRAPHS = ("model.use_te_rng_tracker=true", "model.cuda_graph_warmup_steps=2")

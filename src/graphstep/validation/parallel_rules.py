@@ -12,8 +12,7 @@ parallel/; these rules say which configurations it takes:
   ``sequence_parallel`` needs tensor parallelism;
 * R26 -- the data-parallel sharding strategy is one FSDP2 implements;
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE
-  models with both, or with FSDP2 without expert parallel; hybrid (Mamba)
-  models with both, per-layer graphs with FSDP2 ZeRO-3 (their gathered
+  models with both, or with FSDP2 without expert parallel; per-layer graphs with FSDP2 ZeRO-3 (their gathered
   parameters stay allocated), torch.compile with an MoE model under FSDP2,
   compile with graphs over any parallel layout (compile over a layout compiles
   each decoder layer and runs without graphs: parallel/compile.py);
@@ -202,10 +201,6 @@ def _r27_sharded(v: View) -> list[Violation]:
         refuse("model.num_moe_experts", f"model.num_moe_experts={_fmt(m.num_moe_experts)} (an MoE model) and "
                "model.expert_model_parallel_size=1", "set model.expert_model_parallel_size=2 or more (FSDP2 shards "
                "the experts over the ranks holding the same ones), or train with replicated data parallel.")
-    if m.hybrid_override_pattern is not None and tp > 1 and fsdp:
-        refuse("model.hybrid_override_pattern", "a hybrid (Mamba) model", "train hybrid models with tensor "
-               "parallel over replicated data parallel (the default ddp settings), or with FSDP2 and "
-               "model.tensor_model_parallel_size=1.")
     if v.per_layer and fsdp and _str(cfg.ddp.data_parallel_sharding_strategy) == "optim_grads_params" \
             and cfg.ddp.use_megatron_fsdp is True:
         out.append(_v("R27", ["model.cuda_graph_impl", *_fsdp_fields(cfg)], f"FSDP2 ({_fsdp_f(cfg)}) with per-layer "
