@@ -82,7 +82,7 @@ LAYOUTS_X = {
 }
 MODES_X = {"ep2_edp2": ("eager", "graphed", "nodrop"), "ep2_tp2": ("eager", "graphed", "nodrop", "recompute"),
            "ep2_tp2_sp": ("eager", "graphed", "layers", "nodrop"),
-           "ep2_zero3": ("eager", "graphed", "nodrop", "recompute"), "tp2_etp2": ("eager", "graphed", "nodrop"),
+           "ep2_zero3": ("eager", "graphed", "nodrop", "recompute"), "tp2_etp2": ("eager", "nodrop"),
            "ep2_zero2": ("eager", "graphed", "attn"),
            "ep2_recompute": ("eager", "graphed", "full", "full_eager"), "tp2": ("eager", "graphed", "nodrop"),
            "ep2_zero2_a2a": ("eager", "megatron", "nodrop")}
