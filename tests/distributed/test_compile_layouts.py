@@ -7,8 +7,9 @@ One launch runs every layout twice, dropout off (Inductor draws other random num
 run compiles (Dynamo's compile callbacks fire during its first step, not in the uncompiled run), and trains what
 the uncompiled run trains -- per-iteration losses and this rank's final parameters to float tolerance (Inductor
 fuses and reorders floating-point work). On the CPU the graphs are refused with compile (rule R20: the replay
-backend records no compiled kernels); the compiled layouts inside CUDA graphs, bit-equal to the same compiled
-layout run eagerly, are the ``cuda`` twins in tests/unit/test_parallel_units.py (one-rank meshes).
+backend records no compiled kernels); compiled layers over FSDP2 inside CUDA graphs, bit-equal to the same
+compiled layout run eagerly, are a ``cuda`` test in tests/integration/test_compile.py (the one-rank mesh of
+FSDP2 in one process); over the other layouts R27 refuses compile with graphs.
 """
 
 from __future__ import annotations

@@ -55,7 +55,11 @@ def eager(cfg: Config) -> Config:
 
 
 def params_of(result) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in result.model.parameters()]
+    """The run's final parameters, as this rank holds them (a DTensor's local shard: its mesh's process group is
+    gone with the run)."""
+    from graphstep.parallel.dims import local_tensor
+
+    return [local_tensor(p).detach().clone() for p in result.model.parameters()]
 
 
 def assert_same_run(a, b) -> None:

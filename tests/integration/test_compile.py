@@ -217,3 +217,41 @@ def test_compiled_scopes_graphed_bf16_equal_the_same_compiled_scopes_eager(overr
     graphed = train(tiny_config(*GPU, *overrides), keep_model=True)
     assert [r["state"] for r in graphed.rows][3:5] == ["captured", "replayed"]
     assert_same_run(reference, graphed)
+
+
+# --------------------------------------------------------------------------
+# on a GPU: compiled layers over FSDP2 (one rank) inside graphs equal the same compiled layout eager
+
+FSDP2_COMPILED = {
+    # ZeRO-3: each decoder layer compiled in place (parallel/compile.py), FSDP2's hooks eager around it, the
+    # gathers and frees inside the full-iteration graph with the optimizer's
+    "zero3_full_iteration": ("optim_grads_params", ["model.cuda_graph_impl=full_iteration",
+                                                    "optimizer.optimizer_cuda_graph=true"]),
+    # ZeRO-2: the graphed scopes compiled, their graphs inside FSDP2's layers
+    "zero2_local[attn,mlp]": ("optim_grads", ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]),
+}
+
+
+@pytest.mark.parametrize("graphs", list(FSDP2_COMPILED))
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_layers_over_fsdp2_graphed_equal_the_same_compiled_layout_eager(graphs, monkeypatch):
+    """compile.enable with graphs over FSDP2 (rule R27 takes it): the one-rank mesh the trainer makes for
+    ddp.use_megatron_fsdp in one process; the reference is the same compiled layout never captured (a warm-up
+    longer than the run), and the graphed run equals it bit for bit -- losses and final parameters."""
+    from graphstep.validation import values
+
+    strategy, settings = FSDP2_COMPILED[graphs]
+    layout = [*GPU, "model.use_te_rng_tracker=true", "ddp.use_megatron_fsdp=true",
+              f"ddp.data_parallel_sharding_strategy={strategy}"]
+    assert [v for v in validate_config(apply_overrides(Config(), [*layout[1:], *settings]), env={},
+                                       device_capability=(9, 0)) if v.rule in ("R20", "R27")] == []
+    with monkeypatch.context() as m:  # a warm-up longer than the run: V19 refuses it to users, this reference wants it
+        m.setattr(values, "_NUMBERED", tuple(c for c in values._NUMBERED if c is not values._warmup_violations))
+        reference = train(tiny_config(*layout, *settings, "model.cuda_graph_warmup_steps=1000"), keep_model=True)
+    assert {r["state"] for r in reference.rows} == {"eager"}
+    torch._dynamo.reset()
+    graphed = train(tiny_config(*layout, *settings), keep_model=True)
+    assert [r["state"] for r in graphed.rows][3:5] == ["captured", "replayed"]
+    assert_same_run(reference, graphed)
+    assert reference.losses[-1] < reference.losses[0]

@@ -503,9 +503,19 @@ COMPILED = ["compile.enable=true", "model.cuda_graph_backend=cuda", "model.use_t
 MOE = ["model.num_moe_experts=4", "model.moe_ffn_hidden_size=32"]
 
 
+def test_compile_with_graphs_over_fsdp2_alone_breaks_no_rule():
+    """FSDP2's compiled layers inside graphs are checked on a GPU (tests/integration/test_compile.py, cuda)."""
+    from graphstep.validation import validate_config
+
+    for strategy, graphs in (("optim_grads_params", ["model.cuda_graph_impl=full_iteration"]),
+                             ("optim_grads", ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]",
+                                              "model.cuda_graph_warmup_steps=2"])):
+        cfg = apply_overrides(Config(), [*COMPILED, "ddp.use_megatron_fsdp=true",
+                                         f"ddp.data_parallel_sharding_strategy={strategy}", *graphs])
+        assert [v for v in validate_config(cfg, world_size=2) if v.rule in ("R20", "R27")] == [], strategy
+
+
 @pytest.mark.parametrize("layout,world", [
-    (["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"], 2),
-    (["ddp.use_distributed_optimizer=true"], 2),
     (["model.pipeline_model_parallel_size=2"], 2),
     (["model.context_parallel_size=2"], 2),
     ([*MOE, "model.expert_model_parallel_size=2"], 2),
@@ -528,7 +538,7 @@ def test_compile_over_layouts_breaks_no_rule_without_graphs(layout, world):
 @pytest.mark.parametrize("overrides,world,words", [
     ([*MOE, "model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true"], 2,
      "its experts are an FSDP2 module of their own"),
-    (["ddp.use_distributed_optimizer=true", "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]",
+    (["model.context_parallel_size=2", "model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]",
       "model.cuda_graph_warmup_steps=2"], 2, "with graphs (model.cuda_graph_impl=local) over a parallel layout"),
 ])
 def test_compile_over_what_it_does_not_take_is_refused_by_r27(overrides, world, words):

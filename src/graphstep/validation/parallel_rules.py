@@ -14,8 +14,9 @@ parallel/; these rules say which configurations it takes:
 * R27 -- what tensor parallelism and FSDP2 do not combine with yet: MoE
   models with both, or with FSDP2 without expert parallel; per-layer graphs with FSDP2 ZeRO-3 (their gathered
   parameters stay allocated), torch.compile with an MoE model under FSDP2,
-  compile with graphs over any parallel layout (compile over a layout compiles
-  each decoder layer and runs without graphs: parallel/compile.py);
+  compile with graphs over tensor, pipeline, context or expert parallel
+  (compile over a layout compiles each decoder layer: parallel/compile.py;
+  inside graphs over FSDP2 alone it is checked on a GPU);
   and a capture of the very first iteration (no warm-up step). Each is
   refused by name, never ignored. Activation recompute,
   selective or full, combines with both: a recomputed region re-runs DTensor's
@@ -609,20 +610,23 @@ def _expert_tensor_parallel(v: View) -> list[Violation]:
 
 def _compiled_layers_over_a_layout(v: View) -> list[Violation]:
     """Compile over a parallel layout compiles each decoder layer (parallel/compile.py), tested eagerly; inside
-    graphs (the full-iteration graph, or per-layer graphs, which compile their scope modules instead) it has
-    not been checked against eager on a GPU yet."""
+    graphs (the full-iteration graph, or per-layer graphs, which compile their scope modules instead) it is
+    checked against the same compiled layout eager on a GPU over FSDP2 only (a one-rank mesh: compiled layers
+    hold no collective, FSDP2's run eagerly around them); tensor, pipeline, context and expert parallel put
+    collectives or transfers next to or inside the compiled code that one GPU cannot run."""
     cfg = v.cfg
     layout = [f for f, n in (("model.tensor_model_parallel_size", tensor_parallel_size(cfg)),
                              ("model.pipeline_model_parallel_size", pipeline_parallel_size(cfg)),
                              ("model.context_parallel_size", context_parallel_size(cfg)),
                              ("model.expert_model_parallel_size", _int(cfg.model.expert_model_parallel_size) or 1))
-              if n > 1] + (_fsdp_fields(cfg) if shards_data_parallel(cfg) else [])
+              if n > 1]
     if cfg.compile.enable is not True or not v.on or not layout:
         return []
     return [_v("R27", ["compile.enable", "model.cuda_graph_impl", *layout], f"compile.enable=true with graphs "
                f"({_impl_f(v)}) over a parallel layout is not implemented yet: the compiled layers inside graphs "
-               "over a layout have not been checked against eager on a GPU.", "set model.cuda_graph_impl=none "
-               "(the layout's layers compiled, no graphs), or compile.enable=false (the layout graphed).")]
+               "over tensor, pipeline, context or expert parallel have not been checked against eager on GPUs.",
+               "set model.cuda_graph_impl=none (the layout's layers compiled, no graphs), or compile.enable=false "
+               "(the layout graphed); over FSDP2 alone compile and graphs combine.")]
 
 
 PARALLEL_RULES = (("R25", _r25), ("R26", _r26), ("R27", _r27), ("R28", _r28), ("R29", _r29), ("R30", _r30),
