@@ -206,17 +206,24 @@ def test_compiled_graphs_bf16_equal_compiled_eager(compiled_eager_gpu, overrides
 def test_compiled_scopes_graphed_bf16_equal_the_same_compiled_scopes_eager(overrides, monkeypatch):
     """Per-layer graphs compile only the graphed scope modules (not the whole model, whose fused kernels
     differ by rounding): the reference is the same compiled program never captured."""
+    reference, graphed = _never_captured_and_graphed([*GPU, *overrides], monkeypatch)
+    assert_same_run(reference, graphed)
+
+
+def _never_captured_and_graphed(overrides: list[str], monkeypatch) -> tuple:
+    """The run of ``overrides`` with a warm-up longer than the run (the same compiled program, never captured)
+    and as asked (captured at iteration 4, replayed after), each compiled afresh."""
     from graphstep.validation import values
 
     torch._dynamo.reset()
     with monkeypatch.context() as m:  # a warm-up longer than the run: V19 refuses it to users, this reference wants it
         m.setattr(values, "_NUMBERED", tuple(c for c in values._NUMBERED if c is not values._warmup_violations))
-        reference = train(tiny_config(*GPU, *overrides, "model.cuda_graph_warmup_steps=1000"), keep_model=True)
+        reference = train(tiny_config(*overrides, "model.cuda_graph_warmup_steps=1000"), keep_model=True)
     assert {r["state"] for r in reference.rows} == {"eager"}
     torch._dynamo.reset()
-    graphed = train(tiny_config(*GPU, *overrides), keep_model=True)
+    graphed = train(tiny_config(*overrides), keep_model=True)
     assert [r["state"] for r in graphed.rows][3:5] == ["captured", "replayed"]
-    assert_same_run(reference, graphed)
+    return reference, graphed
 
 
 # --------------------------------------------------------------------------
@@ -239,19 +246,11 @@ def test_compiled_layers_over_fsdp2_graphed_equal_the_same_compiled_layout_eager
     """compile.enable with graphs over FSDP2 (rule R27 takes it): the one-rank mesh the trainer makes for
     ddp.use_megatron_fsdp in one process; the reference is the same compiled layout never captured (a warm-up
     longer than the run), and the graphed run equals it bit for bit -- losses and final parameters."""
-    from graphstep.validation import values
-
     strategy, settings = FSDP2_COMPILED[graphs]
     layout = [*GPU, "model.use_te_rng_tracker=true", "ddp.use_megatron_fsdp=true",
               f"ddp.data_parallel_sharding_strategy={strategy}"]
     assert [v for v in validate_config(apply_overrides(Config(), [*layout[1:], *settings]), env={},
                                        device_capability=(9, 0)) if v.rule in ("R20", "R27")] == []
-    with monkeypatch.context() as m:  # a warm-up longer than the run: V19 refuses it to users, this reference wants it
-        m.setattr(values, "_NUMBERED", tuple(c for c in values._NUMBERED if c is not values._warmup_violations))
-        reference = train(tiny_config(*layout, *settings, "model.cuda_graph_warmup_steps=1000"), keep_model=True)
-    assert {r["state"] for r in reference.rows} == {"eager"}
-    torch._dynamo.reset()
-    graphed = train(tiny_config(*layout, *settings), keep_model=True)
-    assert [r["state"] for r in graphed.rows][3:5] == ["captured", "replayed"]
+    reference, graphed = _never_captured_and_graphed([*layout, *settings], monkeypatch)
     assert_same_run(reference, graphed)
     assert reference.losses[-1] < reference.losses[0]
