@@ -19,7 +19,8 @@ prefix           layout                                                         
 ``cp_``          N context-parallel ranks (``cp_comm_type=all_gather``; dense models)   refused
 ``pp_tp_``       2 pipeline stages x N/2 tensor-parallel ranks with sequence parallel refused
 ``pp_fsdp_``     2 pipeline stages x FSDP2 ZeRO-3 over N/2 data-parallel ranks      refused
-``ep_tp_``       N/2 expert-parallel x 2 tensor-parallel ranks (MoE models)         refused
+``ep_tp_``       N/2 expert-parallel x 2 tensor-parallel ranks (MoE models; the      refused
+                 experts split over tp too, ``expert_tensor_parallel_size`` null)
 ``3d_``          2 pipeline stages x FSDP2 ZeRO-3 over N/4 x 2 tensor-parallel      refused
 ===============  =================================================================  =============
 
