@@ -682,7 +682,9 @@ def layout_report(cfg: Config, world: int, gpu_memory: float, device: torch.devi
     device = device or torch.device("cuda")  # never touched: the estimate needs the dtype's element size only
     layout = ParallelDims.from_config(cfg, world)
     gpus = f"{layout.ranks} GPU" + ("s" if layout.ranks > 1 else "")
+    vpp = cfg.model.virtual_pipeline_model_parallel_size if layout.pp > 1 else None
     lines = [f"layout: {layout.describe()}: {gpus} (tp {layout.tp} x pp {layout.pp} x cp {layout.cp} x dp {layout.dp}"
+             + (f", {vpp} virtual stages per pipeline rank" if isinstance(vpp, int) and vpp > 1 else "")
              + (f", ep {layout.ep} of the dp ranks" if layout.ep > 1 else "") + ")"]
     budget = HEADROOM * gpu_memory
     try:
