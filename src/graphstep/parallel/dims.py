@@ -30,8 +30,9 @@ re-folds the tensor-parallel ranks into its expert dimensions too; it makes
 them expert-parallel, here they are expert-data-parallel). With ``etp`` = ``tp``
 (Megatron's default: ``expert_tensor_parallel_size`` null) each expert is split
 over the tensor-parallel ranks too, and the ranks that exchange tokens are
-``ep_tp`` = ``(ep, tp)`` (Megatron's ``tp_ep`` group; parallel/expert_parallel.py). Every rank index and process group of a run is read
-from this mesh (``mesh.local_rank("tp")``, ``mesh["dp"].get_group()``); nothing derives
+``ep_tp`` = ``(ep, tp)`` (Megatron's ``tp_ep`` group; parallel/expert_parallel.py).
+Every rank index and process group of a run is read from this mesh
+(``mesh.local_rank("tp")``, ``mesh["dp"].get_group()``); nothing derives
 them from the rank number. Without a mesh (plain data parallel, or a test
 placing a rank) :meth:`ParallelDims.coordinate` reads the same rank grid the
 mesh would be built on.

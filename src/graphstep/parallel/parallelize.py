@@ -35,7 +35,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: WorldMesh | None, cf
     ``model``, or its compiled wrapper.
 
     The rules (validation/parallel_rules.py, R25-R31) admit only the combinations that work today: expert parallel
-    (and expert tensor parallel) with tensor parallel or FSDP2 (not both), or over pipeline stages with replicated data parallel (each stage's
+    (and expert tensor parallel) with tensor parallel or FSDP2 (not both), or over pipeline stages with replicated
+    data parallel (each stage's
     ``mesh[EP]`` is that stage's expert-parallel ranks) or context parallel, compile
     over any layout without graphs (each decoder layer compiled).
     """
