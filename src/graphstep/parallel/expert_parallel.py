@@ -75,6 +75,7 @@ from ..models.moe_parallel import (
     scatter_sums,
 )
 from .dims import EDP, EP, TP
+from .tensor_parallel import fused_parts, part_slice
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, tokens: DeviceMesh | None = None) -> None:
@@ -155,13 +156,11 @@ def _shard_experts(place: ExpertPlace) -> Any:
             return
         w, names = module.weight, mesh.mesh_dim_names or ()
         local = w.detach().chunk(place.size, dim=0)[place.rank]
-        split = 1 if getattr(module, "fused_parts", None) else 2  # fc1's rows or fc2's columns
+        split = 1 if fused_parts(module) else 2  # fc1's rows or fc2's columns
         placements = {EDP: Replicate(), EP: Shard(0), TP: Shard(split)}
         if TP in names:
             tp = mesh[TP]
-            rank, size = tp.get_local_rank(), tp.size()
-            parts = local.split(list(module.fused_parts), dim=1) if split == 1 else [local]
-            local = torch.cat([part.chunk(size, dim=split)[rank] for part in parts], dim=split)
+            local = part_slice(local, fused_parts(module), tp.get_local_rank(), tp.size(), dim=split)
         dt = DTensor.from_local(local.contiguous(), mesh, [placements[n] for n in names], run_check=False,
                                 shape=w.shape, stride=w.stride())
         module.weight = nn.Parameter(dt, requires_grad=w.requires_grad)

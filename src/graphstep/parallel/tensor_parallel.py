@@ -66,6 +66,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..cuda_graph.rng import MODEL_PARALLEL_RNG
 from ..engines_compat import colwise_with_partition, rowwise_with_partition, rowwise_with_waited_output
+from .dims import TP
 
 # the adapter submodules' names (converters/lora.py LoRALinear)
 ADAPTER_IN, ADAPTER_OUT = "lora_A", "lora_B"
@@ -74,6 +75,23 @@ ADAPTER_IN, ADAPTER_OUT = "lora_A", "lora_B"
 def fused_parts(module: nn.Module) -> tuple[int, ...] | None:
     """The row counts of the parts a fused projection concatenates (q, k, v or gate, up); None if not fused."""
     return getattr(module, "fused_parts", None)
+
+
+def tensor_parallel_split(p: DTensor) -> tuple[int, int]:
+    """``(dim, ranks)``: the dimension of ``p`` split over the tensor-parallel ranks and over how many of them
+    (``(0, 1)`` when not split over tp). A fused projection's rows are dim 0, an expert's gate and up rows dim 1."""
+    names = p.device_mesh.mesh_dim_names or ()
+    for dim, (name, placement) in enumerate(zip(names, p.placements)):
+        if name == TP and isinstance(placement, Shard):
+            return placement.dim, p.device_mesh.size(dim)
+    return 0, 1
+
+
+def part_slice(t: torch.Tensor, parts: tuple[int, ...] | None, rank: int, size: int, dim: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s slice (of ``size``) of ``t`` along ``dim``; ``parts``: ``t`` is parts laid end to end along
+    ``dim``, each sliced on its own (a fused projection's q, k, v or gate, up)."""
+    chunks = t.split(list(parts), dim) if parts else [t]
+    return torch.cat([chunk.chunk(size, dim)[rank] for chunk in chunks], dim)
 
 
 class FusedColwiseParallel(colwise_with_partition()):
@@ -208,9 +226,7 @@ def _shard_rows(module: nn.Module, name: str, mesh: DeviceMesh, parts: tuple[int
     each sliced on its own (as :class:`FusedColwiseParallel` slices a fused projection). Attributes set on the
     parameter are kept."""
     param = getattr(module, name)
-    rank, size = mesh.get_local_rank(), mesh.size()
-    chunks = param.detach().split(list(parts), dim=0) if parts else [param.detach()]
-    local = torch.cat([chunk.chunk(size, dim=0)[rank] for chunk in chunks]).contiguous()
+    local = part_slice(param.detach(), parts, mesh.get_local_rank(), mesh.size()).contiguous()
     dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
     sharded = nn.Parameter(dt, requires_grad=param.requires_grad)
     sharded.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})
@@ -231,13 +247,7 @@ def partial_over_tp(model: nn.Module) -> set[int]:
     query or key norm, marked by :func:`apply_tensor_parallel`): summed over the tensor-parallel ranks after the
     backward. The modules carry the mark, so it holds for the parameters FSDP2 puts in their place."""
     marked = [m for m in model.modules() if getattr(m, "partial_over_tp", False)]
-    return {id(p) for m in marked for p in m.parameters() if not _split_over_tp(p)}
-
-
-def _split_over_tp(p: torch.Tensor) -> bool:
-    """Whether ``p`` is sharded over the tensor-parallel ranks (an expert under expert tensor parallel): each rank's
-    gradient is then that of its own part, not a share of a replicated one."""
-    if not isinstance(p, DTensor):
-        return False
-    return any(name == "tp" and not placement.is_replicate()
-               for name, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements))
+    # a parameter split over the tensor-parallel ranks (an expert under expert tensor parallel) is left out: each
+    # rank's gradient is that of its own part, not a share of a replicated one
+    return {id(p) for m in marked for p in m.parameters()
+            if not (isinstance(p, DTensor) and tensor_parallel_split(p)[1] > 1)}

@@ -120,24 +120,13 @@ from .checkpoint_select import (ITER_DIR, TRACKER, choose_checkpoint, find_check
                                 intact_checkpoints, iter_dir_name, verify_checkpoint)
 from .distributed import DataParallel
 from .optim import AdamW
-from ..parallel.dims import TP
-from ..parallel.tensor_parallel import fused_parts
+from ..parallel.tensor_parallel import fused_parts, part_slice, tensor_parallel_split
 
 log = logging.getLogger("graphstep")
 
 
 # --------------------------------------------------------------------------
 # the parameters' layout
-
-
-def tensor_parallel_split(p: DTensor) -> tuple[int, int]:
-    """``(dim, ranks)``: the dimension of ``p`` split over the tensor-parallel ranks and over how many of them
-    (``(0, 1)`` when not split over tp). A fused projection's rows are dim 0, an expert's gate and up rows dim 1."""
-    names = p.device_mesh.mesh_dim_names or ()
-    for dim, (name, placement) in enumerate(zip(names, p.placements)):
-        if name == TP and isinstance(placement, Shard):
-            return placement.dim, p.device_mesh.size(dim)
-    return 0, 1
 
 
 def to_natural(rows: torch.Tensor, parts: tuple[int, ...], ranks: int, dim: int = 0) -> torch.Tensor:
@@ -147,9 +136,8 @@ def to_natural(rows: torch.Tensor, parts: tuple[int, ...], ranks: int, dim: int 
 
 
 def to_per_rank(rows: torch.Tensor, parts: tuple[int, ...], ranks: int, dim: int = 0) -> torch.Tensor:
-    """The inverse of :func:`to_natural`."""
-    slices = [part.chunk(ranks, dim) for part in rows.split(list(parts), dim)]
-    return torch.cat([slices[i][r] for r in range(ranks) for i in range(len(parts))], dim)
+    """The inverse of :func:`to_natural`: every rank's slice (tensor_parallel.py ``part_slice``), in rank order."""
+    return torch.cat([part_slice(rows, parts, r, ranks, dim) for r in range(ranks)], dim)
 
 
 class LayoutEntries:
