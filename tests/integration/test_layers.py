@@ -11,6 +11,7 @@ from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.errors import ContractError, GraphUsageError
 from graphstep.cuda_graph.layers import LayerGraphs, select_modules
 from graphstep.cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
+from graphstep.cuda_graph.scopes import scope_modules
 from graphstep.cuda_graph.settings import GraphImpl
 from graphstep.models import build_model
 from graphstep.training.loop import train
@@ -133,7 +134,7 @@ def test_evaluation_runs_eagerly_and_equals_eager():
 
 def test_output_of_one_graph_is_the_input_buffer_of_the_next():
     _, model, _, step = _model_and_step()
-    graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
+    graphs = LayerGraphs(select_modules(model, ["attn", "mlp"], chain=False), get_backend("cpu"),
                          generators=get_rng_tracker().generators)
     step(_batches(1, 32, 0))
     graphs.capture()
@@ -143,6 +144,63 @@ def test_output_of_one_graph_is_the_input_buffer_of_the_next():
     assert attn1.static.leaves[0].data_ptr() == mlp0.outputs[0].data_ptr()
     # the backward chain too: mlp0's input gradient is attn0's output-gradient buffer
     assert attn0.grad_out[0].data_ptr() == mlp0.grad_in[0].data_ptr()
+
+
+@pytest.mark.parametrize("semantics", [GraphImpl.LOCAL, GraphImpl.TRANSFORMER_ENGINE])
+def test_chained_scopes_equal_the_scopes_graphed_one_by_one_and_eager(semantics):
+    """[attn,mlp] cover a dense layer's forward: one graph per layer, bit-equal to a graph per scope and to eager."""
+    def run(mode: str) -> tuple[list[str], list[torch.Tensor], torch.Tensor]:
+        _, model, grads, step = _model_and_step()
+        picked = select_modules(model, ["mlp", "attn"], chain=mode == "chained")  # the scopes' order does not matter
+        graphs = LayerGraphs(picked, get_backend("cpu"), semantics=semantics,
+                             generators=get_rng_tracker().generators) if mode != "eager" else None
+        seq, losses = model.shape.seq_length, []
+        for k in range(5):
+            if k == 2 and graphs is not None:
+                graphs.capture()
+            grads.zero()
+            losses.append(step(_batches(2, seq, k))["loss"].detach().clone())
+        names = [g.name for g in graphs.graphs] if graphs is not None else []
+        return names, losses, grads.flat.clone()
+
+    (_, ref, ref_grads), (names, got, got_grads), (one_by_one, got1, got1_grads) = (
+        run("eager"), run("chained"), run("one by one"))
+    layers = range(len(names))
+    assert names == [f"layer{i}.attn+mlp" for i in layers] and len(names) >= 2
+    assert one_by_one == [f"layer{i}.{s}" for i in layers for s in ("attn", "mlp")]  # in the layer's order
+    assert ref_grads.abs().sum() > 0
+    assert all(map(torch.equal, ref, got)) and torch.equal(ref_grads, got_grads)
+    assert all(map(torch.equal, ref, got1)) and torch.equal(ref_grads, got1_grads)
+
+
+def test_a_scope_with_its_own_hook_keeps_its_graph_and_its_hook_runs():
+    _, model, grads, step = _model_and_step()
+    attn = model.graph_layers()[0].graph_scopes()["attn"]
+    calls: list[int] = []
+    attn.register_forward_hook(lambda *_: calls.append(1))
+    graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
+                         generators=get_rng_tracker().generators)
+    names = [g.name for g in graphs.graphs]
+    assert names[:3] == ["layer0.attn", "layer0.mlp", "layer1.attn+mlp"]
+    seq = model.shape.seq_length
+    step(_batches(1, seq, 0))
+    graphs.capture()
+    before = len(calls)
+    step(_batches(1, seq, 1))
+    assert graphs.state == "replayed" and len(calls) == before + 1  # the hook ran around the replay
+
+
+def test_a_hook_added_to_a_chained_scope_after_the_build_is_refused():
+    _, model, grads, step = _model_and_step()
+    graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
+                         generators=get_rng_tracker().generators)
+    seq = model.shape.seq_length
+    step(_batches(1, seq, 0))
+    graphs.capture()
+    step(_batches(1, seq, 1))
+    model.graph_layers()[1].graph_scopes()["mlp"].register_forward_pre_hook(lambda *_: None)
+    with pytest.raises(ContractError, match=r"layer1\.attn\+mlp: MLPBlock has a forward or backward hook"):
+        step(_batches(1, seq, 2))
 
 
 class _Counting(nn.Module):
@@ -248,10 +306,11 @@ def test_capture_order_is_the_execution_order(impl):
     initialize_rng_tracker(3, "cpu")
     model = build_model(cfg.model, "cpu")
     model.train()
-    graphs = LayerGraphs(select_modules(model, ["moe_router", "moe_preprocess"]), get_backend("cpu", "replay"),
-                         semantics=impl)
+    listed = [(f"layer{i}.{scope}{k or ''}", m) for i, layer in enumerate(model.graph_layers())
+              for scope in ("moe_router", "moe_preprocess") for k, m in enumerate(scope_modules(layer, scope))]
+    graphs = LayerGraphs(listed, get_backend("cpu", "replay"), semantics=impl)
     names = [g.name.split(".", 1)[1] for g in graphs.graphs[:3]]
-    assert names == ["moe_router", "moe_router1", "moe_preprocess"]  # the listing order
+    assert names == ["moe_router", "moe_router1", "moe_preprocess"]  # the listing order (select_modules: the layer's)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length))
     model(tokens, tokens, torch.ones_like(tokens, dtype=torch.float)).backward()
     order = graphs.capture_order()

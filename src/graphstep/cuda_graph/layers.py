@@ -58,6 +58,19 @@ chain had in flight. The chains' graphs replay in orders that vary from one
 micro-batch to the next, so with several chains every graph has a pool of
 its own, even with one slot.
 
+Chained scopes. A layer whose forward is nothing but its blocks called one
+after the other says so with ``graph_sequence()`` (cuda_graph/scopes.py).
+When the scopes pick every one of those blocks (``[attn,mlp]`` on a dense
+layer, ``[attn,moe]`` on an MoE layer), nothing eager runs between their
+graphs, and :func:`select_modules` picks the layer instead, as one graph
+named ``layer{i}.attn+mlp``: the same kernels in the same order, one replay
+(and one autograd node, one set of static-input checks) instead of one per
+scope -- the host work per layer that per-layer graphs are bound by on small
+kernels. A block with forward or backward hooks of its own keeps its own
+graph (its ``__call__`` runs them at every replay; inside the layer's graph
+it would not be called), and a hook added to a chained block after the
+build is a :class:`~.errors.ContractError` at the next replay.
+
 FSDP2. When FSDP2 modules (``fully_shard``) manage the graphed modules'
 parameters, their gathered parameters are kept allocated where the graphs
 read them, and the capture runs with those modules unsharded (cuda_graph/fsdp.py).
@@ -74,7 +87,7 @@ from torch import nn
 from .backend import GraphBackend, default_generators
 from .backup import StateBackup
 from .devices import GiB
-from .errors import GraphUsageError
+from .errors import ContractError, GraphUsageError
 from .fsdp import gathered, prepare_fsdp, release_gathered
 from .graph_state import GraphState
 from .graphed_module import ModuleGraph, apply_graphed
@@ -125,6 +138,7 @@ class LayerGraphs:
         self.state = GraphState.EAGER
         self._capturing = False  # a graphed module inside another one runs as part of the outer capture
         self.chain_of: list[int] = []  # per graph: its chain's first graph, whose forward starts a micro-batch
+        self._chained: list[list[nn.Module]] = []  # per graph: the scope modules it runs as one (chained scopes)
         starts: dict[int, int] = {}  # chain given -> its first graph
         if chains is not None and len(chains) != len(modules):
             raise ValueError(f"{len(chains)} chains for {len(modules)} modules: one chain per module")
@@ -134,6 +148,7 @@ class LayerGraphs:
             g = ModuleGraph(module, module.forward, name, retain_graph=retain_graph)
             self._by_module[id(module)] = g
             self.graphs.append(g)
+            self._chained.append(chained_blocks(name, module))
             self.chain_of.append(starts.setdefault(chains[k] if chains is not None else 0, len(self.graphs) - 1))
             module.forward = self._dispatcher(len(self.graphs) - 1)
         self._micro_batch = {start: -1 for start in starts.values()}
@@ -169,7 +184,7 @@ class LayerGraphs:
 
     # ---- dispatch -----------------------------------------------------------
     def _dispatcher(self, index: int) -> Callable[..., Any]:
-        graph = self.graphs[index]
+        graph, chained = self.graphs[index], self._chained[index]
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self._capturing or not (torch.is_grad_enabled() and graph.module.training):
@@ -179,6 +194,8 @@ class LayerGraphs:
                 self._start_micro_batch(chain)
             if not self.captured:
                 return self._warmup_call(index, args, kwargs)
+            if chained:
+                _check_unhooked(graph.name, chained)
             self.state = GraphState.REPLAYED
             return apply_graphed(self.slots[self._micro_batch[chain] % len(self.slots)][index], args, kwargs)
 
@@ -403,8 +420,12 @@ def _save_state(graphs: list[ModuleGraph], gens: list[torch.Generator]) -> _Save
     return _SavedState(tensors, gens)
 
 
-def select_modules(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, nn.Module]]:
-    """The submodules the scopes pick, layer by layer; ``[]`` = each whole layer."""
+def select_modules(model: nn.Module, modules: Sequence[str], *, chain: bool = True) -> list[tuple[str, nn.Module]]:
+    """The submodules the scopes pick, layer by layer; ``[]`` = each whole layer.
+
+    ``chain``: where the picked submodules of a layer are, in order, its whole forward (:func:`chained_blocks`),
+    the layer itself is picked, named ``layer{i}.{scope}+{scope}`` -- one graph replay instead of one per scope
+    (module docstring, *Chained scopes*)."""
     if not hasattr(model, "graph_layers"):
         raise TypeError(f"{type(model).__name__} has no graph_layers(): it does not expose per-layer graph scopes")
     picked: list[tuple[str, nn.Module]] = []
@@ -412,10 +433,46 @@ def select_modules(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, 
         if not modules:
             picked.append((f"layer{li}", layer))
             continue
-        for scope in modules:
-            for k, m in enumerate(scope_modules(layer, scope)):
-                picked.append((f"layer{li}.{scope}{k or ''}", m))
+        of_layer = [(f"{scope}{k or ''}", m) for scope in modules for k, m in enumerate(scope_modules(layer, scope))]
+        # in the layer's order, whatever the scopes' order: a micro-batch starts at the first module picked
+        position = {id(m): i for i, m in enumerate(layer.modules())}
+        of_layer.sort(key=lambda named: position.get(id(named[1]), len(position)))
+        if chain and _chainable(layer, [m for _, m in of_layer]):
+            picked.append((f"layer{li}.{CHAINED.join(name for name, _ in of_layer)}", layer))
+            continue
+        picked += [(f"layer{li}.{name}", m) for name, m in of_layer]
     return picked
+
+
+CHAINED = "+"  # joins the scopes of a chained graph's name (layer0.attn+mlp)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or backward hooks of its own (its ``__call__`` runs them)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def _chainable(layer: nn.Module, picked: list[nn.Module]) -> bool:
+    """Whether ``picked`` (two or more, in any order) are ``layer``'s ``graph_sequence()``, none with hooks."""
+    sequence = {id(m) for m in layer.graph_sequence()} if hasattr(layer, "graph_sequence") else set()
+    ids = [id(m) for m in picked]
+    return len(ids) > 1 and len(set(ids)) == len(ids) and set(ids) == sequence and not any(map(_hooked, picked))
+
+
+def _check_unhooked(name: str, chained: list[nn.Module]) -> None:
+    """A chained graph replays its scope modules' forwards inside it: a hook added to one since would not run."""
+    for m in chained:
+        if _hooked(m):
+            raise ContractError(
+                f"{name}: {type(m).__name__} has a forward or backward hook added after its layer's scopes were "
+                f"chained into one graph, which would not run it; register module hooks before the graphs are "
+                f"built (the scopes are then graphed one by one, their hooks running at every replay)")
+
+
+def chained_blocks(name: str, module: nn.Module) -> list[nn.Module]:
+    """The scope modules a chained graph (named by :func:`select_modules`) runs inside itself; [] for others."""
+    return list(module.graph_sequence()) if CHAINED in name.rsplit(".", 1)[-1] else []
 
 
 def apply_layer_graphs(model: nn.Module, settings: CudaGraphSettings, backend: GraphBackend, *,
