@@ -287,10 +287,10 @@ def test_graphed_pipeline_equals_eager_bit_for_bit(reports, layout):
 
 @pytest.mark.parametrize("layout", list(PER_LAYER))
 def test_per_layer_graphs_on_the_stages_equal_eager(reports, layout):
-    # forward and backward graph per module and slot: 1F1B's first stage (2 layers, their attn and mlp chained into
-    # one graph each) holds 2 micro-batches in flight, its last (1 layer) 1; GPipe holds all 4 on both stages (1 and
-    # 2 whole layers)
-    expected = {"pp2_1f1b": [2 * 2 * 2, 2 * 1 * 1], "pp2_gpipe": [2 * 1 * 4, 2 * 2 * 4]}[layout]
+    # forward and backward graph per module and slot: 1F1B's first stage (2 layers x attn, mlp) holds 2 micro-batches
+    # in flight, its last (1 layer) 1 -- one slot: its attn and mlp replay as one run (cuda_graph/chains.py); GPipe
+    # holds all 4 on both stages (1 and 2 whole layers)
+    expected = {"pp2_1f1b": [2 * 4 * 2, 2 * 1 * 1], "pp2_gpipe": [2 * 1 * 4, 2 * 2 * 4]}[layout]
     for report, graphs in zip(reports, expected):
         eager, graphed = report[f"{layout}/eager"], report[f"{layout}/layers"]
         assert graphed["states"] == STATES["layers"]

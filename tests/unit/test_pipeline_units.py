@@ -399,7 +399,7 @@ def test_layer_graph_chains_count_their_own_micro_batches(device):
         return losses, [p.detach().clone() for p in model.parameters()]
 
     eager = run(False)
-    graphed = run(True, [0] * 2 + [1] * 2)  # layers 0 and 1 (attn and mlp chained: a graph each), then 2 and 3
+    graphed = run(True, [0] * 4 + [1] * 4)  # attn and mlp of layers 0 and 1, then of layers 2 and 3
     assert all(torch.equal(a, b) for a, b in zip(eager[0], graphed[0])), (eager[0], graphed[0])
     assert all(torch.equal(a, b) for a, b in zip(eager[1], graphed[1]))
     try:

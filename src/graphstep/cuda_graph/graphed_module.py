@@ -130,6 +130,8 @@ class ModuleGraph:
         self.param_aliases: list[torch.Tensor] = []
         self.pending_backward = False
         self.shared_pool = True  # capture into the backend's shared pool (False: a pool of its own)
+        # an output's gradient buffer, when autograd brings it no gradient: zeros, or -0.0 (cuda_graph/chains.py)
+        self.absent_grad_negative_zero = False
         # Autograd calls a Function's backward only when an input requires grad; a
         # graphed module whose inputs do not (raw data) still owes its parameters
         # their gradients, so every call passes this anchor along.
@@ -287,7 +289,7 @@ class ModuleGraph:
             if static is None:
                 continue
             if g is None:
-                static.zero_()
+                static.fill_(-0.0) if self.absent_grad_negative_zero else static.zero_()
             elif captured is None and type(g) is torch.Tensor:  # a plain gradient: the fast path
                 if g.data_ptr() != static.data_ptr():
                     static.copy_(g)
@@ -350,6 +352,7 @@ class GraphedFunction(torch.autograd.Function):
     def forward(ctx, graph: ModuleGraph, anchor: torch.Tensor, n_leaves: int, *inputs: Any) -> Any:
         outputs = graph.replay_forward(inputs[:n_leaves])
         ctx.graph = graph
+        ctx.set_materialize_grads(False)  # an output without a gradient comes as None: its buffer is filled here
         # detached views: autograd gives each call's outputs its own node, never the graph-owned tensors
         result = tuple(o.detach() for o in outputs)
         if graph.non_differentiable:

@@ -58,18 +58,15 @@ chain had in flight. The chains' graphs replay in orders that vary from one
 micro-batch to the next, so with several chains every graph has a pool of
 its own, even with one slot.
 
-Chained scopes. A layer whose forward is nothing but its blocks called one
-after the other says so with ``graph_sequence()`` (cuda_graph/scopes.py).
-When the scopes pick every one of those blocks (``[attn,mlp]`` on a dense
-layer, ``[attn,moe]`` on an MoE layer), nothing eager runs between their
-graphs, and :func:`select_modules` picks the layer instead, as one graph
-named ``layer{i}.attn+mlp``: the same kernels in the same order, one replay
-(and one autograd node, one set of static-input checks) instead of one per
-scope -- the host work per layer that per-layer graphs are bound by on small
-kernels. A block with forward or backward hooks of its own keeps its own
-graph (its ``__call__`` runs them at every replay; inside the layer's graph
-it would not be called), and a hook added to a chained block after the
-build is a :class:`~.errors.ContractError` at the next replay.
+Runs. Where a layer's graphed modules run one after the other, each fed
+only by the ones before it (``[attn,mlp]`` on a dense layer; ``attn``, the
+router and the preprocess stage under ``[attn,moe_router,moe_preprocess]``),
+they are captured as one forward and one backward graph (cuda_graph/chains.py):
+the first module's call replays the run, the later ones hand back their
+outputs -- the same kernels in the same order, one replay, one autograd node
+and one set of input checks instead of one per module: the host work that
+per-layer graphs are bound by on small kernels. Only with one slot and one
+chain (``chain_runs=False``: every module its own graphs).
 
 FSDP2. When FSDP2 modules (``fully_shard``) manage the graphed modules'
 parameters, their gathered parameters are kept allocated where the graphs
@@ -86,8 +83,9 @@ from torch import nn
 
 from .backend import GraphBackend, default_generators
 from .backup import StateBackup
+from .chains import ChainedGraph, find_runs
 from .devices import GiB
-from .errors import ContractError, GraphUsageError
+from .errors import GraphUsageError
 from .fsdp import gathered, prepare_fsdp, release_gathered
 from .graph_state import GraphState
 from .graphed_module import ModuleGraph, apply_graphed
@@ -113,6 +111,7 @@ class LayerGraphs:
         warmup_calls: int | None = None,
         fsdp_modules: Sequence[nn.Module] = (),
         chains: Sequence[int] | None = None,
+        chain_runs: bool = True,
     ) -> None:
         if not modules:
             raise ValueError("no module to graph: the selected scopes match no submodule of the model")
@@ -121,6 +120,7 @@ class LayerGraphs:
         self.generators = generators or (lambda: ())
         self.warmup_calls = warmup_calls
         self.fsdp_modules = list(fsdp_modules)  # unsharded while capturing (their gathered storage is kept)
+        self.chain_runs = chain_runs  # runs of modules replayed as one graph (module docstring)
         self.graphs: list[ModuleGraph] = []  # slot 0: a graph per module
         self.slots: list[list[ModuleGraph]] = [self.graphs]  # one list per micro-batch in flight
         self._by_module: dict[int, ModuleGraph] = {}
@@ -138,7 +138,9 @@ class LayerGraphs:
         self.state = GraphState.EAGER
         self._capturing = False  # a graphed module inside another one runs as part of the outer capture
         self.chain_of: list[int] = []  # per graph: its chain's first graph, whose forward starts a micro-batch
-        self._chained: list[list[nn.Module]] = []  # per graph: the scope modules it runs as one (chained scopes)
+        self.runs: list[ChainedGraph] = []  # runs of graphs replayed as one (cuda_graph/chains.py), set at capture
+        self._run_of: dict[int, tuple[ChainedGraph, int]] = {}  # graph index -> (its run, its position in it)
+        self._captured = False
         starts: dict[int, int] = {}  # chain given -> its first graph
         if chains is not None and len(chains) != len(modules):
             raise ValueError(f"{len(chains)} chains for {len(modules)} modules: one chain per module")
@@ -148,7 +150,6 @@ class LayerGraphs:
             g = ModuleGraph(module, module.forward, name, retain_graph=retain_graph)
             self._by_module[id(module)] = g
             self.graphs.append(g)
-            self._chained.append(chained_blocks(name, module))
             self.chain_of.append(starts.setdefault(chains[k] if chains is not None else 0, len(self.graphs) - 1))
             module.forward = self._dispatcher(len(self.graphs) - 1)
         self._micro_batch = {start: -1 for start in starts.values()}
@@ -156,14 +157,16 @@ class LayerGraphs:
 
     @property
     def captured(self) -> bool:
-        return bool(self.graphs) and self.graphs[0].fwd is not None
+        return self._captured
 
     def describe(self) -> str:
         names = sorted({g.name.split(".")[-1] for g in self.graphs})
         slots = f", {len(self.slots)} micro-batches in flight" if len(self.slots) > 1 else ""
         chains = f", {len(self._micro_batch)} chains" if len(self._micro_batch) > 1 else ""
+        runs = (f", {len(self.runs)} runs replayed as one graph each ({self.runs[0].name.split('.', 1)[1]}, ...)"
+                if self.runs else "")
         return (f"per-layer graphs ({self.semantics.value} semantics, {len(self.graphs)} modules: {', '.join(names)}"
-                f"{slots}{chains})")
+                f"{slots}{chains}{runs})")
 
     def start_step(self) -> None:
         """A new step begins: micro-batches count from 0 (the slot of micro-batch ``i`` is ``i mod slots``).
@@ -184,7 +187,7 @@ class LayerGraphs:
 
     # ---- dispatch -----------------------------------------------------------
     def _dispatcher(self, index: int) -> Callable[..., Any]:
-        graph, chained = self.graphs[index], self._chained[index]
+        graph = self.graphs[index]
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self._capturing or not (torch.is_grad_enabled() and graph.module.training):
@@ -194,9 +197,10 @@ class LayerGraphs:
                 self._start_micro_batch(chain)
             if not self.captured:
                 return self._warmup_call(index, args, kwargs)
-            if chained:
-                _check_unhooked(graph.name, chained)
             self.state = GraphState.REPLAYED
+            run = self._run_of.get(index)
+            if run is not None:
+                return run[0].call(run[1], args, kwargs)
             return apply_graphed(self.slots[self._micro_batch[chain] % len(self.slots)][index], args, kwargs)
 
         return forward
@@ -311,24 +315,35 @@ class LayerGraphs:
         self._capturing = True
         order = ([(kind, 0, i) for kind, i in self.capture_order()] if shared
                  else self.slot_capture_order(slots))
+        if shared and self.chain_runs:  # one slot, one chain: runs of modules replayed as one graph (chains.py)
+            self.runs = [ChainedGraph(run, self.graphs, self._feeds)
+                         for run in find_runs(self.graphs, self.order, self._feeds)]
+            self._run_of = {i: (run, k) for run in self.runs for k, i in enumerate(run.members)}
+        done: set[int] = set()  # the runs whose backward is captured
         try:
             with gathered(self.fsdp_modules):
                 if backend.needs_stream_warmup:  # as TE's make_graphed_callables: state is restored below
-                    for g in self.graphs:
+                    for g in [*self.graphs, *(run.graph for run in self.runs)]:
                         g.warmup(backend)
                 for kind, s, i in order:
                     graphs = self.slots[s]
+                    run, pos = self._run_of.get(i, (None, 0))
+                    if pos > 0 or (run is not None and kind == "bwd" and id(run) in done):
+                        continue  # captured with its run's first module (forward) or first backward
+                    target = run.graph if run is not None else graphs[i]
                     if kind == "fwd":
-                        aliases = {k: graphs[p].outputs[o] for (g, k), (p, o) in self._feeds.items()
-                                   if g == i and graphs[p].outputs}
-                        graphs[i].capture_forward(backend, gens, aliases)
+                        aliases = {k: out for (g, k), (p, o) in self._feeds.items()
+                                   if g == i and (out := self._output(graphs, p, o)) is not None}
+                        target.capture_forward(backend, gens, aliases)
                     else:
-                        graphs[i].capture_backward(backend, gens, self._grad_aliases(graphs, i))
+                        done.add(id(run))
+                        target.capture_backward(backend, gens, self._grad_aliases(graphs, i))
         except BaseException:
             for slot in self.slots:
                 for g in slot:
                     g.reset()
             del self.slots[1:]
+            self._drop_runs()
             raise
         finally:
             self._capturing = False
@@ -345,20 +360,43 @@ class LayerGraphs:
             "(+%.2f / +%.2f GiB)", len(reports), self.semantics.value, sum(r.seconds for r in reports),
             alloc1 / GiB, reserved1 / GiB, (alloc1 - alloc0) / GiB, (reserved1 - reserved0) / GiB,
         )
+        self._captured = True
         self.state = GraphState.CAPTURED
 
+    def _output(self, graphs: list[ModuleGraph], producer: int, index: int) -> torch.Tensor | None:
+        """The captured tensor that is output ``index`` of graph ``producer`` (its run's, when chained)."""
+        run = self._run_of.get(producer)
+        if run is not None:
+            return run[0].output_of(producer, index)
+        outputs = graphs[producer].outputs
+        return outputs[index] if outputs else None
+
     def _grad_aliases(self, graphs: list[ModuleGraph], index: int) -> dict[int, torch.Tensor]:
-        """An output's gradient buffer is its consumer's input gradient when exactly one graph consumes it."""
+        """An output's gradient buffer is its consumer's input gradient when exactly one graph consumes it.
+
+        ``index`` stands for its run when chained: the run's outputs, each the output of one of its modules; a
+        consumer inside the run takes no gradient buffer (the run's backward differentiates through it)."""
+        run = self._run_of.get(index)
+        produced = ([(m, o) for m in run[0].members for o in range(_count(run[0], m))] if run is not None
+                    else [(index, o) for o in range(len(graphs[index].outputs))])
         aliases: dict[int, torch.Tensor] = {}
-        for out_idx in range(len(graphs[index].outputs)):
-            consumers = [(g, k) for (g, k), src in self._feeds.items() if src == (index, out_idx)]
+        for out_idx, src in enumerate(produced):
+            consumers = [(g, k) for (g, k), fed in self._feeds.items() if fed == src]
             if len(consumers) != 1:
                 continue
             g, k = consumers[0]
-            consumer = graphs[g]
+            inner = self._run_of.get(g)
+            if inner is not None and inner[1] > 0:
+                continue  # fed inside a run
+            consumer = inner[0].graph if inner is not None else graphs[g]
             if consumer.bwd is not None and k < len(consumer.grad_in) and consumer.grad_in[k] is not None:
                 aliases[out_idx] = consumer.grad_in[k]
         return aliases
+
+    def _drop_runs(self) -> None:
+        for run in self.runs:
+            run.reset()
+        self.runs, self._run_of = [], {}
 
     def close(self) -> None:
         """Free every graph and restore the modules' own forward (harmless twice)."""
@@ -371,6 +409,8 @@ class LayerGraphs:
             g.sample = None
             if "forward" in g.module.__dict__:
                 del g.module.forward
+        self._drop_runs()
+        self._captured = False
         self.graphs.clear()
         self._by_module.clear()
         release_gathered(self.fsdp_modules)  # FSDP2 frees its gathered parameters again
@@ -420,12 +460,9 @@ def _save_state(graphs: list[ModuleGraph], gens: list[torch.Generator]) -> _Save
     return _SavedState(tensors, gens)
 
 
-def select_modules(model: nn.Module, modules: Sequence[str], *, chain: bool = True) -> list[tuple[str, nn.Module]]:
-    """The submodules the scopes pick, layer by layer; ``[]`` = each whole layer.
-
-    ``chain``: where the picked submodules of a layer are, in order, its whole forward (:func:`chained_blocks`),
-    the layer itself is picked, named ``layer{i}.{scope}+{scope}`` -- one graph replay instead of one per scope
-    (module docstring, *Chained scopes*)."""
+def select_modules(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """The submodules the scopes pick, layer by layer (in the layer's order, whatever the scopes' order: a
+    micro-batch starts at the first module picked); ``[]`` = each whole layer."""
     if not hasattr(model, "graph_layers"):
         raise TypeError(f"{type(model).__name__} has no graph_layers(): it does not expose per-layer graph scopes")
     picked: list[tuple[str, nn.Module]] = []
@@ -434,45 +471,17 @@ def select_modules(model: nn.Module, modules: Sequence[str], *, chain: bool = Tr
             picked.append((f"layer{li}", layer))
             continue
         of_layer = [(f"{scope}{k or ''}", m) for scope in modules for k, m in enumerate(scope_modules(layer, scope))]
-        # in the layer's order, whatever the scopes' order: a micro-batch starts at the first module picked
         position = {id(m): i for i, m in enumerate(layer.modules())}
         of_layer.sort(key=lambda named: position.get(id(named[1]), len(position)))
-        if chain and _chainable(layer, [m for _, m in of_layer]):
-            picked.append((f"layer{li}.{CHAINED.join(name for name, _ in of_layer)}", layer))
-            continue
         picked += [(f"layer{li}.{name}", m) for name, m in of_layer]
     return picked
 
 
-CHAINED = "+"  # joins the scopes of a chained graph's name (layer0.attn+mlp)
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Whether ``module`` has forward or backward hooks of its own (its ``__call__`` runs them)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
-
-
-def _chainable(layer: nn.Module, picked: list[nn.Module]) -> bool:
-    """Whether ``picked`` (two or more, in any order) are ``layer``'s ``graph_sequence()``, none with hooks."""
-    sequence = {id(m) for m in layer.graph_sequence()} if hasattr(layer, "graph_sequence") else set()
-    ids = [id(m) for m in picked]
-    return len(ids) > 1 and len(set(ids)) == len(ids) and set(ids) == sequence and not any(map(_hooked, picked))
-
-
-def _check_unhooked(name: str, chained: list[nn.Module]) -> None:
-    """A chained graph replays its scope modules' forwards inside it: a hook added to one since would not run."""
-    for m in chained:
-        if _hooked(m):
-            raise ContractError(
-                f"{name}: {type(m).__name__} has a forward or backward hook added after its layer's scopes were "
-                f"chained into one graph, which would not run it; register module hooks before the graphs are "
-                f"built (the scopes are then graphed one by one, their hooks running at every replay)")
-
-
-def chained_blocks(name: str, module: nn.Module) -> list[nn.Module]:
-    """The scope modules a chained graph (named by :func:`select_modules`) runs inside itself; [] for others."""
-    return list(module.graph_sequence()) if CHAINED in name.rsplit(".", 1)[-1] else []
+def _count(run: ChainedGraph, member: int) -> int:
+    """How many tensor outputs graph ``member`` of ``run`` has."""
+    pos = run.pos[member]
+    end = run.offsets[pos + 1] if pos + 1 < len(run.offsets) else len(run.graph.outputs)
+    return end - run.offsets[pos]
 
 
 def apply_layer_graphs(model: nn.Module, settings: CudaGraphSettings, backend: GraphBackend, *,

@@ -9,15 +9,6 @@ submodule (or submodules, in call order) that the scope captures::
         def graph_scopes(self):
             return {"attn": self.self_attention, "mlp": self.mlp}
 
-A layer whose forward is exactly its blocks called one after the other
-(``x = block(x)`` for each, nothing else) may also say so::
-
-        def graph_sequence(self):
-            return [self.self_attention, self.mlp]
-
-and when the scopes pick every one of those blocks, the per-layer engine
-captures the layer as one graph (cuda_graph/layers.py, *Chained scopes*).
-
 ``modules=[]`` (whole layer) captures the layer itself. A layer simply omits
 scopes it does not have (an attention layer has no ``mamba``).
 

@@ -322,6 +322,30 @@ def probe_tensor_hooks() -> None:
     expect(len(backward) == 1 and len(post) == 1, f"one hook each, got {len(backward)}, {len(post)}")
 
 
+def module_has_hooks(m: nn.Module) -> bool:
+    """Whether ``m`` has forward, forward-pre, backward or backward-pre hooks of its own (``register_forward_hook``
+    and its kin: ``nn.Module._forward_hooks``, ``_forward_pre_hooks``, ``_backward_hooks``, ``_backward_pre_hooks``),
+    which its ``__call__`` runs."""
+    try:
+        return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+    except AttributeError as e:
+        raise PROBES["probe_module_has_hooks"].error(str(e)) from e
+
+
+@probe("nn.Module._forward_hooks", "nn.Module._forward_pre_hooks", "nn.Module._backward_hooks",
+       "nn.Module._backward_pre_hooks", purpose="see a module's own hooks, which keep it out of a chained run of "
+       "graphs (cuda_graph/chains.py)", verified=(CPU_2_13,))
+def probe_module_has_hooks() -> None:
+    for register in ("register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+                     "register_full_backward_pre_hook"):
+        m = nn.Linear(2, 2)
+        expect(not module_has_hooks(m), "a new module has no hooks")
+        handle = getattr(m, register)(lambda *_: None)
+        expect(module_has_hooks(m), f"{register} is seen")
+        handle.remove()
+        expect(not module_has_hooks(m), f"{register} removed is no longer seen")
+
+
 def module_parameters(m: nn.Module) -> dict[str, Any]:
     """The dict holding ``m``'s own parameters by name (``nn.Module._parameters``; values may be None)."""
     return m._parameters

@@ -195,6 +195,9 @@ class PreprocessStage(nn.Module):
         self.gemm = "auto"
 
     def forward(self, normed: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # the router's probabilities as they are (so the stage takes its inputs straight from the router's outputs:
+        # cuda_graph/chains.py); the layout reads them without a gradient
+        probs = probs.detach()
         N, E, moe = idx.shape[0], self.moe.num_experts, self.moe
         if moe.capacity_factor is not None:
             capacity = expert_capacity(N, moe)
@@ -322,7 +325,7 @@ class MoEBlock(nn.Module):
         if self.experts.gemm != self.gemm or self.gemm == "auto":
             self._choose_gemm(x)
         normed, probs, idx, *shared = self.router_stage(x)
-        expert_in, row, groups = self.preprocess_stage(normed, probs.detach(), idx)
+        expert_in, row, groups = self.preprocess_stage(normed, probs, idx)
         expert_out = self.experts(expert_in, groups)
         return self.combine_stage(x, expert_out, row, probs, *shared)
 

@@ -443,10 +443,6 @@ class DecoderLayer(nn.Module):
             scopes.setdefault(name, block)
         return scopes
 
-    def graph_sequence(self) -> list[nn.Module]:
-        """The blocks whose calls, one after the other, are this layer's forward (cuda_graph/scopes.py)."""
-        return list(self.blocks.values())
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks.values():
             x = block(x)

@@ -54,8 +54,7 @@ def apply_compile(model: nn.Module, mode: str, settings: CudaGraphSettings, *, b
         if settings.per_layer:
             from ..cuda_graph.layers import select_modules
 
-            # the scope modules themselves (a layer whose scopes are chained into one graph has them compiled)
-            modules = [module for _name, module in select_modules(model, settings.modules, chain=False)]
+            modules = [module for _name, module in select_modules(model, settings.modules)]
         else:
             modules = [layer for _, layer in model.layers.named_children()]
         for module in modules:
