@@ -9,6 +9,9 @@ comparison with CUDA graphs (scripts/gpu-check).
 
 from __future__ import annotations
 
+import shutil
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -82,16 +85,21 @@ def test_fp8_graphed_equals_eager_fp8_bit_for_bit(recipe, device):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a GPU with FP8 tensor cores (compute capability 8.9+)")
-def test_compiled_fp8_graphed_equals_compiled_fp8_eager_on_a_gpu():
-    # torchao's float8 is fast only compiled (its casts fused); the full-iteration graph must not change a bit
-    overrides = [*BASE, *RECIPES["current_scaling_preset"], "train.device=cuda", "train.train_iters=12",
-                 "compile.enable=true"]
+@pytest.mark.parametrize("recipe", ["current_scaling_preset", "delayed_preset"])
+def test_compiled_fp8_graphed_equals_compiled_fp8_eager_on_a_gpu(recipe):
+    # FP8 is fast only compiled (its casts fused); the full-iteration graph must not change a bit -- delayed
+    # scaling's histories and scales, updated by the compiled forward and backward, included
+    overrides = [*BASE, *RECIPES[recipe], "train.device=cuda", "train.train_iters=12", "compile.enable=true"]
     torch._dynamo.reset()
     ref = train(eager(tiny_config(*overrides)))
     torch._dynamo.reset()
     graphed = train(tiny_config(*overrides, *GRAPHS["full_iteration+optimizer"]))
     assert [r["state"] for r in graphed.rows][3:5] == ["captured", "replayed"]
     assert_same_run(ref, graphed)
+    state, after = _scaling_state(ref.model), _scaling_state(graphed.model)
+    assert bool(state) == (recipe == "delayed_preset")
+    assert len(state) == len(after) and all(torch.equal(a, b) for a, b in zip(state, after))
+    torch._dynamo.reset()
 
 
 @pytest.mark.slow
@@ -148,12 +156,14 @@ def _reference_update(history: list[list[float]], scale: list[float], algo: str,
 
 
 def _delayed_run(graphed: bool, algo: str, margin: int, length: int, fmt: str, observe: bool,
-                 device: str = "cpu") -> dict:
+                 device: str = "cpu", compiled: Any = None, activation: bool = True) -> dict:
     """A two-layer bf16 model in delayed FP8, two micro-batches a step, the update at the end of the step;
-    per step: every module's history and scale (and, with ``observe``, what hooks saw: the amaxes and the first
-    layer's input and output)."""
+    per step: every module's history and scale, the step's loss (and, with ``observe``, what hooks saw: the
+    amaxes and the first layer's input and output). ``compiled``: the model runs under torch.compile with that
+    backend; ``activation=False``: no GELU between the layers."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.GELU(), nn.Linear(64, 32, bias=False))
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.GELU() if activation else nn.Identity(),
+                          nn.Linear(64, 32, bias=False))
     model.to(device, torch.bfloat16)
     fp8_delayed.convert(model, lambda m, name: type(m) is nn.Linear, history_len=length, fmt=fmt)
     mods = fp8_delayed.delayed_modules(model)
@@ -171,11 +181,13 @@ def _delayed_run(graphed: bool, algo: str, margin: int, length: int, fmt: str, o
                 out.register_hook(lambda g: seen[-1][i].append(("g", g.abs().max().float(), None)))
             m.register_forward_hook(fwd)
 
+    forward = torch.compile(model, backend=compiled) if compiled is not None else model
+
     def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=False)
         total = torch.zeros((), device=device)
         for x in (a, b):
-            loss = model(x).float().pow(2).mean() * 100  # * 100: the gradients' amaxes are not tiny
+            loss = forward(x).float().pow(2).mean() * 100  # * 100: the gradients' amaxes are not tiny
             (loss / 2).backward()
             total += loss.detach()
         scaling.update()
@@ -184,15 +196,16 @@ def _delayed_run(graphed: bool, algo: str, margin: int, length: int, fmt: str, o
 
     fn = graphstep.graph_step(step, warmup_steps=1, device=device, modules=[model]) if graphed else step
     g = torch.Generator().manual_seed(1)
-    states = []
+    states, losses = [], []
     for _ in range(6):
         seen.append({})
-        fn(*(torch.randn(16, 32, generator=g).to(device, torch.bfloat16) for _ in range(2)))
+        losses.append(fn(*(torch.randn(16, 32, generator=g).to(device, torch.bfloat16) for _ in range(2))).clone())
         states.append([(m.fp8_amax_history.clone(), m.fp8_scale.clone()) for m in mods])
     if graphed:
         assert fn.state == "replayed"
         graphstep.close_all()
-    return {"states": states, "seen": seen}
+    weights = [p.detach().clone() for p in model.parameters()]
+    return {"states": states, "seen": seen, "losses": losses, "weights": weights}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -233,6 +246,71 @@ def test_delayed_scaling_graphed_step_equals_eager_step_by_step(device):
     for eager_state, graphed_state in zip(eager_run["states"], graphed_run["states"]):
         for (h1, s1), (h2, s2) in zip(eager_state, graphed_state):
             assert torch.equal(h1, h2) and torch.equal(s1, s2)
+
+
+# --------------------------------------------------------------------------
+# delayed scaling under torch.compile (compile.enable): traced whole -- one graph, compiled once -- and its
+# histories updated in the forward and, through AOTAutograd's backward mutation, in the backward as uncompiled
+
+
+def _same_runs(a: dict, b: dict, losses: bool = True) -> None:
+    """Every step's histories and scales, and the final weights, bit for bit (and the losses with ``losses``)."""
+    for step, (state_a, state_b) in enumerate(zip(a["states"], b["states"], strict=True)):
+        for (h1, s1), (h2, s2) in zip(state_a, state_b, strict=True):
+            assert torch.equal(h1, h2) and torch.equal(s1, s2), (step, h1, h2, s1, s2)
+    if losses:
+        assert all(torch.equal(l1, l2) for l1, l2 in zip(a["losses"], b["losses"], strict=True))
+    assert all(torch.equal(w1, w2) for w1, w2 in zip(a["weights"], b["weights"], strict=True))
+    assert all(bool((scale != 1).all()) for _, scale in b["states"][-1])  # every scale moved off its start
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_scaling_compiled_is_one_graph_and_records_as_uncompiled(device):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    # aot_eager: Dynamo's and AOTAutograd's tracing (the functionalized history updates, the backward's among
+    # them) over the eager kernels, so the compiled program must equal the uncompiled one bit for bit
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = _delayed_run(False, "max", 0, 3, "hybrid", observe=False, device=device, compiled=counter)
+    assert counter.frame_count == 1  # 6 steps x 2 micro-batches: no graph break, no recompile
+    _same_runs(_delayed_run(False, "max", 0, 3, "hybrid", observe=False, device=device), compiled)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow  # about 20 s: Inductor compiles the CPU kernels
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                    reason="Inductor's CPU backend needs a C++ compiler")
+def test_delayed_scaling_inductor_records_the_amaxes_of_uncompiled_delayed_scaling():
+    # without the GELU nothing between the casts and matmuls rounds (Inductor's casts are exact, its amax a max),
+    # so Inductor's program casts and records what the uncompiled one does: histories, scales and weights equal
+    torch._dynamo.reset()
+    eager_run = _delayed_run(False, "most_recent", 1, 2, "e4m3", observe=False, activation=False)
+    compiled = _delayed_run(False, "most_recent", 1, 2, "e4m3", observe=False, activation=False, compiled="inductor")
+    _same_runs(eager_run, compiled, losses=False)  # the loss's own sum may be reordered
+    torch._dynamo.reset()
+
+
+DELAYED_COMPILED = [*BASE, *RECIPES["delayed_preset"], "compile.enable=true", "model.hidden_dropout=0.0",
+                    "model.attention_dropout=0.0"]
+
+
+def test_the_trainer_compiles_delayed_scaling_without_graph_breaks_as_it_runs_uncompiled():
+    from torch._dynamo.utils import counters
+
+    # compile.backend=aot_eager: the trainer's path (the whole model compiled, the end-of-step update eager
+    # around it) with the eager kernels, equal to the uncompiled run bit for bit, histories and scales included
+    overrides = [*DELAYED_COMPILED, "train.train_iters=3", "model.num_layers=1"]
+    uncompiled = train(eager(tiny_config(*overrides, "compile.enable=false")))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = train(eager(tiny_config(*overrides, "compile.backend=aot_eager")))
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert _fp8_layers(compiled.model) == _fp8_layers(uncompiled.model) != []
+    assert_same_run(uncompiled, compiled)
+    state, after = _scaling_state(uncompiled.model), _scaling_state(compiled.model)
+    assert len(state) == len(after) and all(torch.equal(a, b) for a, b in zip(state, after))
+    torch._dynamo.reset()
 
 
 def train(cfg):
@@ -335,6 +413,9 @@ def test_the_delayed_scaling_preset_sets_bridge_fields():
         ("hybrid", "delayed", 1024, "max", 2)
     assert mp.first_last_layers_bf16 is False and cfg.model.params_dtype == "bf16"
     assert not _rules("mixed_precision=bf16_with_fp8_delayed_scaling_mixed")
+    # compiled as a whole model (R20 still keeps compiled graphs off the CPU replay backend)
+    compiled = _rules("mixed_precision=bf16_with_fp8_delayed_scaling_mixed", "compile.enable=true")
+    assert [rule for rule, _ in compiled] == ["R20"], compiled
     plan = fp8.plan_from(mp, 2)
     assert (plan.recipe, plan.history_len, plan.amax_algo, plan.margin) == ("delayed", 1024, "max", 2)
 
@@ -350,8 +431,8 @@ REFUSED = {
                         "mixed_precision.fp8_margin=-1"], "0 or more"),
     "delayed_algo": (["mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=delayed",
                       "mixed_precision.fp8_amax_compute_algo=mean"], "not an amax algorithm"),
-    "delayed_compiled": (["mixed_precision=bf16_with_fp8_delayed_scaling_mixed", "compile.enable=true"],
-                         "not tested yet"),
+    "delayed_compiled_over_fsdp2": (["mixed_precision=bf16_with_fp8_delayed_scaling_mixed", "compile.enable=true",
+                                    "ddp.use_megatron_fsdp=true"], "each decoder layer compiled apart"),
     "delayed_fsdp2_fp8_gather": (["mixed_precision=bf16_with_fp8_delayed_scaling_mixed", "ddp.use_megatron_fsdp=true"],
                                  "FP8 parameter all-gather is implemented for fp8_recipe=tensorwise"),
     "delayed_fsdp2_per_layer": (["mixed_precision=bf16_with_fp8_delayed_scaling_mixed", "ddp.use_megatron_fsdp=true",

@@ -64,6 +64,23 @@ def test_fp8_rows_are_their_bf16_row_in_fp8_and_have_it_as_peer():
         "compile+full_iteration"
 
 
+def test_delayed_fp8_rows_are_their_bf16_row_in_delayed_fp8_and_have_it_as_peer():
+    from graphstep.bench.harness import peer_of
+    from graphstep.bench.run import FP8_ROWS, plan_row
+
+    for name in ("fp8_delayed_full_iteration", "compile+fp8_delayed_full_iteration"):
+        assert name in FP8_ROWS
+        bf16 = name.replace("fp8_delayed_", "")
+        overrides = row_overrides(name)
+        assert {"mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=delayed"} <= set(overrides), name
+        assert set(row_overrides(bf16)) <= set(overrides), name
+        cfg = plan_row(get_recipe("small_dense_bench"), name).cfg
+        assert cfg.compile.enable is name.startswith("compile+") and cfg.model.cuda_graph_impl == "full_iteration"
+        rules = {v.rule for v in validate_config(cfg, device_capability=(9, 0))}
+        assert rules <= {"R20"}, (name, rules)  # R20: compile with graphs on the CPU replay backend
+        assert peer_of(name, {bf16, "compile[reduce-overhead]", "manual_graph"}) == bf16
+
+
 LORA_ROWS = ["lora_eager", "lora_full_iteration", "lora_local[attn,mlp]"]
 
 

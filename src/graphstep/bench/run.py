@@ -14,7 +14,8 @@ graphstep's full-iteration graph around ``torch.compile(model)`` (Inductor's
 fused kernels, default mode, and no launch overhead). ``fp8_<row>`` is the row
 with the decoder layers' linear layers in FP8 (torchao, current scaling), and
 ``fp8_delayed_<row>`` with delayed scaling (converters/fp8_delayed.py); each
-faces the same row in bf16 (``compile+fp8_full_iteration``: ``compile+full_iteration``).
+faces the same row in bf16 (``compile+fp8_full_iteration`` and ``compile+fp8_delayed_full_iteration``:
+``compile+full_iteration``).
 
 Layout prefixes (bench/layouts.py) run a graphstep row over every rank of
 the world: ``fsdp_`` and ``zero2_`` (also on one GPU, a one-rank mesh), and under torchrun
@@ -69,7 +70,8 @@ FP8_DELAYED_OVERRIDES = ["mixed_precision.fp8=hybrid", "mixed_precision.fp8_reci
                          "mixed_precision.fp8_amax_history_len=1024", "mixed_precision.fp8_amax_compute_algo=max"]
 # the FP8 rows beside their bf16 rows (scripts/gpu-check runs them on dense_1b_bench and llama3_8b_stack_bench)
 FP8_ROWS = ["eager", "full_iteration", "local[attn,mlp]", "compile+full_iteration", "fp8_eager", "fp8_full_iteration",
-            "fp8_local[attn,mlp]", "compile+fp8_full_iteration", "fp8_delayed_full_iteration"]
+            "fp8_local[attn,mlp]", "compile+fp8_full_iteration", "fp8_delayed_full_iteration",
+            "compile+fp8_delayed_full_iteration"]
 NO_GRAPH = ["model.cuda_graph_impl=none", "model.cuda_graph_modules=[]", "optimizer.optimizer_cuda_graph=false"]
 REFUSED = "refused"  # the note of a row the config rules refused (not built)
 # What each peer row captures, so a comparison with graphstep's rows is read fairly (shown under the tables).

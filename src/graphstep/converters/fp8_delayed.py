@@ -30,6 +30,14 @@ is cast once per step: the scales change only in the end-of-step update and the 
 step, so the step's first training forward records the weight's amax and casts it (and makes the backward's
 column-major copy), and the later micro-batches reuse both -- recording the same amax again would leave row 0 as
 it is, so the histories and scales are the uncached ones bit for bit.
+
+Under torch.compile the module traces whole (no graph break): the forward's casts and amax records are plain
+tensor ops of :meth:`DelayedFloat8Linear.forward`, and the autograd function holds the matmuls and the backward's
+grad_output cast and record, every tensor it reads or writes one of its arguments -- AOTAutograd keeps that
+in-place update of a buffer in the backward graph. As the scale is known before the cast, the cast of a tensor
+needs no pass of its own: Inductor can fuse it with the tensor's producer (the norm, the SwiGLU) and with the
+amax, which is taken per row and then over the rows (``max`` is exact, so the value is the one-reduction one) --
+the shape of reduction Inductor fuses with a pointwise loop over the same rows.
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ def cast_to_fp8(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
 def _record(history: torch.Tensor, column: int, hp: torch.Tensor) -> None:
     """Row 0 of ``history`` at ``column`` becomes ``max(itself, amax(hp))``, in place."""
     slot = history[0, column]
-    amax = torch.linalg.vector_norm(hp.detach(), float("inf"))  # max |hp| in one reduction (exact: no rounding)
+    amax = torch.linalg.vector_norm(hp.detach(), float("inf"), dim=-1).amax()  # max |hp| (exact: no rounding)
     torch.maximum(slot, amax.float(), out=slot)
 
 
@@ -68,35 +76,30 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 
 
 class _DelayedMatmul(torch.autograd.Function):
-    """``x @ w.t()`` with x, w and grad_output cast to FP8 by the module's current scales."""
+    """``x @ weight.t()`` from the FP8 casts the module made (``x8``, ``w8``); the backward casts grad_output with
+    ``scale[GRAD_OUTPUT]`` and, when ``record``, records its amax into ``history``.
+
+    Every tensor it reads or writes is an argument (no module, no host value but the flags), so torch.compile
+    traces it whole: the history is a graph input that the backward mutates (AOTAutograd keeps such a mutation of
+    a buffer in the backward graph and writes it back there)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: DelayedFloat8Linear,
-                record: bool, casts: WeightCasts | None) -> torch.Tensor:
-        history, scale = module.fp8_amax_history, module.fp8_scale
-        x2 = x.reshape(-1, x.shape[-1])
-        if record:
-            _record(history, INPUT, x2)
-        if casts is None:
-            casts = module.cast_weight(record)
-        x_scale = scale[INPUT].clone()  # this step's, for the backward too
-        x8 = cast_to_fp8(x2, x_scale, module.forward_dtype)
-        w8, w8_col, w_inv = casts
-        x_inv = x_scale.reciprocal()
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, x8: torch.Tensor, x_inv: torch.Tensor,
+                w8: torch.Tensor, w8_col: torch.Tensor, w_inv: torch.Tensor, history: torch.Tensor,
+                scale: torch.Tensor, record: bool, grad_dtype: torch.dtype) -> torch.Tensor:
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, fast_accum=True)
-        ctx.save_for_backward(x8, w8_col, x_inv, w_inv)
-        ctx.module, ctx.record, ctx.x_shape, ctx.dtypes = module, record, x.shape, (x.dtype, weight.dtype)
+        ctx.save_for_backward(x8, w8_col, x_inv, w_inv, history, scale)
+        ctx.record, ctx.grad_dtype, ctx.x_shape, ctx.dtypes = record, grad_dtype, x.shape, (x.dtype, weight.dtype)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x8, w8_col, x_inv, w_inv = ctx.saved_tensors
-        module: DelayedFloat8Linear = ctx.module
+        x8, w8_col, x_inv, w_inv, history, scale = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        g_scale = scale[GRAD_OUTPUT].clone()
+        g8 = cast_to_fp8(g2, g_scale, ctx.grad_dtype)
         if ctx.record:
-            _record(module.fp8_amax_history, GRAD_OUTPUT, g2)
-        g_scale = module.fp8_scale[GRAD_OUTPUT].clone()
-        g8 = cast_to_fp8(g2, g_scale, module.backward_dtype)
+            _record(history, GRAD_OUTPUT, g2)
         g_inv = g_scale.reciprocal()
         x_dtype, w_dtype = ctx.dtypes
         grad_x = grad_w = None
@@ -104,7 +107,7 @@ class _DelayedMatmul(torch.autograd.Function):
             grad_x = scaled_mm(g8, w8_col, g_inv, w_inv, x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = scaled_mm(g8.t().contiguous(), _column_major(x8), g_inv, x_inv, w_dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, *(None,) * 9
 
 
 # a weight's casts: the FP8 weight, its column-major copy (the input-gradient matmul's operand), 1 / scale
@@ -137,7 +140,7 @@ class DelayedFloat8Linear(nn.Linear):
         return new
 
     weight_casts_per_step = False  # WeightCastCache (converters/fp8.py) turns it on
-    weight_casts_made = 0
+    weight_casts_made = 0  # counted where the casts are cached (a host count: no Python state under torch.compile)
     _weight_casts: WeightCasts | None = None
 
     def drop_weight_casts(self) -> None:
@@ -146,21 +149,29 @@ class DelayedFloat8Linear(nn.Linear):
     @torch.no_grad()
     def cast_weight(self, record: bool) -> WeightCasts:
         """The weight's amax recorded (training forwards) and its casts with this step's weight scale."""
-        if record:
-            _record(self.fp8_amax_history, WEIGHT, self.weight)
         w_scale = self.fp8_scale[WEIGHT].clone()
         w8 = cast_to_fp8(self.weight, w_scale, self.forward_dtype)
-        self.weight_casts_made += 1
+        if record:
+            _record(self.fp8_amax_history, WEIGHT, self.weight)
+        if self.weight_casts_per_step:
+            self.weight_casts_made += 1
         return w8, _column_major(w8), w_scale.reciprocal()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         record = self.training and torch.is_grad_enabled()
-        casts = None
+        x2 = x.reshape(-1, x.shape[-1])
         if record and self.weight_casts_per_step:
             if self._weight_casts is None:  # the step's first training forward of this layer
                 self._weight_casts = self.cast_weight(record)
-            casts = self._weight_casts
-        out = _DelayedMatmul.apply(x, self.weight, self, record, casts)
+            w8, w8_col, w_inv = self._weight_casts
+        else:
+            w8, w8_col, w_inv = self.cast_weight(record)
+        x_scale = self.fp8_scale[INPUT].clone()
+        x8 = cast_to_fp8(x2.detach(), x_scale, self.forward_dtype)
+        if record:
+            _record(self.fp8_amax_history, INPUT, x2)
+        out = _DelayedMatmul.apply(x, self.weight, x8, x_scale.reciprocal(), w8, w8_col, w_inv,
+                                   self.fp8_amax_history, self.fp8_scale, record, self.backward_dtype)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:

@@ -208,7 +208,8 @@ _RECIPE_WHY = {
 
 
 def _delayed_fields(cfg: Any) -> list[Violation]:
-    """fp8_recipe=delayed: its three fields hold values Transformer Engine's DelayedScaling takes; not compiled."""
+    """fp8_recipe=delayed: its three fields hold values Transformer Engine's DelayedScaling takes; compiled as a
+    whole model only (not over FSDP2)."""
     mp, out = cfg.mixed_precision, []
     length, margin = mp.fp8_amax_history_len, mp.fp8_margin
     if not isinstance(length, int) or isinstance(length, bool) or length < 1:
@@ -223,11 +224,13 @@ def _delayed_fields(cfg: Any) -> list[Violation]:
         out.append(_v("R32", ["mixed_precision.fp8_amax_compute_algo"], "mixed_precision.fp8_amax_compute_algo="
                       f"{_fmt(mp.fp8_amax_compute_algo)} is not an amax algorithm ({', '.join(fp8_delayed.ALGOS)}).",
                       "set mixed_precision.fp8_amax_compute_algo=max (or most_recent)."))
-    if cfg.compile.enable is True:
-        out.append(_v("R32", ["mixed_precision.fp8_recipe", "compile.enable"], "mixed_precision.fp8_recipe=delayed "
-                      "with compile.enable=true: torch.compile of delayed scaling's in-place history updates is "
-                      "not tested yet.", "set compile.enable=false, or mixed_precision.fp8_recipe=tensorwise to "
-                      "compile FP8."))
+    fsdp = [key for key in ("ddp.use_megatron_fsdp", "ddp.use_distributed_optimizer",
+                            "optimizer.use_distributed_optimizer") if _get_field(cfg, key) is True]
+    if cfg.compile.enable is True and fsdp:
+        out.append(_v("R32", ["mixed_precision.fp8_recipe", "compile.enable", *fsdp], "mixed_precision.fp8_recipe="
+                      f"delayed with compile.enable=true over FSDP2 ({fsdp[0]}=true): FSDP2 has each decoder layer "
+                      "compiled apart, which is not tested yet with delayed scaling's history updates (the whole "
+                      "model compiled is).", "set compile.enable=false, or drop FSDP2."))
     return out
 
 
