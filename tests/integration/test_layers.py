@@ -9,7 +9,7 @@ from torch import nn
 from helpers.runs import assert_same_run, eager, tiny_config
 from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.errors import ContractError, GraphUsageError
-from graphstep.cuda_graph.layers import LayerGraphs, select_modules
+from graphstep.cuda_graph.layers import LayerGraphs, model_runs, select_modules
 from graphstep.cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
 from graphstep.cuda_graph.scopes import scope_modules
 from graphstep.cuda_graph.settings import GraphImpl
@@ -135,9 +135,10 @@ def test_evaluation_runs_eagerly_and_equals_eager():
 def test_output_of_one_graph_is_the_input_buffer_of_the_next():
     _, model, _, step = _model_and_step()
     graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
-                         generators=get_rng_tracker().generators, chain_runs=False)
+                         generators=get_rng_tracker().generators)
     step(_batches(1, 32, 0))
     graphs.capture()
+    assert graphs.runs == []  # no runs given: every module replays its own graphs
     by_name = {g.name: g for g in graphs.graphs}
     attn0, mlp0, attn1 = by_name["layer0.attn"], by_name["layer0.mlp"], by_name["layer1.attn"]
     assert mlp0.static.leaves[0].data_ptr() == attn0.outputs[0].data_ptr()
@@ -153,7 +154,7 @@ def test_a_layers_run_of_modules_replays_as_one_graph_equal_to_one_by_one_and_ea
         _, model, grads, step = _model_and_step()
         picked = select_modules(model, ["mlp", "attn"])  # in the layer's order, whatever the scopes' order
         graphs = LayerGraphs(picked, get_backend("cpu"), semantics=semantics, generators=get_rng_tracker().generators,
-                             chain_runs=mode == "runs") if mode != "eager" else None
+                             runs=model_runs(model) if mode == "runs" else ()) if mode != "eager" else None
         seq, losses = model.shape.seq_length, []
         for k in range(5):
             if k == 2 and graphs is not None:
@@ -187,8 +188,8 @@ def test_moe_partial_scopes_replay_attn_router_and_preprocess_as_one_run_equal_t
         model = build_model(cfg.model, "cpu")
         model.train()
         graphs = LayerGraphs(select_modules(model, ["attn", "moe_router", "moe_preprocess"]), get_backend("cpu"),
-                             generators=get_rng_tracker().generators, chain_runs=mode == "runs") \
-            if mode != "eager" else None
+                             generators=get_rng_tracker().generators,
+                             runs=model_runs(model) if mode == "runs" else ()) if mode != "eager" else None
         losses = []
         for k, tokens in enumerate(data):
             if k == 2 and graphs is not None:
@@ -209,13 +210,23 @@ def test_moe_partial_scopes_replay_attn_router_and_preprocess_as_one_run_equal_t
     assert sum(gr.abs().sum() for gr in ref_grads) > 0
 
 
+def test_layers_name_what_they_call_one_after_the_other():
+    cfg = tiny_config(recipe="qwen3_moe_tiny")
+    layer = build_model(cfg.model, "cpu").graph_layers()[0]
+    attn, moe = layer.blocks["attn"], layer.blocks["moe"]
+    assert layer.graph_runs() == [[attn, moe], [attn, moe.router_stage, moe.preprocess_stage]]
+    from graphstep.parallel.expert_parallel import AllGatherMoEBlock
+    moe.__class__ = AllGatherMoEBlock  # expert parallel: the tokens' all-gather follows the router, eagerly
+    assert layer.graph_runs() == [[attn, moe], [attn, moe.router_stage]]
+
+
 def test_a_later_module_with_its_own_hook_is_not_chained_and_its_hook_runs():
     _, model, grads, step = _model_and_step()
     calls: list[int] = []
     model.graph_layers()[0].graph_scopes()["mlp"].register_forward_hook(lambda *_: calls.append(1))
     model.graph_layers()[1].graph_scopes()["attn"].register_forward_hook(lambda *_: calls.append(2))
     graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
-                         generators=get_rng_tracker().generators)
+                         generators=get_rng_tracker().generators, runs=model_runs(model))
     seq = model.shape.seq_length
     step(_batches(1, seq, 0))
     graphs.capture()
@@ -229,7 +240,7 @@ def test_a_later_module_with_its_own_hook_is_not_chained_and_its_hook_runs():
 def test_a_later_module_called_on_other_tensors_than_its_run_fed_it_is_refused():
     _, model, grads, step = _model_and_step()
     graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
-                         generators=get_rng_tracker().generators)
+                         generators=get_rng_tracker().generators, runs=model_runs(model))
     seq = model.shape.seq_length
     step(_batches(1, seq, 0))
     graphs.capture()

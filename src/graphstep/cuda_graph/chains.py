@@ -12,13 +12,15 @@ of the outputs. Autograd sees one node for the run: its backward runs once
 every output has its gradient, as one graph.
 
 When a run is chained (:func:`find_runs`, at capture, from the last warm-up
-micro-batch): the modules are in one layer (their names share the
-``layer{i}`` prefix), their forwards ran one after the other, every tensor
-argument of each later module was an output of an earlier one of the run
-(the very tensor; constants are captured), no later module has hooks of its
-own (its ``__call__`` is not what runs it), and their backwards ran one
-after the other too (graphs share one memory pool, replayed in the capture
-order). At replay a later module's call must pass exactly the tensors the
+micro-batch): the model declares that each module of the run may directly
+follow the one before it -- its layer calls them one after the other with
+nothing in between, no tensor work and no change of state (``graph_runs()``,
+cuda_graph/scopes.py: what the warm-up cannot see) --, their forwards ran
+one after the other, every tensor argument of each later module was an
+output of an earlier one of the run (the very tensor; constants are
+captured), no later module has hooks of its own (its ``__call__`` is not
+what runs it), and their backwards ran one after the other too (graphs
+share one memory pool, replayed in the capture order). At replay a later module's call must pass exactly the tensors the
 run handed out for those arguments, in the run's order; anything else is a
 :class:`ContractError` (the work is already done, with the captured inputs).
 
@@ -68,8 +70,8 @@ class ChainedGraph:
                 self.feeds[self.pos[g]][k] = (self.pos[p], o)
         self.templates: list[tuple[list[Any], Any, bool]] = []  # per member: output leaves, spec, one tensor
         self.offsets: list[int] = []  # per member: its first tensor among the graph's outputs
-        prefix = self.parts[0].name.split(".", 1)[0]
-        name = prefix + "." + CHAIN_JOIN.join(g.name.split(".", 1)[1] for g in self.parts)
+        prefix = self.parts[0].name.rsplit(".", 1)[0] + "." if "." in self.parts[0].name else ""
+        name = prefix + CHAIN_JOIN.join(g.name.rsplit(".", 1)[-1] for g in self.parts)
         first = self.parts[0]
         self.graph = ModuleGraph(_Parts([g.module for g in self.parts]), self._forward, name,
                                  retain_graph=first.retain_graph)
@@ -162,14 +164,15 @@ def _same_constant(a: Any, b: Any) -> bool:
 
 
 def find_runs(graphs: Sequence[ModuleGraph], order: Sequence[tuple[str, int]],
-              feeds: dict[tuple[int, int], tuple[int, int]]) -> list[list[int]]:
-    """Runs of two or more graph indices to chain (module docstring), from one micro-batch's recorded ``order``."""
+              feeds: dict[tuple[int, int], tuple[int, int]], may_follow: set[tuple[int, int]]) -> list[list[int]]:
+    """Runs of two or more graph indices to chain (module docstring), from one micro-batch's recorded ``order``;
+    ``may_follow``: the ``(id(a), id(b))`` of the modules ``b`` the model lets directly follow ``a`` in a run."""
     fwd = [i for kind, i in order if kind == "fwd"]
     bwd = [i for kind, i in order if kind == "bwd"]
     runs: list[list[int]] = []
     run: list[int] = []
     for i in fwd:
-        if run and _continues(run, i, graphs, feeds):
+        if run and _continues(run, i, graphs, feeds, may_follow):
             run.append(i)
             continue
         if len(run) > 1:
@@ -180,15 +183,10 @@ def find_runs(graphs: Sequence[ModuleGraph], order: Sequence[tuple[str, int]],
     return [r for r in runs if _backwards_together(r, bwd) and len(set(r)) == len(r)]
 
 
-def _layer(g: ModuleGraph) -> str | None:
-    head, dot, _ = g.name.partition(".")
-    return head if dot else None
-
-
 def _continues(run: list[int], i: int, graphs: Sequence[ModuleGraph],
-               feeds: dict[tuple[int, int], tuple[int, int]]) -> bool:
+               feeds: dict[tuple[int, int], tuple[int, int]], may_follow: set[tuple[int, int]]) -> bool:
     g = graphs[i]
-    if i in run or _layer(g) is None or _layer(g) != _layer(graphs[run[0]]) or module_has_hooks(g.module) \
+    if i in run or (id(graphs[run[-1]].module), id(g.module)) not in may_follow or module_has_hooks(g.module) \
             or g.sample is None:
         return False
     leaves, _ = tree_flatten(g.sample)

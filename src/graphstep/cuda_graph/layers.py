@@ -58,15 +58,16 @@ chain had in flight. The chains' graphs replay in orders that vary from one
 micro-batch to the next, so with several chains every graph has a pool of
 its own, even with one slot.
 
-Runs. Where a layer's graphed modules run one after the other, each fed
-only by the ones before it (``[attn,mlp]`` on a dense layer; ``attn``, the
-router and the preprocess stage under ``[attn,moe_router,moe_preprocess]``),
+Runs. Where a layer's graphed modules run one after the other with nothing
+in between (the model says so: ``graph_runs()``, :func:`model_runs`), each
+fed only by the ones before it (``[attn,mlp]`` on a dense layer; ``attn``,
+the router and the preprocess stage under ``[attn,moe_router,moe_preprocess]``),
 they are captured as one forward and one backward graph (cuda_graph/chains.py):
 the first module's call replays the run, the later ones hand back their
 outputs -- the same kernels in the same order, one replay, one autograd node
 and one set of input checks instead of one per module: the host work that
 per-layer graphs are bound by on small kernels. Only with one slot and one
-chain (``chain_runs=False``: every module its own graphs).
+chain (``runs=()``: every module its own graphs).
 
 FSDP2. When FSDP2 modules (``fully_shard``) manage the graphed modules'
 parameters, their gathered parameters are kept allocated where the graphs
@@ -111,7 +112,7 @@ class LayerGraphs:
         warmup_calls: int | None = None,
         fsdp_modules: Sequence[nn.Module] = (),
         chains: Sequence[int] | None = None,
-        chain_runs: bool = True,
+        runs: Iterable[Sequence[nn.Module]] = (),
     ) -> None:
         if not modules:
             raise ValueError("no module to graph: the selected scopes match no submodule of the model")
@@ -120,7 +121,8 @@ class LayerGraphs:
         self.generators = generators or (lambda: ())
         self.warmup_calls = warmup_calls
         self.fsdp_modules = list(fsdp_modules)  # unsharded while capturing (their gathered storage is kept)
-        self.chain_runs = chain_runs  # runs of modules replayed as one graph (module docstring)
+        # (id(a), id(b)): module b may directly follow module a in a run replayed as one graph (module docstring)
+        self.may_follow = {(id(a), id(b)) for run in runs for a, b in zip(run, run[1:])}
         self.graphs: list[ModuleGraph] = []  # slot 0: a graph per module
         self.slots: list[list[ModuleGraph]] = [self.graphs]  # one list per micro-batch in flight
         self._by_module: dict[int, ModuleGraph] = {}
@@ -315,9 +317,9 @@ class LayerGraphs:
         self._capturing = True
         order = ([(kind, 0, i) for kind, i in self.capture_order()] if shared
                  else self.slot_capture_order(slots))
-        if shared and self.chain_runs:  # one slot, one chain: runs of modules replayed as one graph (chains.py)
+        if shared and self.may_follow:  # one slot, one chain: runs of modules replayed as one graph (chains.py)
             self.runs = [ChainedGraph(run, self.graphs, self._feeds)
-                         for run in find_runs(self.graphs, self.order, self._feeds)]
+                         for run in find_runs(self.graphs, self.order, self._feeds, self.may_follow)]
             self._run_of = {i: (run, k) for run in self.runs for k, i in enumerate(run.members)}
         done: set[int] = set()  # the runs whose backward is captured
         try:
@@ -477,6 +479,12 @@ def select_modules(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, 
     return picked
 
 
+def model_runs(model: nn.Module) -> list[list[nn.Module]]:
+    """The runs of submodules ``model``'s layers call one after the other with nothing in between (each layer's
+    ``graph_runs()``, cuda_graph/scopes.py; none for a layer without it)."""
+    return [list(run) for layer in model.graph_layers() if hasattr(layer, "graph_runs") for run in layer.graph_runs()]
+
+
 def _count(run: ChainedGraph, member: int) -> int:
     """How many tensor outputs graph ``member`` of ``run`` has."""
     pos = run.pos[member]
@@ -494,7 +502,7 @@ def apply_layer_graphs(model: nn.Module, settings: CudaGraphSettings, backend: G
     modules = select_modules(model, settings.modules)
     return LayerGraphs(modules, backend, semantics=settings.impl, generators=generators,
                        retain_graph=settings.retain_backward_graph,
-                       fsdp_modules=prepare_fsdp(model, [m for _, m in modules]),
+                       fsdp_modules=prepare_fsdp(model, [m for _, m in modules]), runs=model_runs(model),
                        chains=[chunk_holding(m, chunks) for _, m in modules] if len(chunks) > 1 else None)
 
 

@@ -9,6 +9,16 @@ submodule (or submodules, in call order) that the scope captures::
         def graph_scopes(self):
             return {"attn": self.self_attention, "mlp": self.mlp}
 
+A layer may also name the runs of submodules its forward calls one after
+the other with nothing in between -- no tensor work, no change of state --
+each taking only what the ones before it returned::
+
+        def graph_runs(self):
+            return [[self.self_attention, self.mlp]]
+
+Graphed together, such a run is captured and replayed as one graph
+(cuda_graph/chains.py); without ``graph_runs()`` every module keeps its own.
+
 ``modules=[]`` (whole layer) captures the layer itself. A layer simply omits
 scopes it does not have (an attention layer has no ``mamba``).
 

@@ -308,6 +308,10 @@ class MoEBlock(nn.Module):
         """Backward scale of the aux/z losses, e.g. 1 / micro-batches (eager, once)."""
         self.router_stage.router.set_aux_loss_scale(scale)
 
+    def graph_head(self) -> list[nn.Module]:
+        """The stages this forward starts with, one after the other with nothing in between (cuda_graph/scopes.py)."""
+        return [self.router_stage, self.preprocess_stage]
+
     def graph_scopes(self) -> dict:
         return {
             "moe": self,

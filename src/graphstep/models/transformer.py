@@ -443,6 +443,18 @@ class DecoderLayer(nn.Module):
             scopes.setdefault(name, block)
         return scopes
 
+    def graph_runs(self) -> list[list[nn.Module]]:
+        """What this forward calls one after the other with nothing in between (cuda_graph/scopes.py): the blocks,
+        and each block with the modules its own forward starts with (``graph_head()``, e.g. an MoE block's router
+        and preprocess stages)."""
+        blocks = list(self.blocks.values())
+        runs = [blocks]
+        for k, block in enumerate(blocks):
+            head = list(block.graph_head()) if hasattr(block, "graph_head") else []
+            if head:
+                runs.append(blocks[k - 1:k] + head)
+        return runs
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks.values():
             x = block(x)

@@ -217,6 +217,10 @@ class AllGatherMoEBlock(MoEBlock):
     expert_place: ExpertPlace  # this rank's experts: its place among the expert-parallel ranks
     token_place: ExpertPlace  # the ranks sharing their tokens: the expert-parallel ones (x tp: expert tensor parallel)
 
+    def graph_head(self) -> list[nn.Module]:
+        """The router stage alone: the tokens' all-gather follows it, eagerly (cuda_graph/scopes.py)."""
+        return [self.router_stage]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts.gemm != self.gemm or self.gemm == "auto":
             self._choose_gemm(x)
