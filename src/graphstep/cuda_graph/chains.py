@@ -68,6 +68,9 @@ class ChainedGraph:
         for (g, k), (p, o) in feeds.items():
             if g in self.pos and self.pos[g] > 0:
                 self.feeds[self.pos[g]][k] = (self.pos[p], o)
+        # per member: its warm-up call's leaves and spec, and whether the call is its leaves as positional arguments
+        self.calls = [tree_flatten(g.sample) for g in self.parts]
+        self.flat_calls = [tree_flatten((tuple(leaves), {}))[1] == spec for leaves, spec in self.calls]
         self.templates: list[tuple[list[Any], Any, bool]] = []  # per member: output leaves, spec, one tensor
         self.offsets: list[int] = []  # per member: its first tensor among the graph's outputs
         prefix = self.parts[0].name.rsplit(".", 1)[0] + "." if "." in self.parts[0].name else ""
@@ -90,7 +93,7 @@ class ChainedGraph:
         flats = [[o for o in tree_flatten(outs[0])[0] if isinstance(o, torch.Tensor)]]
         for pos in range(1, len(self.parts)):
             part = self.parts[pos]
-            leaves, spec = tree_flatten(part.sample)
+            leaves, spec = list(self.calls[pos][0]), self.calls[pos][1]
             for k, (p, o) in self.feeds[pos].items():
                 leaves[k] = flats[p][o]
             a, kw = tree_unflatten(leaves, spec)
@@ -103,6 +106,12 @@ class ChainedGraph:
             self.offsets.append(at)
             at += len(flat)
         return tuple(outs)
+
+    def count(self, member: int) -> int:
+        """How many tensor outputs graph ``member`` has (after capture)."""
+        pos = self.pos[member]
+        end = self.offsets[pos + 1] if pos + 1 < len(self.offsets) else len(self.graph.outputs)
+        return end - self.offsets[pos]
 
     def output_of(self, member: int, index: int) -> torch.Tensor | None:
         """The graph-owned tensor that is tensor output ``index`` of graph ``member`` (None before capture)."""
@@ -130,10 +139,14 @@ class ChainedGraph:
             raise ContractError(
                 f"{part.name}: called out of its chained run's order ({self.name}: its forward is replayed with "
                 f"the first module's call, the later modules take their outputs in turn)")
-        leaves, spec = tree_flatten((args, kwargs))
-        sample, sample_spec = tree_flatten(part.sample)
+        sample, sample_spec = self.calls[pos]
+        if self.flat_calls[pos] and not kwargs and len(args) == len(sample):
+            leaves, same_structure = args, True  # the usual call: tensors as positional arguments, no pytree walk
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
+            same_structure = spec == sample_spec
         fed = self.feeds[pos]
-        ok = spec == sample_spec and all(
+        ok = same_structure and all(
             leaf is self._tensors[self.offsets[fed[k][0]] + fed[k][1]] if k in fed
             else not isinstance(leaf, torch.Tensor) and _same_constant(leaf, sample[k])
             for k, leaf in enumerate(leaves))

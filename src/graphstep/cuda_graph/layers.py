@@ -165,7 +165,7 @@ class LayerGraphs:
         names = sorted({g.name.split(".")[-1] for g in self.graphs})
         slots = f", {len(self.slots)} micro-batches in flight" if len(self.slots) > 1 else ""
         chains = f", {len(self._micro_batch)} chains" if len(self._micro_batch) > 1 else ""
-        runs = (f", {len(self.runs)} runs replayed as one graph each ({self.runs[0].name.split('.', 1)[1]}, ...)"
+        runs = (f", {len(self.runs)} runs replayed as one graph each ({self.runs[0].name.rsplit('.', 1)[-1]}, ...)"
                 if self.runs else "")
         return (f"per-layer graphs ({self.semantics.value} semantics, {len(self.graphs)} modules: {', '.join(names)}"
                 f"{slots}{chains}{runs})")
@@ -379,7 +379,7 @@ class LayerGraphs:
         ``index`` stands for its run when chained: the run's outputs, each the output of one of its modules; a
         consumer inside the run takes no gradient buffer (the run's backward differentiates through it)."""
         run = self._run_of.get(index)
-        produced = ([(m, o) for m in run[0].members for o in range(_count(run[0], m))] if run is not None
+        produced = ([(m, o) for m in run[0].members for o in range(run[0].count(m))] if run is not None
                     else [(index, o) for o in range(len(graphs[index].outputs))])
         aliases: dict[int, torch.Tensor] = {}
         for out_idx, src in enumerate(produced):
@@ -483,13 +483,6 @@ def model_runs(model: nn.Module) -> list[list[nn.Module]]:
     """The runs of submodules ``model``'s layers call one after the other with nothing in between (each layer's
     ``graph_runs()``, cuda_graph/scopes.py; none for a layer without it)."""
     return [list(run) for layer in model.graph_layers() if hasattr(layer, "graph_runs") for run in layer.graph_runs()]
-
-
-def _count(run: ChainedGraph, member: int) -> int:
-    """How many tensor outputs graph ``member`` of ``run`` has."""
-    pos = run.pos[member]
-    end = run.offsets[pos + 1] if pos + 1 < len(run.offsets) else len(run.graph.outputs)
-    return end - run.offsets[pos]
 
 
 def apply_layer_graphs(model: nn.Module, settings: CudaGraphSettings, backend: GraphBackend, *,
