@@ -220,6 +220,66 @@ def test_layers_name_what_they_call_one_after_the_other():
     assert layer.graph_runs() == [[attn, moe], [attn, moe.router_stage]]
 
 
+class _Scale(nn.Module):
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((4,), value))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+class _Pair(nn.Module):
+    """attn = x * 2, mlp = y * (-0.0): the gradient that reaches attn's output is -0.0, element for element."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _Scale(2.0), _Scale(-0.0)
+
+    def graph_scopes(self) -> dict:
+        return {"attn": self.a, "mlp": self.b}
+
+    def graph_runs(self) -> list[list[nn.Module]]:
+        return [[self.a, self.b]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class _PairModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Pair()])
+
+    def graph_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](x)
+
+
+def test_a_runs_output_used_only_inside_it_gets_eagers_gradient_to_the_sign_of_zero():
+    """attn's output feeds only mlp, inside the run: autograd brings it no gradient, so its buffer is filled before
+    the backward replay and the run's own contribution added to it -- with -0.0, as ``v + (-0.0) == v`` for every v;
+    a +0.0 fill would turn the -0.0 gradient eager computes into +0.0 (and the input gradient with it)."""
+    def input_grad(graphed: bool) -> torch.Tensor:
+        model = _PairModel()
+        graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
+                             runs=model_runs(model)) if graphed else None
+        for k in range(3):
+            if k == 1 and graphs is not None:
+                graphs.capture()
+            x = torch.ones(4, requires_grad=True)
+            model(x).sum().backward()
+        if graphs is not None:
+            assert [r.name for r in graphs.runs] == ["layer0.attn+mlp"] and graphs.state == "replayed"
+        return x.grad
+
+    eager_grad, graphed_grad = input_grad(False), input_grad(True)
+    assert torch.equal(eager_grad, torch.zeros(4)) and bool(torch.signbit(eager_grad).all())  # -0.0 everywhere
+    assert torch.equal(torch.signbit(graphed_grad), torch.signbit(eager_grad))
+
+
 def test_a_later_module_with_its_own_hook_is_not_chained_and_its_hook_runs():
     _, model, grads, step = _model_and_step()
     calls: list[int] = []
