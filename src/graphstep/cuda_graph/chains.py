@@ -42,6 +42,7 @@ from torch import nn
 
 from .errors import ContractError
 from .graphed_module import GraphedFunction, ModuleGraph
+from .static_io import same_value
 from .torch_compat import module_has_hooks, tree_flatten, tree_unflatten
 
 CHAIN_JOIN = "+"
@@ -148,7 +149,7 @@ class ChainedGraph:
         fed = self.feeds[pos]
         ok = same_structure and all(
             leaf is self._tensors[self.offsets[fed[k][0]] + fed[k][1]] if k in fed
-            else not isinstance(leaf, torch.Tensor) and _same_constant(leaf, sample[k])
+            else not isinstance(leaf, torch.Tensor) and same_value(leaf, sample[k])
             for k, leaf in enumerate(leaves))
         if not ok:
             raise ContractError(
@@ -169,13 +170,6 @@ class ChainedGraph:
         self._tensors = None
 
 
-def _same_constant(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # a value without a plain equality: only the same object is the same
-        return a is b
-
-
 def find_runs(graphs: Sequence[ModuleGraph], order: Sequence[tuple[str, int]],
               feeds: dict[tuple[int, int], tuple[int, int]], may_follow: set[tuple[int, int]]) -> list[list[int]]:
     """Runs of two or more graph indices to chain (module docstring), from one micro-batch's recorded ``order``;
@@ -193,7 +187,7 @@ def find_runs(graphs: Sequence[ModuleGraph], order: Sequence[tuple[str, int]],
         run = [i]
     if len(run) > 1:
         runs.append(run)
-    return [r for r in runs if _backwards_together(r, bwd) and len(set(r)) == len(r)]
+    return [r for r in runs if _backwards_together(r, bwd)]
 
 
 def _continues(run: list[int], i: int, graphs: Sequence[ModuleGraph],

@@ -233,7 +233,7 @@ class StaticInputs:
                     raise ContractError(
                         f"{self.name}: argument {path} is on {new.device}, the captured call had it on {old.device}"
                     )
-            elif not _same_value(new, old):
+            elif not same_value(new, old):
                 raise ContractError(
                     f"{self.name}: non-tensor argument {path} differs from the captured call: "
                     f"captured {old!r}, now {new!r} (non-tensor values are baked into the graph)"
@@ -315,7 +315,8 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _same_value(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """Whether a non-tensor argument equals the captured one (same type, equal; else the very object)."""
     try:
         return bool(a == b) and type(a) is type(b)
     except Exception:  # an object without a usable __eq__ must be the same object
