@@ -38,10 +38,10 @@ LAYERS = ["model.cuda_graph_impl=local", "model.cuda_graph_modules=[attn,mlp]"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("graphs, captured", [(FULL, 1), (LAYERS, 2 * 2)], ids=["full_iteration", "attn_mlp"])
+@pytest.mark.parametrize("graphs, captured", [(FULL, 1), (LAYERS, 2)], ids=["full_iteration", "attn_mlp"])
 def test_two_runs_in_one_process_each_count_their_own_graphs(graphs, captured):
-    """full iteration: the training graph (no evaluation); per-layer: 2 layers x (fwd, bwd), each layer's attn and
-    mlp a run replayed as one graph (cuda_graph/chains.py)."""
+    """full iteration: the training graph (no evaluation); per-layer: a forward and a backward graph, the 2 layers'
+    attn and mlp one run replayed as one graph (cuda_graph/chains.py)."""
     first = train(tiny_config(*graphs, "train.train_iters=5"))
     second = train(tiny_config(*graphs, "train.train_iters=5"))
     assert (first.graphs, second.graphs) == (captured, captured)
@@ -247,7 +247,7 @@ def test_skip_step_on_nan_without_the_device_check_is_refused():
 GPU = ["train.device=cuda", "model.params_dtype=bf16"]
 
 
-@pytest.mark.parametrize("graphs, captured", [(FULL, 1), (LAYERS, 2 * 2 * 2)], ids=["full_iteration", "attn_mlp"])
+@pytest.mark.parametrize("graphs, captured", [(FULL, 1), (LAYERS, 2)], ids=["full_iteration", "attn_mlp"])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_two_runs_in_one_process_each_count_their_own_graphs(graphs, captured):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -148,13 +150,15 @@ def test_output_of_one_graph_is_the_input_buffer_of_the_next():
 
 
 @pytest.mark.parametrize("semantics", [GraphImpl.LOCAL, GraphImpl.TRANSFORMER_ENGINE])
-def test_a_layers_run_of_modules_replays_as_one_graph_equal_to_one_by_one_and_eager(semantics):
-    """attn then mlp, mlp fed by attn alone: one run per layer, bit-equal to a graph per module and to eager."""
+def test_a_run_of_modules_replays_as_one_graph_equal_to_one_by_one_and_eager(semantics):
+    """attn then mlp, mlp fed by attn alone, layer after layer: one run over the layers (one per layer where runs
+    stay within layers), bit-equal to a graph per module and to eager."""
     def run(mode: str) -> tuple[list[str], list[str], list[torch.Tensor], torch.Tensor]:
         _, model, grads, step = _model_and_step()
         picked = select_modules(model, ["mlp", "attn"])  # in the layer's order, whatever the scopes' order
+        links = model_runs(model, across_layers=mode == "across") if mode in ("across", "within") else None
         graphs = LayerGraphs(picked, get_backend("cpu"), semantics=semantics, generators=get_rng_tracker().generators,
-                             runs=model_runs(model) if mode == "runs" else ()) if mode != "eager" else None
+                             links=links) if mode != "eager" else None
         seq, losses = model.shape.seq_length, []
         for k in range(5):
             if k == 2 and graphs is not None:
@@ -166,19 +170,22 @@ def test_a_layers_run_of_modules_replays_as_one_graph_equal_to_one_by_one_and_ea
         return [g.name for g in graphs.graphs], [r.name for r in graphs.runs], losses, grads.flat.clone()
 
     (_, _, ref, ref_grads), (names, runs, got, got_grads), (names1, runs1, got1, got1_grads) = (
-        run("eager"), run("runs"), run("one by one"))
+        run("eager"), run("within"), run("one by one"))
+    _, across, got2, got2_grads = run("across")
     layers = range(len(runs))
     assert names == names1 == [f"layer{i}.{s}" for i in layers for s in ("attn", "mlp")] and len(runs) >= 2
     assert runs == [f"layer{i}.attn+mlp" for i in layers] and runs1 == []
+    assert across == ["+".join(f"layer{i}.attn+mlp" for i in layers)]
     assert ref_grads.abs().sum() > 0
-    assert all(map(torch.equal, ref, got)) and torch.equal(ref_grads, got_grads)
-    assert all(map(torch.equal, ref, got1)) and torch.equal(ref_grads, got1_grads)
+    for losses, grad in ((got, got_grads), (got1, got1_grads), (got2, got2_grads)):
+        assert all(map(torch.equal, ref, losses)) and torch.equal(ref_grads, grad)
 
 
 def test_moe_partial_scopes_replay_attn_router_and_preprocess_as_one_run_equal_to_eager():
     """[attn,moe_router,moe_preprocess]: attn, the router stage and the preprocess stage run one after the other, each
-    fed by the ones before (the expert GEMMs eager after them, the combine stage alone): one run per layer, equal to
-    the modules graphed one by one and to eager bit for bit (losses, every parameter's gradient)."""
+    fed by the ones before (the expert GEMMs eager after them), and the combine stage before the next layer's attn:
+    a run per layer, equal to the modules graphed one by one and to eager bit for bit (losses, every parameter's
+    gradient)."""
     cfg = tiny_config(recipe="qwen3_moe_tiny")
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=g) for _ in range(5)]
@@ -189,7 +196,7 @@ def test_moe_partial_scopes_replay_attn_router_and_preprocess_as_one_run_equal_t
         model.train()
         graphs = LayerGraphs(select_modules(model, ["attn", "moe_router", "moe_preprocess"]), get_backend("cpu"),
                              generators=get_rng_tracker().generators,
-                             runs=model_runs(model) if mode == "runs" else ()) if mode != "eager" else None
+                             links=model_runs(model) if mode == "runs" else None) if mode != "eager" else None
         losses = []
         for k, tokens in enumerate(data):
             if k == 2 and graphs is not None:
@@ -204,7 +211,11 @@ def test_moe_partial_scopes_replay_attn_router_and_preprocess_as_one_run_equal_t
         return names, losses, [p.grad.clone() for p in model.parameters()]
 
     (_, ref, ref_grads), (runs, got, got_grads), (none, got1, got1_grads) = run("eager"), run("runs"), run("one")
-    assert runs == [f"layer{i}.attn+moe_router+moe_preprocess" for i in range(cfg.model.num_layers)] and none == []
+    # layer i's combine stage, then layer i + 1's attn, router and preprocess stage: one run
+    layers = range(1, cfg.model.num_layers)
+    assert runs == ["layer0.attn+moe_router+moe_preprocess",
+                    *(f"layer{i - 1}.moe_router1+layer{i}.attn+moe_router+moe_preprocess" for i in layers)]
+    assert none == []
     assert all(map(torch.equal, ref, got)) and all(map(torch.equal, ref_grads, got_grads))
     assert all(map(torch.equal, ref, got1)) and all(map(torch.equal, ref_grads, got1_grads))
     assert sum(gr.abs().sum() for gr in ref_grads) > 0
@@ -218,6 +229,25 @@ def test_layers_name_what_they_call_one_after_the_other():
     from graphstep.parallel.expert_parallel import AllGatherMoEBlock
     moe.__class__ = AllGatherMoEBlock  # expert parallel: the tokens' all-gather follows the router, eagerly
     assert layer.graph_runs() == [[attn, moe], [attn, moe.router_stage]]
+
+
+def test_models_name_each_layers_last_module_and_the_next_ones_first_but_not_across_recomputed_runs():
+    model = build_model(tiny_config("model.num_layers=3", recipe="qwen3_moe_tiny").model, "cpu")
+    layers = model.graph_layers()
+    moe = [layer.blocks["moe"] for layer in layers]
+    pairs = [[a, layers[k + 1].blocks["attn"]] for k in range(2) for a in (moe[k], moe[k].combine_stage)]
+    assert model.graph_runs() == pairs
+    links = model_runs(model)
+    # between a layer's combine stage and the next layer's attn: the MoE block and the layer left, the next entered
+    between = links[(id(moe[0].combine_stage), id(layers[1].blocks["attn"]))]
+    assert [id(m) for m in between] == [id(m) for m in (moe[0], layers[0].blocks, layers[0], layers[1].blocks,
+                                                        layers[1])]
+    assert links[(id(layers[0].blocks["attn"]), id(moe[0].router_stage))] == (moe[0],)
+    assert len(model_runs(model, across_layers=False)) == len(links) - len(pairs)
+    model.shape = replace(model.shape, recompute_layers=("block", 1))  # layer 0 recomputed alone, 1 and 2 kept
+    assert model.graph_runs() == pairs[2:]
+    model.shape = replace(model.shape, recompute_layers=("uniform", 3))  # one run of 3 layers, recomputed
+    assert model.graph_runs() == []
 
 
 class _Scale(nn.Module):
@@ -265,7 +295,7 @@ def test_a_runs_output_used_only_inside_it_gets_eagers_gradient_to_the_sign_of_z
     def input_grad(graphed: bool) -> torch.Tensor:
         model = _PairModel()
         graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
-                             runs=model_runs(model)) if graphed else None
+                             links=model_runs(model)) if graphed else None
         for k in range(3):
             if k == 1 and graphs is not None:
                 graphs.capture()
@@ -284,30 +314,53 @@ def test_a_later_module_with_its_own_hook_is_not_chained_and_its_hook_runs():
     _, model, grads, step = _model_and_step()
     calls: list[int] = []
     model.graph_layers()[0].graph_scopes()["mlp"].register_forward_hook(lambda *_: calls.append(1))
-    model.graph_layers()[1].graph_scopes()["attn"].register_forward_hook(lambda *_: calls.append(2))
+    model.graph_layers()[1].graph_scopes()["attn"].register_forward_pre_hook(lambda *_: calls.append(2))
     graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
-                         generators=get_rng_tracker().generators, runs=model_runs(model))
+                         generators=get_rng_tracker().generators, links=model_runs(model))
     seq = model.shape.seq_length
     step(_batches(1, seq, 0))
     graphs.capture()
-    # layer 0's mlp has a hook of its own: a graph of its own; layer 1's first module may have one (its call runs)
-    assert [r.name for r in graphs.runs][:1] == ["layer1.attn+mlp"]
+    # layer 0's mlp has a hook of its own: a graph of its own, and its forward hook would run after the whole run
+    # it started; layer 1's attn may start one with a forward-pre hook (its call runs, before the replay)
+    assert len(model.graph_layers()) == 2 and [r.name for r in graphs.runs] == ["layer1.attn+mlp"]
     before = list(calls)
     step(_batches(1, seq, 1))
     assert graphs.state == "replayed" and calls == before + [1, 2]
 
 
+def test_a_hook_between_two_layers_ends_the_run_there_and_runs():
+    """A layer's own hook (as FSDP2's) runs between its last module and the next layer's first: no run over it."""
+    def run(hooked: bool) -> tuple[list[str], list[torch.Tensor], list[int]]:
+        _, model, grads, step = _model_and_step()
+        calls: list[int] = []
+        if hooked:
+            model.graph_layers()[1].register_forward_pre_hook(lambda *_: calls.append(1))
+        graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
+                             generators=get_rng_tracker().generators, links=model_runs(model))
+        seq, losses = model.shape.seq_length, []
+        for k in range(3):
+            if k == 1:
+                graphs.capture()
+            losses.append(step(_batches(1, seq, k))["loss"].detach().clone())
+        assert graphs.state == "replayed"
+        return [r.name for r in graphs.runs], losses, calls
+
+    (names, losses, calls), (names0, losses0, _) = run(True), run(False)
+    assert names == ["layer0.attn+mlp", "layer1.attn+mlp"] and names0 == ["layer0.attn+mlp+layer1.attn+mlp"]
+    assert calls == [1, 1, 1] and all(map(torch.equal, losses, losses0))
+
+
 def test_a_later_module_called_on_other_tensors_than_its_run_fed_it_is_refused():
     _, model, grads, step = _model_and_step()
     graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
-                         generators=get_rng_tracker().generators, runs=model_runs(model))
+                         generators=get_rng_tracker().generators, links=model_runs(model))
     seq = model.shape.seq_length
     step(_batches(1, seq, 0))
     graphs.capture()
     step(_batches(1, seq, 1))
     mlp = model.graph_layers()[1].graph_scopes()["mlp"]
     mlp.register_forward_pre_hook(lambda module, args: (args[0] * 1,))  # eager work between attn and mlp
-    with pytest.raises(ContractError, match=r"layer1\.mlp: called with other arguments .* layer1\.attn\+mlp"):
+    with pytest.raises(ContractError, match=r"layer1\.mlp: called with other arguments .* layer0\.attn\+mlp\+layer1"):
         step(_batches(1, seq, 2))
 
 

@@ -14,13 +14,17 @@ every output has its gradient, as one graph.
 When a run is chained (:func:`find_runs`, at capture, from the last warm-up
 micro-batch): the model declares that each module of the run may directly
 follow the one before it -- its layer calls them one after the other with
-nothing in between, no tensor work and no change of state (``graph_runs()``,
-cuda_graph/scopes.py: what the warm-up cannot see) --, their forwards ran
-one after the other, every tensor argument of each later module was an
-output of an earlier one of the run (the very tensor; constants are
-captured), no later module has hooks of its own (its ``__call__`` is not
-what runs it), and their backwards ran one after the other too (graphs
-share one memory pool, replayed in the capture order). At replay a later module's call must pass exactly the tensors the
+nothing in between, no tensor work and no change of state, or the model
+calls one layer's last module and the next layer's first so (``graph_runs()``
+on layers and models, cuda_graph/scopes.py: what the warm-up cannot see) --,
+their forwards ran one after the other, every tensor argument of each later
+module was an output of an earlier one of the run (the very tensor;
+constants are captured), no hook would run between two of them (no later
+module has hooks of its own -- its ``__call__`` is not what runs it --, the
+first one none but forward-pre hooks, and no module entered or left between
+two of them any: a layer's, an MoE block's), and their backwards ran one
+after the other too (graphs share one memory pool, replayed in the capture
+order). At replay a later module's call must pass exactly the tensors the
 run handed out for those arguments, in the run's order; anything else is a
 :class:`ContractError` (the work is already done, with the captured inputs).
 
@@ -35,7 +39,7 @@ does (addition of two terms commutes exactly).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -74,9 +78,8 @@ class ChainedGraph:
         self.flat_calls = [tree_flatten((tuple(leaves), {}))[1] == spec for leaves, spec in self.calls]
         self.templates: list[tuple[list[Any], Any, bool]] = []  # per member: output leaves, spec, one tensor
         self.offsets: list[int] = []  # per member: its first tensor among the graph's outputs
-        prefix = self.parts[0].name.rsplit(".", 1)[0] + "." if "." in self.parts[0].name else ""
-        name = prefix + CHAIN_JOIN.join(g.name.rsplit(".", 1)[-1] for g in self.parts)
         first = self.parts[0]
+        name = run_name([g.name for g in self.parts])
         self.graph = ModuleGraph(_Parts([g.module for g in self.parts]), self._forward, name,
                                  retain_graph=first.retain_graph)
         self.graph.sample = first.sample
@@ -170,10 +173,24 @@ class ChainedGraph:
         self._tensors = None
 
 
+def run_name(names: Sequence[str]) -> str:
+    """``layer0.attn+mlp`` for ``layer0.attn``, ``layer0.mlp``; a run over layers names each layer's part:
+    ``layer0.attn+mlp+layer1.attn+mlp``."""
+    parts: list[str] = []
+    prefix = None
+    for name in names:
+        head, _, tail = name.rpartition(".")
+        parts.append(tail if head == prefix else name)
+        prefix = head
+    return CHAIN_JOIN.join(parts)
+
+
 def find_runs(graphs: Sequence[ModuleGraph], order: Sequence[tuple[str, int]],
-              feeds: dict[tuple[int, int], tuple[int, int]], may_follow: set[tuple[int, int]]) -> list[list[int]]:
+              feeds: dict[tuple[int, int], tuple[int, int]],
+              may_follow: Mapping[tuple[int, int], Sequence[nn.Module]]) -> list[list[int]]:
     """Runs of two or more graph indices to chain (module docstring), from one micro-batch's recorded ``order``;
-    ``may_follow``: the ``(id(a), id(b))`` of the modules ``b`` the model lets directly follow ``a`` in a run."""
+    ``may_follow``: for the ``(id(a), id(b))`` of each module ``b`` the model lets directly follow ``a`` in a
+    run, the modules entered or left between the two (whose hooks would run there)."""
     fwd = [i for kind, i in order if kind == "fwd"]
     bwd = [i for kind, i in order if kind == "bwd"]
     runs: list[list[int]] = []
@@ -191,10 +208,13 @@ def find_runs(graphs: Sequence[ModuleGraph], order: Sequence[tuple[str, int]],
 
 
 def _continues(run: list[int], i: int, graphs: Sequence[ModuleGraph],
-               feeds: dict[tuple[int, int], tuple[int, int]], may_follow: set[tuple[int, int]]) -> bool:
-    g = graphs[i]
-    if i in run or (id(graphs[run[-1]].module), id(g.module)) not in may_follow or module_has_hooks(g.module) \
-            or g.sample is None:
+               feeds: dict[tuple[int, int], tuple[int, int]],
+               may_follow: Mapping[tuple[int, int], Sequence[nn.Module]]) -> bool:
+    g, before = graphs[i], graphs[run[-1]].module
+    between = may_follow.get((id(before), id(g.module)))
+    if i in run or between is None or module_has_hooks(g.module) or g.sample is None \
+            or any(module_has_hooks(m) for m in between) \
+            or (len(run) == 1 and module_has_hooks(before, forward_pre=False)):
         return False
     leaves, _ = tree_flatten(g.sample)
     return all(not isinstance(leaf, torch.Tensor) or (feeds.get((i, k)) or (None,))[0] in run

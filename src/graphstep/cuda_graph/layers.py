@@ -58,16 +58,21 @@ chain had in flight. The chains' graphs replay in orders that vary from one
 micro-batch to the next, so with several chains every graph has a pool of
 its own, even with one slot.
 
-Runs. Where a layer's graphed modules run one after the other with nothing
-in between (the model says so: ``graph_runs()``, :func:`model_runs`), each
-fed only by the ones before it (``[attn,mlp]`` on a dense layer; ``attn``,
-the router and the preprocess stage under ``[attn,moe_router,moe_preprocess]``),
-they are captured as one forward and one backward graph (cuda_graph/chains.py):
-the first module's call replays the run, the later ones hand back their
-outputs -- the same kernels in the same order, one replay, one autograd node
-and one set of input checks instead of one per module: the host work that
-per-layer graphs are bound by on small kernels. Only with one slot and one
-chain (``runs=()``: every module its own graphs).
+Runs. Where graphed modules run one after the other with nothing in
+between (the model says so: ``graph_runs()`` on its layers and on itself,
+:func:`model_runs`), each fed only by the ones before it (``[attn,mlp]``:
+every layer's attn and mlp, one layer after the other; under
+``[attn,moe_router,moe_preprocess]``: a layer's combine stage, the next
+layer's attn, router and preprocess stage), they are captured as one forward
+and one backward graph (cuda_graph/chains.py): the first module's call
+replays the run, the later ones hand back their outputs -- the same kernels
+in the same order, one replay, one autograd node and one set of input checks
+instead of one per module: the host work that per-layer graphs are bound by
+on small kernels. A hook between two modules (a layer's, FSDP2's) ends a run
+there. Only with one slot and one chain (``links=None``: every module its
+own graphs). A run's parameters get their gradients together, at the end of
+its backward: the owner keeps runs within layers where a data-parallel
+reduction overlaps the backward (``across_layers=False``).
 
 FSDP2. When FSDP2 modules (``fully_shard``) manage the graphed modules'
 parameters, their gathered parameters are kept allocated where the graphs
@@ -77,7 +82,7 @@ read them, and the capture runs with those modules unsharded (cuda_graph/fsdp.py
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -112,7 +117,7 @@ class LayerGraphs:
         warmup_calls: int | None = None,
         fsdp_modules: Sequence[nn.Module] = (),
         chains: Sequence[int] | None = None,
-        runs: Iterable[Sequence[nn.Module]] = (),
+        links: Mapping[tuple[int, int], Sequence[nn.Module]] | None = None,
     ) -> None:
         if not modules:
             raise ValueError("no module to graph: the selected scopes match no submodule of the model")
@@ -121,8 +126,9 @@ class LayerGraphs:
         self.generators = generators or (lambda: ())
         self.warmup_calls = warmup_calls
         self.fsdp_modules = list(fsdp_modules)  # unsharded while capturing (their gathered storage is kept)
-        # (id(a), id(b)): module b may directly follow module a in a run replayed as one graph (module docstring)
-        self.may_follow = {(id(a), id(b)) for run in runs for a, b in zip(run, run[1:])}
+        # (id(a), id(b)) -> the modules entered or left between them: module b may directly follow module a in a
+        # run replayed as one graph (module docstring, :func:`model_runs`)
+        self.may_follow = dict(links or {})
         self.graphs: list[ModuleGraph] = []  # slot 0: a graph per module
         self.slots: list[list[ModuleGraph]] = [self.graphs]  # one list per micro-batch in flight
         self._by_module: dict[int, ModuleGraph] = {}
@@ -165,7 +171,7 @@ class LayerGraphs:
         names = sorted({g.name.split(".")[-1] for g in self.graphs})
         slots = f", {len(self.slots)} micro-batches in flight" if len(self.slots) > 1 else ""
         chains = f", {len(self._micro_batch)} chains" if len(self._micro_batch) > 1 else ""
-        runs = (f", {len(self.runs)} runs replayed as one graph each ({self.runs[0].name.rsplit('.', 1)[-1]}, ...)"
+        runs = (f", {len(self.runs)} runs replayed as one graph each (the first: {self.runs[0].name})"
                 if self.runs else "")
         return (f"per-layer graphs ({self.semantics.value} semantics, {len(self.graphs)} modules: {', '.join(names)}"
                 f"{slots}{chains}{runs})")
@@ -479,23 +485,47 @@ def select_modules(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, 
     return picked
 
 
-def model_runs(model: nn.Module) -> list[list[nn.Module]]:
-    """The runs of submodules ``model``'s layers call one after the other with nothing in between (each layer's
-    ``graph_runs()``, cuda_graph/scopes.py; none for a layer without it)."""
-    return [list(run) for layer in model.graph_layers() if hasattr(layer, "graph_runs") for run in layer.graph_runs()]
+def model_runs(model: nn.Module, *, across_layers: bool = True) -> dict[tuple[int, int], tuple[nn.Module, ...]]:
+    """Which submodule of ``model`` may directly follow which in a run replayed as one graph: ``(id(a), id(b))``
+    -> the modules entered or left between ``a`` and ``b`` (their ancestors below the nearest common one, whose
+    hooks would run between them), from the runs ``model``'s layers call one after the other with nothing in
+    between (each layer's ``graph_runs()``, cuda_graph/scopes.py; none for a layer without it) and, with
+    ``across_layers``, the model's own ``graph_runs()`` (a layer's last module, then the next layer's first)."""
+    runs = [list(run) for layer in model.graph_layers() if hasattr(layer, "graph_runs") for run in layer.graph_runs()]
+    if across_layers and hasattr(model, "graph_runs"):
+        runs += [list(run) for run in model.graph_runs()]
+    parent = {id(child): module for module in model.modules() for child in module.children()}
+
+    def ancestors(m: nn.Module) -> list[nn.Module]:
+        up = []
+        while id(m) in parent:
+            m = parent[id(m)]
+            up.append(m)
+        return up
+
+    links: dict[tuple[int, int], tuple[nn.Module, ...]] = {}
+    for run in runs:
+        for a, b in zip(run, run[1:]):
+            up_a, up_b = ancestors(a), ancestors(b)
+            common = {id(m) for m in up_a} & {id(m) for m in up_b}
+            links[(id(a), id(b))] = tuple(m for m in up_a + up_b if id(m) not in common)
+    return links
 
 
 def apply_layer_graphs(model: nn.Module, settings: CudaGraphSettings, backend: GraphBackend, *,
                        generators: Callable[[], Iterable[torch.Generator]] | None = None,
-                       chunks: Sequence[nn.Module] = ()) -> LayerGraphs:
+                       chunks: Sequence[nn.Module] = (), across_layers: bool = True) -> LayerGraphs:
     """Wrap the scoped submodules of ``model`` for per-layer capture (``settings.impl`` local or transformer_engine).
 
     ``chunks``: the parts of ``model`` that run their micro-batches each on its own count (the virtual stages of
-    a pipeline rank, which share ``model``'s layers); each selected module's chain is the chunk that holds it."""
+    a pipeline rank, which share ``model``'s layers); each selected module's chain is the chunk that holds it.
+    ``across_layers``: runs replayed as one graph may span layers (:func:`model_runs`); False keeps each layer's
+    gradients ready at the end of its own backward (a data-parallel reduction overlapped with the backward)."""
     modules = select_modules(model, settings.modules)
     return LayerGraphs(modules, backend, semantics=settings.impl, generators=generators,
                        retain_graph=settings.retain_backward_graph,
-                       fsdp_modules=prepare_fsdp(model, [m for _, m in modules]), runs=model_runs(model),
+                       fsdp_modules=prepare_fsdp(model, [m for _, m in modules]),
+                       links=model_runs(model, across_layers=across_layers),
                        chains=[chunk_holding(m, chunks) for _, m in modules] if len(chunks) > 1 else None)
 
 

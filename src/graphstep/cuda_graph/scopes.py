@@ -18,6 +18,13 @@ each taking only what the ones before it returned::
 
 Graphed together, such a run is captured and replayed as one graph
 (cuda_graph/chains.py); without ``graph_runs()`` every module keeps its own.
+A model whose forward calls its layers one after the other, each on the
+one before's output with nothing in between, may say so too: its own
+``graph_runs()`` pairs a layer's last module with the next layer's first,
+and runs then go on from layer to layer::
+
+        def graph_runs(self):  # on the model
+            return [[a.mlp, b.self_attention] for a, b in zip(self.layers, self.layers[1:])]
 
 ``modules=[]`` (whole layer) captures the layer itself. A layer simply omits
 scopes it does not have (an attention layer has no ``mamba``).

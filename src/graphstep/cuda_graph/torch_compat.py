@@ -322,12 +322,13 @@ def probe_tensor_hooks() -> None:
     expect(len(backward) == 1 and len(post) == 1, f"one hook each, got {len(backward)}, {len(post)}")
 
 
-def module_has_hooks(m: nn.Module) -> bool:
+def module_has_hooks(m: nn.Module, *, forward_pre: bool = True) -> bool:
     """Whether ``m`` has forward, forward-pre, backward or backward-pre hooks of its own (``register_forward_hook``
     and its kin: ``nn.Module._forward_hooks``, ``_forward_pre_hooks``, ``_backward_hooks``, ``_backward_pre_hooks``),
-    which its ``__call__`` runs."""
+    which its ``__call__`` runs; ``forward_pre=False``: other hooks than forward-pre ones."""
     try:
-        return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+        return bool(m._forward_hooks or (forward_pre and m._forward_pre_hooks) or m._backward_hooks
+                    or m._backward_pre_hooks)
     except AttributeError as e:
         raise PROBES["probe_module_has_hooks"].error(str(e)) from e
 
@@ -342,6 +343,8 @@ def probe_module_has_hooks() -> None:
         expect(not module_has_hooks(m), "a new module has no hooks")
         handle = getattr(m, register)(lambda *_: None)
         expect(module_has_hooks(m), f"{register} is seen")
+        expect(module_has_hooks(m, forward_pre=False) == (register != "register_forward_pre_hook"),
+               f"{register} told from forward-pre hooks")
         handle.remove()
         expect(not module_has_hooks(m), f"{register} removed is no longer seen")
 

@@ -312,6 +312,10 @@ class MoEBlock(nn.Module):
         """The stages this forward starts with, one after the other with nothing in between (cuda_graph/scopes.py)."""
         return [self.router_stage, self.preprocess_stage]
 
+    def graph_tail(self) -> list[nn.Module]:
+        """The stages this forward ends with, the last returning the block's output (cuda_graph/scopes.py)."""
+        return [self.combine_stage]
+
     def graph_scopes(self) -> dict:
         return {
             "moe": self,

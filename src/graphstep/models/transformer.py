@@ -455,6 +455,18 @@ class DecoderLayer(nn.Module):
                 runs.append(blocks[k - 1:k] + head)
         return runs
 
+    def graph_entry(self) -> list[nn.Module]:
+        """The modules one of which this forward calls first, whichever is graphed: the first block, or the first
+        module that block's forward calls (its ``graph_head()``)."""
+        first = list(self.blocks.values())[0]
+        return [first, *(list(first.graph_head())[:1] if hasattr(first, "graph_head") else [])]
+
+    def graph_exit(self) -> list[nn.Module]:
+        """The modules one of which this forward calls last, whichever is graphed: the last block, or the last
+        module that block's forward calls (its ``graph_tail()``)."""
+        last = list(self.blocks.values())[-1]
+        return [last, *(list(last.graph_tail())[-1:] if hasattr(last, "graph_tail") else [])]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks.values():
             x = block(x)
@@ -513,6 +525,19 @@ class GPTModel(nn.Module):
 
     def graph_layers(self) -> list[nn.Module]:
         return [layer for _, layer in self.layers.named_children()]
+
+    def graph_runs(self) -> list[list[nn.Module]]:
+        """Across layers (cuda_graph/scopes.py): :meth:`stage_forward` calls each layer on the one before's output
+        with nothing in between, so a layer's last module (``graph_exit()``) may be followed by the next layer's
+        first (``graph_entry()``) -- not across a full recompute's runs of layers (each run's backward re-runs it)."""
+        layers = self.graph_layers()
+        runs: list[list[nn.Module]] = []
+        for start, stop, recomputed in recompute_runs(len(layers), self.shape.recompute_layers):
+            for before, after in zip(layers[start:stop], layers[start + 1:stop]):
+                if recomputed or not (hasattr(before, "graph_exit") and hasattr(after, "graph_entry")):
+                    continue
+                runs += [[a, b] for a in before.graph_exit() for b in after.graph_entry()]
+        return runs
 
     def stage_forward(self, x: torch.Tensor) -> torch.Tensor:
         """What this model holds of the network, from its input to its output.

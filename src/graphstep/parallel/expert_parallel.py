@@ -221,6 +221,10 @@ class AllGatherMoEBlock(MoEBlock):
         """The router stage alone: the tokens' all-gather follows it, eagerly (cuda_graph/scopes.py)."""
         return [self.router_stage]
 
+    def graph_tail(self) -> list[nn.Module]:
+        """None: the block ends with the reduce-scatter and the combine's last step, eagerly (cuda_graph/scopes.py)."""
+        return []
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts.gemm != self.gemm or self.gemm == "auto":
             self._choose_gemm(x)

@@ -182,8 +182,11 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     #    layer graphs up and captures them.
     #    A pipeline rank's chunks (virtual stages) share the model's layers and each counts its own micro-batches.
     pipeline = getattr(train_step, "pipeline", None)
+    #    Runs replayed as one graph span layers unless a data-parallel reduction overlaps the backward (it starts
+    #    a bucket once its layers' gradients are in; a run's come at the end of its backward).
     layers = apply_layer_graphs(model, settings, backend, generators=capture.generators,
-                                chunks=pipeline.chunk_models() if pipeline is not None else ()) \
+                                chunks=pipeline.chunk_models() if pipeline is not None else (),
+                                across_layers=not (dp.enabled and cfg.ddp.overlap_grad_reduce)) \
         if settings.per_layer else None
     # 6. The iteration: forward/backward of all micro-batches, as one graph with full_iteration (never together
     #    with step 5: R4) and a separate graph for evaluation. train_step holds the data-parallel reductions, so
