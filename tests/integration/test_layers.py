@@ -181,6 +181,25 @@ def test_a_run_of_modules_replays_as_one_graph_equal_to_one_by_one_and_eager(sem
         assert all(map(torch.equal, ref, losses)) and torch.equal(ref_grads, grad)
 
 
+def test_whole_layers_replay_as_one_run_equal_to_eager():
+    """``[]`` (each layer whole): the layers run one after the other, each on the one before's output: one run."""
+    def run(graphed: bool) -> tuple[list[str], list[torch.Tensor], torch.Tensor]:
+        _, model, grads, step = _model_and_step()
+        graphs = LayerGraphs(select_modules(model, []), get_backend("cpu"), generators=get_rng_tracker().generators,
+                             links=model_runs(model)) if graphed else None
+        losses = []
+        for k in range(4):
+            if k == 2 and graphs is not None:
+                graphs.capture()
+            grads.zero()
+            losses.append(step(_batches(2, model.shape.seq_length, k))["loss"].detach().clone())
+        return [r.name for r in graphs.runs] if graphs is not None else [], losses, grads.flat.clone()
+
+    (_, ref, ref_grads), (runs, got, got_grads) = run(False), run(True)
+    assert runs == ["layer0+layer1"] and ref_grads.abs().sum() > 0
+    assert all(map(torch.equal, ref, got)) and torch.equal(ref_grads, got_grads)
+
+
 def test_moe_partial_scopes_replay_attn_router_and_preprocess_as_one_run_equal_to_eager():
     """[attn,moe_router,moe_preprocess]: attn, the router stage and the preprocess stage run one after the other, each
     fed by the ones before (the expert GEMMs eager after them), and the combine stage before the next layer's attn:
@@ -235,7 +254,8 @@ def test_models_name_each_layers_last_module_and_the_next_ones_first_but_not_acr
     model = build_model(tiny_config("model.num_layers=3", recipe="qwen3_moe_tiny").model, "cpu")
     layers = model.graph_layers()
     moe = [layer.blocks["moe"] for layer in layers]
-    pairs = [[a, layers[k + 1].blocks["attn"]] for k in range(2) for a in (moe[k], moe[k].combine_stage)]
+    pairs = [[a, b] for k in range(2) for a in (layers[k], moe[k], moe[k].combine_stage)
+             for b in (layers[k + 1], layers[k + 1].blocks["attn"])]
     assert model.graph_runs() == pairs
     links = model_runs(model)
     # between a layer's combine stage and the next layer's attn: the MoE block and the layer left, the next entered
@@ -245,7 +265,7 @@ def test_models_name_each_layers_last_module_and_the_next_ones_first_but_not_acr
     assert links[(id(layers[0].blocks["attn"]), id(moe[0].router_stage))] == (moe[0],)
     assert len(model_runs(model, across_layers=False)) == len(links) - len(pairs)
     model.shape = replace(model.shape, recompute_layers=("block", 1))  # layer 0 recomputed alone, 1 and 2 kept
-    assert model.graph_runs() == pairs[2:]
+    assert model.graph_runs() == pairs[6:]
     model.shape = replace(model.shape, recompute_layers=("uniform", 3))  # one run of 3 layers, recomputed
     assert model.graph_runs() == []
 

@@ -528,15 +528,18 @@ class GPTModel(nn.Module):
 
     def graph_runs(self) -> list[list[nn.Module]]:
         """Across layers (cuda_graph/scopes.py): :meth:`stage_forward` calls each layer on the one before's output
-        with nothing in between, so a layer's last module (``graph_exit()``) may be followed by the next layer's
-        first (``graph_entry()``) -- not across a full recompute's runs of layers (each run's backward re-runs it)."""
+        with nothing in between, so a layer, or its last module (``graph_exit()``), may be followed by the next
+        layer, or its first module (``graph_entry()``) -- not across a full recompute's runs of layers (each run's
+        backward re-runs it)."""
         layers = self.graph_layers()
         runs: list[list[nn.Module]] = []
         for start, stop, recomputed in recompute_runs(len(layers), self.shape.recompute_layers):
             for before, after in zip(layers[start:stop], layers[start + 1:stop]):
-                if recomputed or not (hasattr(before, "graph_exit") and hasattr(after, "graph_entry")):
+                if recomputed:
                     continue
-                runs += [[a, b] for a in before.graph_exit() for b in after.graph_entry()]
+                exits = [before, *(before.graph_exit() if hasattr(before, "graph_exit") else [])]
+                entries = [after, *(after.graph_entry() if hasattr(after, "graph_entry") else [])]
+                runs += [[a, b] for a in exits for b in entries]
         return runs
 
     def stage_forward(self, x: torch.Tensor) -> torch.Tensor:
