@@ -13,8 +13,11 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import pytest
 import torch
 
+from helpers import aten_cpu_matmuls
+
 # Under pytest-xdist (scripts/test) each worker takes one core; alone, the tests take up to two.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
+aten_cpu_matmuls()  # oneDNN's FP8 matmul is slow on some CPUs (helpers/__init__.py)
 
 
 @pytest.fixture(autouse=True, scope="session")

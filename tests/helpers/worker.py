@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from helpers import aten_cpu_matmuls
+
 
 def load(target: str) -> Callable[..., Any]:
     """``FUNCTION`` of the test file ``FILE`` (``target`` = ``FILE::FUNCTION``), the file loaded as a module."""
@@ -26,6 +28,7 @@ def load(target: str) -> Callable[..., Any]:
 def main(argv: list[str]) -> None:
     if not argv or "::" not in argv[0]:
         raise SystemExit("usage: python -m helpers.worker FILE::FUNCTION [ARG ...]")
+    aten_cpu_matmuls()  # as in the test process (tests/conftest.py)
     load(argv[0])(*argv[1:])
 
 
