@@ -47,8 +47,10 @@ def main(argv: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from helpers import aten_cpu_matmuls
     from helpers.worker import load
 
+    aten_cpu_matmuls()  # as in the test process (tests/conftest.py); the forked ranks inherit it
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=int(nproc), run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1", max_restarts=0,
                           start_method="fork",
