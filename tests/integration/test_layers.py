@@ -330,6 +330,53 @@ def test_a_runs_output_used_only_inside_it_gets_eagers_gradient_to_the_sign_of_z
     assert torch.equal(torch.signbit(graphed_grad), torch.signbit(eager_grad))
 
 
+class _TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([1.5, -2.0, 0.5, 3.0]))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * self.w, x * self.w * self.w
+
+
+class _TwoOutputsModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Module()])
+        self.layers[0].f = _TwoOutputs()
+        self.layers[0].graph_scopes = lambda: {"mlp": self.layers[0].f}
+
+    def graph_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[0].f(x)
+
+
+def test_an_output_without_a_gradient_gets_zeros_after_backwards_that_gave_it_one():
+    """An output's gradient buffer keeps the zeros of an absent gradient from one backward to the next, and takes
+    zeros again after a backward that brought it a gradient."""
+    def grads(graphed: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        model = _TwoOutputsModel()
+        graphs = LayerGraphs(select_modules(model, ["mlp"]), get_backend("cpu")) if graphed else None
+        out = []
+        for k, both in enumerate([True, True, False, False, True, False, True]):
+            if k == 1 and graphs is not None:
+                graphs.capture()
+            x = torch.ones(4, requires_grad=True)
+            y, z = model(x)
+            (y.sum() + (z * 3).sum() if both else y.sum()).backward()
+            out.append((x.grad.clone(), model.layers[0].f.w.grad.clone()))
+            model.zero_grad()
+        if graphs is not None:
+            assert graphs.state == "replayed"
+        return out
+
+    ref, got = grads(False), grads(True)
+    assert ref[0][0].ne(ref[2][0]).any()  # the two kinds of step differ
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(ref, got))
+
+
 def test_a_later_module_with_its_own_hook_is_not_chained_and_its_hook_runs():
     _, model, grads, step = _model_and_step()
     calls: list[int] = []
