@@ -11,7 +11,7 @@ from torch import nn
 from helpers.runs import assert_same_run, eager, tiny_config
 from graphstep.cuda_graph.registry import get_backend
 from graphstep.cuda_graph.errors import ContractError, GraphUsageError
-from graphstep.cuda_graph.layers import LayerGraphs, model_runs, select_modules
+from graphstep.cuda_graph.layers import LayerGraphs, model_links, select_modules
 from graphstep.cuda_graph.rng import get_rng_tracker, initialize_rng_tracker
 from graphstep.cuda_graph.scopes import scope_modules
 from graphstep.cuda_graph.settings import GraphImpl
@@ -156,7 +156,7 @@ def test_a_run_of_modules_replays_as_one_graph_equal_to_one_by_one_and_eager(sem
     def run(mode: str) -> tuple[list[str], list[str], list[torch.Tensor], torch.Tensor]:
         _, model, grads, step = _model_and_step()
         picked = select_modules(model, ["mlp", "attn"])  # in the layer's order, whatever the scopes' order
-        links = model_runs(model, across_layers=mode == "across") if mode in ("across", "within") else None
+        links = model_links(model, across_layers=mode == "across") if mode in ("across", "within") else None
         graphs = LayerGraphs(picked, get_backend("cpu"), semantics=semantics, generators=get_rng_tracker().generators,
                              links=links) if mode != "eager" else None
         seq, losses = model.shape.seq_length, []
@@ -186,7 +186,7 @@ def test_whole_layers_replay_as_one_run_equal_to_eager():
     def run(graphed: bool) -> tuple[list[str], list[torch.Tensor], torch.Tensor]:
         _, model, grads, step = _model_and_step()
         graphs = LayerGraphs(select_modules(model, []), get_backend("cpu"), generators=get_rng_tracker().generators,
-                             links=model_runs(model)) if graphed else None
+                             links=model_links(model)) if graphed else None
         losses = []
         for k in range(4):
             if k == 2 and graphs is not None:
@@ -215,7 +215,7 @@ def test_moe_partial_scopes_replay_attn_router_and_preprocess_as_one_run_equal_t
         model.train()
         graphs = LayerGraphs(select_modules(model, ["attn", "moe_router", "moe_preprocess"]), get_backend("cpu"),
                              generators=get_rng_tracker().generators,
-                             links=model_runs(model) if mode == "runs" else None) if mode != "eager" else None
+                             links=model_links(model) if mode == "runs" else None) if mode != "eager" else None
         losses = []
         for k, tokens in enumerate(data):
             if k == 2 and graphs is not None:
@@ -257,13 +257,13 @@ def test_models_name_each_layers_last_module_and_the_next_ones_first_but_not_acr
     pairs = [[a, b] for k in range(2) for a in (layers[k], moe[k], moe[k].combine_stage)
              for b in (layers[k + 1], layers[k + 1].blocks["attn"])]
     assert model.graph_runs() == pairs
-    links = model_runs(model)
+    links = model_links(model)
     # between a layer's combine stage and the next layer's attn: the MoE block and the layer left, the next entered
     between = links[(id(moe[0].combine_stage), id(layers[1].blocks["attn"]))]
     assert [id(m) for m in between] == [id(m) for m in (moe[0], layers[0].blocks, layers[0], layers[1].blocks,
                                                         layers[1])]
     assert links[(id(layers[0].blocks["attn"]), id(moe[0].router_stage))] == (moe[0],)
-    assert len(model_runs(model, across_layers=False)) == len(links) - len(pairs)
+    assert len(model_links(model, across_layers=False)) == len(links) - len(pairs)
     model.shape = replace(model.shape, recompute_layers=("block", 1))  # layer 0 recomputed alone, 1 and 2 kept
     assert model.graph_runs() == pairs[6:]
     model.shape = replace(model.shape, recompute_layers=("uniform", 3))  # one run of 3 layers, recomputed
@@ -315,7 +315,7 @@ def test_a_runs_output_used_only_inside_it_gets_eagers_gradient_to_the_sign_of_z
     def input_grad(graphed: bool) -> torch.Tensor:
         model = _PairModel()
         graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
-                             links=model_runs(model)) if graphed else None
+                             links=model_links(model)) if graphed else None
         for k in range(3):
             if k == 1 and graphs is not None:
                 graphs.capture()
@@ -383,7 +383,7 @@ def test_a_later_module_with_its_own_hook_is_not_chained_and_its_hook_runs():
     model.graph_layers()[0].graph_scopes()["mlp"].register_forward_hook(lambda *_: calls.append(1))
     model.graph_layers()[1].graph_scopes()["attn"].register_forward_pre_hook(lambda *_: calls.append(2))
     graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
-                         generators=get_rng_tracker().generators, links=model_runs(model))
+                         generators=get_rng_tracker().generators, links=model_links(model))
     seq = model.shape.seq_length
     step(_batches(1, seq, 0))
     graphs.capture()
@@ -403,7 +403,7 @@ def test_a_hook_between_two_layers_ends_the_run_there_and_runs():
         if hooked:
             model.graph_layers()[1].register_forward_pre_hook(lambda *_: calls.append(1))
         graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
-                             generators=get_rng_tracker().generators, links=model_runs(model))
+                             generators=get_rng_tracker().generators, links=model_links(model))
         seq, losses = model.shape.seq_length, []
         for k in range(3):
             if k == 1:
@@ -420,7 +420,7 @@ def test_a_hook_between_two_layers_ends_the_run_there_and_runs():
 def test_a_later_module_called_on_other_tensors_than_its_run_fed_it_is_refused():
     _, model, grads, step = _model_and_step()
     graphs = LayerGraphs(select_modules(model, ["attn", "mlp"]), get_backend("cpu"),
-                         generators=get_rng_tracker().generators, links=model_runs(model))
+                         generators=get_rng_tracker().generators, links=model_links(model))
     seq = model.shape.seq_length
     step(_batches(1, seq, 0))
     graphs.capture()

@@ -60,7 +60,7 @@ its own, even with one slot.
 
 Runs. Where graphed modules run one after the other with nothing in
 between (the model says so: ``graph_runs()`` on its layers and on itself,
-:func:`model_runs`), each fed only by the ones before it (``[attn,mlp]``:
+:func:`model_links`), each fed only by the ones before it (``[attn,mlp]``:
 every layer's attn and mlp, one layer after the other; under
 ``[attn,moe_router,moe_preprocess]``: a layer's combine stage, the next
 layer's attn, router and preprocess stage), they are captured as one forward
@@ -127,7 +127,7 @@ class LayerGraphs:
         self.warmup_calls = warmup_calls
         self.fsdp_modules = list(fsdp_modules)  # unsharded while capturing (their gathered storage is kept)
         # (id(a), id(b)) -> the modules entered or left between them: module b may directly follow module a in a
-        # run replayed as one graph (module docstring, :func:`model_runs`)
+        # run replayed as one graph (module docstring, :func:`model_links`)
         self.may_follow = dict(links or {})
         self.graphs: list[ModuleGraph] = []  # slot 0: a graph per module
         self.slots: list[list[ModuleGraph]] = [self.graphs]  # one list per micro-batch in flight
@@ -485,7 +485,7 @@ def select_modules(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, 
     return picked
 
 
-def model_runs(model: nn.Module, *, across_layers: bool = True) -> dict[tuple[int, int], tuple[nn.Module, ...]]:
+def model_links(model: nn.Module, *, across_layers: bool = True) -> dict[tuple[int, int], tuple[nn.Module, ...]]:
     """Which submodule of ``model`` may directly follow which in a run replayed as one graph: ``(id(a), id(b))``
     -> the modules entered or left between ``a`` and ``b`` (their ancestors below the nearest common one, whose
     hooks would run between them), from the runs ``model``'s layers call one after the other with nothing in
@@ -519,13 +519,13 @@ def apply_layer_graphs(model: nn.Module, settings: CudaGraphSettings, backend: G
 
     ``chunks``: the parts of ``model`` that run their micro-batches each on its own count (the virtual stages of
     a pipeline rank, which share ``model``'s layers); each selected module's chain is the chunk that holds it.
-    ``across_layers``: runs replayed as one graph may span layers (:func:`model_runs`); False keeps each layer's
+    ``across_layers``: runs replayed as one graph may span layers (:func:`model_links`); False keeps each layer's
     gradients ready at the end of its own backward (a data-parallel reduction overlapped with the backward)."""
     modules = select_modules(model, settings.modules)
     return LayerGraphs(modules, backend, semantics=settings.impl, generators=generators,
                        retain_graph=settings.retain_backward_graph,
                        fsdp_modules=prepare_fsdp(model, [m for _, m in modules]),
-                       links=model_runs(model, across_layers=across_layers),
+                       links=model_links(model, across_layers=across_layers),
                        chains=[chunk_holding(m, chunks) for _, m in modules] if len(chunks) > 1 else None)
 
 
