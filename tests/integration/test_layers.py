@@ -354,8 +354,8 @@ class _TwoOutputsModel(nn.Module):
 
 
 def test_an_output_without_a_gradient_gets_zeros_after_backwards_that_gave_it_one():
-    """An output's gradient buffer keeps the zeros of an absent gradient from one backward to the next, and takes
-    zeros again after a backward that brought it a gradient."""
+    """An output whose gradient comes and goes between steps: its buffer holds zeros in every backward that brings
+    it none, also after one that brought it a gradient -- the input and parameter gradients are eager's."""
     def grads(graphed: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         model = _TwoOutputsModel()
         graphs = LayerGraphs(select_modules(model, ["mlp"]), get_backend("cpu")) if graphed else None

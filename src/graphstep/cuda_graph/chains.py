@@ -29,13 +29,12 @@ run handed out for those arguments, in the run's order; anything else is a
 :class:`ContractError` (the work is already done, with the captured inputs).
 
 Exactness. An output that nothing outside the run uses gets no gradient from
-autograd; its gradient buffer holds ``-0.0`` for the backward replay
-(filled once, and again after a backward that brought it a gradient: the
-graph only reads it), and autograd inside the graph adds the run's own
-contribution to it: ``v + (-0.0) == v`` for every float ``v`` (``+0.0``
-would turn a ``-0.0`` into ``+0.0``), so the gradients are eager's bit for
-bit. An output with one use outside and one inside sums the two as eager
-does (addition of two terms commutes exactly).
+autograd; its gradient buffer is then filled with ``-0.0`` before every
+backward replay (graphed_module.py says why every time), and autograd inside
+the graph adds the run's own contribution to it: ``v + (-0.0) == v`` for
+every float ``v`` (``+0.0`` would turn a ``-0.0`` into ``+0.0``), so the
+gradients are eager's bit for bit. An output with one use outside and one
+inside sums the two as eager does (addition of two terms commutes exactly).
 """
 
 from __future__ import annotations

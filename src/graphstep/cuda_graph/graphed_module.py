@@ -118,9 +118,6 @@ class ModuleGraph:
         self.non_differentiable: list[int] = []  # indices of the tensor outputs autograd must not differentiate
         self.outputs: list[torch.Tensor] = []  # the tensor output leaves, in order
         self.grad_out: list[torch.Tensor | None] = []
-        # per output gradient buffer: whether it holds the zeros of an absent gradient (None: another graph's
-        # backward writes it, as its input gradient)
-        self.grad_out_filled: list[bool | None] = []
         self.grad_out_layouts: list[Any] = []  # per output gradient buffer: a DTensor's layout, else None
         self.grad_in: list[torch.Tensor | None] = []
         self.fwd: Graph | None = None
@@ -215,7 +212,6 @@ class ModuleGraph:
         """Capture the backward; ``grad_aliases`` maps a tensor output index to another graph's input gradient."""
         diff_out = [i for i, o in enumerate(self.outputs) if _differentiable(o) and o.requires_grad]
         self.grad_out = [None] * len(self.outputs)
-        self.grad_out_filled = [None] * len(self.outputs)
         leaves = self.static.leaves
         inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         self.grad_targets = [p.main_grad if accumulates_in_graph(p) else None for p in self.params]
@@ -234,7 +230,6 @@ class ModuleGraph:
             for i in diff_out:
                 alias = grad_aliases.get(i)
                 self.grad_out[i] = alias if alias is not None else empty_keeping_layout(self.outputs[i])
-                self.grad_out_filled[i] = False if alias is None else None  # None: another graph writes it
             grads = torch.autograd.grad(
                 [self.outputs[i] for i in diff_out], inputs + self.param_aliases,
                 grad_outputs=[self.grad_out[i] for i in diff_out],
@@ -290,21 +285,16 @@ class ModuleGraph:
     def replay_backward(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[tuple, tuple]:
         """Replay the backward graph: (input gradients, gradients of the returned parameters)."""
         self._check_in_graph_params()
-        filled = self.grad_out_filled
         for i, (static, g, captured) in enumerate(zip(self.grad_out, grads, self.grad_out_layouts)):
             if static is None:
                 continue
             if g is None:
-                # no gradient reached this output: its buffer holds zeros, filled once while no gradient comes (the
-                # backward graph only reads it; a buffer that another graph's backward writes is filled each time)
-                if not filled[i]:
-                    static.fill_(-0.0) if self.absent_grad_negative_zero else static.zero_()
-                    if filled[i] is not None:
-                        filled[i] = True
-                continue
-            if filled[i]:
-                filled[i] = False
-            if captured is None and type(g) is torch.Tensor:  # a plain gradient: the fast path
+                # Before every replay, never once for all: the buffer was allocated in the backward's capture, from
+                # the pool the graphs share, where its memory may be the scratch of a graph captured before it --
+                # whose next replay (the next micro-batch's forward) overwrites it. (Filled once, the MoE partial
+                # scopes' losses left eager's on CUDA at the second replayed step; the CPU backend has no shared pool.)
+                static.fill_(-0.0) if self.absent_grad_negative_zero else static.zero_()
+            elif captured is None and type(g) is torch.Tensor:  # a plain gradient: the fast path
                 if g.data_ptr() != static.data_ptr():
                     static.copy_(g)
             elif layout(g) != captured:
@@ -348,7 +338,7 @@ class ModuleGraph:
         self.out_leaves, self.outputs = [], []
         self.single_output, self.non_differentiable = False, []
         self.grad_out, self.grad_in, self.grad_targets, self.param_aliases = [], [], [], []
-        self.grad_out_layouts, self.grad_out_filled = [], []
+        self.grad_out_layouts = []
         self.param_grads, self.returned, self.in_graph = [], [], []
         self.watched = []
         self.pending_backward = False
