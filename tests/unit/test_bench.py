@@ -153,7 +153,8 @@ def test_bench_needs_a_gpu():
 
 def _doc() -> dict:
     rows = [Row("eager", step_ms=20.0, busy_ms=3.0, kernels=900, peak_allocated_gib=1.0),
-            Row("full_iteration", step_ms=3.3, busy_ms=3.0, kernels=900, peak_allocated_gib=1.05, capture_s=0.2),
+            Row("full_iteration", step_ms=3.3, busy_ms=3.0, kernels=900, peak_allocated_gib=1.05, capture_s=0.2,
+                issue_ms=0.8),
             Row("local[attn,mlp]", step_ms=6.0, busy_ms=3.1, kernels=902, peak_allocated_gib=1.02),
             Row("compile[reduce-overhead]", error="RuntimeError: boom\nsecond line")]
     finish(rows, tokens_per_step=1024, flops_per_step=1e12, peak_tflops=800.0)
@@ -179,7 +180,7 @@ def test_table_markdown_and_chart(tmp_path):
 
     doc = _doc()
     md = markdown_table(doc)
-    assert "| full_iteration | 3.300 | 3.000 | 0.300 | 900 | - | 6.06x | 1.10x |" in md
+    assert "| full_iteration | 3.300 | 3.000 | 0.300 | 0.800 | 900 | - | 6.06x | 1.10x |" in md
     assert "| compile[reduce-overhead] | failed: RuntimeError: boom |" in md
     console = Console(width=200, record=True)
     console.print(table(doc))
@@ -207,6 +208,26 @@ def test_host_sync_counter_counts_synchronizing_calls_not_the_prototype_notice(m
 
     assert harness.count_host_syncs(step, iter(())) == 1
     assert harness.count_host_syncs(lambda data: None, iter(())) == 0
+
+
+def test_issue_time_is_the_hosts_own_time_with_the_device_drained_before_each_step(monkeypatch):
+    """The device is synchronised before every step (so no launch waits for queue room) and the host clock runs
+    around the step alone: the median of the steps' host times, whatever the synchronisations cost."""
+    import time
+
+    from graphstep.bench import harness
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (events.append("sync"), time.sleep(0.02)))
+    delays = iter([0.001, 0.004, 0.002])
+
+    def step(data):
+        events.append("step")
+        time.sleep(next(delays))
+
+    ms = harness.issue_time(step, iter(()), iters=3, device=torch.device("cpu"))
+    assert events == ["sync", "step"] * 3 + ["sync"]
+    assert 2.0 <= ms < 4.0  # the middle step's 2 ms (sleep overshoots a little), none of the 20 ms syncs
 
 
 def _busy_host_work(n: int) -> int:
@@ -565,7 +586,7 @@ def test_multi_rank_results_name_the_ranks_and_each_rows_layout(tmp_path):
     lines = md.splitlines()
     assert lines[4].startswith("| eager |") and lines[4].endswith("| 6.2% | - | - |")  # no peer, no layout recorded
     assert lines[5].startswith("| full_iteration |") and lines[5].endswith("| 2 data-parallel ranks, global batch 8 |")
-    assert lines[7] == "| compile[reduce-overhead] | failed: RuntimeError: boom | | | | | | | | | | | | - |"
+    assert lines[7] == "| compile[reduce-overhead] | failed: RuntimeError: boom | | | | | | | | | | | | | - |"
     from rich.console import Console
 
     from graphstep.bench.run import result_stem
@@ -680,7 +701,7 @@ def test_rounds_interleave_the_rows_and_compare_each_with_its_peer_round_by_roun
     text = console.export_text()
     assert "4.000-7.000" in text and "ahead in 2/3" in text
     header = next(line for line in text.splitlines() if "┃ row" in line)
-    assert header.count("┃") == 16  # 15 columns: the failed row adds none
+    assert header.count("┃") == 17  # 16 columns: the failed row adds none
     path = write_results(doc, tmp_path)
     assert path.name == "small_dense_bench_Test-GPU_2026-12-05_rounds3.json"
     with pytest.raises(ValueError, match="rounds >= 1"):

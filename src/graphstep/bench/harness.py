@@ -95,6 +95,8 @@ class Row:
     host_ops: list[dict[str, Any]] = field(default_factory=list)  # ``--host-profile``: :func:`host_ops`
     # filled in by finish()
     host_ms: float | None = None
+    # the host's time to issue one step with the device idle (:func:`issue_time`): over busy_ms, the row is host-bound
+    issue_ms: float | None = None
     peer: str | None = None  # the row of another library doing the same job (:func:`peer_of`)
     vs_peer: float | None = None  # step / the peer's step: the median over rounds of each round's ratio
     vs_peer_rounds: list[float] = field(default_factory=list)
@@ -235,6 +237,22 @@ def busy_time(step: Callable[[Iterator[Any]], Any], data: Iterator[Any], *, iter
     return total_us / 1e3 / iters, round(kernels / iters)
 
 
+def issue_time(step: Callable[[Iterator[Any]], Any], data: Iterator[Any], *, iters: int,
+               device: torch.device) -> float:
+    """The host's time to issue one step (ms, the median of ``iters``): the device is drained before each step, so
+    no launch waits for room in its queue and the host clock measures the host's own work (a step that waits on the
+    device -- a host sync -- counts that wait too). A row whose issue time is over its GPU-busy time is host-bound:
+    its step time is the host's."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step(data)
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize(device)
+    return statistics.median(times)
+
+
 SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")
 
 
@@ -366,6 +384,7 @@ def measure(name: str, build: Callable[[], tuple[Callable, Iterator[Any], Callab
         row.peak_allocated_gib = torch.cuda.max_memory_allocated(device) / GiB
         row.peak_reserved_gib = torch.cuda.max_memory_reserved(device) / GiB
         row.busy_ms, row.kernels = busy_time(step, data, iters=profile_iters, device=device)
+        row.issue_ms = issue_time(step, data, iters=profile_iters, device=device)
         row.host_syncs = count_host_syncs(step, data)
         if host_top > 0:
             row.host_profile = host_profile(step, data, iters=profile_iters, top=host_top, device=device)
@@ -402,7 +421,7 @@ def eager_reference(name: str, measured: set[str]) -> str:
 def combine_rounds(rounds: list[Row]) -> Row:
     """One row from its measurements in successive rounds (``graphstep bench --rounds``).
 
-    The step and GPU-busy times are the medians over the rounds (``step_ms_rounds`` keeps each round's),
+    The step, GPU-busy and issue times are the medians over the rounds (``step_ms_rounds`` keeps each round's),
     peak memory and host syncs the largest seen, the capture time the median; a row that failed in any
     round is failed, with that round's error.
     """
@@ -421,6 +440,8 @@ def combine_rounds(rounds: list[Row]) -> Row:
     row.busy_ms = statistics.median(busy) if busy else None
     captures = [r.capture_s for r in rounds if r.capture_s is not None]
     row.capture_s = statistics.median(captures) if captures else None
+    issues = [r.issue_ms for r in rounds if r.issue_ms is not None]
+    row.issue_ms = statistics.median(issues) if issues else None
     for name in ("peak_allocated_gib", "peak_reserved_gib", "host_syncs"):
         values = [getattr(r, name) for r in rounds if getattr(r, name) is not None]
         setattr(row, name, max(values) if values else None)

@@ -401,19 +401,19 @@ def table(doc: dict[str, Any]) -> Any:
     t = Table(title=f"{doc['recipe']} on {gpus(doc)} (torch {env['torch']}, CUDA {env['cuda']}, {env['date']})")
     rounds = _rounds(doc)
     spread = ("rounds min-max",) if rounds > 1 else ()
-    for col in ("row", "step ms", *spread, "busy ms", "host ms", "kernels", "speed-up", "step/floor", "vs peer",
-                "peak GiB", "mem/eager", "capture s", "tok/s", "TFLOP/s", "MFU") + (("layout",) if multi else ()):
+    for col in ("row", "step ms", *spread, "busy ms", "host ms", "issue ms", "kernels", "speed-up", "step/floor",
+                "vs peer", "peak GiB", "mem/eager", "capture s", "tok/s", "TFLOP/s", "MFU") + (("layout",) if multi else ()):
         t.add_column(col, justify="right" if col not in ("row", "layout", "vs peer") else "left")
     for r in doc["rows"]:
         name = escape(r["name"])  # "local[attn,mlp]" is not rich markup
         layout = (escape(_layout(r)),) if multi else ()
         if r["error"]:
-            t.add_row(name, f"error: {escape(r['error'][:80])}", *[""] * (12 + len(spread)), *layout)
+            t.add_row(name, f"error: {escape(r['error'][:80])}", *[""] * (13 + len(spread)), *layout)
             continue
         t.add_row(
             name, _f(r["step_ms"], 3), *((_spread(r),) if spread else ()), _f(r["busy_ms"], 3), _f(r["host_ms"], 3),
-            str(r["kernels"]), _f(r["speedup"], 2, "x"), _f(r["floor_ratio"], 2, "x"), escape(_vs_peer(r)),
-            _f(r["peak_allocated_gib"], 2), _f(r["memory_vs_eager"], 2, "x"), _f(r["capture_s"], 2),
+            _f(r.get("issue_ms"), 3), str(r["kernels"]), _f(r["speedup"], 2, "x"), _f(r["floor_ratio"], 2, "x"),
+            escape(_vs_peer(r)), _f(r["peak_allocated_gib"], 2), _f(r["memory_vs_eager"], 2, "x"), _f(r["capture_s"], 2),
             _f(r["tokens_per_s"], 0), _f(r["tflops"], 1), _f(r["mfu"] * 100 if r["mfu"] else None, 1, "%"), *layout,
         )
     return t
@@ -452,18 +452,19 @@ def markdown_table(doc: dict[str, Any]) -> str:
                  "median of each round's ratio (range, rounds ahead of the peer)\n\n")
     extra = (" layout |", "---|") if world > 1 else ("", "")  # each row's ranks and global batch
     spread = (" rounds min-max ms |", "---|") if rounds > 1 else ("", "")
-    lines = ["| row | step ms | GPU-busy ms | host ms | kernels | host syncs | speed-up | step/floor | peak GiB "
-             "| mem/eager | capture s | MFU | vs peer |" + spread[0] + extra[0],
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + spread[1] + extra[1]]
+    lines = ["| row | step ms | GPU-busy ms | host ms | issue ms | kernels | host syncs | speed-up | step/floor "
+             "| peak GiB | mem/eager | capture s | MFU | vs peer |" + spread[0] + extra[0],
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + spread[1] + extra[1]]
     for r in doc["rows"]:
         layout = f" {_layout(r)} |" if world > 1 else ""
         gap = " |" if rounds > 1 else ""
         if r["error"]:
-            lines.append(f"| {r['name']} | failed: {r['error'].splitlines()[0][:120]} | | | | | | | | | | | |"
+            lines.append(f"| {r['name']} | failed: {r['error'].splitlines()[0][:120]} | | | | | | | | | | | | |"
                          f"{gap}{layout}")
             continue
         lines.append(
-            f"| {r['name']} | {_f(r['step_ms'], 3)} | {_f(r['busy_ms'], 3)} | {_f(r['host_ms'], 3)} | {r['kernels']} "
+            f"| {r['name']} | {_f(r['step_ms'], 3)} | {_f(r['busy_ms'], 3)} | {_f(r['host_ms'], 3)} "
+            f"| {_f(r.get('issue_ms'), 3)} | {r['kernels']} "
             f"| {'-' if r.get('host_syncs') is None else r['host_syncs']} "
             f"| {_f(r['speedup'], 2, 'x')} | {_f(r['floor_ratio'], 2, 'x')} | {_f(r['peak_allocated_gib'], 3)} "
             f"| {_f(r['memory_vs_eager'], 2, 'x')} | {_f(r['capture_s'], 2)} "
