@@ -62,6 +62,29 @@ def test_schedule_shape():
     assert LRSchedule(1.0, 0.0, 2, 10, "constant").at(7) == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("style", ["cosine", "linear", "constant"])
+def test_the_lr_comes_from_the_schedule_table_past_its_end_too(style, monkeypatch):
+    """The optimizer reads its LR from a table of the schedule (one index, not the formula's dozen kernels): every
+    update's LR is the formula's, after the decay too (the table's last entry), and without a table (a schedule
+    longer than ``LR_TABLE_MAX``) the formula runs and gives the same LRs."""
+    from graphstep.training import optim
+
+    sched = LRSchedule(1e-2, 1e-3, warmup_iters=3, decay_iters=7, style=style)
+    lrs = {}
+    for table in (True, False):
+        if not table:
+            monkeypatch.setattr(optim, "LR_TABLE_MAX", 4)
+        m = _model()
+        grads = GradBuffers(m)
+        opt = AdamW(m, grads, sched, fused=False)
+        assert (opt.lr_table is not None) == table
+        lrs[table] = [float(opt.step()["lr"]) for _ in range(12)]  # updates 1 to 12: the schedule ends at 7
+    assert lrs[True] == pytest.approx([sched.at(k) for k in range(1, 13)], rel=1e-6)
+    assert lrs[True] == pytest.approx(lrs[False], rel=1e-6)
+    assert lrs[True][-1] == pytest.approx(1e-2 if style == "constant" else 1e-3, rel=1e-6)
+    assert len(set(lrs[True][7:])) == 1  # past the end: the last entry
+
+
 def test_skip_on_nonfinite_leaves_everything_unchanged():
     m = _model()
     grads = GradBuffers(m)

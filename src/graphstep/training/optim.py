@@ -9,7 +9,8 @@ weights in the optimizer, and fp32 gradient buffers at fixed addresses:
   micro-batches happens in fp32 at addresses a graph can capture. The flat
   buffer is what data-parallel reduction all-reduces.
 * :class:`AdamW` -- the step counter and the learning rate are device tensors;
-  the LR schedule is computed on the device from the step counter, the global
+  the LR is read on the device from a table of the schedule indexed by the step
+  counter (one kernel instead of the formula's dozen), the global
   gradient norm and clipping stay on the device, and a non-finite norm can
   skip the update in place. Nothing reads a device value on the host, so the
   whole step can be captured (``optimizer.optimizer_cuda_graph``). On CUDA the
@@ -80,8 +81,9 @@ class GradBuffers:
     def zero(self) -> None:
         self.flat.zero_()
 
-    def norm(self) -> torch.Tensor:
-        """The L2 norm of the whole gradient: this rank's buffer, or summed over the mesh (no host read).
+    def norm(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The L2 norm of the whole gradient: this rank's buffer, or summed over the mesh (no host read); written
+        into ``out`` (a float32 scalar) when given.
 
         Per gradient tensor, then their squares summed, on one rank as over a mesh: torch's CPU
         ``vector_norm`` of the whole fp32 buffer at once came out 6e-5 below the float64 norm on a tiny MoE
@@ -93,7 +95,7 @@ class GradBuffers:
             square = torch.zeros((), dtype=torch.float32, device=self.flat.device)
         if self.mesh is not None:
             dist.all_reduce(square, op=dist.ReduceOp.SUM)  # every rank of the mesh: the default group
-        return square.sqrt()
+        return square.sqrt() if out is None else torch.sqrt(square, out=out)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -111,6 +113,9 @@ def _accumulate_main_grad(p: torch.Tensor) -> None:
 # Per-layer graphs may add the gradient into main_grad inside the backward graph instead
 # of returning it to autograd: this hook does nothing else, so skipping it is unobservable.
 setattr(_accumulate_main_grad, MAIN_GRAD_HOOK_FLAG, True)
+
+
+LR_TABLE_MAX = 1 << 24  # entries (64 MiB of float32; exact update numbers in float32 up to 2**24)
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,15 @@ class LRSchedule:
     def at(self, step: int) -> float:
         """The same schedule on the host (for docs and tests)."""
         return float(self(torch.tensor(float(step))))
+
+    def table(self, device: torch.device | str) -> torch.Tensor | None:
+        """The LR of every update number from 0 to the last one where the schedule still changes, as a float32
+        tensor on ``device`` (each entry computed by :meth:`__call__`); later updates take the last entry. None when
+        that would be over ``LR_TABLE_MAX`` entries: the optimizer then computes the schedule every step."""
+        n = max(self.warmup_iters, self.decay_iters) + 2
+        if n > LR_TABLE_MAX:
+            return None
+        return self(torch.arange(n, dtype=torch.float32, device=device))
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
@@ -185,6 +199,7 @@ class AdamW:
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
         self.step_t = torch.zeros((), dtype=torch.float32, device=device)
         self.lr_t = torch.zeros((), dtype=torch.float32, device=device)
+        self.lr_table = schedule.table(device)
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
         self.found = torch.zeros((), dtype=torch.float32, device=device)
         decay = [not _no_decay(names.get(id(p), ""), p) for p in grads.params]
@@ -216,13 +231,12 @@ class AdamW:
     def step(self, extra_nonfinite: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Clip, schedule and update; no host sync anywhere."""
         grads = self.grads.grads
-        norm = self.grads.norm()
-        self.grad_norm.copy_(norm)
+        norm = self.grads.norm(out=self.grad_norm)
         if self.check_nonfinite:
-            bad = ~torch.isfinite(norm)
-            if extra_nonfinite is not None:
-                bad = bad | (extra_nonfinite != 0)
-            self.found.copy_(bad.float())
+            if extra_nonfinite is None:
+                torch.logical_not(torch.isfinite(norm), out=self.found)  # 1.0 where not finite, into the flag
+            else:
+                self.found.copy_((~torch.isfinite(norm) | (extra_nonfinite != 0)).float())
         if self.clip_grad > 0:
             coef = (self.clip_grad / (norm + 1e-6)).clamp(max=1.0)
             self.grads.flat.mul_(coef)
@@ -230,7 +244,7 @@ class AdamW:
             self.step_t.add_(1.0 - self.found)
         else:
             self.step_t.add_(1.0)
-        self.lr_t.copy_(self.schedule(self.step_t))
+        self._set_lr()
         skip = self.found if self.skip_on_nonfinite else None
         for group, wd in zip(self.groups, (self.weight_decay, 0.0)):
             if group:
@@ -240,6 +254,14 @@ class AdamW:
         if not self.check_nonfinite:
             return {"grad_norm": self.grad_norm, "lr": self.lr_t}
         return {"grad_norm": self.grad_norm, "lr": self.lr_t, "found_nonfinite": self.found}
+
+    def _set_lr(self) -> None:
+        """``lr_t`` = the schedule at ``step_t``: the table's entry (three kernels), or the formula without a table."""
+        if self.lr_table is None:
+            self.lr_t.copy_(self.schedule(self.step_t))
+            return
+        index = self.step_t.long().clamp_(max=len(self.lr_table) - 1)
+        torch.index_select(self.lr_table, 0, index.view(1), out=self.lr_t.view(1))
 
     def _copy_back(self) -> None:
         pairs = [(p, m) for p, m, c in zip(self.model_params, self.master, self.needs_copy_back) if c]
