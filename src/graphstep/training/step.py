@@ -96,11 +96,12 @@ class TrainStep:
             loss = self.model(mb["tokens"], mb["labels"], mb.get("loss_mask"), **packed_rows(mb))
             if arm is not None and i == n - 1:
                 arm()
-            (loss / n).backward(retain_graph=self.retain_graph)
+            # x / 1 is x exactly, and so is the gradient it passes back: one micro-batch skips the two kernels
+            (loss if n == 1 else loss / n).backward(retain_graph=self.retain_graph)
             total.add_(loss.detach())
 
     def _mean(self, total: torch.Tensor, n: int) -> torch.Tensor:
-        return total / n
+        return total if n == 1 else total / n  # the step's own tensor either way
 
 
 class EvalStep:
