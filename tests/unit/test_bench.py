@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphstep.bench.harness import Row, finish
+from graphstep.bench.harness import Row, finish, peer_of
 from graphstep.bench.run import (
     DENSE_ROWS,
     HYBRID_ROWS,
@@ -38,6 +38,11 @@ def test_row_overrides():
     assert "model.cuda_graph_modules=[attn,mlp]" in row_overrides("te[attn,mlp]")
     assert "model.cuda_graph_modules=[]" in row_overrides("local[]")
     assert "optimizer.optimizer_cuda_graph=true" in row_overrides("full_iteration+optimizer")
+    # a per-layer row with the optimizer step captured too; its peer ran the optimizer eagerly: none
+    with_opt = row_overrides("local[attn,mlp]+optimizer")
+    assert with_opt == row_overrides("local[attn,mlp]") + ["optimizer.optimizer_cuda_graph=true"]
+    assert peer_of("local[attn,mlp]+optimizer", {"make_graphed_callables"}) is None
+    assert row_overrides("make_graphed_callables+optimizer") is None
     assert "model.cuda_graph_impl=full_iteration" in row_overrides("compile+full_iteration")
     assert row_overrides("manual_graph") is None and row_overrides("compile[reduce-overhead]") is None
 

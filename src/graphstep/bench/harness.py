@@ -455,6 +455,8 @@ def peer_of(name: str, names: set[str]) -> str | None:
     ``fp8_delayed_``, ``compile+fp8_``) against the same row in bf16, a ``lora_`` row against the same row
     fine-tuning every weight."""
     fp8 = re.match(r"(compile\+)?(fp8_delayed_|fp8_)", name)
+    if name.endswith("+optimizer") and name != "full_iteration+optimizer":
+        return None  # the peers of per-layer rows run their optimizer eagerly: not the same job
     if fp8:  # an FP8 row against the same row in bf16
         peer = (fp8.group(1) or "") + name[fp8.end():]
     elif name.startswith("lora_"):  # LoRA against full fine-tuning

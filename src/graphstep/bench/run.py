@@ -72,6 +72,7 @@ FP8_DELAYED_OVERRIDES = ["mixed_precision.fp8=hybrid", "mixed_precision.fp8_reci
 FP8_ROWS = ["eager", "full_iteration", "local[attn,mlp]", "compile+full_iteration", "fp8_eager", "fp8_full_iteration",
             "fp8_local[attn,mlp]", "compile+fp8_full_iteration", "fp8_delayed_full_iteration",
             "compile+fp8_delayed_full_iteration"]
+OPTIMIZER_SUFFIX = "+optimizer"  # ``local[attn,mlp]+optimizer``: the row with optimizer.optimizer_cuda_graph=true
 NO_GRAPH = ["model.cuda_graph_impl=none", "model.cuda_graph_modules=[]", "optimizer.optimizer_cuda_graph=false"]
 REFUSED = "refused"  # the note of a row the config rules refused (not built)
 # What each peer row captures, so a comparison with graphstep's rows is read fairly (shown under the tables).
@@ -117,6 +118,9 @@ def row_overrides(name: str, world_size: int = 1) -> list[str] | None:
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration"]
     if name == "full_iteration+optimizer":
         return NO_GRAPH + ["model.cuda_graph_impl=full_iteration", "optimizer.optimizer_cuda_graph=true"]
+    if name.endswith(OPTIMIZER_SUFFIX):  # a per-layer row with the optimizer step captured too
+        inner = row_overrides(name[: -len(OPTIMIZER_SUFFIX)], world_size)
+        return None if inner is None else inner + ["optimizer.optimizer_cuda_graph=true"]
     if name.startswith(FP8_DELAYED_PREFIX):  # the row in FP8 with delayed scaling: converters/fp8_delayed.py
         inner = row_overrides(name[len(FP8_DELAYED_PREFIX):], world_size)
         return None if inner is None else inner + FP8_DELAYED_OVERRIDES
