@@ -12,10 +12,11 @@ are read around a few calls only: the whole step (the row's issue time), the
 optimizer step, the graph launches (``Graph.replay``: ``cudaGraphLaunch``), the
 per-layer graphs' replay calls (``ModuleGraph.replay_forward`` /
 ``replay_backward``, the launch included) and ``Tensor.backward`` (the layer
-backward replays run inside it). The rest of
-the step (the model's eager forward and the loss, the data copies, the
-gradient zeroing) is the difference. Medians per step, in ms. Writes
-``host_breakdown_<recipe>_<gpu>_<date>.json`` and the table as ``.md`` to ``--out``, and prints the table.
+backward replays run inside it). The rest of the step (the model's eager
+forward and the loss, the data copies, the gradient zeroing; with an
+optimizer graph beside layer graphs, its launch) is the difference. Medians
+per step, in ms. Writes ``host_breakdown_<recipe>_<gpu>_<date>.json`` and the
+table as ``.md`` to ``--out``, and prints the table.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def main() -> None:
             clocks.wrap(cls, "replay", "graph launches")
     base = get_recipe(args.recipe)
     results = [breakdown(r, base, device, args.iters, clocks) for r in split_rows(args.rows)]
-    doc = {"recipe": args.recipe, "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    doc = {"recipe": args.recipe, "gpu": gpu, "torch": torch.__version__,
            "date": datetime.date.today().isoformat(), "iters": args.iters, "rows": results,
            "note": "host ms per step, medians, the device drained before each step; 'backward' is Tensor.backward "
                    "(the layer backward replays run inside it); 'graph launches' are inside the layer replays, or "

@@ -756,3 +756,33 @@ def test_packed_attention_without_a_gpu_says_so(tmp_path, capsys):
 
     assert main(["--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().out and not list(tmp_path.iterdir())
+
+
+def test_host_breakdown_clocks_count_the_outermost_call_once():
+    """benchmarks/host_breakdown.py's clocks: a wrapped call inside another of the same part (a layer replay inside a
+    replay, the launch inside both) is time the outer one already counts."""
+    import importlib.util
+    import time
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "host_breakdown.py"
+    spec = importlib.util.spec_from_file_location("host_breakdown", script)
+    hb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hb)
+
+    class Work:
+        def inner(self):
+            time.sleep(0.002)
+
+        def outer(self):
+            time.sleep(0.002)
+            self.inner()
+
+    clocks = hb.Clocks()
+    clocks.wrap(Work, "inner", "part")
+    clocks.wrap(Work, "outer", "part")
+    Work().outer()
+    Work().inner()
+    assert clocks.calls["part"] == 2  # the outer call and the lone inner one; the nested inner call is not counted
+    assert 0.006 <= clocks.spent["part"] < 0.05
+    clocks.reset()
+    assert not clocks.spent and not clocks.calls

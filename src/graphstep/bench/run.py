@@ -405,8 +405,9 @@ def table(doc: dict[str, Any]) -> Any:
     t = Table(title=f"{doc['recipe']} on {gpus(doc)} (torch {env['torch']}, CUDA {env['cuda']}, {env['date']})")
     rounds = _rounds(doc)
     spread = ("rounds min-max",) if rounds > 1 else ()
-    for col in ("row", "step ms", *spread, "busy ms", "host ms", "issue ms", "kernels", "speed-up", "step/floor",
-                "vs peer", "peak GiB", "mem/eager", "capture s", "tok/s", "TFLOP/s", "MFU") + (("layout",) if multi else ()):
+    columns = ("row", "step ms", *spread, "busy ms", "host ms", "issue ms", "kernels", "speed-up", "step/floor",
+               "vs peer", "peak GiB", "mem/eager", "capture s", "tok/s", "TFLOP/s", "MFU")
+    for col in columns + (("layout",) if multi else ()):
         t.add_column(col, justify="right" if col not in ("row", "layout", "vs peer") else "left")
     for r in doc["rows"]:
         name = escape(r["name"])  # "local[attn,mlp]" is not rich markup
@@ -417,8 +418,8 @@ def table(doc: dict[str, Any]) -> Any:
         t.add_row(
             name, _f(r["step_ms"], 3), *((_spread(r),) if spread else ()), _f(r["busy_ms"], 3), _f(r["host_ms"], 3),
             _f(r.get("issue_ms"), 3), str(r["kernels"]), _f(r["speedup"], 2, "x"), _f(r["floor_ratio"], 2, "x"),
-            escape(_vs_peer(r)), _f(r["peak_allocated_gib"], 2), _f(r["memory_vs_eager"], 2, "x"), _f(r["capture_s"], 2),
-            _f(r["tokens_per_s"], 0), _f(r["tflops"], 1), _f(r["mfu"] * 100 if r["mfu"] else None, 1, "%"), *layout,
+            escape(_vs_peer(r)), _f(r["peak_allocated_gib"], 2), _f(r["memory_vs_eager"], 2, "x"),
+            _f(r["capture_s"], 2), _f(r["tokens_per_s"], 0), _f(r["tflops"], 1), _f(r["mfu"] * 100 if r["mfu"] else None, 1, "%"), *layout,
         )
     return t
 

@@ -10,7 +10,7 @@ weights in the optimizer, and fp32 gradient buffers at fixed addresses:
   buffer is what data-parallel reduction all-reduces.
 * :class:`AdamW` -- the step counter and the learning rate are device tensors;
   the LR is read on the device from a table of the schedule indexed by the step
-  counter (one kernel instead of the formula's dozen), the global
+  counter (three kernels instead of the formula's thirteen), the global
   gradient norm and clipping stay on the device, and a non-finite norm can
   skip the update in place. Nothing reads a device value on the host, so the
   whole step can be captured (``optimizer.optimizer_cuda_graph``). On CUDA the
