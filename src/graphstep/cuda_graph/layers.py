@@ -20,7 +20,15 @@ that depends on the semantics, a per-layer :class:`~.settings.GraphImpl`
   the order they ran during warm-up, then all backwards in reverse order.
 
 For a plain forward/backward over a stack of layers the two orders coincide;
-the log says which semantics ran. Capture must not change training state:
+the log says which semantics ran. In one pool, a graph may reuse as scratch the
+memory a graph captured before it freed, and a tensor made during a capture
+and kept (an output, a gradient buffer) may lie in what an earlier-captured
+graph uses as scratch. So the replays follow the capture order, and such a
+tensor holds what was written into it only until the next replay of a graph
+captured before its own -- the next micro-batch's first: what the host writes
+into one (the incoming gradients, an absent gradient's zeros) it writes before
+every replay that reads it, never once for all (on CUDA; the CPU replay
+backend has no shared pool, so only the cuda tests can show a breach). Capture must not change training state:
 the module buffers, the gradient buffers and the RNG streams are saved before
 and restored after (on a GPU nothing executes during capture anyway; the CPU
 replay backend executes and is restored by the backend, this is a second
