@@ -117,6 +117,8 @@ from .torch_compat import (FakeTensor, TorchDispatchMode, below_autograd_outside
 
 __all__ = ["ReplayBackend", "host_sync_reason", "record_host_op"]
 
+POOL_GARBAGE = 0xFF  # the byte a shared pool's reuse is modelled with (_Tape._overwrite_later_allocations)
+
 aten = torch.ops.aten
 
 def _active_recorder() -> "_Recorder | None":
@@ -130,7 +132,7 @@ def _active_recorder() -> "_Recorder | None":
 class _Tape(Graph):
     """A recorded region: replayable entries, grouped in runs recorded under the same grad mode."""
 
-    def __init__(self, backend: "ReplayBackend", name: str) -> None:
+    def __init__(self, backend: "ReplayBackend", name: str, pool: list["_Tape"] | None = None) -> None:
         self.backend = backend
         self.name = name
         self.report: CaptureReport | None = None
@@ -139,6 +141,8 @@ class _Tape(Graph):
         self.num_ops = 0
         self._captured = False
         self._first: list[Callable[[], None]] | None = None  # entries run before everything recorded
+        self.pool = pool  # the captured tapes of its shared pool, in capture order (None: a pool of its own)
+        self.allocated: list[torch.Tensor] = []  # byte views of the memory its capture allocated (empty & co.)
 
     @property
     def captured(self) -> bool:
@@ -163,17 +167,34 @@ class _Tape(Graph):
         # Below autograd (nothing is recorded for backward, in-place writes to leaves are legal), outside
         # autocast (the casts were recorded), and in each op's recorded grad mode: the kernels take the
         # paths they took when recorded.
+        if self.pool is not None and self in self.pool:
+            self._overwrite_later_allocations()
         with below_autograd_outside_autocast():
             for grad, run in self.runs:
                 with torch.set_grad_enabled(grad):
                     for entry in run:
                         entry()
 
+    def _overwrite_later_allocations(self) -> None:
+        """What a shared CUDA pool may do at this replay: write this graph's scratch over memory that a graph
+        captured after it allocated (``torch.empty`` and its kind) and still holds, since the allocator may
+        have handed it that memory when this graph's capture freed it. Those bytes become 0xFF (NaN in every
+        float format), so code that reads such a buffer before writing it again -- a gradient buffer filled once
+        by the host instead of before every backward replay -- fails its comparison with eager here too, as it
+        can on a GPU. Memory the later graph's own ops write (their results, a recorded fill) is written again
+        when it replays; storages a capture allocates by resizing (FSDP2's) are left alone."""
+        for later in self.pool[self.pool.index(self) + 1:]:
+            for buffer in later.allocated:
+                buffer.fill_(POOL_GARBAGE)
+
     def reset(self) -> None:
         self.runs = []
         self.keep = []
+        self.allocated = []
         self._first = None
         self._captured = False
+        if self.pool is not None and self in self.pool:
+            self.pool.remove(self)
 
 
 def _refill_entry(func, args, kwargs, out, positions: tuple[int, ...]) -> Callable[[], None]:
@@ -258,6 +279,8 @@ class _Recorder(TorchDispatchMode):
         self.sized: set[int] = set()
         self.backup = StateBackup()  # memory that existed before the capture, restored when it ends
         self.issued: dict[int, _Communication] = {}  # id of a c10d op's Work -> the tape entry that re-runs it
+        self.allocations: list[torch.Tensor] = []  # what empty & co. returned during the capture
+        self.resized: set[int] = set()  # addresses of the storages a recorded resize allocated
 
     def _note_created(self, out: Any) -> None:
         for t in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
@@ -266,6 +289,17 @@ class _Recorder(TorchDispatchMode):
 
     def restore(self) -> None:
         self.backup.restore()
+
+    def allocated_memory(self) -> list[torch.Tensor]:
+        """A byte view of each storage the capture allocated with empty & co. and did not resize (one per storage)."""
+        views: dict[int, torch.Tensor] = {}
+        for t in self.allocations:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in views and key not in self.resized and storage.nbytes():
+                views[key] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                    storage, 0, (storage.nbytes(),), (1,))
+        return list(views.values())
 
     def _fail(self, func, category: str, reason: str) -> None:
         optimizer = _optimizer_in_stack()
@@ -308,6 +342,7 @@ class _Recorder(TorchDispatchMode):
         if kind in ("view", "alloc", "host_only"):
             if kind == "alloc":
                 self._note_created(out)
+                self.allocations += [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             tape.keep.append(out)
         elif is_collective(func):
             self._communication(func, args, kwargs, out)
@@ -350,6 +385,7 @@ class _Recorder(TorchDispatchMode):
     def note_storage(self, storage: torch.UntypedStorage) -> None:
         """A storage (re)allocated by the captured work itself: never backed up or restored."""
         self.created.add(storage.data_ptr())
+        self.resized.add(storage.data_ptr())
         self._sized(storage)  # allocated by a recorded resize: replay repeats that resize
 
     def _sized(self, storage: torch.UntypedStorage) -> None:
@@ -425,8 +461,12 @@ class ReplayBackend(GraphBackend):
 
     name = "replay"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pool: list[_Tape] = []  # the shared pool's captured tapes, in capture order
+
     def new_graph(self, name: str, *, shared_pool: bool = True) -> Graph:
-        return self._track(_Tape(self, name))
+        return self._track(_Tape(self, name, self.pool if shared_pool else None))
 
     @contextlib.contextmanager
     def capture(self, graph: Graph, generators: Iterable[torch.Generator] = ()) -> Iterator[None]:
@@ -454,6 +494,9 @@ class ReplayBackend(GraphBackend):
         graph.report = CaptureReport(graph.name, time.perf_counter() - t0, 0, held, 0, held)
         self.reports.append(graph.report)
         graph._captured = True
+        graph.allocated = recorder.allocated_memory()
+        if graph.pool is not None:
+            graph.pool.append(graph)  # capture order: a later capture may reuse what this one freed
 
     def memory(self) -> tuple[int, int]:
         held = sum(_held_bytes(g.keep) for g in self.live_graphs() if isinstance(g, _Tape))
