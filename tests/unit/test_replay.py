@@ -145,3 +145,44 @@ def test_replay_keeps_each_recorded_grad_mode():
     graph.replay()
     assert modes == [True, False, True, False]
     assert torch.equal(out, torch.full((2,), 6.0)) and x.grad is None  # replay builds no autograd graph
+
+
+def test_a_replay_overwrites_what_later_captured_graphs_of_its_pool_allocated_as_a_shared_cuda_pool_may():
+    """One shared pool, as the CUDA backend has: graph ``w`` captured before graph ``x``. What ``x``'s capture
+    allocated with ``empty`` (a buffer the host fills, e.g. an incoming gradient) may be memory ``w`` used as
+    scratch, so every replay of ``w`` leaves garbage there (0xFF bytes: NaN): written once by the host and read
+    after ``w`` replays again, it is wrong here as it can be on a GPU. Written before each replay of ``x``, it is
+    right; what ``x``'s own ops write is written again by ``x``; a graph with its own pool is not touched."""
+    backend = get_backend("cpu")
+    a = torch.arange(4.0)
+    w = backend.new_graph("w")
+    with backend.capture(w):
+        w_out = (a * 2).sum()
+    x = backend.new_graph("x")
+    with backend.capture(x):
+        held = torch.empty(4)  # allocated in x's capture, filled by the host
+        own = torch.empty(4).fill_(3.0)  # allocated and filled by x's own (recorded) op
+        x_out = held * own
+    apart = backend.new_graph("apart", shared_pool=False)
+    with backend.capture(apart):
+        apart_held = torch.empty(2)
+    try:
+        held.fill_(1.0)
+        apart_held.fill_(5.0)
+        x.replay()
+        assert torch.equal(x_out, torch.full((4,), 3.0))
+        w.replay()  # the next micro-batch's first graph
+        assert w_out.item() == 12.0
+        assert held.isnan().all() and torch.equal(apart_held, torch.full((2,), 5.0))
+        x.replay()  # read without being written again: garbage, as on a GPU whose pool reused the memory
+        assert x_out.isnan().all()
+        held.fill_(1.0)  # written before every replay that reads it: right
+        x.replay()
+        assert torch.equal(x_out, torch.full((4,), 3.0)) and torch.equal(own, torch.full((4,), 3.0))
+        x.reset()  # a reset graph leaves the pool: w's replays no longer touch its memory
+        held.fill_(1.0)
+        w.replay()
+        assert torch.equal(held, torch.ones(4))
+    finally:
+        for g in (w, x, apart):
+            g.reset()

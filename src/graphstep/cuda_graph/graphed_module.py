@@ -292,7 +292,8 @@ class ModuleGraph:
                 # Before every replay, never once for all: the buffer was allocated in the backward's capture, from
                 # the pool the graphs share, where its memory may be the scratch of a graph captured before it --
                 # whose next replay (the next micro-batch's forward) overwrites it. (Filled once, the MoE partial
-                # scopes' losses left eager's on CUDA at the second replayed step; the CPU backend has no shared pool.)
+                # scopes' losses left eager's on CUDA at the second replayed step; the CPU backend now models the
+                # shared pool, replay.py, and fails such a change too.)
                 static.fill_(-0.0) if self.absent_grad_negative_zero else static.zero_()
             elif captured is None and type(g) is torch.Tensor:  # a plain gradient: the fast path
                 if g.data_ptr() != static.data_ptr():

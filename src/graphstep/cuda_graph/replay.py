@@ -21,6 +21,17 @@ So the static-address contract of CUDA graphs holds exactly: a batch not
 copied into the static input is not seen by replay, an output read after the
 next replay has been overwritten, an RNG stream advances per replay.
 
+Graphs made with ``shared_pool=True`` (the default) share one pool, as on the
+CUDA backend, where a capture may be handed memory that an earlier capture
+used as scratch: what a later-captured graph allocated (``empty`` and its
+kind) and still holds, the earlier graph's replay overwrites. The backend
+models that: each replay fills such memory of the graphs captured after it
+in its pool with 0xFF bytes (NaN in every float format). A buffer the host
+writes once and reads across replays (instead of before each) then fails its
+comparison with eager on the CPU as it can on a GPU. Results of the later
+graph's own ops are written again when it replays; storages allocated by a
+recorded resize (FSDP2's) are not modelled.
+
 Capture must have no observable effect, as on a GPU where nothing executes
 while capturing: before an op first touches memory that existed before the
 capture, the backend saves that storage (every argument of every re-run op,
