@@ -186,3 +186,26 @@ def test_a_replay_overwrites_what_later_captured_graphs_of_its_pool_allocated_as
     finally:
         for g in (w, x, apart):
             g.reset()
+
+
+def test_the_pool_model_leaves_a_storage_resized_after_capture_alone():
+    """A buffer of a later graph whose storage was resized after its capture (freed, as FSDP2 frees) is not
+    written through the byte view taken at capture: that would write past the storage (a segfault here). At its
+    captured size again, it is modelled again."""
+    backend = get_backend("cpu")
+    w = backend.new_graph("w")
+    with backend.capture(w):
+        torch.ones(2).mul(2)
+    x = backend.new_graph("x")
+    with backend.capture(x):
+        held = torch.empty(8)
+    try:
+        held.untyped_storage().resize_(0)
+        w.replay()  # no write into the freed storage
+        held.untyped_storage().resize_(32)
+        held.fill_(1.0)
+        w.replay()
+        assert held.isnan().all()
+    finally:
+        w.reset()
+        x.reset()

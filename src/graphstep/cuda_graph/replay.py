@@ -196,7 +196,8 @@ class _Tape(Graph):
         when it replays; storages a capture allocates by resizing (FSDP2's) are left alone."""
         for later in self.pool[self.pool.index(self) + 1:]:
             for buffer in later.allocated:
-                buffer.fill_(POOL_GARBAGE)
+                if buffer.untyped_storage().nbytes() == buffer.numel():  # a storage resized since: not this memory
+                    buffer.fill_(POOL_GARBAGE)
 
     def reset(self) -> None:
         self.runs = []
