@@ -28,7 +28,9 @@ tensor holds what was written into it only until the next replay of a graph
 captured before its own -- the next micro-batch's first: what the host writes
 into one (the incoming gradients, an absent gradient's zeros) it writes before
 every replay that reads it, never once for all. The CPU replay backend models
-that reuse (replay.py), so a breach fails the CPU tests too. Capture must not change training state:
+that reuse (replay.py), so a breach fails the CPU tests too.
+
+Capture must not change training state:
 the module buffers, the gradient buffers and the RNG streams are saved before
 and restored after (on a GPU nothing executes during capture anyway; the CPU
 replay backend executes and is restored by the backend, this is a second

@@ -178,7 +178,7 @@ class _Tape(Graph):
         # Below autograd (nothing is recorded for backward, in-place writes to leaves are legal), outside
         # autocast (the casts were recorded), and in each op's recorded grad mode: the kernels take the
         # paths they took when recorded.
-        if self.pool is not None and self in self.pool:
+        if self.pool is not None:  # a captured tape with a pool is in it (reset takes it out)
             self._overwrite_later_allocations()
         with below_autograd_outside_autocast():
             for grad, run in self.runs:
