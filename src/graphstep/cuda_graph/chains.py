@@ -30,7 +30,9 @@ run handed out for those arguments, in the run's order; anything else is a
 
 Exactness. An output that nothing outside the run uses gets no gradient from
 autograd; its gradient buffer is then filled with ``-0.0`` before every
-backward replay (graphed_module.py says why every time), and autograd inside
+backward replay (graphed_module.py says why every time; the buffers of a
+run's outputs are views of one flat buffer per dtype, so one kernel fills
+all of them), and autograd inside
 the graph adds the run's own contribution to it: ``v + (-0.0) == v`` for
 every float ``v`` (``+0.0`` would turn a ``-0.0`` into ``+0.0``), so the
 gradients are eager's bit for bit. An output with one use outside and one

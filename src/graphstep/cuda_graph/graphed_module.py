@@ -119,6 +119,9 @@ class ModuleGraph:
         self.outputs: list[torch.Tensor] = []  # the tensor output leaves, in order
         self.grad_out: list[torch.Tensor | None] = []
         self.grad_out_layouts: list[Any] = []  # per output gradient buffer: a DTensor's layout, else None
+        # gradient buffers that are views of one flat buffer each (plain dense tensors of one dtype): when outputs
+        # of a group get no gradient, one fill of the flat buffer serves them all (a run's internal outputs)
+        self.fill_groups: list[tuple[torch.Tensor, list[int]]] = []
         self.grad_in: list[torch.Tensor | None] = []
         self.fwd: Graph | None = None
         self.bwd: Graph | None = None
@@ -229,7 +232,10 @@ class ModuleGraph:
             # are copied in before every replay.
             for i in diff_out:
                 alias = grad_aliases.get(i)
-                self.grad_out[i] = alias if alias is not None else empty_keeping_layout(self.outputs[i])
+                if alias is not None:
+                    self.grad_out[i] = alias
+            self.fill_groups = _grouped_buffers(self.outputs, [i for i in diff_out if self.grad_out[i] is None],
+                                                self.grad_out)
             grads = torch.autograd.grad(
                 [self.outputs[i] for i in diff_out], inputs + self.param_aliases,
                 grad_outputs=[self.grad_out[i] for i in diff_out],
@@ -285,16 +291,19 @@ class ModuleGraph:
     def replay_backward(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[tuple, tuple]:
         """Replay the backward graph: (input gradients, gradients of the returned parameters)."""
         self._check_in_graph_params()
+        # Absent gradients' buffers are filled before every replay, never once for all: the buffers were allocated
+        # in the backward's capture, from the pool the graphs share, where their memory may be the scratch of a graph
+        # captured before it -- whose next replay (the next micro-batch's forward) overwrites it. (Filled once, the
+        # MoE partial scopes' losses left eager's on CUDA at the second replayed step; the CPU backend models the
+        # shared pool, replay.py, and fails such a change too.) A group with an absent gradient is filled whole,
+        # before the copies of its members' present gradients.
+        filled = self._fill_groups(grads) if self.fill_groups else ()
         for i, (static, g, captured) in enumerate(zip(self.grad_out, grads, self.grad_out_layouts)):
             if static is None:
                 continue
             if g is None:
-                # Before every replay, never once for all: the buffer was allocated in the backward's capture, from
-                # the pool the graphs share, where its memory may be the scratch of a graph captured before it --
-                # whose next replay (the next micro-batch's forward) overwrites it. (Filled once, the MoE partial
-                # scopes' losses left eager's on CUDA at the second replayed step; the CPU backend now models the
-                # shared pool, replay.py, and fails such a change too.)
-                static.fill_(-0.0) if self.absent_grad_negative_zero else static.zero_()
+                if i not in filled:
+                    static.fill_(-0.0) if self.absent_grad_negative_zero else static.zero_()
             elif captured is None and type(g) is torch.Tensor:  # a plain gradient: the fast path
                 if g.data_ptr() != static.data_ptr():
                     static.copy_(g)
@@ -315,6 +324,19 @@ class ModuleGraph:
         param_grads = tuple(None if g is None else g.clone() if type(g) is torch.Tensor else clone_keeping_layout(g)
                             for g in self.param_grads)
         return tuple(self.grad_in), param_grads
+
+    def _fill_groups(self, grads: tuple[torch.Tensor | None, ...]) -> set[int]:
+        """Fill each group that has an absent gradient with one kernel; the indices of the outputs so filled."""
+        filled: set[int] = set()
+        for flat, members in self.fill_groups:
+            if all(grads[i] is not None for i in members):
+                continue
+            # a present gradient that is the buffer itself (never handed out, but cheap to rule out) is not overwritten
+            if any(grads[i] is not None and grads[i].data_ptr() == self.grad_out[i].data_ptr() for i in members):
+                continue
+            flat.fill_(-0.0) if self.absent_grad_negative_zero else flat.zero_()
+            filled.update(i for i in members if grads[i] is None)
+        return filled
 
     def _check_in_graph_params(self) -> None:
         for p, target, counts in self.in_graph:
@@ -339,10 +361,44 @@ class ModuleGraph:
         self.out_leaves, self.outputs = [], []
         self.single_output, self.non_differentiable = False, []
         self.grad_out, self.grad_in, self.grad_targets, self.param_aliases = [], [], [], []
-        self.grad_out_layouts = []
+        self.grad_out_layouts, self.fill_groups = [], []
         self.param_grads, self.returned, self.in_graph = [], [], []
         self.watched = []
         self.pending_backward = False
+
+
+_ALIGN_BYTES = 512  # the CUDA caching allocator's block alignment
+
+
+def _grouped_buffers(outputs: list[torch.Tensor], indices: list[int],
+                     buffers: list[torch.Tensor | None]) -> list[tuple[torch.Tensor, list[int]]]:
+    """Gradient buffers for ``outputs[indices]``, written into ``buffers``: the plain contiguous outputs of one
+    dtype and device share a flat buffer (their buffers are its views), any other gets its own; returns the
+    groups of more than one member as (flat buffer, indices)."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i in indices:
+        o = outputs[i]
+        if type(o) is torch.Tensor and o.is_contiguous() and o.layout == torch.strided:
+            by_kind.setdefault((o.dtype, o.device), []).append(i)
+        else:
+            buffers[i] = empty_keeping_layout(o)
+    groups = []
+    for (dtype, device), members in by_kind.items():
+        if len(members) == 1:
+            buffers[members[0]] = torch.empty_like(outputs[members[0]])
+            continue
+        # each view starts where the caching allocator would start a tensor of its own (512-byte aligned): the
+        # kernels that read a gradient, GEMMs among them, choose their code by its alignment as they do in eager
+        step = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+        starts, total = [], 0
+        for i in members:
+            starts.append(total)
+            total += -(-outputs[i].numel() // step) * step
+        flat = torch.empty(total, dtype=dtype, device=device)
+        for i, start in zip(members, starts):
+            buffers[i] = flat[start: start + outputs[i].numel()].view(outputs[i].shape)
+        groups.append((flat, members))
+    return groups
 
 
 class GraphedFunction(torch.autograd.Function):
