@@ -89,6 +89,9 @@ class GradBuffers:
         ``vector_norm`` of the whole fp32 buffer at once came out 6e-5 below the float64 norm on a tiny MoE
         model (239k elements), where the per-tensor norms summed in fp32 kept 2e-7."""
         counted = self.grads if self.mesh is None else self.counted
+        if counted and self.mesh is None:  # the norm of the per-tensor norms: one kernel after the stack
+            norms = torch.stack(foreach_norm(counted, 2.0))
+            return torch.linalg.vector_norm(norms) if out is None else torch.linalg.vector_norm(norms, out=out)
         if counted:
             square = torch.stack(foreach_norm(counted, 2.0)).square().sum()
         else:
@@ -234,12 +237,14 @@ class AdamW:
         norm = self.grads.norm(out=self.grad_norm)
         if self.check_nonfinite:
             if extra_nonfinite is None:
-                torch.logical_not(torch.isfinite(norm), out=self.found)  # 1.0 where not finite, into the flag
+                nonfinite(norm, out=self.found)
             else:
-                self.found.copy_((~torch.isfinite(norm) | (extra_nonfinite != 0)).float())
-        if self.clip_grad > 0:
-            coef = (self.clip_grad / (norm + 1e-6)).clamp(max=1.0)
-            self.grads.flat.mul_(coef)
+                torch.logical_or(nonfinite(norm), extra_nonfinite != 0, out=self.found)
+        # clipping: the gradients divided by max(norm / clip, 1) -- inside the fused update (its grad_scale, which
+        # writes the divided gradients back), or over the flat buffer; three kernels and no extra gradient pass
+        scale = torch.add(norm, 1e-6).div_(self.clip_grad).clamp_(min=1.0) if self.clip_grad > 0 else None
+        if scale is not None and not self.fused:
+            self.grads.flat.div_(scale)
         if self.skip_on_nonfinite:
             self.step_t.add_(1.0 - self.found)
         else:
@@ -249,7 +254,7 @@ class AdamW:
         for group, wd in zip(self.groups, (self.weight_decay, 0.0)):
             if group:
                 self._update([self.master[i] for i in group], [grads[i] for i in group],
-                             [self.exp_avg[i] for i in group], [self.exp_avg_sq[i] for i in group], wd, skip)
+                             [self.exp_avg[i] for i in group], [self.exp_avg_sq[i] for i in group], wd, skip, scale)
         self._copy_back()
         if not self.check_nonfinite:
             return {"grad_norm": self.grad_norm, "lr": self.lr_t}
@@ -269,13 +274,14 @@ class AdamW:
             with torch.no_grad():
                 foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
-    def _update(self, params, grads, m, v, wd: float, skip: torch.Tensor | None) -> None:
+    def _update(self, params, grads, m, v, wd: float, skip: torch.Tensor | None,
+                grad_scale: torch.Tensor | None) -> None:
         beta1, beta2 = self.betas
         if self.fused:
             fused_adamw_(
                 params, grads, m, v, [], [self.step_t] * len(params),
                 lr=self.lr_t, beta1=beta1, beta2=beta2, weight_decay=wd, eps=self.eps,
-                amsgrad=False, maximize=False, grad_scale=None, found_inf=skip,
+                amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=skip,
             )
             return
         if skip is not None:
@@ -285,6 +291,14 @@ class AdamW:
             with torch.no_grad():
                 for cur, old in zip(params + m + v, keep):
                     cur.copy_(torch.where(skip != 0, old, cur))
+
+
+def nonfinite(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """1.0 where ``x`` is infinite or NaN, else 0.0 (float32, into ``out`` when given), in two kernels
+    (``isfinite`` and its negation take five): ``x - x`` is 0 for every finite ``x`` and NaN for the others."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    return torch.ne(x - x, 0.0, out=out)
 
 
 @torch.no_grad()

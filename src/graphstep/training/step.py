@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..parallel.pipeline import Pipeline
-from .optim import GradBuffers
+from .optim import GradBuffers, nonfinite
 
 Batch = dict[str, torch.Tensor]
 
@@ -84,7 +84,7 @@ class TrainStep:
             self.reduce_loss(mean)
         if not self.check_nonfinite:
             return {"loss": mean}
-        return {"loss": mean, "nonfinite": (~torch.isfinite(mean)).float()}
+        return {"loss": mean, "nonfinite": nonfinite(mean)}
 
     __call__ = forward_backward
 
