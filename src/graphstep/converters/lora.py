@@ -38,6 +38,12 @@ stream, the same on every tensor-parallel rank, so the ranks' parts stay one ten
 weights are sharded and gathered like the adapters but take no gradient, so only the adapters' gradients are
 reduce-scattered.
 
+Inside a CUDA graph's capture (no adapter dropout, no DTensor, not compiled) the adapter's two GEMMs and its
+scaling run on a stream beside the capturing one, so the graph holds them as a branch beside the base GEMM and a
+replay runs the two side by side; autograd runs their backward on that stream too, so the backward graph has the
+adapter's gradient GEMMs beside the base's. The kernels are those of the plain forward, on other streams only:
+the graphed step equals eager bit for bit, and eager runs on one stream (no event per call).
+
 ``merged_state_dict`` folds the adapters into the base weights (``export_hf`` writes that merged model).
 What does not combine (lora_dtype, DoRA's post dropout, pipeline or expert parallel, FP8, MoE and hybrid models)
 is refused by rule R33 (docs/rules.md).
@@ -106,6 +112,23 @@ def adapter_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
+_ADAPTER_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _adapter_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _ADAPTER_STREAMS.get(device)
+    if stream is None:
+        stream = _ADAPTER_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def _overlap(x: torch.Tensor, module: "LoRALinear") -> bool:
+    """Whether this call runs the adapter beside the base GEMM: a plain CUDA tensor in a CUDA graph's capture,
+    outside torch.compile, without adapter dropout in effect."""
+    return (type(x) is torch.Tensor and x.is_cuda and torch.cuda.is_current_stream_capturing()
+            and not torch.compiler.is_compiling() and (module.dropout == 0.0 or not module.training))
+
+
 class LoRALinear(nn.Linear):
     """A frozen ``nn.Linear`` plus a trainable low-rank update ``(alpha / dim) * B A``.
 
@@ -132,6 +155,8 @@ class LoRALinear(nn.Linear):
             nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _overlap(x, self):
+            return self._forward_overlapped(x)
         y = F.linear(x, self.weight, self.bias)
         pre = self.dropout_position == "pre"
         a = adapter_dropout(x, self.dropout, self.training) if pre else x
@@ -139,6 +164,19 @@ class LoRALinear(nn.Linear):
         if not pre:
             update = adapter_dropout(update, self.dropout, self.training)
         return y + update * self.scale
+
+    def _forward_overlapped(self, x: torch.Tensor) -> torch.Tensor:
+        """The same kernels as :meth:`forward` without dropout, the adapter's on a stream beside the capturing
+        one: the captured graph has the base GEMM and the adapter's branch side by side (module docstring)."""
+        main = torch.cuda.current_stream(x.device)
+        side = _adapter_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            update = self.lora_B(self.lora_A(x)) * self.scale
+        x.record_stream(side)  # x is read on the side stream, in this forward and in the backward
+        y = F.linear(x, self.weight, self.bias)
+        main.wait_stream(side)
+        return y + update
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
