@@ -574,3 +574,23 @@ def test_nothing_outlives_close(capture):
     refs = run()
     gc.collect()
     assert [r() is None for r in refs] == [True, True]
+
+
+def test_gradient_buffers_of_one_dtype_share_one_aligned_flat_buffer():
+    """The gradient buffers of a graph's plain contiguous outputs are views of one flat buffer per dtype, each
+    starting 512 bytes apart at least (where the allocator would start a tensor of its own); a strided output
+    and a dtype's only output get buffers of their own."""
+    from graphstep.cuda_graph.graphed_module import _grouped_buffers
+
+    outs = [torch.zeros(3, dtype=torch.bfloat16), torch.zeros(2, 150, dtype=torch.bfloat16),
+            torch.zeros(4, 5).t(), torch.zeros(7), torch.zeros(1, dtype=torch.bfloat16)]
+    buffers = [None] * len(outs)
+    groups = _grouped_buffers(outs, [0, 1, 2, 3, 4], buffers)
+    ((flat, members),) = groups
+    assert members == [0, 1, 4] and flat.dtype == torch.bfloat16
+    for i, b in enumerate(buffers):
+        assert b.shape == outs[i].shape and b.dtype == outs[i].dtype
+    base = flat.data_ptr()
+    assert [(buffers[i].data_ptr() - base) % 512 for i in members] == [0, 0, 0]
+    assert len({buffers[i].data_ptr() for i in members}) == 3
+    assert all(buffers[i].untyped_storage().data_ptr() != base for i in (2, 3))

@@ -123,3 +123,16 @@ def test_bf16_params_keep_fp32_master_and_grads():
     opt.step()
     for p, master in zip(m.parameters(), opt.master):
         assert torch.equal(p, master.to(torch.bfloat16))
+
+
+def test_nonfinite_flag_is_isfinites_negation():
+    """The two-kernel flag (x - x != 0) is 1.0 exactly where isfinite is false, the largest floats included."""
+    from graphstep.training.optim import nonfinite
+
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([0.0, -0.0, 1.5, -big, big, float("inf"), float("-inf"), float("nan")])
+    flag = nonfinite(x)
+    assert flag.dtype == torch.float32
+    assert torch.equal(flag, (~torch.isfinite(x)).float())
+    out = torch.empty(())
+    assert nonfinite(torch.tensor(float("nan")), out=out) is out and float(out) == 1.0
