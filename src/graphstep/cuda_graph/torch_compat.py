@@ -600,6 +600,11 @@ def probe_fused_adamw() -> None:
     fused_adamw_(mine, [p.grad], m, v, [], step, lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
                  amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
     expect(torch.allclose(mine[0], p.detach()), f"one step as AdamW: {mine[0]} vs {p.detach()}")
+    # grad_scale divides the gradients (the optimizer's clipping): twice the gradient scaled by 2 is the same step
+    scaled, m, v, step = [torch.tensor([1.0, -2.0])], [torch.zeros(2)], [torch.zeros(2)], [torch.tensor(1.0)]
+    fused_adamw_(scaled, [p.grad * 2], m, v, [], step, lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+                 amsgrad=False, maximize=False, grad_scale=torch.tensor(2.0), found_inf=None)
+    expect(torch.allclose(scaled[0], p.detach()), f"grad_scale=2 on twice the gradient: {scaled[0]} vs {p.detach()}")
 
 
 def grouped_mm_available() -> bool:

@@ -240,8 +240,8 @@ class AdamW:
                 nonfinite(norm, out=self.found)
             else:
                 torch.logical_or(nonfinite(norm), extra_nonfinite != 0, out=self.found)
-        # clipping: the gradients divided by max(norm / clip, 1) -- inside the fused update (its grad_scale, which
-        # writes the divided gradients back), or over the flat buffer; three kernels and no extra gradient pass
+        # clipping: the gradients divided by max(norm / clip, 1) -- inside the fused update (its grad_scale), or over
+        # the flat buffer; three kernels, and the fused update makes no pass over the gradients of its own for it
         scale = torch.add(norm, 1e-6).div_(self.clip_grad).clamp_(min=1.0) if self.clip_grad > 0 else None
         if scale is not None and not self.fused:
             self.grads.flat.div_(scale)
