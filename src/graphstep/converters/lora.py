@@ -125,8 +125,8 @@ def _adapter_stream(device: torch.device) -> torch.cuda.Stream:
 def _overlap(x: torch.Tensor, module: "LoRALinear") -> bool:
     """Whether this call runs the adapter beside the base GEMM: a plain CUDA tensor in a CUDA graph's capture,
     outside torch.compile, without adapter dropout in effect."""
-    return (type(x) is torch.Tensor and x.is_cuda and torch.cuda.is_current_stream_capturing()
-            and not torch.compiler.is_compiling() and (module.dropout == 0.0 or not module.training))
+    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor and x.is_cuda
+            and (module.dropout == 0.0 or not module.training) and torch.cuda.is_current_stream_capturing())
 
 
 class LoRALinear(nn.Linear):
