@@ -389,7 +389,7 @@ def _grouped_buffers(outputs: list[torch.Tensor], indices: list[int],
             continue
         # each view starts where the caching allocator would start a tensor of its own (512-byte aligned): the
         # kernels that read a gradient, GEMMs among them, choose their code by its alignment as they do in eager
-        step = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+        step = max(1, _ALIGN_BYTES // dtype.itemsize)
         starts, total = [], 0
         for i in members:
             starts.append(total)

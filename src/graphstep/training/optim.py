@@ -85,9 +85,9 @@ class GradBuffers:
         """The L2 norm of the whole gradient: this rank's buffer, or summed over the mesh (no host read); written
         into ``out`` (a float32 scalar) when given.
 
-        Per gradient tensor, then their squares summed, on one rank as over a mesh: torch's CPU
-        ``vector_norm`` of the whole fp32 buffer at once came out 6e-5 below the float64 norm on a tiny MoE
-        model (239k elements), where the per-tensor norms summed in fp32 kept 2e-7."""
+        Per gradient tensor first, then the norm of those norms on one rank (one kernel), their squares summed
+        and all-reduced over a mesh: torch's CPU ``vector_norm`` of the whole fp32 buffer at once came out 6e-5
+        below the float64 norm on a tiny MoE model (239k elements), where the per-tensor norms kept 2e-7."""
         counted = self.grads if self.mesh is None else self.counted
         if counted and self.mesh is None:  # the norm of the per-tensor norms: one kernel after the stack
             norms = torch.stack(foreach_norm(counted, 2.0))
