@@ -648,3 +648,26 @@ def test_compiled_lora_graphed_equals_compiled_lora_eager_on_a_gpu(scheme):
     assert_same_run(ref, graphed)
     frozen = {n: p for n, p in graphed.model.named_parameters() if ".lora_" not in n}
     assert frozen and not any(p.requires_grad for p in frozen.values())
+
+
+def test_adapters_leave_their_stream_beside_the_base_gemm_under_fsdp2():
+    """Inside a CUDA capture an adapter runs on a stream of its own (converters/lora.py), but not under FSDP2,
+    which orders a layer's gradient reduce-scatter after the stream the layer's backward ran on only."""
+    import torch.distributed as dist
+
+    from graphstep.validation import resolve_cuda_graph_settings
+    from graphstep.training.build import RunOptions, build_run
+    from graphstep.training.distributed import init_data_parallel
+
+    for fsdp in (False, True):
+        layout = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"] if fsdp else []
+        cfg = eager(tiny_config(*BASE, *layout))
+        dp = init_data_parallel(cfg, resolve_cuda_graph_settings(cfg), env={})
+        run = build_run(cfg, RunOptions(torch.device("cpu"), dp=dp))
+        try:
+            flags = {m.adapter_stream for m in run.model.modules() if isinstance(m, LoRALinear)}
+        finally:
+            run.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        assert flags == {not fsdp}

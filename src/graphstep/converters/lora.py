@@ -42,7 +42,9 @@ Inside a CUDA graph's capture (no adapter dropout, no DTensor, not compiled) the
 scaling run on a stream beside the capturing one, so the graph holds them as a branch beside the base GEMM and a
 replay runs the two side by side; autograd runs their backward on that stream too, so the backward graph has the
 adapter's gradient GEMMs beside the base's. The kernels are those of the plain forward, on other streams only:
-the graphed step equals eager bit for bit, and eager runs on one stream (no event per call).
+the graphed step equals eager bit for bit, and eager runs on one stream (no event per call). Not under FSDP2,
+which orders a layer's gradient reduce-scatter after the stream autograd ran the layer's backward on, not after a
+second one (``adapter_stream`` off).
 
 ``merged_state_dict`` folds the adapters into the base weights (``export_hf`` writes that merged model).
 What does not combine (lora_dtype, DoRA's post dropout, pipeline or expert parallel, FP8, MoE and hybrid models)
@@ -124,8 +126,8 @@ def _adapter_stream(device: torch.device) -> torch.cuda.Stream:
 
 def _overlap(x: torch.Tensor, module: "LoRALinear") -> bool:
     """Whether this call runs the adapter beside the base GEMM: a plain CUDA tensor in a CUDA graph's capture,
-    outside torch.compile, without adapter dropout in effect."""
-    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor and x.is_cuda
+    outside torch.compile, without adapter dropout in effect, and the module's ``adapter_stream`` on."""
+    return (module.adapter_stream and not torch.compiler.is_compiling() and type(x) is torch.Tensor and x.is_cuda
             and (module.dropout == 0.0 or not module.training) and torch.cuda.is_current_stream_capturing())
 
 
@@ -147,6 +149,8 @@ class LoRALinear(nn.Linear):
         self.alpha, self.scale = plan.alpha, plan.scale
         self.dropout = plan.dropout
         self.dropout_position = plan.dropout_position
+        # inside a capture, the adapter on a stream of its own (module docstring); off under FSDP2 (parallel/fsdp.py)
+        self.adapter_stream = True
         with torch.no_grad():
             if plan.a_init == "xavier":
                 nn.init.xavier_uniform_(self.lora_A.weight)

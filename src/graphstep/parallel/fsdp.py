@@ -66,6 +66,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, strategy: str, param_dtype: t
     for name, p in model.named_parameters():
         for key, value in marks.get(name, {}).items():
             setattr(p, key, value)
+    # FSDP2 reduce-scatters a layer's gradients after the stream autograd runs the layer's backward on: an adapter's
+    # gradients made on a stream of their own inside a capture (converters/lora.py) would not be ordered before it
+    from ..converters.lora import LoRALinear
+
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.adapter_stream = False
     if prefetch:
         for root in shard_roots:
             runs = [layer for _, layer in root.layers.named_children()]
