@@ -660,7 +660,8 @@ def test_adapters_leave_their_stream_beside_the_base_gemm_under_fsdp2():
     from graphstep.training.distributed import init_data_parallel
 
     for fsdp in (False, True):
-        layout = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"] if fsdp else []
+        layout = (["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
+                  if fsdp else [])
         cfg = eager(tiny_config(*BASE, *layout))
         dp = init_data_parallel(cfg, resolve_cuda_graph_settings(cfg), env={})
         run = build_run(cfg, RunOptions(torch.device("cpu"), dp=dp))

@@ -419,7 +419,8 @@ def table(doc: dict[str, Any]) -> Any:
             name, _f(r["step_ms"], 3), *((_spread(r),) if spread else ()), _f(r["busy_ms"], 3), _f(r["host_ms"], 3),
             _f(r.get("issue_ms"), 3), str(r["kernels"]), _f(r["speedup"], 2, "x"), _f(r["floor_ratio"], 2, "x"),
             escape(_vs_peer(r)), _f(r["peak_allocated_gib"], 2), _f(r["memory_vs_eager"], 2, "x"),
-            _f(r["capture_s"], 2), _f(r["tokens_per_s"], 0), _f(r["tflops"], 1), _f(r["mfu"] * 100 if r["mfu"] else None, 1, "%"), *layout,
+            _f(r["capture_s"], 2), _f(r["tokens_per_s"], 0), _f(r["tflops"], 1),
+            _f(r["mfu"] * 100 if r["mfu"] else None, 1, "%"), *layout,
         )
     return t
 

@@ -328,14 +328,11 @@ class ModuleGraph:
     def _fill_groups(self, grads: tuple[torch.Tensor | None, ...]) -> set[int]:
         """Fill each group that has an absent gradient with one kernel; the indices of the outputs so filled."""
         filled: set[int] = set()
-        for flat, members in self.fill_groups:
-            if all(grads[i] is not None for i in members):
-                continue
-            # a present gradient that is the buffer itself (never handed out, but cheap to rule out) is not overwritten
-            if any(grads[i] is not None and grads[i].data_ptr() == self.grad_out[i].data_ptr() for i in members):
-                continue
-            flat.fill_(-0.0) if self.absent_grad_negative_zero else flat.zero_()
-            filled.update(i for i in members if grads[i] is None)
+        for flat, members in self.fill_groups:  # members' buffers are never handed out: no present gradient is one
+            absent = [i for i in members if grads[i] is None]
+            if absent:
+                flat.fill_(-0.0) if self.absent_grad_negative_zero else flat.zero_()
+                filled.update(absent)
         return filled
 
     def _check_in_graph_params(self) -> None:

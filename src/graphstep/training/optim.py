@@ -89,16 +89,16 @@ class GradBuffers:
         and all-reduced over a mesh: torch's CPU ``vector_norm`` of the whole fp32 buffer at once came out 6e-5
         below the float64 norm on a tiny MoE model (239k elements), where the per-tensor norms kept 2e-7."""
         counted = self.grads if self.mesh is None else self.counted
-        if counted and self.mesh is None:  # the norm of the per-tensor norms: one kernel after the stack
-            norms = torch.stack(foreach_norm(counted, 2.0))
-            return torch.linalg.vector_norm(norms) if out is None else torch.linalg.vector_norm(norms, out=out)
-        if counted:
-            square = torch.stack(foreach_norm(counted, 2.0)).square().sum()
+        norms = torch.stack(foreach_norm(counted, 2.0)) if counted else None
+        if norms is not None and self.mesh is None:  # the norm of the per-tensor norms: one kernel after the stack
+            return torch.linalg.vector_norm(norms, out=out)
+        if norms is not None:
+            square = norms.square().sum()
         else:
             square = torch.zeros((), dtype=torch.float32, device=self.flat.device)
         if self.mesh is not None:
             dist.all_reduce(square, op=dist.ReduceOp.SUM)  # every rank of the mesh: the default group
-        return square.sqrt() if out is None else torch.sqrt(square, out=out)
+        return torch.sqrt(square, out=out)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
