@@ -9,8 +9,8 @@ capture included), and every kernel's time is put in one class by its name:
 Inductor's fused kernels (with compile: norms, activations and the FP8 casts
 and amax reductions fused into them), eager FP8 casts, FP8 GEMMs, other
 GEMMs, attention, the optimizer's, and the rest (elementwise work, copies). The table gives
-milliseconds per iteration per class and row, and the 8 costliest kernels of
-each row, so the FP8 rows' gain over bf16 can be read class by class. Writes
+milliseconds per iteration per class and row, and the costliest kernels of
+each row (``--top``, 8 by default, with their calls per iteration), so the FP8 rows' gain over bf16 can be read class by class. Writes
 ``kernel_breakdown_<gpu>_<date>.json`` to ``--out`` and prints a table.
 """
 
@@ -48,7 +48,7 @@ def kind(name: str) -> str:
     return next((label for label, pattern in CLASSES if pattern.search(low)), "other")
 
 
-def profile_row(name: str, base, device: torch.device, iters: int) -> dict:
+def profile_row(name: str, base, device: torch.device, iters: int, top_n: int = 8) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     overrides = row_overrides(name)
@@ -68,17 +68,20 @@ def profile_row(name: str, base, device: torch.device, iters: int) -> dict:
         torch.cuda.synchronize(device)
     by_class: dict[str, float] = defaultdict(float)
     by_kernel: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             us = evt.time_range.elapsed_us()
             by_class[kind(evt.name)] += us
             by_kernel[evt.name] += us
+            calls[evt.name] += 1
     del step, workload, _owner
     free_row()
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top_n]
     return {"classes_ms": {k: v / 1e3 / iters for k, v in sorted(by_class.items())},
             "total_ms": sum(by_class.values()) / 1e3 / iters,
-            "top": [{"kernel": k[:160], "class": kind(k), "ms": v / 1e3 / iters} for k, v in top]}
+            "top": [{"kernel": k[:160], "class": kind(k), "ms": v / 1e3 / iters, "calls": calls[k] // iters}
+                    for k, v in top]}
 
 
 def main() -> int:
@@ -87,13 +90,14 @@ def main() -> int:
     p.add_argument("--recipe", default="llama3_8b_share_bench")
     p.add_argument("--rows", default="compile+full_iteration,compile+fp8_full_iteration")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--top", type=int, default=8, help="how many of each row's costliest kernels to list")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("kernel_breakdown: no CUDA device")
         return 2
     device = torch.device("cuda")
     base = get_recipe(args.recipe)
-    rows = {name: profile_row(name, base, device, args.iters) for name in args.rows.split(",")}
+    rows = {name: profile_row(name, base, device, args.iters, args.top) for name in args.rows.split(",")}
     labels = [label for label, _ in CLASSES] + ["other"]
     print(f"{args.recipe} on {torch.cuda.get_device_name(device)} (torch {torch.__version__}), ms per iteration")
     print("| row | " + " | ".join(labels) + " | total |")
@@ -104,7 +108,7 @@ def main() -> int:
     for name, r in rows.items():
         print(f"\n{name}: costliest kernels")
         for k in r["top"]:
-            print(f"  {k['ms']:8.2f} ms  {k['class']:<10} {k['kernel']}")
+            print(f"  {k['ms']:8.2f} ms {k['calls']:4d}x  {k['class']:<10} {k['kernel']}")
     gpu = torch.cuda.get_device_name(device).replace(" ", "-")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernel_breakdown_{gpu}_{datetime.date.today().isoformat()}.json"

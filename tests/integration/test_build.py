@@ -8,6 +8,9 @@
   capture) after the run closed;
 * graphs holding collectives meet the other ranks before their capture, once;
 * ``RunHooks`` are called with every iteration and inside every save;
+* a step's first gradients are copied into the fp32 buffers (no zeroing pass) where only the buffers' hooks
+  write them -- eager and the full-iteration graph, not per-layer graphs -- with the zeroed buffers' losses and
+  parameters bit for bit;
 * ``train.check_for_nan_on_device``: on, a poisoned step is flagged (and
   skipped with ``skip_step_on_nan``); off, no device flag exists and nothing
   is skipped -- with the full-iteration and optimizer graphs captured either way.
@@ -19,7 +22,7 @@ import pytest
 import torch
 
 import graphstep
-from helpers.runs import eager, poison_iteration, tiny_config
+from helpers.runs import assert_same_run, eager, poison_iteration, tiny_config
 from graphstep.config import ConfigError
 from graphstep.cuda_graph.registry import get_backend
 from graphstep.data import build_data
@@ -78,6 +81,29 @@ def test_run_close_resets_its_graphs_and_only_them():
     assert not any(g.captured for g in mine)
     assert outside.graph.captured and get_backend("cpu").live_graphs() == [outside.graph]
     assert torch.equal(outside(torch.full((4,), 3.0)), torch.full((4,), 6.0)) and outside.state == "replayed"
+
+
+# --------------------------------------------------------------------------
+# the gradient buffers: overwritten by a step's first gradients where nothing else writes them
+
+
+@pytest.mark.parametrize("graphs, overwrites", [([], True), (FULL, True), (LAYERS, False)],
+                         ids=["eager", "full_iteration", "attn_mlp"])
+def test_the_trainer_overwrites_the_gradient_buffers_where_only_their_hooks_write_them(graphs, overwrites):
+    run = build_run(tiny_config(*graphs), RunOptions(CPU))
+    assert (run.grads._unwritten is not None) is overwrites  # per-layer graphs add into main_grad in their backward
+    run.close()
+
+
+@pytest.mark.slow
+def test_overwritten_gradient_buffers_train_as_the_zeroed_ones_bit_for_bit(monkeypatch):
+    """4 micro-batches a step, the full-iteration and optimizer graphs captured on the replay backend."""
+    overrides = [*FULL, "optimizer.optimizer_cuda_graph=true", "train.train_iters=6"]
+    overwritten = train(tiny_config(*overrides), keep_model=True)
+    monkeypatch.setattr(build_mod, "_overwrites_gradients", lambda *args: False)
+    zeroed = train(tiny_config(*overrides), keep_model=True)
+    assert [r["state"] for r in overwritten.rows][3:5] == ["captured", "replayed"]
+    assert_same_run(overwritten, zeroed)
 
 
 # --------------------------------------------------------------------------

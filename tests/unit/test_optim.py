@@ -136,3 +136,39 @@ def test_nonfinite_flag_is_isfinites_negation():
     assert torch.equal(flag, (~torch.isfinite(x)).float())
     out = torch.empty(())
     assert nonfinite(torch.tensor(float("nan")), out=out) is out and float(out) == 1.0
+
+
+def test_overwritten_buffers_hold_the_zeroed_buffers_sums():
+    """GradBuffers.overwrite_first: the step's first gradient copied in, the next added, and a parameter no
+    gradient reached zeroed at the end -- the zeroed buffers' values over steps whose unused parameter changes
+    (its stale gradient from the step before would survive an overwrite without the end-of-step zeroing)."""
+    ref, ours = _model(), _model()
+    zeroed, overwritten = GradBuffers(ref), GradBuffers(ours)
+    overwritten.overwrite_first()
+    gen = torch.Generator().manual_seed(2)
+    for step in range(4):
+        skip = step % 3  # the layer no gradient reaches this step (2: every layer is used)
+        for buffers, m in ((zeroed, ref), (overwritten, ours)):
+            buffers.start_step()
+            for _ in range(2):  # two micro-batches
+                x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+                h = m[0](x) if skip != 0 else x.repeat(1, 2)[:, :9]
+                h = m[1](h)
+                out = m[2](h) if skip != 1 else h[:, :4]
+                out.pow(2).sum().backward()
+            buffers.end_accumulation()
+        assert overwritten.flat.abs().sum() > 0 and zeroed.flat.abs().sum() > 0
+        assert torch.equal(overwritten.flat, zeroed.flat), f"step {step}"
+        overwritten.flat.add_(torch.randn(overwritten.flat.shape, generator=gen))  # stale values for the next step
+        zeroed.flat.add_(1.0)
+
+
+def test_overwrite_first_refuses_dtensor_parameters(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    m = nn.Linear(3, 2)
+    m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), mesh))
+    with pytest.raises(ValueError, match="DTensor parameters"):
+        GradBuffers(m).overwrite_first()

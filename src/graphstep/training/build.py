@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import Config, ConfigError
 from ..cuda_graph.backend import GraphBackend
@@ -166,6 +167,8 @@ def build_run(cfg: Config, options: RunOptions) -> Run:
     weight_casts = _fp8_weight_casts(cfg, settings, model, dp, compiled=compile_mode is not None)
     train_step, eval_step = _build_steps(cfg, settings, model, step_model, grads, moe, dp, device, num_mb,
                                          weight_casts)
+    if _overwrites_gradients(train_step, settings, model):
+        grads.overwrite_first()  # a step's first gradients copied into the buffers, not added to zeros
     if compile_mode is not None:
         train_step = CompileTimeReport(train_step, describe_compile(
             compile_mode, settings, by_layer=compile_by_layer(dp.layout), backend=cfg.compile.backend))
@@ -289,6 +292,15 @@ def _pipeline(cfg: Config, model: nn.Module, dp: DataParallel, device: torch.dev
                                    schedule=cfg.model.pipeline_schedule, num_micro_batches=num_micro_batches)
     log.info("%s", pipeline.describe())
     return pipeline
+
+
+def _overwrites_gradients(train_step: Any, settings: CudaGraphSettings, model: nn.Module) -> bool:
+    """Whether the step's first gradients may be copied into the buffers (GradBuffers.overwrite_first): nothing
+    but the buffers' own hooks writes them before the step's last backward ends -- no per-layer graph (they add
+    into ``main_grad`` inside their backward), no data-parallel reduction (an overlapped one starts during the
+    backward), no pipeline schedule (interleaved stages add ``param.grad`` in themselves), no DTensor parameter."""
+    return (type(train_step) is TrainStep and train_step.reduce_grads is None and not settings.per_layer
+            and not any(isinstance(p, DTensor) for p in model.parameters()))
 
 
 def _in_order(calls: list[Callable[[], None]]) -> Callable[[], None] | None:

@@ -7,7 +7,10 @@ weights in the optimizer, and fp32 gradient buffers at fixed addresses:
   is a view into it. A post-accumulate-grad hook adds ``param.grad`` into
   ``main_grad`` and drops ``param.grad``, so gradient accumulation over
   micro-batches happens in fp32 at addresses a graph can capture. The flat
-  buffer is what data-parallel reduction all-reduces.
+  buffer is what data-parallel reduction all-reduces. Where nothing else
+  writes the buffer (:meth:`GradBuffers.overwrite_first`), a step's first
+  gradient of a parameter is copied in instead of added to zeros: no zeroing
+  pass and no read of the zeros.
 * :class:`AdamW` -- the step counter and the learning rate are device tensors;
   the LR is read on the device from a table of the schedule indexed by the step
   counter (three kernels instead of the formula's thirteen), the global
@@ -30,7 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from ..cuda_graph.graphed_module import MAIN_GRAD_HOOK_FLAG
 from ..cuda_graph.torch_compat import (foreach_add_, foreach_addcmul_, foreach_copy_, foreach_div, foreach_div_,
-                                      foreach_lerp_, foreach_mul_, foreach_norm, foreach_sqrt, fused_adamw_)
+                                      foreach_lerp_, foreach_mul_, foreach_norm, foreach_sqrt, foreach_zero_,
+                                      fused_adamw_)
 from ..parallel.dims import counted_here, local_tensor
 from ..parallel.expert_parallel import is_expert_parameter
 from ..parallel.tensor_parallel import partial_over_tp
@@ -77,9 +81,49 @@ class GradBuffers:
             self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
         self.mesh = mesh
         self.counted = [g for p, g in zip(self.params, self.grads) if counted_here(p, mesh)]
+        self._unwritten: dict[int, torch.Tensor] | None = None  # overwrite_first: this step's untouched buffers
 
     def zero(self) -> None:
         self.flat.zero_()
+
+    def overwrite_first(self) -> None:
+        """From now on a step's first gradient of each parameter is copied into ``main_grad`` (later ones are
+        added), and :meth:`end_accumulation` zeroes only the buffers no gradient reached: the same sums as zeroing
+        first (``0 + g`` is ``g``; a ``-0.0`` stays ``-0.0``, which compares and computes as ``0.0``), with
+        one pass over the buffer fewer, and one read fewer, per step.
+
+        Only for a trainer whose step does nothing else with the buffers before :meth:`end_accumulation`: no
+        per-layer graph adding into ``main_grad`` itself (the hooks stop offering that), no reduction started
+        during the backward, no pipeline schedule, plain (not DTensor) parameters."""
+        if any(p is not local for p, local in zip(self.params, self.locals)):
+            raise ValueError("GradBuffers.overwrite_first: DTensor parameters (tensor parallel, FSDP2) keep the "
+                             "zeroed buffers")
+        for h in self._hooks:
+            h.remove()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._write_main_grad) for p in self.params]
+        self._unwritten = {}
+
+    def start_step(self) -> None:
+        """Before a step's first backward: zero the buffers, or (:meth:`overwrite_first`) mark them all
+        unwritten."""
+        if self._unwritten is None:
+            self.zero()
+        else:
+            self._unwritten = {id(p): g for p, g in zip(self.params, self.grads)}
+
+    def end_accumulation(self) -> None:
+        """After a step's last backward, before anything reads the buffers: zero those no gradient reached."""
+        if self._unwritten:
+            foreach_zero_(list(self._unwritten.values()))
+            self._unwritten = {}
+
+    def _write_main_grad(self, p: torch.Tensor) -> None:
+        # not marked MAIN_GRAD_HOOK_FLAG: a per-layer graph adding into main_grad would skip the copy
+        if self._unwritten is not None and self._unwritten.pop(id(p), None) is not None:
+            p.main_grad.copy_(p.grad)
+        else:
+            p.main_grad.add_(p.grad)
+        p.grad = None
 
     def norm(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The L2 norm of the whole gradient: this rank's buffer, or summed over the mesh (no host read); written

@@ -31,7 +31,8 @@ class TrainStep:
 
     Args:
         model: returns the mean token loss of a micro-batch.
-        grads: the persistent fp32 gradient buffers (zeroed at the start of the step).
+        grads: the persistent fp32 gradient buffers (zeroed at the start of the step, or overwritten by its
+            first gradients: GradBuffers.overwrite_first).
         reduce_grads: the data-parallel hook, called after the last backward
             (inside the full-iteration graph when there is one); one with an
             ``arm()`` (parallel/data_parallel.py) is armed before the last backward,
@@ -70,11 +71,12 @@ class TrainStep:
 
     def forward_backward(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
         n = len(batches)
-        self.grads.zero()
+        self.grads.start_step()
         if self.before_step is not None:
             self.before_step()
         total = torch.zeros((), dtype=torch.float32, device=self.grads.flat.device)
         self._accumulate(batches, total)
+        self.grads.end_accumulation()
         if self.reduce_grads is not None:
             self.reduce_grads()
         if self.after_backward is not None:
