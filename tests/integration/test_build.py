@@ -95,10 +95,13 @@ def test_the_trainer_overwrites_the_gradient_buffers_where_only_their_hooks_writ
     run.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 @pytest.mark.slow
-def test_overwritten_gradient_buffers_train_as_the_zeroed_ones_bit_for_bit(monkeypatch):
-    """4 micro-batches a step, the full-iteration and optimizer graphs captured on the replay backend."""
-    overrides = [*FULL, "optimizer.optimizer_cuda_graph=true", "train.train_iters=6"]
+def test_overwritten_gradient_buffers_train_as_the_zeroed_ones_bit_for_bit(monkeypatch, device):
+    """4 micro-batches a step, the full-iteration and optimizer graphs captured (CUDA graphs, or the replay
+    backend on the CPU)."""
+    overrides = [*FULL, "optimizer.optimizer_cuda_graph=true", "train.train_iters=6", f"train.device={device}"]
     overwritten = train(tiny_config(*overrides), keep_model=True)
     monkeypatch.setattr(build_mod, "_overwrites_gradients", lambda *args: False)
     zeroed = train(tiny_config(*overrides), keep_model=True)
