@@ -90,9 +90,19 @@ def test_run_close_resets_its_graphs_and_only_them():
 @pytest.mark.parametrize("graphs, overwrites", [([], True), (FULL, True), (LAYERS, False)],
                          ids=["eager", "full_iteration", "attn_mlp"])
 def test_the_trainer_overwrites_the_gradient_buffers_where_only_their_hooks_write_them(graphs, overwrites):
+    """... and the run, closed and dropped, leaves nothing alive: a hook reaching its own parameter would keep the
+    model and the gradient buffers (autograd holds hooks where the garbage collector does not look)."""
+    import gc
+    import weakref
+
     run = build_run(tiny_config(*graphs), RunOptions(CPU))
-    assert (run.grads._unwritten is not None) is overwrites  # per-layer graphs add into main_grad in their backward
+    assert (run.grads._first is not None) is overwrites  # per-layer graphs add into main_grad in their backward
+    run.iteration(build_data(run.cfg, split="train"))
+    param, grads = weakref.ref(next(run.model.parameters())), weakref.ref(run.grads)
     run.close()
+    del run
+    gc.collect()
+    assert param() is None and grads() is None
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[

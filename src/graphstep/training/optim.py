@@ -81,7 +81,7 @@ class GradBuffers:
             self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
         self.mesh = mesh
         self.counted = [g for p, g in zip(self.params, self.grads) if counted_here(p, mesh)]
-        self._unwritten: dict[int, torch.Tensor] | None = None  # overwrite_first: this step's untouched buffers
+        self._first: _FirstWrites | None = None  # overwrite_first's hook and this step's untouched buffers
 
     def zero(self) -> None:
         self.flat.zero_()
@@ -100,30 +100,22 @@ class GradBuffers:
                              "zeroed buffers")
         for h in self._hooks:
             h.remove()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._write_main_grad) for p in self.params]
-        self._unwritten = {}
+        self._first = _FirstWrites()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._first) for p in self.params]
 
     def start_step(self) -> None:
         """Before a step's first backward: zero the buffers, or (:meth:`overwrite_first`) mark them all
         unwritten."""
-        if self._unwritten is None:
+        if self._first is None:
             self.zero()
         else:
-            self._unwritten = {id(p): g for p, g in zip(self.params, self.grads)}
+            self._first.unwritten = {id(p): g for p, g in zip(self.params, self.grads)}
 
     def end_accumulation(self) -> None:
         """After a step's last backward, before anything reads the buffers: zero those no gradient reached."""
-        if self._unwritten:
-            foreach_zero_(list(self._unwritten.values()))
-            self._unwritten = {}
-
-    def _write_main_grad(self, p: torch.Tensor) -> None:
-        # not marked MAIN_GRAD_HOOK_FLAG: a per-layer graph adding into main_grad would skip the copy
-        if self._unwritten is not None and self._unwritten.pop(id(p), None) is not None:
-            p.main_grad.copy_(p.grad)
-        else:
-            p.main_grad.add_(p.grad)
-        p.grad = None
+        if self._first is not None and self._first.unwritten:
+            foreach_zero_(list(self._first.unwritten.values()))
+            self._first.unwritten = {}
 
     def norm(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The L2 norm of the whole gradient: this rank's buffer, or summed over the mesh (no host read); written
@@ -148,6 +140,24 @@ class GradBuffers:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+class _FirstWrites:
+    """GradBuffers.overwrite_first's hook: a parameter's first gradient of the step copied into ``main_grad``,
+    later ones added. It holds the step's untouched buffers by parameter id and never a parameter: autograd keeps
+    a tensor's hooks where the garbage collector does not look, so a hook reaching its own parameter would keep
+    the model and its buffers alive after the run. Not marked MAIN_GRAD_HOOK_FLAG: a per-layer graph adding into
+    ``main_grad`` itself would skip the copy."""
+
+    def __init__(self) -> None:
+        self.unwritten: dict[int, torch.Tensor] = {}
+
+    def __call__(self, p: torch.Tensor) -> None:
+        if self.unwritten.pop(id(p), None) is not None:
+            p.main_grad.copy_(p.grad)
+        else:
+            p.main_grad.add_(p.grad)
+        p.grad = None
 
 
 def _accumulate_main_grad(p: torch.Tensor) -> None:
