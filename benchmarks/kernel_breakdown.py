@@ -10,7 +10,8 @@ Inductor's fused kernels (with compile: norms, activations and the FP8 casts
 and amax reductions fused into them), eager FP8 casts, FP8 GEMMs, other
 GEMMs, attention, the optimizer's, and the rest (elementwise work, copies). The table gives
 milliseconds per iteration per class and row, and the costliest kernels of
-each row (``--top``, 8 by default, with their calls per iteration), so the FP8 rows' gain over bf16 can be read class by class. Writes
+each row (``--top``, 8 by default, with their calls per iteration), so the
+FP8 rows' gain over bf16 can be read class by class. Writes
 ``kernel_breakdown_<gpu>_<date>.json`` to ``--out`` and prints a table.
 """
 

@@ -90,8 +90,9 @@ def test_run_close_resets_its_graphs_and_only_them():
 @pytest.mark.parametrize("graphs, overwrites", [([], True), (FULL, True), (LAYERS, False)],
                          ids=["eager", "full_iteration", "attn_mlp"])
 def test_the_trainer_overwrites_the_gradient_buffers_where_only_their_hooks_write_them(graphs, overwrites):
-    """... and the run, closed and dropped, leaves nothing alive: a hook reaching its own parameter would keep the
-    model and the gradient buffers (autograd holds hooks where the garbage collector does not look)."""
+    """Overwritten where only the buffers' hooks write them; and the run, closed and dropped, leaves nothing
+    alive: a hook reaching its own parameter would keep the model and the gradient buffers (autograd holds hooks
+    where the garbage collector does not look)."""
     import gc
     import weakref
 

@@ -563,7 +563,6 @@ foreach_div_ = _kernel("_foreach_div_")
 foreach_div = _kernel("_foreach_div")
 foreach_add_ = _kernel("_foreach_add_")
 foreach_zero_ = _kernel("_foreach_zero_")
-foreach_zero_ = _kernel("_foreach_zero_")
 # The fused AdamW step torch.optim.AdamW(fused=True) runs (``torch._fused_adamw_``), on CUDA and CPU.
 fused_adamw_ = _kernel("_fused_adamw_")
 
