@@ -324,7 +324,7 @@ def train(cfg):
 
 
 @pytest.mark.parametrize("recipe", ["small_dense_bench", "dense_1b_bench", "llama3_8b_stack_bench",
-                                    "llama3_8b_share_bench"])
+                                    "llama3_8b_share_bench", "llama3_8b_accum_bench"])
 def test_fp8_bench_rows_resolve_validate_and_face_their_bf16_rows(recipe):
     from graphstep.bench.harness import peer_of
     from graphstep.bench.run import FP8_ROWS, plan_row
@@ -378,6 +378,17 @@ def test_the_llama3_8b_share_bench_gives_the_output_layer_the_32_layer_models_sh
     assert share.vocab_size % 128 == 0
     assert abs(output_share(share, share.num_layers) - output_share(full, full.num_layers)) < 0.005  # both 7%
     assert output_share(stack, stack.num_layers) > 0.35
+
+
+def test_the_llama3_8b_accum_bench_is_the_share_bench_over_4_micro_batches():
+    from graphstep.bench.run import plan_row
+    from graphstep.recipes import get_recipe
+
+    share, accum = get_recipe("llama3_8b_share_bench"), get_recipe("llama3_8b_accum_bench")
+    assert accum.model == share.model
+    assert (accum.train.micro_batch_size, accum.train.global_batch_size) == (1, 4)
+    plan = plan_row(accum, "compile+fp8_delayed_full_iteration")
+    assert plan.cfg.train.global_batch_size == 4 and plan.layout is not None and plan.layout.ranks == 1
 
 
 # --------------------------------------------------------------------------

@@ -156,3 +156,12 @@ def llama3_8b_share_bench() -> Config:
     cfg.model.vocab_size = 16384
     return cfg
 
+
+def llama3_8b_accum_bench() -> Config:
+    """:func:`llama3_8b_share_bench` with 4 micro-batches per step (global batch 4, micro-batch 1): the gradients
+    accumulated over the micro-batches and one optimizer step, as Megatron Bridge's Llama 3 8B pre-training recipe
+    runs (a global batch of 512 in micro-batches of 1, so every rank accumulates many). The share bench's single
+    micro-batch pays the whole optimizer step per sequence; here it is spread over four."""
+    cfg = llama3_8b_share_bench()
+    cfg.train.global_batch_size = 4
+    return cfg
