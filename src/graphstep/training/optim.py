@@ -101,6 +101,7 @@ class GradBuffers:
         for h in self._hooks:
             h.remove()
         self._first = _FirstWrites()
+        self._by_id = {id(p): g for p, g in zip(self.params, self.grads)}  # copied into the hook every step
         self._hooks = [p.register_post_accumulate_grad_hook(self._first) for p in self.params]
 
     def start_step(self) -> None:
@@ -109,7 +110,7 @@ class GradBuffers:
         if self._first is None:
             self.zero()
         else:
-            self._first.unwritten = {id(p): g for p, g in zip(self.params, self.grads)}
+            self._first.unwritten = dict(self._by_id)
 
     def end_accumulation(self) -> None:
         """After a step's last backward, before anything reads the buffers: zero those no gradient reached."""
@@ -153,10 +154,10 @@ class _FirstWrites:
         self.unwritten: dict[int, torch.Tensor] = {}
 
     def __call__(self, p: torch.Tensor) -> None:
-        if self.unwritten.pop(id(p), None) is not None:
-            p.main_grad.copy_(p.grad)
-        else:
-            p.main_grad.add_(p.grad)
+        if self.unwritten.pop(id(p), None) is None:
+            _accumulate_main_grad(p)
+            return
+        p.main_grad.copy_(p.grad)
         p.grad = None
 
 
